@@ -1,0 +1,209 @@
+//! The body types the layer hands to the inner service and returns to the client.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The request body the inner service receives: the buffered bytes of a protected request, or
+    /// the untouched body of a request the layer passes through.
+    #[derive(Debug)]
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    /// The response body the layer returns: the inner service's body untouched, a buffered,
+    /// replayed or problem body, or a buffered prefix followed by the rest of the inner body (a
+    /// response larger than the response limit).
+    #[derive(Debug)]
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<B> {
+        Full { #[pin] body: Full<Bytes> },
+        Inner { #[pin] body: B },
+        Chained { prefix: Option<Bytes>, trailers: Option<HeaderMap>, rest: Pin<Box<B>> },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn buffered(bytes: Bytes) -> Self {
+        Self {
+            kind: Kind::Full {
+                body: Full::new(bytes),
+            },
+        }
+    }
+
+    pub(crate) fn passthrough(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn full(bytes: Bytes) -> Self {
+        Self {
+            kind: Kind::Full {
+                body: Full::new(bytes),
+            },
+        }
+    }
+
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn chained(prefix: Bytes, trailers: Option<HeaderMap>, rest: Pin<Box<B>>) -> Self {
+        let prefix = Some(prefix).filter(|p| !p.is_empty());
+        Self {
+            kind: Kind::Chained {
+                prefix,
+                trailers,
+                rest,
+            },
+        }
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        self.project().kind.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.kind.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.kind.size_hint()
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        self.project().kind.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.kind.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.kind.size_hint()
+    }
+}
+
+impl<B> Kind<B>
+where
+    B: Body<Data = Bytes>,
+{
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project() {
+            KindProj::Full { body } => match body.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                Poll::Ready(Some(Err(never))) => match never {},
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Chained {
+                prefix,
+                trailers,
+                rest,
+            } => {
+                if let Some(bytes) = prefix.take() {
+                    Poll::Ready(Some(Ok(Frame::data(bytes))))
+                } else if let Some(trailers) = trailers.take() {
+                    Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                } else {
+                    rest.as_mut().poll_frame(cx)
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Kind::Full { body } => body.is_end_stream(),
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Chained {
+                prefix,
+                trailers,
+                rest,
+            } => prefix.is_none() && trailers.is_none() && rest.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Kind::Full { body } => body.size_hint(),
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Chained { prefix, rest, .. } => {
+                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + extra);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + extra);
+                }
+                hint
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn chained_body_yields_prefix_then_rest() {
+        let body = ResponseBody::chained(
+            Bytes::from_static(b"abc"),
+            None,
+            Box::pin(Full::new(Bytes::from_static(b"def"))),
+        );
+        assert_eq!(body.size_hint().exact(), Some(6));
+        assert_eq!(body.collect().await.unwrap().to_bytes(), "abcdef");
+    }
+}

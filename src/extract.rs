@@ -1,0 +1,62 @@
+//! The axum extractor for [`IdempotencyKey`] (feature `axum`).
+
+use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum_core::response::{IntoResponse, Response};
+use http::request::Parts;
+
+use crate::key::IdempotencyKey;
+use crate::problem::Problem;
+
+/// The request has no [`IdempotencyKey`]: the route is not behind an
+/// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request was not protected (a method the
+/// layer does not cover, or no key where keys are optional). Answers 500, since it is a wiring
+/// error; extract `Option<IdempotencyKey>` where a key may be absent.
+#[derive(Debug, thiserror::Error)]
+#[error("the request has no idempotency key: is the route behind an IdempotencyLayer?")]
+pub struct MissingKeyExtension;
+
+impl IntoResponse for MissingKeyExtension {
+    fn into_response(self) -> Response {
+        Problem::status(http::StatusCode::INTERNAL_SERVER_ERROR)
+            .into_response()
+            .map(axum_core::body::Body::from)
+    }
+}
+
+/// Extracts the validated key of a protected request.
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
+///
+/// async fn create_charge(key: IdempotencyKey) -> String {
+///     // The payment provider's own idempotency key, derived from ours.
+///     key.derive("psp")
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(create_charge))
+///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+/// ```
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = MissingKeyExtension;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyKey>()
+            .cloned()
+            .ok_or(MissingKeyExtension)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<IdempotencyKey>().cloned())
+    }
+}

@@ -1,0 +1,132 @@
+//! A [`tower`](https://docs.rs/tower) layer that makes any axum or hyper service safe to retry.
+//!
+//! A client whose request timed out cannot tell "never arrived" from "done, reply lost" from
+//! "still running", so it retries. Without help, a retried payment is charged twice. With
+//! [`IdempotencyLayer`], the client names each operation with an `Idempotency-Key` header, the same
+//! key on every retry, and the server recognises the retry:
+//!
+//! | situation | answer | handler runs? |
+//! |---|---|---|
+//! | a new key | the key is claimed atomically, the handler runs, its response is stored | once |
+//! | the same key and request, completed | the stored response, byte for byte, with `Idempotent-Replayed: true` | no |
+//! | the same key and request, still running | 409 with `Retry-After` | no |
+//! | the same key, a different request | 422 | no |
+//! | no key, or an invalid one | 400 | no |
+//! | a body over the limit | 413 | no |
+//! | the store unreachable | 503 with `Retry-After` (or run unprotected, if fail-open) | no |
+//!
+//! Errors the layer makes are RFC 9457 `application/problem+json` ([`problem`]).
+//!
+//! ```
+//! use axum::{Router, body::Body, routing::post};
+//! use http::{Request, StatusCode};
+//! use http_body_util::BodyExt;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::sync::Arc;
+//! use tower::ServiceExt;
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let charges = Arc::new(AtomicUsize::new(0));
+//! let counter = charges.clone();
+//! let app = Router::new()
+//!     .route("/v1/charges", post(move |body: String| async move {
+//!         let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+//!         (StatusCode::CREATED, format!("charge {n} for {body}"))
+//!     }))
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()));
+//!
+//! let charge = || Request::post("/v1/charges")
+//!     .header("idempotency-key", "8e03978e-40d5-43e8-bc93-6894a57f9324")
+//!     .body(Body::from("100 EUR"))
+//!     .unwrap();
+//!
+//! let first = app.clone().oneshot(charge()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! let first_body = first.into_body().collect().await.unwrap().to_bytes();
+//!
+//! // The client timed out and retries: same key, same request.
+//! let retry = app.clone().oneshot(charge()).await.unwrap();
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.into_body().collect().await.unwrap().to_bytes(), first_body);
+//! assert_eq!(charges.load(Ordering::SeqCst), 1, "charged once");
+//! # }
+//! ```
+//!
+//! # The protocol
+//! - **Which requests.** `POST` and `PATCH` by default ([`IdempotencyLayer::methods`]); everything
+//!   else passes through untouched, with no buffering and no store call.
+//! - **The key.** The `Idempotency-Key` header, either the IETF draft's quoted sf-string
+//!   (`"8e03978e-..."`) or Stripe's bare form (`8e03978e-...`): both mean the same key. 1 to 255
+//!   visible ASCII characters ([`IdempotencyKey`]).
+//! - **Scope.** Keys are unique inside a scope, such as the authenticated account
+//!   ([`IdempotencyLayer::scope`]). **Without a scope, all clients share one key space: only right
+//!   for a single-tenant service.**
+//! - **Fingerprint.** blake3 over the method, path and query, body, and an allow-list of headers
+//!   ([`Fingerprint`]). The same key with a different fingerprint is a client bug: 422.
+//! - **Claim.** One atomic store call claims the key for a lease (30 s), renewed while the handler
+//!   runs; a crashed instance frees its keys when the lease runs out.
+//! - **Execution.** A claimed request runs to completion even when the client disconnects, so its
+//!   retry finds the result; [`Shutdown`] waits for such work at shutdown. A handler that errors or
+//!   panics gets a 500 problem and its claim is released.
+//! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
+//!   response says `Cache-Control: no-store` ([`IdempotencyLayer::store_policy`]); headers minus
+//!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
+//!   response over the response limit is delivered and leaves a tombstone: never a second run.
+//! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
+//!
+//! # Where to put the layer
+//! Inside authentication (so the scope function can read the principal), and inside compression
+//! and other response transformations (so the stored response is the handler's own, and a replay
+//! is compressed like a first response). Outside everything that has effects.
+//!
+//! # Handlers
+//! The validated key is in the request's extensions, and with the `axum` feature it is an
+//! extractor: derive the key of a downstream call from it ([`IdempotencyKey::derive`]). Every
+//! response carries its [`Outcome`] in its extensions, and the layer logs one `tracing` event per
+//! protected request (target `tower_idempotency`; keys and scopes appear only hashed).
+//!
+//! # Stores
+//! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`) for many
+//! instances. Write your own by implementing [`Store`].
+//!
+//! # Features
+//! - `axum` (default): the [`IdempotencyKey`] extractor.
+//! - `redis` (default): `RedisStore` on deadpool-redis.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+#[cfg(feature = "axum")]
+mod extract;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+mod outcome;
+pub mod problem;
+mod record;
+mod scope;
+mod service;
+pub mod store;
+
+pub use body::{RequestBody, ResponseBody};
+#[cfg(feature = "axum")]
+pub use extract::MissingKeyExtension;
+pub use fingerprint::Fingerprint;
+pub use future::ResponseFuture;
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use layer::{IdempotencyLayer, Shutdown, default_store_policy};
+pub use outcome::Outcome;
+pub use problem::ProblemKind;
+pub use record::{
+    ClaimToken, Completed, DecodeError, EncodeError, InFlight, Record, RecordId, StoredResponse,
+    encode_in_flight,
+};
+pub use scope::{Rejection, Scope};
+pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
+pub use store::{Claim, MemoryStore, Store, StoreError};

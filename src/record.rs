@@ -1,0 +1,488 @@
+//! What a store keeps under a key, and its compact, versioned binary encoding.
+//!
+//! A record is either [`InFlight`] (claimed, the handler is running) or [`Completed`] (the handler
+//! ran; its response, if it could be stored). Stores that keep bytes (Redis) use [`encode_in_flight`],
+//! [`Completed::encode`] and [`Record::decode`]; the memory store keeps the typed values.
+//!
+//! Encoding, version 1 (integers little-endian):
+//!
+//! | kind | layout |
+//! |---|---|
+//! | in flight | `01 01` token (16) fingerprint (32) lease end, unix ms (u64) |
+//! | completed | `01 02` fingerprint (32) status (u16) header count (u32), per header: name length (u16) name, value length (u32) value; body length (u32) body |
+//! | tombstone | `01 03` fingerprint (32) |
+//!
+//! The claim token sits at bytes 2..18 of an in-flight record, so a store script can fence on it
+//! without decoding the rest.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+
+/// The encoding version written by this crate.
+pub const VERSION: u8 = 1;
+const KIND_IN_FLIGHT: u8 = 1;
+const KIND_COMPLETED: u8 = 2;
+const KIND_TOMBSTONE: u8 = 3;
+
+/// The identity of a record: a 128-bit digest of the scope and the key.
+///
+/// Two scopes never share an id for the same key, and the id reveals neither.
+///
+/// ```
+/// use http::HeaderValue;
+/// use tower_idempotency::{IdempotencyKey, RecordId};
+///
+/// let key = IdempotencyKey::parse(&HeaderValue::from_static("k")).unwrap();
+/// assert_ne!(RecordId::new(b"acct_1", key.as_str()), RecordId::new(b"acct_2", key.as_str()));
+/// assert_eq!(RecordId::new(b"acct_1", "k").to_string().len(), 32);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordId([u8; 16]);
+
+impl RecordId {
+    /// The id of `key` inside `scope`.
+    pub fn new(scope: &[u8], key: &str) -> Self {
+        let mut hasher = blake3::Hasher::new_derive_key("tower-idempotency record id v1");
+        hasher.update(&(scope.len() as u64).to_le_bytes());
+        hasher.update(scope);
+        hasher.update(key.as_bytes());
+        let mut id = [0; 16];
+        id.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
+        Self(id)
+    }
+
+    /// The id of an [`IdempotencyKey`] inside `scope`.
+    pub fn for_key(scope: &[u8], key: &IdempotencyKey) -> Self {
+        Self::new(scope, key.as_str())
+    }
+
+    /// The id's bytes.
+    pub const fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// A short, non-reversible tag of the id for logs (the first 8 hex characters).
+    pub fn short(&self) -> String {
+        hex(&self.0[..4])
+    }
+}
+
+impl fmt::Display for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex(&self.0))
+    }
+}
+
+impl fmt::Debug for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordId({self})")
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+/// A claim's fencing token: unique per claim. Complete, renew and release do nothing unless the
+/// record still carries the token of the claim that makes them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClaimToken([u8; 16]);
+
+impl ClaimToken {
+    /// A new token, unique in this process and (with overwhelming probability) across processes:
+    /// a random per-process prefix and a counter.
+    pub fn generate() -> Self {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let seed = *SEED.get_or_init(|| {
+            use std::hash::{BuildHasher, Hasher};
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u128(
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos(),
+            );
+            hasher.write_u32(std::process::id());
+            hasher.finish()
+        });
+        let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let mut token = [0; 16];
+        token[..8].copy_from_slice(&seed.to_le_bytes());
+        token[8..].copy_from_slice(&count.to_le_bytes());
+        Self(token)
+    }
+
+    /// Rebuilds a token from its bytes.
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// The token's bytes.
+    pub const fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ClaimToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClaimToken({})", hex(&self.0))
+    }
+}
+
+/// A stored response: status, headers (every value, in order) and body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: StatusCode,
+    /// The headers, already stripped of what must not be replayed.
+    pub headers: HeaderMap,
+    /// The body bytes.
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// The bytes this response holds in a store, roughly: body, header names and values.
+    pub fn size(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.as_str().len() + value.len() + 8)
+                .sum::<usize>()
+    }
+}
+
+/// A record whose handler is running.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InFlight {
+    /// The fingerprint of the request that claimed the key.
+    pub fingerprint: Fingerprint,
+    /// How long the claim's lease has left (the owner renews it while its handler runs).
+    pub lease_remaining: Duration,
+}
+
+/// A record whose handler has finished.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    /// The fingerprint of the request that ran.
+    pub fingerprint: Fingerprint,
+    /// The response to replay, or `None` for a tombstone: the operation ran, but its response could
+    /// not be stored (larger than the response limit), so it cannot be replayed.
+    pub response: Option<Arc<StoredResponse>>,
+}
+
+/// What a store holds under a key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// Claimed; the handler is running.
+    InFlight(InFlight),
+    /// The handler has finished.
+    Completed(Completed),
+}
+
+impl Record {
+    /// The fingerprint of the request that made the record.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        match self {
+            Record::InFlight(r) => &r.fingerprint,
+            Record::Completed(r) => &r.fingerprint,
+        }
+    }
+
+    /// Decodes a record written by [`encode_in_flight`] or [`Completed::encode`]. The lease of an
+    /// in-flight record is measured against the current wall clock.
+    ///
+    /// # Errors
+    /// A [`DecodeError`] when the bytes are not a record of a known version.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader(bytes);
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        let record = match r.u8()? {
+            KIND_IN_FLIGHT => {
+                let _token = r.take(16)?;
+                let fingerprint = r.fingerprint()?;
+                let lease_end = r.u64()?;
+                let lease_remaining =
+                    Duration::from_millis(lease_end.saturating_sub(unix_millis(SystemTime::now())));
+                Record::InFlight(InFlight {
+                    fingerprint,
+                    lease_remaining,
+                })
+            }
+            KIND_COMPLETED => {
+                let fingerprint = r.fingerprint()?;
+                let status =
+                    StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
+                let count = r.u32()? as usize;
+                let mut headers = HeaderMap::with_capacity(count.min(64));
+                for _ in 0..count {
+                    let name_len = r.u16()? as usize;
+                    let name = HeaderName::from_bytes(r.take(name_len)?)
+                        .map_err(|_| DecodeError::Malformed("header name"))?;
+                    let value_len = r.u32()? as usize;
+                    let value = HeaderValue::from_bytes(r.take(value_len)?)
+                        .map_err(|_| DecodeError::Malformed("header value"))?;
+                    headers.append(name, value);
+                }
+                let body_len = r.u32()? as usize;
+                let body = Bytes::copy_from_slice(r.take(body_len)?);
+                Record::Completed(Completed {
+                    fingerprint,
+                    response: Some(Arc::new(StoredResponse {
+                        status,
+                        headers,
+                        body,
+                    })),
+                })
+            }
+            KIND_TOMBSTONE => Record::Completed(Completed {
+                fingerprint: r.fingerprint()?,
+                response: None,
+            }),
+            other => return Err(DecodeError::Kind(other)),
+        };
+        if !r.0.is_empty() {
+            return Err(DecodeError::Malformed("trailing bytes"));
+        }
+        Ok(record)
+    }
+}
+
+/// Encodes an in-flight record whose lease ends at `lease_end`.
+pub fn encode_in_flight(
+    token: &ClaimToken,
+    fingerprint: &Fingerprint,
+    lease_end: SystemTime,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + 16 + 32 + 8);
+    out.extend_from_slice(&[VERSION, KIND_IN_FLIGHT]);
+    out.extend_from_slice(token.as_bytes());
+    out.extend_from_slice(fingerprint.as_bytes());
+    out.extend_from_slice(&unix_millis(lease_end).to_le_bytes());
+    out
+}
+
+impl Completed {
+    /// Encodes the record.
+    ///
+    /// # Errors
+    /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB).
+    pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let Some(response) = &self.response else {
+            let mut out = Vec::with_capacity(2 + 32);
+            out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
+            out.extend_from_slice(self.fingerprint.as_bytes());
+            return Ok(out);
+        };
+        let mut out = Vec::with_capacity(64 + response.size());
+        out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
+        out.extend_from_slice(self.fingerprint.as_bytes());
+        out.extend_from_slice(&response.status.as_u16().to_le_bytes());
+        out.extend_from_slice(&len_u32(response.headers.len())?.to_le_bytes());
+        for (name, value) in &response.headers {
+            let name = name.as_str().as_bytes();
+            // Header names are far shorter than 64 KiB in every HTTP implementation.
+            let name_len = u16::try_from(name.len()).map_err(|_| EncodeError::TooLarge)?;
+            out.extend_from_slice(&name_len.to_le_bytes());
+            out.extend_from_slice(name);
+            out.extend_from_slice(&len_u32(value.len())?.to_le_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
+        out.extend_from_slice(&response.body);
+        Ok(out)
+    }
+}
+
+fn len_u32(len: usize) -> Result<u32, EncodeError> {
+    u32::try_from(len).map_err(|_| EncodeError::TooLarge)
+}
+
+/// Milliseconds since the Unix epoch (0 before it).
+pub fn unix_millis(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A record could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// A field is larger than the encoding allows.
+    #[error("a record field is too large to encode")]
+    TooLarge,
+}
+
+/// Stored bytes are not a record this version understands.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// An unknown encoding version (written by a newer release).
+    #[error("unknown record encoding version {0}")]
+    Version(u8),
+    /// An unknown record kind.
+    #[error("unknown record kind {0}")]
+    Kind(u8),
+    /// The record ends early.
+    #[error("record truncated")]
+    Truncated,
+    /// A field is invalid.
+    #[error("malformed record: {0}")]
+    Malformed(&'static str),
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut out = [0; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn fingerprint(&mut self) -> Result<Fingerprint, DecodeError> {
+        Ok(Fingerprint::from_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fingerprint() -> Fingerprint {
+        Fingerprint::from_bytes([7; 32])
+    }
+
+    #[test]
+    fn completed_round_trips_with_repeated_headers_in_order() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-b", HeaderValue::from_static("2"));
+        headers.append("x-a", HeaderValue::from_static("first"));
+        headers.append("x-a", HeaderValue::from_static("second"));
+        headers.append("content-type", HeaderValue::from_static("application/json"));
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Arc::new(StoredResponse {
+                status: StatusCode::CREATED,
+                headers,
+                body: Bytes::from_static(b"{\"id\":1}\xff\x00"),
+            })),
+        };
+        let bytes = record.encode().unwrap();
+        let Record::Completed(decoded) = Record::decode(&bytes).unwrap() else {
+            panic!("not completed")
+        };
+        assert_eq!(decoded, record);
+        let values: Vec<_> = decoded
+            .response
+            .unwrap()
+            .headers
+            .get_all("x-a")
+            .iter()
+            .cloned()
+            .collect();
+        assert_eq!(values, ["first", "second"]);
+    }
+
+    #[test]
+    fn tombstone_round_trips() {
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: None,
+        };
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes.len(), 34);
+        assert_eq!(Record::decode(&bytes).unwrap(), Record::Completed(record));
+    }
+
+    #[test]
+    fn in_flight_round_trips_with_the_token_at_a_fixed_offset() {
+        let token = ClaimToken::generate();
+        let end = SystemTime::now() + Duration::from_secs(30);
+        let bytes = encode_in_flight(&token, &fingerprint(), end);
+        assert_eq!(&bytes[2..18], token.as_bytes());
+        let Record::InFlight(r) = Record::decode(&bytes).unwrap() else {
+            panic!("not in flight")
+        };
+        assert_eq!(r.fingerprint, fingerprint());
+        assert!(
+            r.lease_remaining > Duration::from_secs(28)
+                && r.lease_remaining <= Duration::from_secs(30)
+        );
+    }
+
+    #[test]
+    fn bad_bytes_are_errors_not_panics() {
+        let good = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: HeaderMap::new(),
+                body: Bytes::from_static(b"abc"),
+            })),
+        }
+        .encode()
+        .unwrap();
+        for n in 0..good.len() {
+            assert!(Record::decode(&good[..n]).is_err(), "prefix of {n} bytes");
+        }
+        assert!(matches!(
+            Record::decode(&[2, 2]),
+            Err(DecodeError::Version(2))
+        ));
+        assert!(matches!(Record::decode(&[1, 9]), Err(DecodeError::Kind(9))));
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert!(Record::decode(&trailing).is_err());
+    }
+
+    #[test]
+    fn tokens_are_unique() {
+        let tokens: std::collections::HashSet<_> =
+            (0..1000).map(|_| ClaimToken::generate()).collect();
+        assert_eq!(tokens.len(), 1000);
+    }
+}

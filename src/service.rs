@@ -1,0 +1,771 @@
+//! `Idempotency<S, St>`: the service the layer builds.
+
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::{CACHE_CONTROL, DATE, SET_COOKIE};
+use http::response::Parts as ResponseParts;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
+use tower_service::Service;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::fingerprint::Fingerprint;
+use crate::future::ResponseFuture;
+use crate::key::IdempotencyKey;
+use crate::layer::Config;
+use crate::outcome::Outcome;
+use crate::problem::{Problem, ProblemKind};
+use crate::record::{ClaimToken, Completed, Record, RecordId, StoredResponse};
+use crate::scope::Scope;
+use crate::store::{Claim, Store, StoreError};
+
+/// The header that marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// How often a failed store write is retried, and the first pause between attempts (doubled each
+/// time): 100 ms + 200 ms + 400 ms.
+const WRITE_RETRIES: u32 = 3;
+const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer): see its documentation.
+pub struct Idempotency<S, St> {
+    inner: S,
+    shared: Arc<Shared<St>>,
+}
+
+pub(crate) struct Shared<St> {
+    store: St,
+    config: Config,
+    tracker: TaskTracker,
+}
+
+impl<S, St> Idempotency<S, St> {
+    pub(crate) fn new(inner: S, store: St, config: Config, tracker: TaskTracker) -> Self {
+        Self {
+            inner,
+            shared: Arc::new(Shared {
+                store,
+                config,
+                tracker,
+            }),
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone, St> Clone for Idempotency<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for Idempotency<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &self.shared.store)
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: fmt::Display,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = &self.shared.config;
+
+        if !config.methods.contains(req.method()) {
+            return ResponseFuture::passthrough(
+                inner.call(req.map(RequestBody::passthrough)),
+                None,
+            );
+        }
+        let key = match IdempotencyKey::from_headers(req.headers(), &config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !config.key_required => {
+                let future = inner.call(req.map(RequestBody::passthrough));
+                return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
+            }
+            Ok(None) => {
+                let detail = format!("this request needs an `{}` header", config.header);
+                return self.shared.reject(ProblemKind::MissingKey, detail, None);
+            }
+            Err(err) => {
+                return self
+                    .shared
+                    .reject(ProblemKind::InvalidKey, err.to_string(), None);
+            }
+        };
+        let (parts, body) = req.into_parts();
+        let scope = match &config.scope {
+            None => Scope::default(),
+            Some(scope) => match scope(&parts) {
+                Ok(scope) => scope,
+                Err(rejection) => {
+                    let response = rejection.into_response().map(ResponseBody::full);
+                    return ResponseFuture::ready(finish(response, Outcome::Rejected, None));
+                }
+            },
+        };
+        let id = RecordId::for_key(scope.as_bytes(), &key);
+        if body.size_hint().lower() > config.request_body_limit as u64 {
+            return self
+                .shared
+                .reject(ProblemKind::BodyTooLarge, too_large(config), Some(&id));
+        }
+        let shared = self.shared.clone();
+        ResponseFuture::covered(Box::pin(shared.protect(inner, parts, body, key, id)))
+    }
+}
+
+fn too_large(config: &Config) -> String {
+    format!(
+        "the request body is larger than {} bytes",
+        config.request_body_limit
+    )
+}
+
+/// What running the handler produced, before it is stored.
+enum Handled<B> {
+    /// The store policy or `Cache-Control: no-store` says: do not store; release the claim.
+    NotStored(Response<B>),
+    /// The whole body, within the response limit.
+    Buffered(ResponseParts, Bytes),
+    /// The body outgrew the response limit (or carries trailers): deliver it, keep a tombstone.
+    Unstorable(Response<ResponseBody<B>>),
+    /// The body failed while it was read; the handler did run.
+    BodyFailed(String),
+}
+
+impl<St: Store> Shared<St> {
+    fn reject<F, B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        id: Option<&RecordId>,
+    ) -> ResponseFuture<F, B> {
+        ResponseFuture::ready(self.problem(kind, detail, id))
+    }
+
+    fn problem<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        id: Option<&RecordId>,
+    ) -> Response<ResponseBody<B>> {
+        let problem = Problem::new(kind, self.config.status(kind), detail);
+        let problem = match kind {
+            ProblemKind::StoreUnavailable => {
+                problem.retry_after(whole_seconds(self.config.retry_after))
+            }
+            _ => problem,
+        };
+        let outcome = match kind {
+            ProblemKind::InFlight => Outcome::InFlight,
+            ProblemKind::Mismatch => Outcome::Mismatch,
+            ProblemKind::NotReplayable => Outcome::NotReplayable,
+            ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
+            ProblemKind::HandlerFailed => Outcome::HandlerFailed,
+            _ => Outcome::Rejected,
+        };
+        finish(problem.into_response().map(ResponseBody::full), outcome, id)
+    }
+
+    async fn timed<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.config.store_timeout, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.config.store_timeout)))
+    }
+
+    /// Buffers and fingerprints a request with a key, claims the key, and answers from the record
+    /// or runs the handler.
+    async fn protect<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        mut inner: S,
+        mut parts: http::request::Parts,
+        body: ReqBody,
+        key: IdempotencyKey,
+        id: RecordId,
+    ) -> Response<ResponseBody<ResBody>>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: fmt::Display + Send + 'static,
+        ReqBody: Body<Data = Bytes> + Send + 'static,
+        ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: fmt::Display,
+    {
+        let config = &self.config;
+        let body = match Limited::new(body, config.request_body_limit)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(err) if err.is::<LengthLimitError>() => {
+                return self.problem(ProblemKind::BodyTooLarge, too_large(config), Some(&id));
+            }
+            Err(err) => {
+                let detail = format!("the request body could not be read: {err}");
+                return self.problem(ProblemKind::BodyUnreadable, detail, Some(&id));
+            }
+        };
+        let fingerprint = Fingerprint::of(
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            &config.fingerprint_headers,
+            &body,
+        );
+        let token = match self
+            .timed(self.store.claim(&id, &fingerprint, config.lease))
+            .await
+        {
+            Ok(Claim::Claimed(token)) => token,
+            Ok(Claim::Existing(record)) => return self.answer_existing(record, &fingerprint, &id),
+            Err(err) if config.fail_open => {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    outcome = %Outcome::FailedOpen,
+                    key = %id.short(),
+                    error = %ErrorChain(&err),
+                    "idempotency store failed; running the request without protection (fail-open)"
+                );
+                parts.extensions.insert(key);
+                let request = Request::from_parts(parts, RequestBody::buffered(body));
+                return match inner.call(request).await {
+                    Ok(response) => {
+                        finish(response.map(ResponseBody::inner), Outcome::FailedOpen, None)
+                    }
+                    Err(err) => {
+                        let detail = format!("the handler failed: {err}");
+                        self.problem(ProblemKind::HandlerFailed, detail, Some(&id))
+                    }
+                };
+            }
+            Err(err) => {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    outcome = %Outcome::StoreUnavailable,
+                    key = %id.short(),
+                    error = %ErrorChain(&err),
+                    "idempotency store failed at claim time; refusing the request (fail-closed)"
+                );
+                let detail =
+                    String::from("the idempotency store is unavailable; the request was not run");
+                return self.problem(ProblemKind::StoreUnavailable, detail, Some(&id));
+            }
+        };
+
+        parts.extensions.insert(key);
+        let request = Request::from_parts(parts, RequestBody::buffered(body));
+        let (tx, rx) = oneshot::channel();
+        let shared = self.clone();
+        // Detached from the connection: the handler runs to completion and its result is stored
+        // even when the client goes away, so the client's retry gets it.
+        self.tracker
+            .spawn(shared.execute(inner, request, id, token, fingerprint, tx));
+        match rx.await {
+            Ok(response) => response,
+            Err(_) => {
+                let detail = String::from("the request's task ended without a response");
+                self.problem(ProblemKind::HandlerFailed, detail, Some(&id))
+            }
+        }
+    }
+
+    fn answer_existing<B>(
+        &self,
+        record: Record,
+        fingerprint: &Fingerprint,
+        id: &RecordId,
+    ) -> Response<ResponseBody<B>> {
+        if record.fingerprint() != fingerprint {
+            let detail = String::from(
+                "this Idempotency-Key was used for a different request (method, path, query or body); \
+                 use a new key for a new request",
+            );
+            return self.problem(ProblemKind::Mismatch, detail, Some(id));
+        }
+        match record {
+            Record::InFlight(in_flight) => {
+                let lease_end = whole_seconds(in_flight.lease_remaining);
+                let retry_after = whole_seconds(self.config.retry_after).min(lease_end);
+                let detail = String::from(
+                    "a request with this Idempotency-Key is still being processed; retry later",
+                );
+                let problem = Problem::new(
+                    ProblemKind::InFlight,
+                    self.config.status(ProblemKind::InFlight),
+                    detail,
+                )
+                .retry_after(retry_after);
+                finish(
+                    problem.into_response().map(ResponseBody::full),
+                    Outcome::InFlight,
+                    Some(id),
+                )
+            }
+            Record::Completed(Completed {
+                response: Some(stored),
+                ..
+            }) => {
+                let mut response = Response::new(ResponseBody::full(stored.body.clone()));
+                *response.status_mut() = stored.status;
+                *response.headers_mut() = stored.headers.clone();
+                response
+                    .headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                finish(response, Outcome::Replayed, Some(id))
+            }
+            Record::Completed(Completed { response: None, .. }) => {
+                let detail = String::from(
+                    "the request with this Idempotency-Key completed, but its response was too large to store \
+                     and cannot be replayed",
+                );
+                self.problem(ProblemKind::NotReplayable, detail, Some(id))
+            }
+        }
+    }
+
+    /// Runs a claimed request to completion, renewing the lease meanwhile, then stores or releases.
+    async fn execute<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        mut inner: S,
+        request: Request<RequestBody<ReqBody>>,
+        id: RecordId,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        tx: oneshot::Sender<Response<ResponseBody<ResBody>>>,
+    ) where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: fmt::Display + Send + 'static,
+        ReqBody: Send + 'static,
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: fmt::Display,
+    {
+        let config = &self.config;
+        let work = AssertUnwindSafe(async {
+            let response = inner.call(request).await.map_err(|err| err.to_string())?;
+            Ok::<_, String>(self.buffer_response(response).await)
+        })
+        .catch_unwind();
+        let renewal = async {
+            let every = config.lease / 3;
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                match self
+                    .timed(self.store.renew(&id, &token, config.lease))
+                    .await
+                {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(
+                        target: "tower_idempotency",
+                        key = %id.short(),
+                        "the claim's lease was lost while the handler ran; its result will not be stored"
+                    ),
+                    Err(err) => tracing::warn!(
+                        target: "tower_idempotency",
+                        key = %id.short(),
+                        error = %ErrorChain(&err),
+                        "renewing the claim's lease failed"
+                    ),
+                }
+            }
+        };
+        let result = tokio::select! {
+            result = work => result,
+            _ = renewal => unreachable!("the renewal loop never ends"),
+        };
+
+        let failure = match result {
+            Ok(Ok(handled)) => match handled {
+                Handled::Buffered(parts, body) => {
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: replayable_headers(&parts.headers, config.keep_set_cookie),
+                        body: body.clone(),
+                    };
+                    let completed = Completed {
+                        fingerprint,
+                        response: Some(Arc::new(stored)),
+                    };
+                    let response = Response::from_parts(parts, ResponseBody::full(body));
+                    self.complete(
+                        &id,
+                        &token,
+                        &completed,
+                        finish(response, Outcome::Executed, Some(&id)),
+                        tx,
+                    )
+                    .await;
+                    return;
+                }
+                Handled::Unstorable(response) => {
+                    let completed = Completed {
+                        fingerprint,
+                        response: None,
+                    };
+                    self.complete(
+                        &id,
+                        &token,
+                        &completed,
+                        finish(response, Outcome::Executed, Some(&id)),
+                        tx,
+                    )
+                    .await;
+                    return;
+                }
+                Handled::NotStored(response) => {
+                    let response = finish(
+                        response.map(ResponseBody::inner),
+                        Outcome::NotStored,
+                        Some(&id),
+                    );
+                    self.release(&id, &token, response, tx).await;
+                    return;
+                }
+                Handled::BodyFailed(err) => {
+                    // The handler ran: keep a tombstone so a retry does not run it again.
+                    tracing::error!(
+                        target: "tower_idempotency",
+                        key = %id.short(),
+                        error = %err,
+                        "the response body failed while it was read; keeping a tombstone"
+                    );
+                    let completed = Completed {
+                        fingerprint,
+                        response: None,
+                    };
+                    let detail = String::from("the response could not be produced");
+                    let response = self.problem(ProblemKind::HandlerFailed, detail, Some(&id));
+                    self.complete(&id, &token, &completed, response, tx).await;
+                    return;
+                }
+            },
+            Ok(Err(err)) => format!("the handler failed: {err}"),
+            Err(panic) => format!("the handler panicked: {}", panic_message(&panic)),
+        };
+        tracing::error!(target: "tower_idempotency", key = %id.short(), error = %failure, "releasing the claim");
+        let detail =
+            String::from("the request failed; it was not stored, and a retry runs it again");
+        let response = self.problem(ProblemKind::HandlerFailed, detail, Some(&id));
+        self.release(&id, &token, response, tx).await;
+    }
+
+    /// Reads the response body up to the response limit, or decides it is not to be stored.
+    async fn buffer_response<B>(&self, response: Response<B>) -> Handled<B>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: fmt::Display,
+    {
+        let config = &self.config;
+        let no_store = response.headers().get_all(CACHE_CONTROL).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split(',')
+                    .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
+            })
+        });
+        if no_store || !(config.store_policy)(response.status(), response.headers()) {
+            return Handled::NotStored(response);
+        }
+        let (parts, body) = response.into_parts();
+        let limit = config.response_body_limit;
+        let mut body = Box::pin(body);
+        if body.size_hint().lower() > limit as u64 {
+            return Handled::Unstorable(Response::from_parts(
+                parts,
+                ResponseBody::chained(Bytes::new(), None, body),
+            ));
+        }
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut total = 0usize;
+        loop {
+            match body.frame().await {
+                None => break,
+                Some(Err(err)) => return Handled::BodyFailed(err.to_string()),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        total += data.len();
+                        chunks.push(data);
+                        if total > limit {
+                            let prefix = concat(chunks, total);
+                            let body = ResponseBody::chained(prefix, None, body);
+                            return Handled::Unstorable(Response::from_parts(parts, body));
+                        }
+                    }
+                    Err(frame) => {
+                        // Trailers cannot be replayed faithfully: deliver them, keep a tombstone.
+                        let trailers = frame.into_trailers().ok();
+                        let body = ResponseBody::chained(concat(chunks, total), trailers, body);
+                        return Handled::Unstorable(Response::from_parts(parts, body));
+                    }
+                },
+            }
+        }
+        Handled::Buffered(parts, concat(chunks, total))
+    }
+
+    /// Stores the result and sends the response: after the write, so that a retry that follows
+    /// the response finds it; on a failed write, at once, while the write is retried.
+    async fn complete<B>(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        response: Response<B>,
+        tx: oneshot::Sender<Response<B>>,
+    ) {
+        let ttl = self.config.dedup_window;
+        self.write(
+            "complete",
+            id,
+            || self.store.complete(id, token, completed, ttl),
+            response,
+            tx,
+        )
+        .await;
+    }
+
+    async fn release<B>(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        response: Response<B>,
+        tx: oneshot::Sender<Response<B>>,
+    ) {
+        self.write(
+            "release",
+            id,
+            || self.store.release(id, token),
+            response,
+            tx,
+        )
+        .await;
+    }
+
+    async fn write<B, F, Fut>(
+        &self,
+        what: &'static str,
+        id: &RecordId,
+        mut call: F,
+        response: Response<B>,
+        tx: oneshot::Sender<Response<B>>,
+    ) where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool, StoreError>>,
+    {
+        let mut pending = Some((response, tx));
+        let mut send = || {
+            if let Some((response, tx)) = pending.take() {
+                // The client may have gone away: its retry will find the stored result.
+                let _ = tx.send(response);
+            }
+        };
+        let mut backoff = WRITE_BACKOFF;
+        for attempt in 0..=WRITE_RETRIES {
+            match self.timed(call()).await {
+                Ok(true) => return send(),
+                Ok(false) => {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        key = %id.short(),
+                        operation = what,
+                        "the claim was lost (its lease ran out and the key was claimed again); nothing written"
+                    );
+                    return send();
+                }
+                Err(err) => {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        key = %id.short(),
+                        operation = what,
+                        attempt,
+                        error = %ErrorChain(&err),
+                        "store write failed"
+                    );
+                    send();
+                    if attempt < WRITE_RETRIES {
+                        tokio::time::sleep(backoff).await;
+                        backoff *= 2;
+                    }
+                }
+            }
+        }
+        tracing::error!(
+            target: "tower_idempotency",
+            key = %id.short(),
+            operation = what,
+            "giving up on the store write; the claim's lease will run out, and a retry after that runs the handler again"
+        );
+    }
+}
+
+fn concat(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut out = BytesMut::with_capacity(total);
+            for chunk in chunks {
+                out.extend_from_slice(&chunk);
+            }
+            out.freeze()
+        }
+    }
+}
+
+/// The headers of a response that a replay repeats: every value in order, minus hop-by-hop
+/// headers, `Date`, and (unless kept) `Set-Cookie`.
+fn replayable_headers(headers: &HeaderMap, keep_set_cookie: bool) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let hop_by_hop = matches!(
+            name.as_str(),
+            "connection" | "keep-alive" | "transfer-encoding" | "te" | "trailer" | "upgrade"
+        ) || name.as_str().starts_with("proxy-");
+        if hop_by_hop || name == DATE || (name == SET_COOKIE && !keep_set_cookie) {
+            continue;
+        }
+        out.append(name, value.clone());
+    }
+    out
+}
+
+/// Whole seconds, rounded up, at least 1.
+fn whole_seconds(duration: Duration) -> u64 {
+    let seconds = duration.as_secs() + u64::from(duration.subsec_nanos() > 0);
+    seconds.max(1)
+}
+
+/// Marks a response with its outcome and logs it.
+fn finish<B>(mut response: Response<B>, outcome: Outcome, id: Option<&RecordId>) -> Response<B> {
+    let key = id.map(RecordId::short);
+    let key = key.as_deref().unwrap_or("-");
+    let status = response.status().as_u16();
+    match outcome {
+        Outcome::StoreUnavailable | Outcome::HandlerFailed | Outcome::FailedOpen => {
+            tracing::warn!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
+        }
+        Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {
+            tracing::info!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
+        }
+        _ => {
+            tracing::debug!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
+        }
+    }
+    response.extensions_mut().insert(outcome);
+    response
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not a string)")
+}
+
+/// Displays an error with its sources.
+struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(err) = source {
+            write!(f, ": {err}")?;
+            source = err.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_seconds_round_up() {
+        assert_eq!(whole_seconds(Duration::ZERO), 1);
+        assert_eq!(whole_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(whole_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(whole_seconds(Duration::from_millis(2001)), 3);
+    }
+
+    #[test]
+    fn replay_drops_hop_by_hop_date_and_cookies_and_keeps_repeats() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "close"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("trailer", "x"),
+            ("upgrade", "h2c"),
+            ("proxy-authenticate", "Basic"),
+            ("date", "Wed, 02 Dec 2026 10:00:00 GMT"),
+            ("set-cookie", "a=1"),
+            ("x-repeat", "1"),
+            ("x-repeat", "2"),
+            ("content-type", "application/json"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        let kept = replayable_headers(&headers, false);
+        let names: Vec<_> = kept.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-repeat", "content-type"]);
+        assert_eq!(
+            kept.get_all("x-repeat").iter().collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+        assert!(replayable_headers(&headers, true).contains_key(SET_COOKIE));
+    }
+}

@@ -1,0 +1,406 @@
+//! `MemoryStore`: records in this process's memory.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Claim, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
+
+/// What one record costs beyond its response: the map entry, the expiry queue and the key.
+const ENTRY_OVERHEAD: usize = 160;
+const SHARDS: usize = 64;
+/// The default capacity of [`MemoryStore::new`]: 256 MiB.
+pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
+
+/// An in-process store: the embedded default, for one process and for tests.
+///
+/// - Sharded: 64 independently locked maps, so concurrent requests on different keys do not wait
+///   on one lock.
+/// - Records expire on time (on [`tokio::time::Instant`], so paused test time drives expiry).
+/// - Bounded by bytes. When full it refuses new claims ([`StoreError::Full`], a 503) rather than
+///   evict a live record, because evicting a record would silently shorten the dedup window. A
+///   completion that does not fit is kept as a tombstone (the operation is never run twice).
+///
+/// Records are not shared between processes: behind a load balancer, use a shared store such as
+/// `RedisStore`.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::with_capacity(64 * 1024 * 1024));
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    used: AtomicUsize,
+    capacity: usize,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    map: HashMap<RecordId, Entry>,
+    /// Expiry times, earliest first. An item is stale when its entry has since been renewed,
+    /// completed or removed; stale items are skipped when they come due.
+    expiry: BinaryHeap<Reverse<(Instant, RecordId)>>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    state: State,
+    expires_at: Instant,
+    size: usize,
+}
+
+#[derive(Debug)]
+enum State {
+    InFlight {
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+    },
+    Completed(Completed),
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// A store bounded to 256 MiB of records.
+    pub fn new() -> Self {
+        Self::with_capacity(DEFAULT_CAPACITY)
+    }
+
+    /// A store bounded to `bytes` of records (responses plus a per-record overhead of about
+    /// 160 bytes).
+    pub fn with_capacity(bytes: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                used: AtomicUsize::new(0),
+                capacity: bytes,
+            }),
+        }
+    }
+
+    /// The bytes the live records hold now.
+    pub fn used_bytes(&self) -> usize {
+        self.inner.used.load(Ordering::Relaxed)
+    }
+
+    /// The number of records, expired ones removed first.
+    pub fn len(&self) -> usize {
+        let now = Instant::now();
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| {
+                let mut shard = lock(shard);
+                shard.expire(now, &self.inner.used);
+                shard.map.len()
+            })
+            .sum()
+    }
+
+    /// Whether the store holds no live record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, id: &RecordId) -> MutexGuard<'_, Shard> {
+        // The id is a hash: its first byte spreads records evenly.
+        lock(&self.inner.shards[usize::from(id.as_bytes()[0]) % SHARDS])
+    }
+
+    fn reserve(&self, bytes: usize) -> bool {
+        self.inner
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes)
+                    .filter(|total| *total <= self.inner.capacity)
+            })
+            .is_ok()
+    }
+
+    fn free(&self, bytes: usize) {
+        self.inner.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    fn expire_all(&self, now: Instant) {
+        for shard in self.inner.shards.iter() {
+            lock(shard).expire(now, &self.inner.used);
+        }
+    }
+
+    fn claim_now(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(id);
+        shard.expire(now, &self.inner.used);
+        if let Some(entry) = shard.map.get(id) {
+            return Ok(Claim::Existing(entry.record(now)));
+        }
+        if !self.reserve(ENTRY_OVERHEAD) {
+            // Records that expired in other shards may still hold bytes: collect them, then retry.
+            drop(shard);
+            self.expire_all(now);
+            if !self.reserve(ENTRY_OVERHEAD) {
+                return Err(StoreError::Full);
+            }
+            shard = self.shard(id);
+            if let Some(entry) = shard.map.get(id) {
+                self.free(ENTRY_OVERHEAD);
+                return Ok(Claim::Existing(entry.record(now)));
+            }
+        }
+        let token = ClaimToken::generate();
+        let expires_at = now + lease;
+        shard.map.insert(
+            *id,
+            Entry {
+                state: State::InFlight {
+                    token,
+                    fingerprint: *fingerprint,
+                },
+                expires_at,
+                size: ENTRY_OVERHEAD,
+            },
+        );
+        shard.expiry.push(Reverse((expires_at, *id)));
+        Ok(Claim::Claimed(token))
+    }
+
+    fn complete_now(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> bool {
+        let now = Instant::now();
+        let mut shard = self.shard(id);
+        shard.expire(now, &self.inner.used);
+        let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token)) else {
+            return false;
+        };
+        let wanted = ENTRY_OVERHEAD + completed.response.as_ref().map_or(0, |r| r.size());
+        let mut completed = completed.clone();
+        if wanted > entry.size && !self.reserve(wanted - entry.size) {
+            tracing::warn!(
+                target: "tower_idempotency",
+                record = %id.short(),
+                bytes = wanted,
+                "memory store full: keeping a tombstone instead of the response"
+            );
+            completed.response = None;
+        } else if wanted < entry.size {
+            self.free(entry.size - wanted);
+        }
+        if completed.response.is_some() {
+            entry.size = wanted;
+        }
+        entry.state = State::Completed(completed);
+        entry.expires_at = now + ttl;
+        shard.expiry.push(Reverse((now + ttl, *id)));
+        true
+    }
+
+    fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
+        let now = Instant::now();
+        let mut shard = self.shard(id);
+        shard.expire(now, &self.inner.used);
+        let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token)) else {
+            return false;
+        };
+        entry.expires_at = now + lease;
+        shard.expiry.push(Reverse((now + lease, *id)));
+        true
+    }
+
+    fn release_now(&self, id: &RecordId, token: &ClaimToken) -> bool {
+        let now = Instant::now();
+        let mut shard = self.shard(id);
+        shard.expire(now, &self.inner.used);
+        if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token)) {
+            return false;
+        }
+        if let Some(entry) = shard.map.remove(id) {
+            self.free(entry.size);
+        }
+        true
+    }
+}
+
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_now(id, fingerprint, lease)
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.complete_now(id, token, completed, ttl))
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.renew_now(id, token, lease))
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        Ok(self.release_now(id, token))
+    }
+}
+
+impl Shard {
+    /// Removes every record whose time has come.
+    fn expire(&mut self, now: Instant, used: &AtomicUsize) {
+        while let Some(Reverse((at, id))) = self.expiry.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.expiry.pop();
+            if self.map.get(&id).is_some_and(|e| e.expires_at <= now)
+                && let Some(entry) = self.map.remove(&id)
+            {
+                used.fetch_sub(entry.size, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+impl Entry {
+    fn is_owned_by(&self, token: &ClaimToken) -> bool {
+        matches!(&self.state, State::InFlight { token: t, .. } if t == token)
+    }
+
+    fn record(&self, now: Instant) -> Record {
+        match &self.state {
+            State::InFlight { fingerprint, .. } => Record::InFlight(InFlight {
+                fingerprint: *fingerprint,
+                lease_remaining: self.expires_at.saturating_duration_since(now),
+            }),
+            State::Completed(completed) => Record::Completed(completed.clone()),
+        }
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while a shard was locked cannot leave it half-updated in a way that matters more
+    // than losing every record: keep serving.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::StoredResponse;
+
+    fn completed(body: usize) -> Completed {
+        Completed {
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            response: Some(Arc::new(StoredResponse {
+                status: http::StatusCode::OK,
+                headers: http::HeaderMap::new(),
+                body: bytes::Bytes::from(vec![b'x'; body]),
+            })),
+        }
+    }
+
+    fn claim(store: &MemoryStore, n: u32) -> Result<Claim, StoreError> {
+        store.claim_now(
+            &RecordId::new(b"", &n.to_string()),
+            &Fingerprint::from_bytes([1; 32]),
+            Duration::from_secs(30),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn full_store_refuses_new_claims_and_keeps_live_records() {
+        let store = MemoryStore::with_capacity(ENTRY_OVERHEAD * 3);
+        for n in 0..3 {
+            assert!(matches!(claim(&store, n), Ok(Claim::Claimed(_))));
+        }
+        assert!(matches!(claim(&store, 3), Err(StoreError::Full)));
+        // The live records are all still there.
+        for n in 0..3 {
+            assert!(matches!(claim(&store, n), Ok(Claim::Existing(_))));
+        }
+        // Once their leases run out, their bytes are free again.
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert!(matches!(claim(&store, 3), Ok(Claim::Claimed(_))));
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_that_does_not_fit_is_a_tombstone() {
+        let store = MemoryStore::with_capacity(ENTRY_OVERHEAD + 100);
+        let id = RecordId::new(b"", "k");
+        let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
+            panic!()
+        };
+        assert!(store.complete_now(&id, &token, &completed(1000), Duration::from_secs(60)));
+        let Ok(Claim::Existing(Record::Completed(c))) = claim_id(&store, &id) else {
+            panic!()
+        };
+        assert!(c.response.is_none());
+        assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_are_accounted_through_complete_and_expiry() {
+        let store = MemoryStore::new();
+        let id = RecordId::new(b"", "k");
+        let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
+            panic!()
+        };
+        let done = completed(1000);
+        assert!(store.complete_now(&id, &token, &done, Duration::from_secs(60)));
+        assert_eq!(
+            store.used_bytes(),
+            ENTRY_OVERHEAD + done.response.as_ref().unwrap().size()
+        );
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(store.len(), 0);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    fn claim_id(store: &MemoryStore, id: &RecordId) -> Result<Claim, StoreError> {
+        store.claim_now(
+            id,
+            &Fingerprint::from_bytes([1; 32]),
+            Duration::from_secs(30),
+        )
+    }
+}

@@ -1,0 +1,112 @@
+//! Where records live: the [`Store`] trait and its implementations.
+//!
+//! The trait is atomic, not get/put: [`Store::claim`] either claims a key or returns the record that
+//! is already there, in one step, so two instances can never both run a handler for one key.
+//! [`Store::complete`], [`Store::renew`] and [`Store::release`] take the claim's [`ClaimToken`] and
+//! do nothing (returning `Ok(false)`) when the record no longer carries it: an owner whose lease ran
+//! out and whose key was claimed again cannot overwrite or free the new owner's record.
+//!
+//! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
+
+mod memory;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use memory::MemoryStore;
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{ClaimToken, Completed, Record, RecordId};
+
+/// The answer to [`Store::claim`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// The key was free and is now claimed for the lease; the token fences later writes.
+    Claimed(ClaimToken),
+    /// The key already has a record; nothing was written.
+    Existing(Record),
+}
+
+/// A store failed, or refused the call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store is full and refuses new claims rather than evict a live record.
+    #[error("the store is full")]
+    Full,
+    /// The store did not answer in time.
+    #[error("the store did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The store could not be reached or failed.
+    #[error("the store is unavailable")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The stored bytes could not be read or written.
+    #[error("a record could not be encoded or decoded")]
+    Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// A place to keep idempotency records, shared by every instance that must agree on them.
+///
+/// Every method is atomic. Implementations return `impl Future + Send`, so they can be written
+/// with `async fn` and nothing is boxed.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::store::{Claim, MemoryStore, Store};
+/// use tower_idempotency::{Completed, Fingerprint, Record, RecordId};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+/// let store = MemoryStore::new();
+/// let id = RecordId::new(b"acct_1", "order-42");
+/// let fingerprint = Fingerprint::from_bytes([1; 32]);
+///
+/// let Claim::Claimed(token) = store.claim(&id, &fingerprint, Duration::from_secs(30)).await? else {
+///     unreachable!("a new key is free");
+/// };
+/// // A second claim sees the first one's record.
+/// assert!(matches!(
+///     store.claim(&id, &fingerprint, Duration::from_secs(30)).await?,
+///     Claim::Existing(Record::InFlight(_))
+/// ));
+/// let done = Completed { fingerprint, response: None };
+/// assert!(store.complete(&id, &token, &done, Duration::from_secs(86_400)).await?);
+/// # Ok(())
+/// # }
+/// ```
+pub trait Store: Send + Sync + 'static {
+    /// Claims `id` for `lease` if it has no record; otherwise returns the record, unchanged.
+    fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Replaces the in-flight record claimed with `token` by `completed`, kept for `ttl` (the dedup
+    /// window). `Ok(false)` when the record no longer carries `token`: nothing was written.
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Extends the lease of the in-flight record claimed with `token` to `lease` from now.
+    /// `Ok(false)` when the record no longer carries `token`.
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes the in-flight record claimed with `token`, so the key is free again.
+    /// `Ok(false)` when the record no longer carries `token`.
+    fn release(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
