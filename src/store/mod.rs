@@ -9,11 +9,18 @@
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 use std::future::Future;
 use std::time::Duration;
 
+/// The deadpool-redis crate this store is built on, so users need not match its version.
+#[cfg(feature = "redis")]
+pub use deadpool_redis;
 pub use memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use redis::{RedisStore, RedisStoreError};
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};

@@ -1,0 +1,402 @@
+//! `RedisStore`: records in Redis (7.0 or newer), shared by every instance.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use deadpool_redis::redis::aio::MultiplexedConnection;
+use deadpool_redis::redis::{self, RedisError, Script};
+use deadpool_redis::{Pool, Runtime};
+
+use super::{Claim, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{ClaimToken, Completed, Record, RecordId, encode_in_flight, unix_millis};
+
+/// Replaces the in-flight record with the completed one, if the claim's token still matches.
+/// KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
+const COMPLETE: &str = include_str!("redis/complete.lua");
+/// Extends the lease of the in-flight record, if the claim's token still matches.
+/// KEYS[1] record; ARGV[1] token, ARGV[2] new lease end (8 bytes), ARGV[3] lease in ms.
+const RENEW: &str = include_str!("redis/renew.lua");
+/// Deletes the in-flight record, if the claim's token still matches.
+/// KEYS[1] record; ARGV[1] token.
+const RELEASE: &str = include_str!("redis/release.lua");
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "idempotency:";
+/// The default bound on one Redis call, including taking a connection from the pool.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A store in Redis, through a deadpool-redis pool: many server instances share one truth.
+///
+/// Requires Redis 7.0 or newer (for `SET ... NX GET`); an older server fails every claim with a
+/// clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that Redis
+/// Cluster keeps it in one slot; values use the compact binary encoding of [`crate::record`].
+///
+/// Round trips per request: a new key 2 (`SET NX PX GET`, then `EVALSHA` to complete), a replay, a
+/// 409 or a 422 1 (the `SET` returns the existing record), plus one `EVALSHA` per lease renewal of
+/// a long handler. The store keeps one multiplexed connection from the pool and shares it between
+/// requests, so it does not pay the pool's `UNWATCH` + `PING` recycle check per request; it goes
+/// back to the pool for a fresh, checked connection after a connection error or timeout, so it
+/// recovers by itself when Redis comes back.
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, RedisStore};
+///
+/// # fn main() -> Result<(), tower_idempotency::store::RedisStoreError> {
+/// let store = RedisStore::from_url("redis://127.0.0.1:6379")?.with_prefix("payments:idem:");
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    prefix: String,
+    timeout: Duration,
+    connection: Mutex<Option<MultiplexedConnection>>,
+    complete: Script,
+    renew: Script,
+    release: Script,
+}
+
+/// Setting up a [`RedisStore`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RedisStoreError {
+    /// The Redis URL is invalid.
+    #[error("invalid Redis URL")]
+    Url(#[source] deadpool_redis::CreatePoolError),
+    /// Redis could not be reached, or failed.
+    #[error("Redis is unreachable or failed")]
+    Redis(#[source] RedisError),
+    /// Taking a connection from the pool failed.
+    #[error("could not take a Redis connection from the pool")]
+    Pool(#[source] deadpool_redis::PoolError),
+    /// The call did not finish in time.
+    #[error("Redis did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The server is older than Redis 7.0.
+    #[error(
+        "Redis {0} is too old: tower-idempotency needs Redis 7.0 or newer (SET with NX and GET)"
+    )]
+    ServerTooOld(String),
+}
+
+impl RedisStore {
+    /// A store on `pool`, with the default prefix (`idempotency:`) and timeout (1 second).
+    pub fn new(pool: Pool) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                prefix: DEFAULT_PREFIX.to_owned(),
+                timeout: DEFAULT_TIMEOUT,
+                connection: Mutex::new(None),
+                complete: Script::new(COMPLETE),
+                renew: Script::new(RENEW),
+                release: Script::new(RELEASE),
+            }),
+        }
+    }
+
+    /// A store on a new pool for `url` (`redis://host:port/db`). Nothing is connected until the
+    /// first call; use [`RedisStore::check`] to fail fast at start-up.
+    ///
+    /// # Errors
+    /// [`RedisStoreError::Url`] when the URL is invalid.
+    pub fn from_url(url: &str) -> Result<Self, RedisStoreError> {
+        let pool = deadpool_redis::Config::from_url(url)
+            .create_pool(Some(Runtime::Tokio1))
+            .map_err(RedisStoreError::Url)?;
+        Ok(Self::new(pool))
+    }
+
+    /// Sets the prefix of every key the store writes. Default: `idempotency:`.
+    pub fn with_prefix(self, prefix: impl Into<String>) -> Self {
+        self.with_inner(|inner| inner.prefix = prefix.into())
+    }
+
+    /// Sets the bound on each Redis call, taking a connection included. Default: 1 second.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        self.with_inner(|inner| inner.timeout = timeout)
+    }
+
+    fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
+        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+            pool: shared.pool.clone(),
+            prefix: shared.prefix.clone(),
+            timeout: shared.timeout,
+            connection: Mutex::new(None),
+            complete: Script::new(COMPLETE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+        });
+        change(&mut inner);
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The pool the store takes its connection from.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The Redis key of a record.
+    pub fn redis_key(&self, id: &RecordId) -> String {
+        format!("{}{{{id}}}", self.inner.prefix)
+    }
+
+    /// Connects and checks that the server is Redis 7.0 or newer: call it at start-up to fail fast
+    /// with a clear message.
+    ///
+    /// # Errors
+    /// A [`RedisStoreError`] when Redis is unreachable, slow or too old.
+    pub async fn check(&self) -> Result<(), RedisStoreError> {
+        let timeout = self.inner.timeout;
+        let check = async {
+            let mut connection = self.inner.pool.get().await.map_err(RedisStoreError::Pool)?;
+            let info: String = redis::cmd("INFO")
+                .arg("server")
+                .query_async(&mut *connection)
+                .await
+                .map_err(RedisStoreError::Redis)?;
+            let version = info
+                .lines()
+                .find_map(|line| line.strip_prefix("redis_version:"))
+                .unwrap_or("unknown")
+                .trim()
+                .to_owned();
+            let major: u32 = version
+                .split('.')
+                .next()
+                .and_then(|m| m.parse().ok())
+                .unwrap_or(0);
+            if major < 7 {
+                return Err(RedisStoreError::ServerTooOld(version));
+            }
+            Ok(())
+        };
+        tokio::time::timeout(timeout, check)
+            .await
+            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
+    }
+
+    /// The shared multiplexed connection, taken from the pool the first time and after a failure.
+    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        if let Some(connection) = self.cached().clone() {
+            return Ok(connection);
+        }
+        let pooled = self
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|err| StoreError::Unavailable(Box::new(RedisStoreError::Pool(err))))?;
+        let connection = MultiplexedConnection::clone(&pooled);
+        *self.cached() = Some(connection.clone());
+        Ok(connection)
+    }
+
+    fn cached(&self) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
+        self.inner
+            .connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs one call on the shared connection within the timeout; on a connection error or a
+    /// timeout, drops the shared connection so the next call takes a fresh one from the pool.
+    async fn run<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        let timeout = self.inner.timeout;
+        let attempt = async {
+            let connection = self.connection().await?;
+            call(connection).await.map_err(|err| self.redis_error(err))
+        };
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.cached().take();
+                Err(StoreError::Timeout(timeout))
+            }
+        }
+    }
+
+    fn redis_error(&self, err: RedisError) -> StoreError {
+        if err.is_io_error()
+            || err.is_connection_dropped()
+            || err.is_connection_refusal()
+            || err.is_timeout()
+            || err.is_unrecoverable_error()
+        {
+            self.cached().take();
+        }
+        StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
+    }
+
+    async fn fenced(
+        &self,
+        script: &Script,
+        id: &RecordId,
+        token: &ClaimToken,
+        args: &[&[u8]],
+    ) -> Result<bool, StoreError> {
+        let key = self.redis_key(id);
+        let mut invocation = script.key(key);
+        invocation.arg(token.as_bytes().as_slice());
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        self.run(
+            |mut connection| async move { invocation.invoke_async::<i64>(&mut connection).await },
+        )
+        .await
+        .map(|written| written == 1)
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let token = ClaimToken::generate();
+        let value = encode_in_flight(&token, fingerprint, SystemTime::now() + lease);
+        let key = self.redis_key(id);
+        let mut set = redis::cmd("SET");
+        set.arg(&key)
+            .arg(value)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(lease))
+            .arg("GET");
+        let timeout = self.inner.timeout;
+        let started = tokio::time::Instant::now();
+        let mut connection = tokio::time::timeout(timeout, self.connection())
+            .await
+            .unwrap_or(Err(StoreError::Timeout(timeout)))?;
+        let remaining = timeout.saturating_sub(started.elapsed());
+        let answer = tokio::time::timeout(
+            remaining,
+            set.query_async::<Option<Vec<u8>>>(&mut connection),
+        )
+        .await;
+        let existing = match answer {
+            Ok(Ok(existing)) => existing,
+            Ok(Err(err)) if !err.is_timeout() => return Err(too_old(self.redis_error(err))),
+            Ok(Err(_)) | Err(_) => {
+                // The SET may still reach Redis (a paused or slow server answers later) and claim
+                // the key for a request that was refused. Release that claim behind it, on the
+                // same connection so that Redis runs the release after the SET (with EVAL, not
+                // EVALSHA, whose NOSCRIPT fallback could let another command in between).
+                self.cached().take();
+                let mut release = redis::cmd("EVAL");
+                release
+                    .arg(RELEASE)
+                    .arg(1)
+                    .arg(key)
+                    .arg(token.as_bytes().as_slice());
+                let mut release = Box::pin(async move {
+                    let _ =
+                        tokio::time::timeout(lease, release.query_async::<i64>(&mut connection))
+                            .await;
+                });
+                // One poll queues the EVAL on the connection now, ahead of anything sent after
+                // this call returns; the task then waits for its answer.
+                std::future::poll_fn(|cx| {
+                    let _ = release.as_mut().poll(cx);
+                    std::task::Poll::Ready(())
+                })
+                .await;
+                tokio::spawn(release);
+                return Err(StoreError::Timeout(timeout));
+            }
+        };
+        match existing {
+            None => Ok(Claim::Claimed(token)),
+            Some(bytes) => Record::decode(&bytes)
+                .map(Claim::Existing)
+                .map_err(|err| StoreError::Codec(Box::new(err))),
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let value = completed
+            .encode()
+            .map_err(|err| StoreError::Codec(Box::new(err)))?;
+        let ttl = millis(ttl).to_string();
+        self.fenced(&self.inner.complete, id, token, &[&value, ttl.as_bytes()])
+            .await
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let lease_end = unix_millis(SystemTime::now() + lease).to_le_bytes();
+        let lease = millis(lease).to_string();
+        self.fenced(
+            &self.inner.renew,
+            id,
+            token,
+            &[&lease_end, lease.as_bytes()],
+        )
+        .await
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.fenced(&self.inner.release, id, token, &[]).await
+    }
+}
+
+/// Milliseconds for `PX`: at least 1 (Redis refuses 0).
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// A server older than 7.0 rejects `SET` with both `NX` and `GET` as a syntax error.
+fn too_old(err: StoreError) -> StoreError {
+    if let StoreError::Unavailable(source) = &err
+        && let Some(RedisStoreError::Redis(redis)) = source.downcast_ref::<RedisStoreError>()
+        && redis
+            .to_string()
+            .to_ascii_lowercase()
+            .contains("syntax error")
+    {
+        return StoreError::Unavailable(Box::new(RedisStoreError::ServerTooOld(String::from(
+            "< 7.0",
+        ))));
+    }
+    err
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .field("pool", &self.inner.pool.status())
+            .finish_non_exhaustive()
+    }
+}
