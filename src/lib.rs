@@ -101,12 +101,14 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+pub mod consumer;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;
 mod future;
 mod key;
 mod layer;
+mod lease;
 mod outcome;
 pub mod problem;
 mod record;

@@ -22,6 +22,7 @@ use crate::fingerprint::Fingerprint;
 use crate::future::ResponseFuture;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
+use crate::lease::{self, ErrorChain, Held, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::{Problem, ProblemKind};
 use crate::record::{ClaimToken, Completed, Record, RecordId, StoredResponse};
@@ -30,11 +31,6 @@ use crate::store::{Claim, Store, StoreError};
 
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// How often a failed store write is retried, and the first pause between attempts (doubled each
-/// time): 100 ms + 200 ms + 400 ms.
-const WRITE_RETRIES: u32 = 3;
-const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 
 /// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer): see its documentation.
 pub struct Idempotency<S, St> {
@@ -213,9 +209,17 @@ impl<St: Store> Shared<St> {
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        tokio::time::timeout(self.config.store_timeout, call)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.config.store_timeout)))
+        lease::timed(self.config.store_timeout, call).await
+    }
+
+    fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
+        Held {
+            store: &self.store,
+            id,
+            token,
+            lease: self.config.lease,
+            timeout: self.config.store_timeout,
+        }
     }
 
     /// Buffers and fingerprints a request with a key, claims the key, and answers from the record
@@ -392,35 +396,7 @@ impl<St: Store> Shared<St> {
             Ok::<_, String>(self.buffer_response(response).await)
         })
         .catch_unwind();
-        let renewal = async {
-            let every = config.lease / 3;
-            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                match self
-                    .timed(self.store.renew(&id, &token, config.lease))
-                    .await
-                {
-                    Ok(true) => {}
-                    Ok(false) => tracing::warn!(
-                        target: "tower_idempotency",
-                        key = %id.short(),
-                        "the claim's lease was lost while the handler ran; its result will not be stored"
-                    ),
-                    Err(err) => tracing::warn!(
-                        target: "tower_idempotency",
-                        key = %id.short(),
-                        error = %ErrorChain(&err),
-                        "renewing the claim's lease failed"
-                    ),
-                }
-            }
-        };
-        let result = tokio::select! {
-            result = work => result,
-            _ = renewal => unreachable!("the renewal loop never ends"),
-        };
+        let result = self.held(&id, &token).renewing(work).await;
 
         let failure = match result {
             Ok(Ok(handled)) => match handled {
@@ -488,7 +464,7 @@ impl<St: Store> Shared<St> {
                 }
             },
             Ok(Err(err)) => format!("the handler failed: {err}"),
-            Err(panic) => format!("the handler panicked: {}", panic_message(&panic)),
+            Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
         };
         tracing::error!(target: "tower_idempotency", key = %id.short(), error = %failure, "releasing the claim");
         let detail =
@@ -564,6 +540,7 @@ impl<St: Store> Shared<St> {
         self.write(
             "complete",
             id,
+            token,
             || self.store.complete(id, token, completed, ttl),
             response,
             tx,
@@ -581,6 +558,7 @@ impl<St: Store> Shared<St> {
         self.write(
             "release",
             id,
+            token,
             || self.store.release(id, token),
             response,
             tx,
@@ -592,7 +570,8 @@ impl<St: Store> Shared<St> {
         &self,
         what: &'static str,
         id: &RecordId,
-        mut call: F,
+        token: &ClaimToken,
+        call: F,
         response: Response<B>,
         tx: oneshot::Sender<Response<B>>,
     ) where
@@ -606,42 +585,8 @@ impl<St: Store> Shared<St> {
                 let _ = tx.send(response);
             }
         };
-        let mut backoff = WRITE_BACKOFF;
-        for attempt in 0..=WRITE_RETRIES {
-            match self.timed(call()).await {
-                Ok(true) => return send(),
-                Ok(false) => {
-                    tracing::warn!(
-                        target: "tower_idempotency",
-                        key = %id.short(),
-                        operation = what,
-                        "the claim was lost (its lease ran out and the key was claimed again); nothing written"
-                    );
-                    return send();
-                }
-                Err(err) => {
-                    tracing::warn!(
-                        target: "tower_idempotency",
-                        key = %id.short(),
-                        operation = what,
-                        attempt,
-                        error = %ErrorChain(&err),
-                        "store write failed"
-                    );
-                    send();
-                    if attempt < WRITE_RETRIES {
-                        tokio::time::sleep(backoff).await;
-                        backoff *= 2;
-                    }
-                }
-            }
-        }
-        tracing::error!(
-            target: "tower_idempotency",
-            key = %id.short(),
-            operation = what,
-            "giving up on the store write; the claim's lease will run out, and a retry after that runs the handler again"
-        );
+        self.held(id, token).write(what, call, &mut send).await;
+        send();
     }
 }
 
@@ -700,29 +645,6 @@ fn finish<B>(mut response: Response<B>, outcome: Outcome, id: Option<&RecordId>)
     }
     response.extensions_mut().insert(outcome);
     response
-}
-
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(not a string)")
-}
-
-/// Displays an error with its sources.
-struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(err) = source {
-            write!(f, ": {err}")?;
-            source = err.source();
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
