@@ -464,3 +464,35 @@ async fn check_reports_the_server_and_an_unreachable_one() {
     assert!(!err.to_string().is_empty());
     assert!(RedisStore::from_url("not a url").is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_the_claim_does_not_leave_its_key_claimed() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let store = RedisStore::from_url(&server.url())
+        .unwrap()
+        .with_timeout(Duration::from_secs(10));
+    let app = handler.app(IdempotencyLayer::new(store).store_timeout(Duration::from_secs(10)));
+    assert_eq!(
+        send(&app, charge("warm-up", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.pause();
+    let request = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, charge("k", "1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The client disconnects: the server drops the request's future while its SET is queued.
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
+    server.resume();
+
+    // The SET claimed the key once Redis resumed, and the release queued behind it freed it.
+    assert_eq!(
+        send(&app, charge("k", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(handler.runs(), 2);
+}

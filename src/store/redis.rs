@@ -287,39 +287,27 @@ impl Store for RedisStore {
             .await
             .unwrap_or(Err(StoreError::Timeout(timeout)))?;
         let remaining = timeout.saturating_sub(started.elapsed());
+        // If the answer never arrives here (a timeout, or the caller dropped this future because
+        // its client went away), the SET may still claim the key in Redis for a request that will
+        // never run. The guard then releases that claim behind the SET.
+        let guard = ReleaseBehind(Some((connection.clone(), key, token, lease)));
         let answer = tokio::time::timeout(
             remaining,
             set.query_async::<Option<Vec<u8>>>(&mut connection),
         )
         .await;
         let existing = match answer {
-            Ok(Ok(existing)) => existing,
-            Ok(Err(err)) if !err.is_timeout() => return Err(too_old(self.redis_error(err))),
+            Ok(Ok(existing)) => {
+                guard.disarm();
+                existing
+            }
+            Ok(Err(err)) if !err.is_timeout() => {
+                guard.disarm();
+                return Err(too_old(self.redis_error(err)));
+            }
             Ok(Err(_)) | Err(_) => {
-                // The SET may still reach Redis (a paused or slow server answers later) and claim
-                // the key for a request that was refused. Release that claim behind it, on the
-                // same connection so that Redis runs the release after the SET (with EVAL, not
-                // EVALSHA, whose NOSCRIPT fallback could let another command in between).
                 self.cached().take();
-                let mut release = redis::cmd("EVAL");
-                release
-                    .arg(RELEASE)
-                    .arg(1)
-                    .arg(key)
-                    .arg(token.as_bytes().as_slice());
-                let mut release = Box::pin(async move {
-                    let _ =
-                        tokio::time::timeout(lease, release.query_async::<i64>(&mut connection))
-                            .await;
-                });
-                // One poll queues the EVAL on the connection now, ahead of anything sent after
-                // this call returns; the task then waits for its answer.
-                std::future::poll_fn(|cx| {
-                    let _ = release.as_mut().poll(cx);
-                    std::task::Poll::Ready(())
-                })
-                .await;
-                tokio::spawn(release);
+                drop(guard);
                 return Err(StoreError::Timeout(timeout));
             }
         };
@@ -365,6 +353,43 @@ impl Store for RedisStore {
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.fenced(&self.inner.release, id, token, &[]).await
+    }
+}
+
+/// Releases a claim whose answer was never read, behind the `SET` that may have made it.
+struct ReleaseBehind(Option<(MultiplexedConnection, String, ClaimToken, Duration)>);
+
+impl ReleaseBehind {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for ReleaseBehind {
+    fn drop(&mut self) {
+        let Some((mut connection, key, token, lease)) = self.0.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // No runtime to send it from: the claim's lease runs out instead.
+        };
+        // EVAL, not EVALSHA: a NOSCRIPT fallback could let another command in between. The release
+        // is fenced by the token, so it does nothing when the SET did not claim.
+        let mut release = redis::cmd("EVAL");
+        release
+            .arg(RELEASE)
+            .arg(1)
+            .arg(key)
+            .arg(token.as_bytes().as_slice());
+        let mut release = Box::pin(async move {
+            let _ = tokio::time::timeout(lease, release.query_async::<i64>(&mut connection)).await;
+        });
+        // One poll queues the EVAL on the connection now, behind the SET and ahead of anything
+        // sent later; the task then waits for its answer.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if release.as_mut().poll(&mut cx).is_pending() {
+            runtime.spawn(release);
+        }
     }
 }
 
