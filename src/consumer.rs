@@ -50,6 +50,7 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
 use crate::lease::{self, Held, panic_message};
@@ -155,6 +156,19 @@ impl<St: Store> Deduplicator<St> {
         Fut: Future<Output = Result<T, E>>,
     {
         let id = RecordId::new(self.scope.as_bytes(), message_id);
+        let span = tracing::info_span!(target: "tower_idempotency", "idempotent_consumer", key = %id.short());
+        self.process_as(id, work).instrument(span).await
+    }
+
+    async fn process_as<T, E, F, Fut>(
+        &self,
+        id: RecordId,
+        work: F,
+    ) -> Result<Processed<T>, DedupError<E>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
         // A message id names one message, so every delivery of it has the same fingerprint.
         let fingerprint = Fingerprint::from_bytes([0; 32]);
         let started = tokio::time::Instant::now();

@@ -49,12 +49,10 @@ impl<St: Store> Held<'_, St> {
                     Ok(true) => {}
                     Ok(false) => tracing::warn!(
                         target: "tower_idempotency",
-                        key = %self.id.short(),
                         "the claim's lease was lost while its work ran; its result will not be stored"
                     ),
                     Err(err) => tracing::warn!(
                         target: "tower_idempotency",
-                        key = %self.id.short(),
                         error = %ErrorChain(&err),
                         "renewing the claim's lease failed"
                     ),
@@ -80,7 +78,6 @@ impl<St: Store> Held<'_, St> {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
-        let id = self.id;
         let mut backoff = WRITE_BACKOFF;
         for attempt in 0..=WRITE_RETRIES {
             match timed(self.timeout, call()).await {
@@ -88,7 +85,6 @@ impl<St: Store> Held<'_, St> {
                 Ok(false) => {
                     tracing::warn!(
                         target: "tower_idempotency",
-                        key = %id.short(),
                         operation = what,
                         "the claim was lost (its lease ran out and the key was claimed again); nothing written"
                     );
@@ -97,7 +93,6 @@ impl<St: Store> Held<'_, St> {
                 Err(err) => {
                     tracing::warn!(
                         target: "tower_idempotency",
-                        key = %id.short(),
                         operation = what,
                         attempt,
                         error = %ErrorChain(&err),
@@ -113,7 +108,6 @@ impl<St: Store> Held<'_, St> {
         }
         tracing::error!(
             target: "tower_idempotency",
-            key = %id.short(),
             operation = what,
             "giving up on the store write; the claim's lease will run out, and a retry after that runs again"
         );

@@ -16,6 +16,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
@@ -122,12 +123,10 @@ where
             }
             Ok(None) => {
                 let detail = format!("this request needs an `{}` header", config.header);
-                return self.shared.reject(ProblemKind::MissingKey, detail, None);
+                return self.shared.reject(ProblemKind::MissingKey, detail);
             }
             Err(err) => {
-                return self
-                    .shared
-                    .reject(ProblemKind::InvalidKey, err.to_string(), None);
+                return self.shared.reject(ProblemKind::InvalidKey, err.to_string());
             }
         };
         let (parts, body) = req.into_parts();
@@ -137,18 +136,26 @@ where
                 Ok(scope) => scope,
                 Err(rejection) => {
                     let response = rejection.into_response().map(ResponseBody::full);
-                    return ResponseFuture::ready(finish(response, Outcome::Rejected, None));
+                    return ResponseFuture::ready(finish(response, Outcome::Rejected));
                 }
             },
         };
         let id = RecordId::for_key(scope.as_bytes(), &key);
+        let span = tracing::info_span!(
+            target: "tower_idempotency",
+            "idempotency",
+            key = %id.short(),
+            scope = %ScopeTag(&scope),
+        );
         if body.size_hint().lower() > config.request_body_limit as u64 {
+            let _entered = span.enter();
             return self
                 .shared
-                .reject(ProblemKind::BodyTooLarge, too_large(config), Some(&id));
+                .reject(ProblemKind::BodyTooLarge, too_large(config));
         }
         let shared = self.shared.clone();
-        ResponseFuture::covered(Box::pin(shared.protect(inner, parts, body, key, id)))
+        let protect = shared.protect(inner, parts, body, key, id);
+        ResponseFuture::covered(Box::pin(protect.instrument(span)))
     }
 }
 
@@ -172,21 +179,11 @@ enum Handled<B> {
 }
 
 impl<St: Store> Shared<St> {
-    fn reject<F, B>(
-        &self,
-        kind: ProblemKind,
-        detail: String,
-        id: Option<&RecordId>,
-    ) -> ResponseFuture<F, B> {
-        ResponseFuture::ready(self.problem(kind, detail, id))
+    fn reject<F, B>(&self, kind: ProblemKind, detail: String) -> ResponseFuture<F, B> {
+        ResponseFuture::ready(self.problem(kind, detail))
     }
 
-    fn problem<B>(
-        &self,
-        kind: ProblemKind,
-        detail: String,
-        id: Option<&RecordId>,
-    ) -> Response<ResponseBody<B>> {
+    fn problem<B>(&self, kind: ProblemKind, detail: String) -> Response<ResponseBody<B>> {
         let problem = Problem::new(kind, self.config.status(kind), detail);
         let problem = match kind {
             ProblemKind::StoreUnavailable => {
@@ -202,7 +199,7 @@ impl<St: Store> Shared<St> {
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             _ => Outcome::Rejected,
         };
-        finish(problem.into_response().map(ResponseBody::full), outcome, id)
+        finish(problem.into_response().map(ResponseBody::full), outcome)
     }
 
     async fn timed<T>(
@@ -248,11 +245,11 @@ impl<St: Store> Shared<St> {
         {
             Ok(collected) => collected.to_bytes(),
             Err(err) if err.is::<LengthLimitError>() => {
-                return self.problem(ProblemKind::BodyTooLarge, too_large(config), Some(&id));
+                return self.problem(ProblemKind::BodyTooLarge, too_large(config));
             }
             Err(err) => {
                 let detail = format!("the request body could not be read: {err}");
-                return self.problem(ProblemKind::BodyUnreadable, detail, Some(&id));
+                return self.problem(ProblemKind::BodyUnreadable, detail);
             }
         };
         let fingerprint = Fingerprint::of(
@@ -267,24 +264,21 @@ impl<St: Store> Shared<St> {
             .await
         {
             Ok(Claim::Claimed(token)) => token,
-            Ok(Claim::Existing(record)) => return self.answer_existing(record, &fingerprint, &id),
+            Ok(Claim::Existing(record)) => return self.answer_existing(record, &fingerprint),
             Err(err) if config.fail_open => {
                 tracing::warn!(
                     target: "tower_idempotency",
                     outcome = %Outcome::FailedOpen,
-                    key = %id.short(),
                     error = %ErrorChain(&err),
                     "idempotency store failed; running the request without protection (fail-open)"
                 );
                 parts.extensions.insert(key);
                 let request = Request::from_parts(parts, RequestBody::buffered(body));
                 return match inner.call(request).await {
-                    Ok(response) => {
-                        finish(response.map(ResponseBody::inner), Outcome::FailedOpen, None)
-                    }
+                    Ok(response) => finish(response.map(ResponseBody::inner), Outcome::FailedOpen),
                     Err(err) => {
                         let detail = format!("the handler failed: {err}");
-                        self.problem(ProblemKind::HandlerFailed, detail, Some(&id))
+                        self.problem(ProblemKind::HandlerFailed, detail)
                     }
                 };
             }
@@ -292,13 +286,12 @@ impl<St: Store> Shared<St> {
                 tracing::warn!(
                     target: "tower_idempotency",
                     outcome = %Outcome::StoreUnavailable,
-                    key = %id.short(),
                     error = %ErrorChain(&err),
                     "idempotency store failed at claim time; refusing the request (fail-closed)"
                 );
                 let detail =
                     String::from("the idempotency store is unavailable; the request was not run");
-                return self.problem(ProblemKind::StoreUnavailable, detail, Some(&id));
+                return self.problem(ProblemKind::StoreUnavailable, detail);
             }
         };
 
@@ -308,13 +301,14 @@ impl<St: Store> Shared<St> {
         let shared = self.clone();
         // Detached from the connection: the handler runs to completion and its result is stored
         // even when the client goes away, so the client's retry gets it.
+        let execute = shared.execute(inner, request, id, token, fingerprint, tx);
         self.tracker
-            .spawn(shared.execute(inner, request, id, token, fingerprint, tx));
+            .spawn(execute.instrument(tracing::Span::current()));
         match rx.await {
             Ok(response) => response,
             Err(_) => {
                 let detail = String::from("the request's task ended without a response");
-                self.problem(ProblemKind::HandlerFailed, detail, Some(&id))
+                self.problem(ProblemKind::HandlerFailed, detail)
             }
         }
     }
@@ -323,14 +317,13 @@ impl<St: Store> Shared<St> {
         &self,
         record: Record,
         fingerprint: &Fingerprint,
-        id: &RecordId,
     ) -> Response<ResponseBody<B>> {
         if record.fingerprint() != fingerprint {
             let detail = String::from(
                 "this Idempotency-Key was used for a different request (method, path, query or body); \
                  use a new key for a new request",
             );
-            return self.problem(ProblemKind::Mismatch, detail, Some(id));
+            return self.problem(ProblemKind::Mismatch, detail);
         }
         match record {
             Record::InFlight(in_flight) => {
@@ -348,7 +341,6 @@ impl<St: Store> Shared<St> {
                 finish(
                     problem.into_response().map(ResponseBody::full),
                     Outcome::InFlight,
-                    Some(id),
                 )
             }
             Record::Completed(Completed {
@@ -361,14 +353,14 @@ impl<St: Store> Shared<St> {
                 response
                     .headers_mut()
                     .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                finish(response, Outcome::Replayed, Some(id))
+                finish(response, Outcome::Replayed)
             }
             Record::Completed(Completed { response: None, .. }) => {
                 let detail = String::from(
                     "the request with this Idempotency-Key completed, but its response was too large to store \
                      and cannot be replayed",
                 );
-                self.problem(ProblemKind::NotReplayable, detail, Some(id))
+                self.problem(ProblemKind::NotReplayable, detail)
             }
         }
     }
@@ -415,7 +407,7 @@ impl<St: Store> Shared<St> {
                         &id,
                         &token,
                         &completed,
-                        finish(response, Outcome::Executed, Some(&id)),
+                        finish(response, Outcome::Executed),
                         tx,
                     )
                     .await;
@@ -430,18 +422,14 @@ impl<St: Store> Shared<St> {
                         &id,
                         &token,
                         &completed,
-                        finish(response, Outcome::Executed, Some(&id)),
+                        finish(response, Outcome::Executed),
                         tx,
                     )
                     .await;
                     return;
                 }
                 Handled::NotStored(response) => {
-                    let response = finish(
-                        response.map(ResponseBody::inner),
-                        Outcome::NotStored,
-                        Some(&id),
-                    );
+                    let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
                     self.release(&id, &token, response, tx).await;
                     return;
                 }
@@ -449,7 +437,6 @@ impl<St: Store> Shared<St> {
                     // The handler ran: keep a tombstone so a retry does not run it again.
                     tracing::error!(
                         target: "tower_idempotency",
-                        key = %id.short(),
                         error = %err,
                         "the response body failed while it was read; keeping a tombstone"
                     );
@@ -458,7 +445,7 @@ impl<St: Store> Shared<St> {
                         response: None,
                     };
                     let detail = String::from("the response could not be produced");
-                    let response = self.problem(ProblemKind::HandlerFailed, detail, Some(&id));
+                    let response = self.problem(ProblemKind::HandlerFailed, detail);
                     self.complete(&id, &token, &completed, response, tx).await;
                     return;
                 }
@@ -466,10 +453,10 @@ impl<St: Store> Shared<St> {
             Ok(Err(err)) => format!("the handler failed: {err}"),
             Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
         };
-        tracing::error!(target: "tower_idempotency", key = %id.short(), error = %failure, "releasing the claim");
+        tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
         let detail =
             String::from("the request failed; it was not stored, and a retry runs it again");
-        let response = self.problem(ProblemKind::HandlerFailed, detail, Some(&id));
+        let response = self.problem(ProblemKind::HandlerFailed, detail);
         self.release(&id, &token, response, tx).await;
     }
 
@@ -627,24 +614,34 @@ fn whole_seconds(duration: Duration) -> u64 {
     seconds.max(1)
 }
 
-/// Marks a response with its outcome and logs it.
-fn finish<B>(mut response: Response<B>, outcome: Outcome, id: Option<&RecordId>) -> Response<B> {
-    let key = id.map(RecordId::short);
-    let key = key.as_deref().unwrap_or("-");
+/// Marks a response with its outcome and logs it (inside the request's span, which carries the
+/// hashed key and scope).
+fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
     let status = response.status().as_u16();
     match outcome {
         Outcome::StoreUnavailable | Outcome::HandlerFailed | Outcome::FailedOpen => {
-            tracing::warn!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
+            tracing::warn!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
         }
         Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {
-            tracing::info!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
+            tracing::info!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
         }
-        _ => {
-            tracing::debug!(target: "tower_idempotency", %outcome, key, status, "idempotency outcome")
-        }
+        _ => tracing::debug!(target: "tower_idempotency", %outcome, status, "idempotency outcome"),
     }
     response.extensions_mut().insert(outcome);
     response
+}
+
+/// A short, non-reversible tag of a scope for logs.
+struct ScopeTag<'a>(&'a Scope);
+
+impl fmt::Display for ScopeTag<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let digest = blake3::hash(self.0.as_bytes());
+        for b in &digest.as_bytes()[..4] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -205,7 +205,6 @@ impl MemoryStore {
         if wanted > entry.size && !self.reserve(wanted - entry.size) {
             tracing::warn!(
                 target: "tower_idempotency",
-                record = %id.short(),
                 bytes = wanted,
                 "memory store full: keeping a tombstone instead of the response"
             );
