@@ -59,7 +59,8 @@ impl From<Bytes> for Scope {
 }
 
 /// A scope function's refusal: the response the client gets instead (for example a 401 when the
-/// request carries no principal). Nothing is claimed and the handler does not run.
+/// request carries no principal). Nothing is claimed and the handler does not run. The response is
+/// boxed, so that a scope function's `Result` stays small.
 ///
 /// ```
 /// use http::StatusCode;
@@ -70,23 +71,23 @@ impl From<Bytes> for Scope {
 /// assert_eq!(rejection.into_response().status(), StatusCode::UNAUTHORIZED);
 /// ```
 #[derive(Debug)]
-pub struct Rejection(Response<Bytes>);
+pub struct Rejection(Box<Response<Bytes>>);
 
 impl Rejection {
     /// The response the client gets.
     pub fn into_response(self) -> Response<Bytes> {
-        self.0
+        *self.0
     }
 }
 
 impl From<StatusCode> for Rejection {
     fn from(status: StatusCode) -> Self {
-        Self(Problem::status(status).into_response())
+        Self(Box::new(Problem::status(status).into_response()))
     }
 }
 
 impl From<Response<Bytes>> for Rejection {
     fn from(response: Response<Bytes>) -> Self {
-        Self(response)
+        Self(Box::new(response))
     }
 }
