@@ -1,0 +1,284 @@
+//! The handlers of `/v1/charges`.
+//!
+//! Every handler that calls the provider runs behind the idempotency layer, takes the request's
+//! [`IdempotencyKey`] and passes the provider a key derived from it and the account: a retry that
+//! reaches the handler again (its idempotency record lost) reaches the provider with the same key.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tower_idempotency::IdempotencyKey;
+
+use super::AppState;
+use super::auth::Account;
+use super::error::ApiError;
+use super::ledger::{Charge, ChargeJson};
+use super::provider::{Outcome, Source, Unavailable};
+use super::state_machine::Event;
+
+/// The body of `POST /v1/charges`.
+#[derive(Debug, Deserialize)]
+struct CreateCharge {
+    amount: Option<i64>,
+    currency: Option<String>,
+    source: Option<String>,
+    capture: Option<bool>,
+    description: Option<String>,
+}
+
+/// The body of `POST /v1/charges/{id}/refunds`; empty means "refund the rest".
+#[derive(Debug, Default, Deserialize)]
+struct CreateRefund {
+    amount: Option<i64>,
+}
+
+/// A page of charges, as the API shows it.
+#[derive(Debug, Serialize)]
+pub struct ListJson {
+    object: &'static str,
+    data: Vec<ChargeJson>,
+}
+
+/// A refund, as the API shows it.
+#[derive(Debug, Serialize)]
+pub struct RefundJson {
+    id: String,
+    object: &'static str,
+    amount: i64,
+    charge: String,
+    status: &'static str,
+}
+
+/// The provider's idempotency key for this request: the same on every retry, unrelated between
+/// accounts.
+fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
+    key.derive(account.id())
+}
+
+/// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
+/// recorded), 503 when the provider is unavailable (nothing is recorded: retry).
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+    key: IdempotencyKey,
+    body: Bytes,
+) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
+    let input: CreateCharge = parse_json(&body)?;
+    let amount = input.amount.ok_or(ApiError::missing_param("amount"))?;
+    if amount <= 0 {
+        return Err(ApiError::invalid_param(
+            "amount",
+            "`amount` must be a positive integer, in minor units (cents)",
+        ));
+    }
+    let currency = input.currency.ok_or(ApiError::missing_param("currency"))?;
+    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return Err(ApiError::invalid_param(
+            "currency",
+            "`currency` must be a three-letter ISO code, such as `eur`",
+        ));
+    }
+    let token = input.source.ok_or(ApiError::missing_param("source"))?;
+    let source = Source::parse(&token).ok_or_else(|| {
+        ApiError::invalid_param(
+            "source",
+            "unknown `source`; the test tokens are `tok_visa`, `tok_chargeDeclined` and `tok_pspUnavailable`",
+        )
+    })?;
+    let capture = input.capture.unwrap_or(true);
+
+    let mut charge = Charge::new(
+        account.clone(),
+        amount,
+        currency.to_ascii_lowercase(),
+        input.description,
+    );
+    charge.apply(Event::Authorize)?;
+    let reply = state
+        .provider
+        .create_payment(&provider_key(&key, &account), source, amount, capture)
+        .await
+        .map_err(|Unavailable| ApiError::provider_unavailable())?;
+    charge.id = format!("ch_{}", reply.id.trim_start_matches("py_"));
+    charge.payment = reply.id;
+    match reply.outcome {
+        Outcome::Declined => charge.apply(Event::Declined)?,
+        Outcome::Authorized => charge.apply(Event::Approved)?,
+        // One provider call authorized and captured; the charge still walks every step.
+        Outcome::Captured => {
+            charge.apply(Event::Approved)?;
+            charge.apply(Event::Capture)?;
+            charge.apply(Event::Captured)?;
+        }
+        Outcome::Refunded | Outcome::Canceled => {
+            unreachable!("a new payment is authorized, captured or declined")
+        }
+    }
+    let charge = state.ledger.insert(charge);
+    tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
+    if reply.outcome == Outcome::Declined {
+        return Err(ApiError::card_declined(&charge.id));
+    }
+    Ok((StatusCode::CREATED, Json(charge.to_json())))
+}
+
+/// `GET /v1/charges`: the account's charges, newest first.
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+) -> Json<ListJson> {
+    let data = state
+        .ledger
+        .list(&account)
+        .iter()
+        .map(Charge::to_json)
+        .collect();
+    Json(ListJson {
+        object: "list",
+        data,
+    })
+}
+
+/// `GET /v1/charges/{id}`: 404 for an unknown charge, and for another account's.
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+    Path(id): Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
+    Ok(Json(state.ledger.get(&account, &id)?.to_json()))
+}
+
+/// `POST /v1/charges/{id}/capture`: takes the money of an authorized charge.
+pub async fn capture(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+    key: IdempotencyKey,
+    Path(id): Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
+    // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`.
+    let charge = state
+        .ledger
+        .update(&account, &id, |c| c.apply(Event::Capture))?;
+    let reply = state
+        .provider
+        .capture(&provider_key(&key, &account), &charge.payment)
+        .await;
+    let event = match reply {
+        Ok(_) => Event::Captured,
+        Err(Unavailable) => return Err(roll_back(&state, &account, &id)),
+    };
+    let charge = state.ledger.update(&account, &id, |c| c.apply(event))?;
+    Ok(Json(charge.to_json()))
+}
+
+/// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
+pub async fn refund(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+    key: IdempotencyKey,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
+    let input: CreateRefund = if body.is_empty() {
+        CreateRefund::default()
+    } else {
+        parse_json(&body)?
+    };
+    let mut amount = 0;
+    let charge = state.ledger.update(&account, &id, |c| {
+        amount = input.amount.unwrap_or(c.refundable());
+        c.apply(Event::Refund)?;
+        if amount <= 0 {
+            return Err(ApiError::invalid_param(
+                "amount",
+                "`amount` must be a positive integer",
+            ));
+        }
+        if amount > c.refundable() {
+            return Err(ApiError::invalid_request(
+                "amount_too_large",
+                format!(
+                    "`amount` is more than the {} left to refund",
+                    c.refundable()
+                ),
+            )
+            .with_param("amount"));
+        }
+        Ok(())
+    })?;
+    let reply = state
+        .provider
+        .refund(&provider_key(&key, &account), &charge.payment, amount)
+        .await;
+    let Ok(reply) = reply else {
+        return Err(roll_back(&state, &account, &id));
+    };
+    let charge = state.ledger.update(&account, &id, |c| {
+        c.amount_refunded += amount;
+        let event = if c.refundable() == 0 {
+            Event::Refunded
+        } else {
+            Event::PartiallyRefunded
+        };
+        c.apply(event)
+    })?;
+    let refund = RefundJson {
+        id: reply.id,
+        object: "refund",
+        amount,
+        charge: charge.id,
+        status: "succeeded",
+    };
+    Ok((StatusCode::CREATED, Json(refund)))
+}
+
+/// `POST /v1/charges/{id}/cancel`: releases an authorized charge.
+pub async fn cancel(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+    key: IdempotencyKey,
+    Path(id): Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
+    let charge = state
+        .ledger
+        .update(&account, &id, |c| c.apply(Event::Cancel))?;
+    let reply = state
+        .provider
+        .cancel(&provider_key(&key, &account), &charge.payment)
+        .await;
+    if reply.is_err() {
+        return Err(roll_back(&state, &account, &id));
+    }
+    let charge = state
+        .ledger
+        .update(&account, &id, |c| c.apply(Event::Canceled))?;
+    Ok(Json(charge.to_json()))
+}
+
+/// The provider was unavailable: back to the state before the call, and a 503 (which the
+/// idempotency layer does not store, so a retry with the same key runs again).
+fn roll_back(state: &AppState, account: &Account, id: &str) -> ApiError {
+    let rolled_back = state
+        .ledger
+        .update(account, id, |c| c.apply(Event::ProviderUnavailable));
+    if let Err(err) = rolled_back {
+        tracing::error!(charge = id, ?err, "could not roll the charge back");
+    }
+    ApiError::provider_unavailable()
+}
+
+/// A JSON body, or 400: `invalid_json` when it is not JSON, `parameter_invalid` when a field has
+/// the wrong type.
+fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|err| match err.classify() {
+        serde_json::error::Category::Data => {
+            ApiError::invalid_request("parameter_invalid", err.to_string())
+        }
+        _ => {
+            ApiError::invalid_request("invalid_json", format!("the body is not valid JSON: {err}"))
+        }
+    })
+}

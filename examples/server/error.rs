@@ -1,0 +1,169 @@
+//! The API's errors: `{"error": {"type", "code", "message", ...}}`, as payment APIs write them.
+//!
+//! (The idempotency layer's own answers, such as 400 for a missing key or 422 for a reused one, are
+//! RFC 9457 `application/problem+json` documents instead.)
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{self, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use super::state_machine::Status;
+
+/// An error answer of the API.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    message: String,
+    param: Option<&'static str>,
+    charge: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message,
+            param: None,
+            charge: None,
+        }
+    }
+
+    /// 400: the request is malformed.
+    pub fn invalid_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message.into(),
+        )
+    }
+
+    /// 400: a parameter is missing.
+    pub fn missing_param(param: &'static str) -> Self {
+        Self::invalid_request("parameter_missing", format!("`{param}` is required"))
+            .with_param(param)
+    }
+
+    /// 400: a parameter has an invalid value.
+    pub fn invalid_param(param: &'static str, message: impl Into<String>) -> Self {
+        Self::invalid_request("parameter_invalid", message).with_param(param)
+    }
+
+    /// 400: the charge's state does not allow the operation.
+    pub fn invalid_state(status: Status, operation: &str) -> Self {
+        Self::invalid_request(
+            "invalid_state",
+            format!(
+                "the charge is {}; it cannot be {operation}",
+                status.as_str()
+            ),
+        )
+    }
+
+    /// 401: no API key.
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing_api_key",
+            "send your API key as `Authorization: Bearer <key>`".into(),
+        )
+    }
+
+    /// 402: the card was declined; the failed charge is recorded.
+    pub fn card_declined(charge: &str) -> Self {
+        let mut error = Self::new(
+            StatusCode::PAYMENT_REQUIRED,
+            "card_error",
+            "card_declined",
+            "the card was declined".into(),
+        );
+        error.charge = Some(charge.to_owned());
+        error
+    }
+
+    /// 404: no such charge (for this account).
+    pub fn no_such_charge(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "resource_missing",
+            format!("no such charge: `{id}`"),
+        )
+        .with_param("id")
+    }
+
+    /// 503: the payment provider is unavailable; nothing happened, retry with the same key.
+    pub fn provider_unavailable() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "api_error",
+            "provider_unavailable",
+            "the payment provider is unavailable; nothing was charged, retry with the same Idempotency-Key"
+                .into(),
+        )
+    }
+
+    /// Names the parameter at fault.
+    pub fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    fn body(&self) -> ErrorJson<'_> {
+        ErrorJson {
+            error: ErrorDetail {
+                kind: self.kind,
+                code: self.code,
+                message: &self.message,
+                param: self.param,
+                charge: self.charge.as_deref(),
+            },
+        }
+    }
+
+    /// The error as a plain `http` response, for the idempotency layer's scope [`Rejection`].
+    ///
+    /// [`Rejection`]: tower_idempotency::Rejection
+    pub fn into_http(self) -> http::Response<Bytes> {
+        let body = serde_json::to_vec(&self.body()).unwrap_or_default();
+        let mut response = http::Response::new(Bytes::from(body));
+        *response.status_mut() = self.status;
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        response
+    }
+}
+
+/// `{"error": {...}}`
+#[derive(Debug, Serialize)]
+struct ErrorJson<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct ErrorDetail<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    code: &'static str,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    param: Option<&'static str>,
+    /// The failed charge, when a card is declined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    charge: Option<&'a str>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}

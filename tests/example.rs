@@ -1,0 +1,888 @@
+//! The payments example (`examples/server`), driven in-process with `oneshot`: every scenario runs
+//! on the in-memory store and on Redis (a private `redis-server` per test).
+
+#[allow(dead_code)]
+#[path = "../examples/server/main.rs"]
+mod server;
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use redis_server::RedisServer;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+
+use server::{AppState, Provider, app};
+
+const ALICE: &str = "sk_test_alice";
+const BOB: &str = "sk_test_bob";
+
+/// One app on one store, and the means to call it.
+struct Harness {
+    state: AppState,
+    router: Router,
+    redis: Option<RedisServer>,
+    /// Numbers the keys of [`Harness::charge`].
+    keys: AtomicUsize,
+}
+
+impl Harness {
+    fn memory() -> Self {
+        let state = AppState::new(Duration::ZERO);
+        let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
+        Self {
+            state,
+            router,
+            redis: None,
+            keys: AtomicUsize::new(0),
+        }
+    }
+
+    async fn redis() -> Self {
+        let server = RedisServer::start();
+        let store = RedisStore::from_url(&server.url()).expect("a valid URL");
+        store.check().await.expect("the fixture's Redis answers");
+        let state = AppState::new(Duration::ZERO);
+        let router = app(state.clone(), IdempotencyLayer::new(store));
+        Self {
+            state,
+            router,
+            redis: Some(server),
+            keys: AtomicUsize::new(0),
+        }
+    }
+
+    fn provider(&self) -> &Provider {
+        &self.state.provider
+    }
+
+    /// The provider's `(calls, effects)`.
+    fn provider_counts(&self) -> (usize, usize) {
+        (self.provider().calls(), self.provider().effects())
+    }
+
+    /// Forgets every idempotency record (a flushed Redis, a dedup window that ran out), keeping the
+    /// ledger and the provider.
+    fn lose_idempotency_records(&mut self) {
+        match &self.redis {
+            Some(server) => server.flushall(),
+            None => {
+                let layer = IdempotencyLayer::new(MemoryStore::new());
+                self.router = app(self.state.clone(), layer);
+            }
+        }
+    }
+
+    /// Checks what every scenario must leave behind.
+    fn finish(self) {
+        if let Some(server) = &self.redis {
+            assert_eq!(
+                server.keys_without_ttl(),
+                Vec::<String>::new(),
+                "every Redis key must expire"
+            );
+        }
+    }
+
+    fn post(&self, path: &str) -> Call<'_> {
+        Call::new(self, Method::POST, path)
+    }
+
+    fn get(&self, path: &str) -> Call<'_> {
+        Call::new(self, Method::GET, path)
+    }
+
+    /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
+    async fn charge(&self, api_key: &str, body: Value) -> Value {
+        let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
+        let reply = self
+            .post("/v1/charges")
+            .auth(api_key)
+            .key(&key)
+            .json(body)
+            .send()
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+        reply.json
+    }
+
+    async fn charge_status(&self, api_key: &str, id: &str) -> Value {
+        let reply = self
+            .get(&format!("/v1/charges/{id}"))
+            .auth(api_key)
+            .send()
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json
+    }
+}
+
+/// One request being built.
+struct Call<'a> {
+    harness: &'a Harness,
+    request: axum::http::request::Builder,
+    body: Body,
+}
+
+impl<'a> Call<'a> {
+    fn new(harness: &'a Harness, method: Method, path: &str) -> Self {
+        Self {
+            harness,
+            request: Request::builder().method(method).uri(path),
+            body: Body::empty(),
+        }
+    }
+
+    fn auth(mut self, api_key: &str) -> Self {
+        self.request = self
+            .request
+            .header("authorization", format!("Bearer {api_key}"));
+        self
+    }
+
+    fn header(mut self, name: &str, value: &str) -> Self {
+        self.request = self.request.header(name, value);
+        self
+    }
+
+    fn key(self, key: &str) -> Self {
+        self.header("idempotency-key", key)
+    }
+
+    fn json(mut self, body: Value) -> Self {
+        self.request = self.request.header("content-type", "application/json");
+        self.body = Body::from(body.to_string());
+        self
+    }
+
+    fn raw(mut self, body: &'static str) -> Self {
+        self.body = Body::from(body);
+        self
+    }
+
+    async fn send(self) -> Reply {
+        let request = self.request.body(self.body).expect("a valid request");
+        let response = self
+            .harness
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .expect("the router is infallible");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("a readable body")
+            .to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Reply {
+            status,
+            headers,
+            bytes,
+            json,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    bytes: Bytes,
+    json: Value,
+}
+
+impl Reply {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    fn content_type(&self) -> &str {
+        self.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+    }
+
+    /// The `code` of an API error.
+    fn error_code(&self) -> &str {
+        self.json["error"]["code"].as_str().unwrap_or_default()
+    }
+
+    fn assert_error(&self, status: StatusCode, kind: &str, code: &str) {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(self.content_type(), "application/json", "{}", self.text());
+        assert_eq!(self.json["error"]["type"], kind, "{}", self.text());
+        assert_eq!(self.error_code(), code, "{}", self.text());
+        assert!(
+            self.json["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{}",
+            self.text()
+        );
+    }
+}
+
+fn visa(amount: i64) -> Value {
+    json!({ "amount": amount, "currency": "eur", "source": "tok_visa" })
+}
+
+fn ids(list: &Value) -> Vec<&str> {
+    list["data"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|charge| charge["id"].as_str().expect("an id"))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios: each runs on both stores.
+
+async fn no_or_empty_bearer_is_401(h: &mut Harness) {
+    let cases: [Option<&str>; 5] = [
+        None,
+        Some("Bearer"),
+        Some("Bearer "),
+        Some("Bearer    "),
+        Some("Basic c2tfdGVzdDo="),
+    ];
+    for authorization in cases {
+        for method in [Method::POST, Method::GET] {
+            let mut call = Call::new(h, method.clone(), "/v1/charges").key("k-401");
+            if let Some(value) = authorization {
+                call = call.header("authorization", value);
+            }
+            let reply = call.json(visa(100)).send().await;
+            reply.assert_error(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "missing_api_key",
+            );
+            assert!(!reply.replayed());
+        }
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn a_charge_without_idempotency_key_is_400(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .json(visa(100))
+        .send()
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn create_is_201_with_the_charge(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-1")
+        .json(json!({
+            "amount": 1999,
+            "currency": "EUR",
+            "source": "tok_visa",
+            "description": "a red bicycle",
+        }))
+        .send()
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    assert!(!reply.replayed());
+    let charge = &reply.json;
+    let id = charge["id"].as_str().expect("an id");
+    assert!(id.starts_with("ch_"), "{id}");
+    assert_eq!(charge["object"], "charge");
+    assert_eq!(charge["amount"], 1999);
+    assert_eq!(charge["currency"], "eur");
+    assert_eq!(charge["description"], "a red bicycle");
+    assert_eq!(charge["status"], "captured");
+    assert_eq!(charge["captured"], true);
+    assert_eq!(charge["amount_refunded"], 0);
+    assert!(
+        charge["created"]
+            .as_u64()
+            .is_some_and(|t| t > 1_600_000_000)
+    );
+    assert_eq!(h.provider_counts(), (1, 1));
+
+    assert_eq!(&h.charge_status(ALICE, id).await, charge);
+}
+
+async fn a_retry_replays_the_charge(h: &mut Harness) {
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-2")
+            .json(visa(500))
+    };
+    let first = create().send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+    assert_eq!(h.provider_counts(), (1, 1), "the provider was called once");
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
+}
+
+async fn the_same_key_with_another_amount_is_422(h: &mut Harness) {
+    h.post("/v1/charges")
+        .auth(ALICE)
+        .key("order-3")
+        .json(visa(500))
+        .send()
+        .await;
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-3")
+        .json(visa(600))
+        .send()
+        .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(h.provider_counts(), (1, 1));
+}
+
+async fn a_decline_is_402_and_replayed(h: &mut Harness) {
+    let body = json!({ "amount": 700, "currency": "usd", "source": "tok_chargeDeclined" });
+    let decline = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-4")
+            .json(body.clone())
+    };
+    let first = decline().send().await;
+    first.assert_error(StatusCode::PAYMENT_REQUIRED, "card_error", "card_declined");
+    assert!(!first.replayed());
+    let retry = decline().send().await;
+    assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes);
+    assert_eq!(h.provider_counts(), (1, 1), "the provider was called once");
+
+    let id = first.json["error"]["charge"]
+        .as_str()
+        .expect("the failed charge");
+    let charge = h.charge_status(ALICE, id).await;
+    assert_eq!(charge["status"], "failed");
+    assert_eq!(charge["captured"], false);
+}
+
+async fn provider_unavailable_is_503_and_a_retry_runs_again(h: &mut Harness) {
+    let body = json!({ "amount": 700, "currency": "usd", "source": "tok_pspUnavailable" });
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-5")
+            .json(body.clone())
+    };
+    let first = create().send().await;
+    first.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "api_error",
+        "provider_unavailable",
+    );
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!retry.replayed(), "a 503 is not stored");
+    assert_eq!(h.provider_counts(), (2, 0), "the provider was called twice");
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert!(ids(&list.json).is_empty(), "nothing was recorded");
+}
+
+async fn two_accounts_with_one_key_get_two_charges(h: &mut Harness) {
+    let create = |api_key| {
+        h.post("/v1/charges")
+            .auth(api_key)
+            .key("shared-key")
+            .json(visa(100))
+    };
+    let alice = create(ALICE).send().await;
+    let bob = create(BOB).send().await;
+    assert_eq!(alice.status, StatusCode::CREATED);
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert!(!bob.replayed(), "Bob never sees Alice's record");
+    assert_ne!(alice.json["id"], bob.json["id"]);
+    assert_eq!(h.provider_counts(), (2, 2));
+
+    let alice_list = h.get("/v1/charges").auth(ALICE).send().await;
+    let bob_list = h.get("/v1/charges").auth(BOB).send().await;
+    assert_eq!(ids(&alice_list.json), [alice.json["id"].as_str().unwrap()]);
+    assert_eq!(ids(&bob_list.json), [bob.json["id"].as_str().unwrap()]);
+}
+
+async fn the_list_is_newest_first_and_per_account(h: &mut Harness) {
+    let mut created = Vec::new();
+    for amount in [100, 200, 300] {
+        created.push(h.charge(ALICE, visa(amount)).await["id"].clone());
+    }
+    let bob = h.charge(BOB, visa(400)).await;
+
+    let reply = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.json["object"], "list");
+    let newest_first: Vec<&str> = created
+        .iter()
+        .rev()
+        .map(|id| id.as_str().unwrap())
+        .collect();
+    assert_eq!(ids(&reply.json), newest_first);
+    let amounts: Vec<&Value> = reply.json["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| &c["amount"])
+        .collect();
+    assert_eq!(amounts, [&json!(300), &json!(200), &json!(100)]);
+
+    let reply = h.get("/v1/charges").auth(BOB).send().await;
+    assert_eq!(ids(&reply.json), [bob["id"].as_str().unwrap()]);
+}
+
+async fn another_accounts_charge_is_404(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 100, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    let id = charge["id"].as_str().unwrap();
+
+    let reply = h.get(&format!("/v1/charges/{id}")).auth(BOB).send().await;
+    reply.assert_error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "resource_missing",
+    );
+    let reply = h.get("/v1/charges/ch_nope").auth(ALICE).send().await;
+    reply.assert_error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "resource_missing",
+    );
+    // Nor can Bob act on it.
+    for action in ["capture", "refunds", "cancel"] {
+        let reply = h
+            .post(&format!("/v1/charges/{id}/{action}"))
+            .auth(BOB)
+            .key(&format!("bob-{action}"))
+            .send()
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{action}: {}",
+            reply.text()
+        );
+    }
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "authorized");
+}
+
+async fn capture_an_authorized_charge(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1500, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    assert_eq!(charge["status"], "authorized");
+    assert_eq!(charge["captured"], false);
+    let id = charge["id"].as_str().unwrap();
+    let path = format!("/v1/charges/{id}/capture");
+
+    let reply = h.post(&path).auth(ALICE).send().await;
+    assert_eq!(
+        reply.status,
+        StatusCode::BAD_REQUEST,
+        "capture needs a key too"
+    );
+
+    let capture = || h.post(&path).auth(ALICE).key("capture-1");
+    let captured = capture().send().await;
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+    assert_eq!(captured.json["status"], "captured");
+    assert_eq!(captured.json["captured"], true);
+    assert_eq!(captured.json["id"], id);
+    assert_eq!(h.provider_counts(), (2, 2));
+
+    let retry = capture().send().await;
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, captured.bytes);
+
+    let again = h.post(&path).auth(ALICE).key("capture-2").send().await;
+    again.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    assert_eq!(
+        h.provider_counts(),
+        (2, 2),
+        "no provider call for a refused capture"
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "captured");
+}
+
+async fn partial_refunds_then_the_rest(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().unwrap();
+    let path = format!("/v1/charges/{id}/refunds");
+
+    let partial = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-1")
+        .json(json!({ "amount": 300 }))
+        .send()
+        .await;
+    assert_eq!(partial.status, StatusCode::CREATED, "{}", partial.text());
+    assert_eq!(partial.json["object"], "refund");
+    assert_eq!(partial.json["amount"], 300);
+    assert_eq!(partial.json["charge"], id);
+    assert!(partial.json["id"].as_str().unwrap().starts_with("re_"));
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "captured");
+    assert_eq!(after["amount_refunded"], 300);
+
+    let over = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-2")
+        .json(json!({ "amount": 701 }))
+        .send()
+        .await;
+    over.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "amount_too_large",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["amount_refunded"], 300);
+
+    // No amount: the rest.
+    let rest = h.post(&path).auth(ALICE).key("refund-3").send().await;
+    assert_eq!(rest.status, StatusCode::CREATED, "{}", rest.text());
+    assert_eq!(rest.json["amount"], 700);
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "refunded");
+    assert_eq!(after["amount_refunded"], 1000);
+    assert_eq!(after["captured"], true);
+
+    let again = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-4")
+        .json(json!({ "amount": 1 }))
+        .send()
+        .await;
+    again.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    // The charge, a refund, a refund.
+    assert_eq!(h.provider_counts(), (3, 3));
+
+    let bad = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-5")
+        .json(json!({ "amount": 0 }))
+        .send()
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+async fn a_refund_needs_a_captured_charge(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    let id = charge["id"].as_str().unwrap();
+    let reply = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("refund-authorized")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+}
+
+async fn cancel_an_authorized_charge(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    let id = charge["id"].as_str().unwrap();
+
+    let canceled = h
+        .post(&format!("/v1/charges/{id}/cancel"))
+        .auth(ALICE)
+        .key("cancel-1")
+        .send()
+        .await;
+    assert_eq!(canceled.status, StatusCode::OK, "{}", canceled.text());
+    assert_eq!(canceled.json["status"], "canceled");
+    assert_eq!(canceled.json["captured"], false);
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "canceled");
+
+    let capture = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("capture-canceled")
+        .send()
+        .await;
+    capture.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+
+    // A captured charge cannot be canceled (refund it instead).
+    let captured = h.charge(ALICE, visa(1000)).await;
+    let id = captured["id"].as_str().unwrap();
+    let reply = h
+        .post(&format!("/v1/charges/{id}/cancel"))
+        .auth(ALICE)
+        .key("cancel-captured")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "captured");
+}
+
+async fn invalid_input_is_400(h: &mut Harness) {
+    let cases: [(&str, &str, Option<&str>); 14] = [
+        ("not json", "invalid_json", None),
+        ("", "invalid_json", None),
+        ("[1, 2]", "parameter_invalid", None),
+        (
+            r#"{"currency": "eur", "source": "tok_visa"}"#,
+            "parameter_missing",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": 0, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": -5, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": 10.5, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            None,
+        ),
+        (
+            r#"{"amount": "ten", "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            None,
+        ),
+        (
+            r#"{"amount": 100, "source": "tok_visa"}"#,
+            "parameter_missing",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eu", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "e1r", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur"}"#,
+            "parameter_missing",
+            Some("source"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur", "source": "tok_nope"}"#,
+            "parameter_invalid",
+            Some("source"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur", "source": "tok_visa", "capture": "yes"}"#,
+            "parameter_invalid",
+            None,
+        ),
+    ];
+    for (i, (body, code, param)) in cases.into_iter().enumerate() {
+        let reply = h
+            .post("/v1/charges")
+            .auth(ALICE)
+            .key(&format!("invalid-{i}"))
+            .raw(body)
+            .send()
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{body}: {}",
+            reply.text()
+        );
+        reply.assert_error(StatusCode::BAD_REQUEST, "invalid_request_error", code);
+        if let Some(param) = param {
+            assert_eq!(reply.json["error"]["param"], param, "{body}");
+        }
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn reads_need_no_key_and_are_never_stored(h: &mut Harness) {
+    let list = || h.get("/v1/charges").auth(ALICE).key("read-key");
+    let empty = list().send().await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert!(ids(&empty.json).is_empty());
+    let charge = h.charge(ALICE, visa(100)).await;
+    let after = list().send().await;
+    assert!(!after.replayed());
+    assert_eq!(ids(&after.json), [charge["id"].as_str().unwrap()]);
+}
+
+async fn a_lost_record_is_caught_by_the_provider(h: &mut Harness) {
+    fn create(h: &Harness) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-6")
+            .json(visa(900))
+    }
+    let first = create(h).send().await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    h.lose_idempotency_records();
+    let retry = create(h).send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed(), "the layer had forgotten the key");
+    assert_eq!(retry.json["id"], first.json["id"], "the same charge");
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "the provider saw the same derived key and did nothing the second time"
+    );
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json).len(), 1);
+}
+
+async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    let id = charge["id"].as_str().unwrap();
+    let capture = || {
+        h.post(&format!("/v1/charges/{id}/capture"))
+            .auth(ALICE)
+            .key("capture-outage")
+    };
+
+    h.provider().set_outage(true);
+    let down = capture().send().await;
+    down.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "api_error",
+        "provider_unavailable",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "authorized");
+
+    h.provider().set_outage(false);
+    let retry = capture().send().await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(retry.json["status"], "captured");
+    assert_eq!(h.provider_counts(), (3, 2));
+}
+
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let mut harness = super::Harness::memory();
+                    super::$scenario(&mut harness).await;
+                    harness.finish();
+                }
+            )*
+        }
+
+        mod redis {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let mut harness = super::Harness::redis().await;
+                    super::$scenario(&mut harness).await;
+                    harness.finish();
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    no_or_empty_bearer_is_401,
+    a_charge_without_idempotency_key_is_400,
+    create_is_201_with_the_charge,
+    a_retry_replays_the_charge,
+    the_same_key_with_another_amount_is_422,
+    a_decline_is_402_and_replayed,
+    provider_unavailable_is_503_and_a_retry_runs_again,
+    two_accounts_with_one_key_get_two_charges,
+    the_list_is_newest_first_and_per_account,
+    another_accounts_charge_is_404,
+    capture_an_authorized_charge,
+    partial_refunds_then_the_rest,
+    a_refund_needs_a_captured_charge,
+    cancel_an_authorized_charge,
+    invalid_input_is_400,
+    reads_need_no_key_and_are_never_stored,
+    a_lost_record_is_caught_by_the_provider,
+    a_provider_outage_rolls_a_capture_back,
+);

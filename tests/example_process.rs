@@ -1,0 +1,395 @@
+//! The payments example as users run it: `cargo run --example server`, a real process on a real
+//! port, stopped with SIGTERM.
+//!
+//! The example binary is built once per test run (`cargo build --example server`, which is quick
+//! when it is up to date) into the same target directory as this test.
+
+#![cfg(unix)]
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use redis_server::RedisServer;
+
+/// How long the example may take to print its address.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the example may take to exit after SIGTERM, or after a failed start.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
+
+/// The example binary, built on first use.
+fn server_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        // This test runs as <target dir>/<profile>/deps/example_process-<hash>.
+        let exe = std::env::current_exe().expect("the test's own path");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("the test runs from <target>/<profile>/deps");
+        let target_dir = profile_dir.parent().expect("a target directory");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut build = Command::new(cargo);
+        build
+            .args(["build", "--quiet", "--example", "server", "--manifest-path"])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(target_dir);
+        match profile_dir.file_name().and_then(|name| name.to_str()) {
+            Some("debug") | None => {}
+            Some(profile) => {
+                build.args(["--profile", profile]);
+            }
+        }
+        let status = build.status().expect("cargo runs");
+        assert!(status.success(), "cargo build --example server failed");
+        let binary = profile_dir
+            .join("examples")
+            .join(format!("server{}", std::env::consts::EXE_SUFFIX));
+        assert!(binary.exists(), "no example binary at {}", binary.display());
+        binary
+    })
+}
+
+/// A running example process.
+struct Server {
+    child: Child,
+    /// The line it printed when it started listening.
+    banner: String,
+    addr: SocketAddr,
+    /// Everything it wrote to stderr so far.
+    stderr: Arc<Mutex<String>>,
+    stderr_reader: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Starts the example on a free port with `env`, and waits until it listens.
+    fn start(env: &[(&str, &str)]) -> Server {
+        let mut child = spawn(env);
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let stderr_reader = {
+            let pipe = child.stderr.take().expect("piped stderr");
+            let stderr = stderr.clone();
+            thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let mut text = stderr.lock().unwrap_or_else(PoisonError::into_inner);
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+            })
+        };
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let banner = loop {
+            match rx.recv_timeout(START_TIMEOUT) {
+                Ok(line) if line.starts_with("listening on ") => break line,
+                Ok(_) => continue,
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let _ = stderr_reader.join();
+                    let stderr = stderr.lock().unwrap_or_else(PoisonError::into_inner);
+                    panic!("the example did not print its address; stderr:\n{stderr}");
+                }
+            }
+        };
+        let addr = banner
+            .strip_prefix("listening on http://")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("no address in {banner:?}"));
+        Server {
+            child,
+            banner,
+            addr,
+            stderr,
+            stderr_reader: Some(stderr_reader),
+        }
+    }
+
+    /// Waits until the example logs `needle` on stderr.
+    fn wait_for_log(&self, needle: &str) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        while !self.stderr_text().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the log:\n{}",
+                self.stderr_text()
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stderr_text(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit; returns its status and its stderr.
+    fn wait(mut self) -> (ExitStatus, String) {
+        let status = wait_with_timeout(&mut self.child, EXIT_TIMEOUT);
+        if let Some(reader) = self.stderr_reader.take() {
+            let _ = reader.join();
+        }
+        (status, self.stderr_text())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn spawn(env: &[(&str, &str)]) -> Child {
+    let mut command = Command::new(server_binary());
+    command
+        .env("ADDR", "127.0.0.1:0")
+        .env_remove("REDIS_URL")
+        .env_remove("PSP_LATENCY_MS")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.spawn().expect("the example starts")
+}
+
+/// Reads a pipe to the end on a thread.
+fn collect(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+    thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    })
+}
+
+fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("the child can be waited on") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example did not exit within {timeout:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs the example to its exit (it is expected to fail at start-up).
+fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
+    let mut child = spawn(env);
+    let stdout = collect(child.stdout.take().expect("piped stdout"));
+    let stderr = collect(child.stderr.take().expect("piped stderr"));
+    let status = wait_with_timeout(&mut child, EXIT_TIMEOUT);
+    (
+        status,
+        stdout.join().unwrap_or_default(),
+        stderr.join().unwrap_or_default(),
+    )
+}
+
+/// An HTTP/1.1 answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`), read to the end.
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
+    let mut stream = TcpStream::connect(addr).expect("the example accepts connections");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("a socket timeout");
+    let mut message = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        message.push_str(&format!("{name}: {value}\r\n"));
+    }
+    message.push_str("\r\n");
+    message.push_str(body);
+    stream
+        .write_all(message.as_bytes())
+        .expect("the request is sent");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("the response is read");
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    Answer {
+        status,
+        head: head.to_ascii_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+fn create_charge(addr: SocketAddr, key: &str) -> Answer {
+    request(
+        addr,
+        "POST",
+        "/v1/charges",
+        &[
+            ("Authorization", "Bearer sk_test_alice"),
+            ("Idempotency-Key", key),
+            ("Content-Type", "application/json"),
+        ],
+        CHARGE,
+    )
+}
+
+#[test]
+fn start_up_prints_the_address_and_sigterm_exits_0() {
+    let server = Server::start(&[]);
+    assert_eq!(
+        server.banner,
+        format!("listening on http://{} (store: memory)", server.addr)
+    );
+    assert_ne!(server.addr.port(), 0);
+
+    let list = request(
+        server.addr,
+        "GET",
+        "/v1/charges",
+        &[("Authorization", "Bearer sk_test_alice")],
+        "",
+    );
+    assert_eq!(list.status, 200, "{list:?}");
+    let anonymous = request(server.addr, "GET", "/v1/charges", &[], "");
+    assert_eq!(anonymous.status, 401, "{anonymous:?}");
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn sigterm_lets_an_in_flight_charge_finish() {
+    let server = Server::start(&[("PSP_LATENCY_MS", "500"), ("RUST_LOG", "info,server=debug")]);
+    let addr = server.addr;
+    let started = Instant::now();
+    let in_flight = thread::spawn(move || create_charge(addr, "slow-1"));
+    // Once the request is at the (slow) provider, ask the server to stop.
+    server.wait_for_log("provider: create payment");
+    server.terminate();
+
+    let answer = in_flight.join().expect("the request thread");
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert!(
+        answer.body.contains("\"status\":\"captured\""),
+        "{answer:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the provider's latency was not simulated"
+    );
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(TcpStream::connect(addr).is_err(), "the port is closed");
+}
+
+#[test]
+fn a_bad_redis_url_fails_clearly() {
+    let (status, stdout, stderr) = run_to_exit(&[("REDIS_URL", "notaurl")]);
+    assert!(!status.success(), "exit {status:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    assert!(lines[0].contains("REDIS_URL"), "{stderr}");
+}
+
+#[test]
+fn an_unreachable_redis_fails_clearly() {
+    let started = Instant::now();
+    let (status, stdout, stderr) = run_to_exit(&[("REDIS_URL", "redis://127.0.0.1:1")]);
+    assert!(!status.success(), "exit {status:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    assert!(lines[0].contains("Redis"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(10), "it fails fast");
+}
+
+#[test]
+fn redis_end_to_end() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let server = Server::start(&[("REDIS_URL", &url)]);
+    assert!(
+        server.banner.ends_with("(store: redis)"),
+        "{}",
+        server.banner
+    );
+
+    let first = create_charge(server.addr, "redis-1");
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(!first.head.contains("idempotent-replayed"), "{first:?}");
+    let retry = create_charge(server.addr, "redis-1");
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(
+        retry.head.contains("idempotent-replayed: true"),
+        "{retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+
+    let keys = redis.command(&["DBSIZE"]).as_integer();
+    assert_eq!(keys, Some(1), "one idempotency record in Redis");
+    assert!(redis.keys_without_ttl().is_empty(), "records expire");
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
