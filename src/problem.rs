@@ -25,15 +25,18 @@
 //! header differ). Use a new key for a new request.
 //!
 //! ### not-replayable
-//! 409 without `Retry-After`: the request with this key completed, but its response was too large
-//! to store, so it cannot be replayed. The operation ran once; look its result up.
+//! 409 without `Retry-After`: the request with this key completed, but its response could not be
+//! stored (larger than the response limit, carrying trailers, or failing while it was produced), so
+//! it cannot be replayed. The operation ran once; look its result up.
 //!
 //! ### store-unavailable
 //! 503 with `Retry-After`: the idempotency store could not be reached in time (or is full), so the
 //! request was not run.
 //!
 //! ### handler-failed
-//! 500: the handler failed or panicked. Nothing was stored; a retry runs it again.
+//! 500: the handler failed or panicked. Nothing was stored; a retry runs it again. (When the
+//! handler did return a response but its body failed while it was read, the operation is taken as
+//! completed: a retry gets not-replayable, never a second run.)
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};

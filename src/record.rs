@@ -182,7 +182,8 @@ pub struct Completed {
     /// The fingerprint of the request that ran.
     pub fingerprint: Fingerprint,
     /// The response to replay, or `None` for a tombstone: the operation ran, but its response could
-    /// not be stored (larger than the response limit), so it cannot be replayed.
+    /// not be stored (larger than the response limit, with trailers, or failing while it was read),
+    /// so it cannot be replayed.
     pub response: Option<Arc<StoredResponse>>,
 }
 

@@ -118,6 +118,7 @@ where
         let key = match IdempotencyKey::from_headers(req.headers(), &config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !config.key_required => {
+                tracing::debug!(target: "tower_idempotency", outcome = %Outcome::Unprotected, "idempotency outcome");
                 let future = inner.call(req.map(RequestBody::passthrough));
                 return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
             }
@@ -274,13 +275,17 @@ impl<St: Store> Shared<St> {
                 );
                 parts.extensions.insert(key);
                 let request = Request::from_parts(parts, RequestBody::buffered(body));
-                return match inner.call(request).await {
-                    Ok(response) => finish(response.map(ResponseBody::inner), Outcome::FailedOpen),
-                    Err(err) => {
-                        let detail = format!("the handler failed: {err}");
-                        self.problem(ProblemKind::HandlerFailed, detail)
+                let run = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
+                let failure = match run {
+                    Ok(Ok(response)) => {
+                        return finish(response.map(ResponseBody::inner), Outcome::FailedOpen);
                     }
+                    Ok(Err(err)) => format!("the handler failed: {err}"),
+                    Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
                 };
+                tracing::error!(target: "tower_idempotency", error = %failure, "the unprotected request failed");
+                let detail = String::from("the request failed");
+                return self.problem(ProblemKind::HandlerFailed, detail);
             }
             Err(err) => {
                 tracing::warn!(
@@ -357,8 +362,8 @@ impl<St: Store> Shared<St> {
             }
             Record::Completed(Completed { response: None, .. }) => {
                 let detail = String::from(
-                    "the request with this Idempotency-Key completed, but its response was too large to store \
-                     and cannot be replayed",
+                    "the request with this Idempotency-Key completed, but its response could not be stored \
+                     (too large, or it failed while it was produced), so it cannot be replayed",
                 );
                 self.problem(ProblemKind::NotReplayable, detail)
             }
@@ -444,7 +449,10 @@ impl<St: Store> Shared<St> {
                         fingerprint,
                         response: None,
                     };
-                    let detail = String::from("the response could not be produced");
+                    let detail = String::from(
+                        "the response failed while it was produced; the operation may have completed, \
+                         so a retry with this key will not run it again",
+                    );
                     let response = self.problem(ProblemKind::HandlerFailed, detail);
                     self.complete(&id, &token, &completed, response, tx).await;
                     return;

@@ -1,0 +1,766 @@
+//! Layer behaviour that does not depend on the store (run on `MemoryStore`, paused time): the key
+//! header through HTTP, which methods are covered, request limits, problem responses, the key in
+//! extensions and the axum extractor, and the builder's settings.
+
+mod support;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use support::contract::{
+    Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
+    service, spawn_send, status_handler, status_request, streamed,
+};
+use tokio::sync::Notify;
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
+};
+
+type Store = Counting<MemoryStore>;
+
+fn store() -> Store {
+    Counting::new(MemoryStore::new())
+}
+
+fn echo() -> Handler {
+    Handler::ok(|call| created(format!("call {}", call.n)))
+}
+
+/// A POST with the raw key header value `key`.
+fn post_raw(key: HeaderValue) -> Request<Body> {
+    Request::post("/")
+        .header("idempotency-key", key)
+        .body(Body::from("x"))
+        .expect("a request")
+}
+
+#[track_caller]
+fn assert_rejected(reply: &Reply, kind: ProblemKind, status: StatusCode) {
+    reply.assert_problem(kind, status);
+    assert_eq!(reply.outcome, Some(Outcome::Rejected), "{reply:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The key
+// ---------------------------------------------------------------------------------------------
+
+/// Every invalid key form gets a 400 problem, never reaches the handler, and claims nothing.
+#[tokio::test(start_paused = true)]
+async fn invalid_keys_get_400_and_never_reach_the_handler() {
+    let store = store();
+    let handler = echo();
+    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+
+    let too_long = "k".repeat(256);
+    let too_long_quoted = format!("\"{}\"", "k".repeat(256));
+    let values: Vec<(&str, HeaderValue)> = vec![
+        ("empty", HeaderValue::from_static("")),
+        ("empty quoted", HeaderValue::from_static("\"\"")),
+        (
+            "256 characters",
+            HeaderValue::from_str(&too_long).expect("ascii"),
+        ),
+        (
+            "256 characters quoted",
+            HeaderValue::from_str(&too_long_quoted).expect("ascii"),
+        ),
+        ("space inside", HeaderValue::from_static("a b")),
+        ("space inside quotes", HeaderValue::from_static("\"a b\"")),
+        ("control character", HeaderValue::from_static("a\tb")),
+        (
+            "non-ASCII byte",
+            HeaderValue::from_bytes(b"key\xff").expect("obs-text"),
+        ),
+        (
+            "UTF-8",
+            HeaderValue::from_bytes("caf\u{e9}".as_bytes()).expect("obs-text"),
+        ),
+        ("unterminated quote", HeaderValue::from_static("\"abc")),
+        ("bad escape", HeaderValue::from_static("\"a\\x\"")),
+        ("list with space", HeaderValue::from_static("a, b")),
+        ("list", HeaderValue::from_static("a,b")),
+        ("list of strings", HeaderValue::from_static("\"a\", \"b\"")),
+        ("parameter", HeaderValue::from_static("\"a\";p=1")),
+        ("quote inside bare key", HeaderValue::from_static("ab\"c")),
+    ];
+    for (what, value) in values {
+        let reply = send(&svc, post_raw(value)).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_rejected(&reply, ProblemKind::InvalidKey, StatusCode::BAD_REQUEST);
+    }
+
+    let two = Request::post("/")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "a")
+        .body(Body::from("x"))
+        .expect("a request");
+    assert_rejected(
+        &send(&svc, two).await,
+        ProblemKind::InvalidKey,
+        StatusCode::BAD_REQUEST,
+    );
+
+    assert_eq!(handler.calls(), 0, "no invalid key reached the handler");
+    assert_eq!(store.calls().total(), 0, "no invalid key reached the store");
+}
+
+/// A 255-character key works (and is replayed); the handler sees it unchanged.
+#[tokio::test(start_paused = true)]
+async fn longest_key_is_accepted() {
+    let handler = Handler::ok(|call| {
+        created(
+            call.key()
+                .map(|k| k.as_str().to_owned())
+                .unwrap_or_default(),
+        )
+    });
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), handler.clone());
+    let key = format!("{}{}", "7".repeat(254), "~");
+    for _ in 0..2 {
+        let reply = send(&svc, post_request(&key, "x")).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert_eq!(reply.text(), key);
+    }
+    let quoted = send(&svc, post_request(&format!("\"{key}\""), "x")).await;
+    assert_eq!(quoted.outcome, Some(Outcome::Replayed));
+    assert_eq!(handler.calls(), 1);
+}
+
+/// The quoted sf-string `"k1"` and the bare `k1` are one key, in either order; escapes are
+/// unescaped.
+#[tokio::test(start_paused = true)]
+async fn quoted_and_bare_keys_are_one_key() {
+    let handler = echo();
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), handler.clone());
+
+    let first = send(&svc, post_request("\"k1\"", "x")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let second = send(&svc, post_request("k1", "x")).await;
+    assert_eq!(second.outcome, Some(Outcome::Replayed));
+    assert_eq!(second.body, first.body);
+
+    let bare = send(
+        &svc,
+        post_request("8e03978e-40d5-43e8-bc93-6894a57f9324", "x"),
+    )
+    .await;
+    assert_eq!(bare.outcome, Some(Outcome::Executed));
+    let quoted = send(
+        &svc,
+        post_request("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"", "x"),
+    )
+    .await;
+    assert_eq!(quoted.outcome, Some(Outcome::Replayed));
+
+    // `"a\\b"` unquotes to `a\b`, which is also a valid bare key.
+    let escaped = send(&svc, post_request(r#""a\\b""#, "x")).await;
+    assert_eq!(escaped.outcome, Some(Outcome::Executed));
+    let bare = send(&svc, post_request(r"a\b", "x")).await;
+    assert_eq!(bare.outcome, Some(Outcome::Replayed));
+    assert_eq!(handler.calls(), 3);
+}
+
+/// A covered request without a key gets 400 by default.
+#[tokio::test(start_paused = true)]
+async fn missing_key_gets_400() {
+    let store = store();
+    let handler = echo();
+    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+    for method in [Method::POST, Method::PATCH] {
+        let request = Request::builder()
+            .method(method)
+            .uri("/")
+            .body(Body::from("x"))
+            .expect("a request");
+        let reply = send(&svc, request).await;
+        assert_rejected(&reply, ProblemKind::MissingKey, StatusCode::BAD_REQUEST);
+    }
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(store.calls().total(), 0);
+}
+
+/// With `key_required(false)`, a request without a key passes through, runs every time and makes
+/// no store call; a request with a key is still protected.
+#[tokio::test(start_paused = true)]
+async fn optional_key_passes_through_every_time_without_store_calls() {
+    let store = store();
+    let handler = echo();
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).key_required(false),
+        handler.clone(),
+    );
+    for n in 1..=3 {
+        let reply = send(
+            &svc,
+            Request::post("/").body(Body::from("x")).expect("a request"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert_eq!(reply.outcome, Some(Outcome::Unprotected));
+        assert_eq!(reply.text(), format!("call {n}"));
+    }
+    assert_eq!(handler.calls(), 3);
+    assert_eq!(store.calls().total(), 0, "no key, no store call");
+
+    let first = send(&svc, post_request("k", "x")).await;
+    let replay = send(&svc, post_request("k", "x")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(handler.calls(), 4);
+    let invalid = send(&svc, post_raw(HeaderValue::from_static("a b"))).await;
+    assert_rejected(&invalid, ProblemKind::InvalidKey, StatusCode::BAD_REQUEST);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Methods
+// ---------------------------------------------------------------------------------------------
+
+/// A body fed through a channel: the stream ends only when the sender is dropped.
+fn channel_body() -> (tokio::sync::mpsc::UnboundedSender<Bytes>, Body) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|chunk| (Ok::<_, Infallible>(chunk), rx))
+    });
+    (tx, Body::from_stream(stream))
+}
+
+/// An inner service that answers with the first chunk of the request body, without waiting for
+/// the rest, and whether the request carried a key extension.
+fn first_chunk_service(
+    calls: Arc<AtomicUsize>,
+) -> impl tower::Service<
+    Request<RequestBody<Body>>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send {
+    tower::service_fn(move |request: Request<RequestBody<Body>>| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let has_key = request.extensions().get::<IdempotencyKey>().is_some();
+            let mut body = request.into_body();
+            let first = match body.frame().await {
+                Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
+                _ => Bytes::new(),
+            };
+            let text = format!("{} key:{has_key}", String::from_utf8_lossy(&first));
+            Ok::<_, Infallible>(Response::new(Body::from(text)))
+        }
+    })
+}
+
+/// GET, HEAD, OPTIONS, DELETE and PUT pass through untouched by default, even with an invalid key
+/// header: the handler runs every time, no store call, and the body is not buffered (the handler
+/// answers from the first chunk while the client has not finished sending).
+#[tokio::test(start_paused = true)]
+async fn unprotected_methods_pass_through_untouched() {
+    let store = store();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = service(
+        IdempotencyLayer::new(store.clone()),
+        first_chunk_service(calls.clone()),
+    );
+    let methods = [
+        Method::GET,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::DELETE,
+        Method::PUT,
+    ];
+    for method in methods.clone() {
+        for key in ["k", "not a valid key"] {
+            let (tx, body) = channel_body();
+            tx.send(Bytes::from("first chunk")).expect("send");
+            let request = keyed(method.clone(), "/", key)
+                .body(body)
+                .expect("a request");
+            let reply = tokio::time::timeout(Duration::from_secs(60), send(&svc, request))
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{method}: the layer waited for the whole body (it buffered it)")
+                });
+            assert_eq!(reply.status, StatusCode::OK, "{method}");
+            assert_eq!(reply.text(), "first chunk key:false", "{method}");
+            assert_eq!(reply.outcome, None, "{method}: no outcome on a passthrough");
+            drop(tx);
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2 * methods.len());
+    assert_eq!(store.calls().total(), 0, "no store call");
+}
+
+/// `methods` replaces the covered set: PUT is protected, POST passes through.
+#[tokio::test(start_paused = true)]
+async fn configured_methods_are_the_only_ones_protected() {
+    let store = store();
+    let handler = echo();
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).methods([Method::PUT]),
+        handler.clone(),
+    );
+    for n in 1..=2 {
+        let reply = send(&svc, post_request("k", "x")).await;
+        assert_eq!((reply.outcome, reply.text()), (None, format!("call {n}")));
+    }
+    assert_eq!(store.calls().total(), 0);
+    let put = || {
+        keyed(Method::PUT, "/", "k")
+            .body(Body::from("x"))
+            .expect("a request")
+    };
+    assert_eq!(send(&svc, put()).await.outcome, Some(Outcome::Executed));
+    assert_eq!(send(&svc, put()).await.outcome, Some(Outcome::Replayed));
+    assert_eq!(handler.calls(), 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The request body
+// ---------------------------------------------------------------------------------------------
+
+/// A body over the limit (with a Content-Length, or streamed without one) gets 413; nothing is
+/// claimed and the handler does not run; the key is not blocked: a small body with it works.
+#[tokio::test(start_paused = true)]
+async fn oversized_request_gets_413_and_claims_nothing() {
+    let store = store();
+    let handler = echo();
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).request_body_limit(16),
+        handler.clone(),
+    );
+
+    let sized = keyed(Method::POST, "/", "k")
+        .header(CONTENT_LENGTH, "17")
+        .body(Body::from(vec![b'x'; 17]))
+        .expect("a request");
+    let reply = send(&svc, sized).await;
+    assert_rejected(
+        &reply,
+        ProblemKind::BodyTooLarge,
+        StatusCode::PAYLOAD_TOO_LARGE,
+    );
+
+    // 4 chunks of 8 bytes, no length: the layer finds out while reading.
+    let reply = send(&svc, post_request("k", streamed(4, 8))).await;
+    assert_rejected(
+        &reply,
+        ProblemKind::BodyTooLarge,
+        StatusCode::PAYLOAD_TOO_LARGE,
+    );
+
+    assert_eq!(store.calls().claim, 0, "nothing was claimed");
+    assert_eq!(handler.calls(), 0);
+
+    // At the limit exactly, streamed or not, the same key works.
+    let first = send(&svc, post_request("k", streamed(2, 8))).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let replay = send(
+        &svc,
+        post_request(
+            "k",
+            vec![0u8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+        ),
+    )
+    .await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "the same 16 bytes");
+    assert_eq!(handler.calls(), 1);
+}
+
+/// A request body that fails while it is read gets a 400 problem; nothing is claimed.
+#[tokio::test(start_paused = true)]
+async fn unreadable_request_body_gets_400() {
+    let store = store();
+    let handler = echo();
+    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from("partial")),
+        Err(std::io::Error::other("connection reset")),
+    ];
+    let body = Body::from_stream(futures_util::stream::iter(chunks));
+    let reply = send(&svc, post_request("k", body)).await;
+    assert_rejected(&reply, ProblemKind::BodyUnreadable, StatusCode::BAD_REQUEST);
+    assert_eq!(store.calls().claim, 0);
+    assert_eq!(handler.calls(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem responses
+// ---------------------------------------------------------------------------------------------
+
+/// Every error the layer makes is `application/problem+json` with `Cache-Control: no-store` and a
+/// JSON `type`, `title`, `status` (matching the HTTP status) and `detail`; each kind has its own
+/// stable type URI.
+#[tokio::test(start_paused = true)]
+async fn every_layer_error_is_a_problem_json() {
+    let mut seen = Vec::new();
+    let mut check = |kind: ProblemKind, status: StatusCode, anchor: &str, reply: Reply| {
+        reply.assert_problem(kind, status);
+        assert!(
+            kind.type_uri().ends_with(&format!("#{anchor}")),
+            "{kind:?}: {}",
+            kind.type_uri()
+        );
+        assert!(kind.type_uri().starts_with("https://"));
+        assert_eq!(reply.json()["title"], kind.title());
+        seen.push(kind.type_uri());
+    };
+
+    let svc = service(
+        IdempotencyLayer::new(MemoryStore::new()).request_body_limit(4),
+        echo(),
+    );
+    let missing = Request::post("/").body(Body::from("x")).expect("a request");
+    check(
+        ProblemKind::MissingKey,
+        StatusCode::BAD_REQUEST,
+        "missing-key",
+        send(&svc, missing).await,
+    );
+    check(
+        ProblemKind::InvalidKey,
+        StatusCode::BAD_REQUEST,
+        "invalid-key",
+        send(&svc, post_request("a,b", "x")).await,
+    );
+    check(
+        ProblemKind::BodyTooLarge,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body-too-large",
+        send(&svc, post_request("big", "12345")).await,
+    );
+    let failing: Vec<Result<Bytes, std::io::Error>> = vec![Err(std::io::Error::other("reset"))];
+    check(
+        ProblemKind::BodyUnreadable,
+        StatusCode::BAD_REQUEST,
+        "body-unreadable",
+        send(
+            &svc,
+            post_request(
+                "unreadable",
+                Body::from_stream(futures_util::stream::iter(failing)),
+            ),
+        )
+        .await,
+    );
+
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let svc = service(
+        IdempotencyLayer::new(MemoryStore::new()).response_body_limit(4),
+        gated_handler(started.clone(), gate.clone(), "response"),
+    );
+    let held = spawn_send(&svc, post_request("held", "x"));
+    started.notified().await;
+    check(
+        ProblemKind::InFlight,
+        StatusCode::CONFLICT,
+        "in-flight",
+        send(&svc, post_request("held", "x")).await,
+    );
+    check(
+        ProblemKind::Mismatch,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "mismatch",
+        send(&svc, post_request("held", "y")).await,
+    );
+    gate.notify_one();
+    assert_eq!(held.await.expect("task").text(), "response 1");
+    check(
+        ProblemKind::NotReplayable,
+        StatusCode::CONFLICT,
+        "not-replayable",
+        send(&svc, post_request("held", "x")).await,
+    );
+
+    let faulty = Faulty::new(MemoryStore::new());
+    faulty.fail(true);
+    let svc = service(IdempotencyLayer::new(faulty), echo());
+    check(
+        ProblemKind::StoreUnavailable,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        send(&svc, post_request("k", "x")).await,
+    );
+
+    let failing = Handler::new(|_| async { Err(tower::BoxError::from("boom")) });
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), failing);
+    check(
+        ProblemKind::HandlerFailed,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-failed",
+        send(&svc, post_request("k", "x")).await,
+    );
+
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), 9, "one distinct type per kind");
+}
+
+/// `problem_status(ProblemKind::Mismatch, 409)` answers a mismatch with 409 instead of 422.
+#[tokio::test(start_paused = true)]
+async fn mismatch_status_is_configurable() {
+    let handler = echo();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .problem_status(ProblemKind::Mismatch, StatusCode::CONFLICT);
+    let svc = service(layer, handler.clone());
+    send(&svc, post_request("k", "a")).await;
+    let reply = send(&svc, post_request("k", "b")).await;
+    reply.assert_problem(ProblemKind::Mismatch, StatusCode::CONFLICT);
+    assert_eq!(reply.outcome, Some(Outcome::Mismatch));
+    assert_eq!(handler.calls(), 1);
+}
+
+/// `retry_after` sets the `Retry-After` of a 409 in flight and of a 503, rounded up to whole
+/// seconds.
+#[tokio::test(start_paused = true)]
+async fn retry_after_is_configurable_in_whole_seconds() {
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let layer = IdempotencyLayer::new(MemoryStore::new()).retry_after(Duration::from_millis(2_500));
+    let svc = service(layer, gated_handler(started.clone(), gate.clone(), "done"));
+    let held = spawn_send(&svc, post_request("k", "x"));
+    started.notified().await;
+    assert_eq!(
+        send(&svc, post_request("k", "x")).await.assert_in_flight(),
+        3
+    );
+    gate.notify_one();
+    held.await.expect("task");
+
+    let faulty = Faulty::new(MemoryStore::new());
+    faulty.fail(true);
+    let layer = IdempotencyLayer::new(faulty).retry_after(Duration::from_millis(2_500));
+    let reply = send(&service(layer, echo()), post_request("k", "x")).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.header(RETRY_AFTER), Some("3"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The key in handlers
+// ---------------------------------------------------------------------------------------------
+
+/// Through an `axum::Router`: a handler taking `IdempotencyKey` gets the unquoted key;
+/// `Option<IdempotencyKey>` is `None` on an unprotected GET; a required key on an unprotected route
+/// is a 500 problem (a wiring error).
+#[tokio::test(start_paused = true)]
+async fn extractor_gets_the_key() {
+    async fn optional(key: Option<IdempotencyKey>) -> String {
+        match key {
+            Some(key) => format!("some {key}"),
+            None => String::from("none"),
+        }
+    }
+    let app =
+        Router::new()
+            .route(
+                "/charges",
+                post(|key: IdempotencyKey| async move {
+                    format!("{} {}", key.as_str(), key.derive("psp"))
+                }),
+            )
+            .route("/optional", get(optional).post(optional))
+            .route(
+                "/required",
+                get(|key: IdempotencyKey| async move { key.to_string() }),
+            )
+            .layer(IdempotencyLayer::new(MemoryStore::new()));
+
+    let request = keyed(Method::POST, "/charges", "\"order-42\"")
+        .body(Body::empty())
+        .expect("a request");
+    let reply = send(&app, request).await;
+    let expected = IdempotencyKey::parse(&HeaderValue::from_static("order-42"))
+        .expect("a key")
+        .derive("psp");
+    assert_eq!(reply.text(), format!("order-42 {expected}"));
+
+    let request = Request::get("/optional")
+        .header("idempotency-key", "k")
+        .body(Body::empty())
+        .expect("a request");
+    assert_eq!(send(&app, request).await.text(), "none");
+    let request = keyed(Method::POST, "/optional", "k")
+        .body(Body::empty())
+        .expect("a request");
+    assert_eq!(send(&app, request).await.text(), "some k");
+
+    let request = Request::get("/required")
+        .body(Body::empty())
+        .expect("a request");
+    let reply = send(&app, request).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.header(CONTENT_TYPE), Some("application/problem+json"));
+}
+
+/// Through `tower::ServiceBuilder`: the key is in the request's extensions.
+#[tokio::test(start_paused = true)]
+async fn handler_gets_the_key_in_its_extensions() {
+    let handler = Handler::ok(|call| {
+        let key = call.key().expect("a key extension");
+        created(format!("{} {}", key.as_str(), key.derive("acct_1")))
+    });
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), handler);
+    let reply = send(&svc, post_request("\"a\\\"b\"", "x")).await;
+    let key = IdempotencyKey::parse(&HeaderValue::from_static("\"a\\\"b\"")).expect("a key");
+    assert_eq!(reply.text(), format!("a\"b {}", key.derive("acct_1")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------------------------
+
+/// `header_name` moves the key to another header; the default header is then ignored.
+#[tokio::test(start_paused = true)]
+async fn header_name_is_configurable() {
+    let handler = echo();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .header_name(HeaderName::from_static("x-request-key"));
+    let svc = service(layer, handler.clone());
+    let request = || {
+        Request::post("/")
+            .header("x-request-key", "k")
+            .body(Body::from("x"))
+            .expect("a request")
+    };
+    assert_eq!(send(&svc, request()).await.outcome, Some(Outcome::Executed));
+    assert_eq!(send(&svc, request()).await.outcome, Some(Outcome::Replayed));
+    let reply = send(&svc, post_request("k", "x")).await;
+    assert_rejected(&reply, ProblemKind::MissingKey, StatusCode::BAD_REQUEST);
+    assert_eq!(handler.calls(), 1);
+}
+
+/// Request headers are not part of the fingerprint by default; `fingerprint_headers` adds them.
+#[tokio::test(start_paused = true)]
+async fn fingerprint_headers_are_opt_in() {
+    let request = |content_type: &str| {
+        keyed(Method::POST, "/", "k")
+            .header(CONTENT_TYPE, content_type)
+            .body(Body::from("{}"))
+            .expect("a request")
+    };
+
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), echo());
+    send(&svc, request("application/json")).await;
+    let reply = send(&svc, request("text/plain")).await;
+    assert_eq!(reply.outcome, Some(Outcome::Replayed), "by default");
+
+    let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprint_headers([CONTENT_TYPE]);
+    let svc = service(layer, echo());
+    send(&svc, request("application/json")).await;
+    assert_eq!(
+        send(&svc, request("application/json")).await.outcome,
+        Some(Outcome::Replayed)
+    );
+    let reply = send(&svc, request("text/plain")).await;
+    reply.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+/// `store_policy` decides what is stored; `Cache-Control: no-store` wins over any policy.
+#[tokio::test(start_paused = true)]
+async fn store_policy_is_configurable_and_no_store_wins() {
+    let handler = status_handler();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .store_policy(|status, _| status == StatusCode::CREATED || status.is_server_error());
+    let svc = service(layer, handler.clone());
+
+    for _ in 0..2 {
+        let reply = send(&svc, status_request("ok", 200, None)).await;
+        assert_eq!(reply.outcome, Some(Outcome::NotStored));
+    }
+    assert_eq!(handler.calls(), 2);
+    for (key, status) in [("created", 201), ("error", 503)] {
+        send(&svc, status_request(key, status, None)).await;
+        let replay = send(&svc, status_request(key, status, None)).await;
+        assert_eq!(replay.outcome, Some(Outcome::Replayed), "{status}");
+        assert_eq!(replay.status.as_u16(), status);
+    }
+    assert_eq!(handler.calls(), 4);
+    for _ in 0..2 {
+        let reply = send(&svc, status_request("no-store", 201, Some("no-store"))).await;
+        assert_eq!(reply.outcome, Some(Outcome::NotStored));
+    }
+    assert_eq!(handler.calls(), 6);
+}
+
+/// A scope function's `Rejection` built from a whole response reaches the client as it is.
+#[tokio::test(start_paused = true)]
+async fn scope_rejection_is_the_applications_response() {
+    let store = store();
+    let handler = echo();
+    let layer = IdempotencyLayer::new(store.clone()).scope(|_| {
+        let response = Response::builder()
+            .status(StatusCode::FORBIDDEN)
+            .header("x-reason", "suspended")
+            .body(Bytes::from("account suspended"))
+            .expect("a response");
+        Err(Rejection::from(response))
+    });
+    let svc = service(layer, handler.clone());
+    let reply = send(&svc, post_request("k", "x")).await;
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert_eq!(reply.header("x-reason"), Some("suspended"));
+    assert_eq!(reply.text(), "account suspended");
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+    assert_eq!(store.calls().total(), 0);
+    assert_eq!(handler.calls(), 0);
+    // Unprotected requests never meet the scope function.
+    let get = Request::get("/").body(Body::empty()).expect("a request");
+    assert_eq!(send(&svc, get).await.status, StatusCode::CREATED);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures around the handler
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC §5: "A handler that errors or panics: the client gets a 500 problem response", also when
+/// the handler runs unprotected because the store is down and the layer is fail-open.
+#[tokio::test(start_paused = true)]
+async fn panicking_handler_under_fail_open_gets_500() {
+    let faulty = Faulty::new(MemoryStore::new());
+    faulty.fail(true);
+    let handler = Handler::ok(|_| panic!("the handler panics (expected by the test)"));
+    let svc = service(IdempotencyLayer::new(faulty).fail_open(true), handler);
+    let reply = spawn_send(&svc, post_request("k", "x"))
+        .await
+        .expect("the client gets a response, not a panic");
+    reply.assert_problem(
+        ProblemKind::HandlerFailed,
+        StatusCode::INTERNAL_SERVER_ERROR,
+    );
+}
+
+/// A response body that fails while the layer reads it: the handler did run (its effects are
+/// done), so the layer answers 500 and keeps a tombstone; a retry gets `not-replayable` and never
+/// runs the handler a second time.
+#[tokio::test(start_paused = true)]
+async fn failed_response_body_gets_500_and_the_retry_is_not_run_again() {
+    let handler = Handler::ok(|call| {
+        if call.n == 1 {
+            let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+                Ok(Bytes::from("partial")),
+                Err(std::io::Error::other("the upstream reset")),
+            ];
+            return Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
+        }
+        created(format!("call {}", call.n))
+    });
+    let svc = service(IdempotencyLayer::new(MemoryStore::new()), handler.clone());
+    let failed = send(&svc, post_request("k", "x")).await;
+    failed.assert_problem(
+        ProblemKind::HandlerFailed,
+        StatusCode::INTERNAL_SERVER_ERROR,
+    );
+    let retry = send(&svc, post_request("k", "x")).await;
+    retry.assert_problem(ProblemKind::NotReplayable, StatusCode::CONFLICT);
+    assert_eq!(handler.calls(), 1);
+}

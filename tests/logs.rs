@@ -1,0 +1,226 @@
+//! The layer's `tracing` events (SPEC section 5: every outcome is visible, with the key and scope
+//! hashed). One capturing subscriber is installed as the global default for
+//! this test binary (a thread-local one loses events when tests run in parallel, through tracing's
+//! shared callsite interest cache), and the tests take turns.
+
+mod support;
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use http::HeaderValue;
+use http::Method;
+use support::contract::{Faulty, Handler, created, keyed, post, send, service};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
+
+/// One captured event: its target, and every field (its spans' and its own) as text.
+#[derive(Debug, Clone)]
+struct LogEvent {
+    target: String,
+    fields: Vec<(String, String)>,
+}
+
+impl LogEvent {
+    fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A `tracing` layer that keeps every event.
+#[derive(Debug, Clone, Default)]
+struct Captured(Arc<Mutex<Vec<LogEvent>>>);
+
+impl Captured {
+    fn events(&self) -> Vec<LogEvent> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The layer's outcome events logged since `from`.
+    fn outcomes_since(&self, from: usize) -> Vec<LogEvent> {
+        self.events()
+            .into_iter()
+            .skip(from)
+            .filter(|e| e.target == "tower_idempotency" && e.field("outcome").is_some())
+            .collect()
+    }
+}
+
+struct FieldsAsText<'a>(&'a mut Vec<(String, String)>);
+
+impl tracing::field::Visit for FieldsAsText<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.push((field.name().to_owned(), value.to_owned()));
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+}
+
+/// The fields of a span, kept in its extensions.
+struct SpanFields(Vec<(String, String)>);
+
+impl<S> tracing_subscriber::Layer<S> for Captured
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = Vec::new();
+        attrs.record(&mut FieldsAsText(&mut fields));
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(SpanFields(fields));
+        }
+    }
+
+    /// Keeps the event with the fields of the spans it is in (outermost first), then its own.
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let mut fields = Vec::new();
+        if let Some(scope) = ctx.event_scope(event) {
+            for span in scope.from_root() {
+                if let Some(span_fields) = span.extensions().get::<SpanFields>() {
+                    fields.extend(span_fields.0.iter().cloned());
+                }
+            }
+        }
+        event.record(&mut FieldsAsText(&mut fields));
+        let event = LogEvent {
+            target: event.metadata().target().to_owned(),
+            fields,
+        };
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(event);
+    }
+}
+
+/// The global capture, installed once.
+fn captured() -> &'static Captured {
+    static CAPTURED: OnceLock<Captured> = OnceLock::new();
+    CAPTURED.get_or_init(|| {
+        use tracing_subscriber::layer::SubscriberExt;
+        let captured = Captured::default();
+        tracing::subscriber::set_global_default(
+            tracing_subscriber::registry().with(captured.clone()),
+        )
+        .expect("no other global subscriber in this binary");
+        captured
+    })
+}
+
+/// One test at a time, so the events between two snapshots are the running test's.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Each protected request logs one outcome event (target `tower_idempotency`) carrying its
+/// `outcome`, and the key and scope as short hashes; neither the raw key, the raw scope nor the
+/// body ever appears in a log.
+#[tokio::test(start_paused = true)]
+async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let raw_key = "raw-key-4f1c9e";
+    let body = "card=4242424242424242";
+    let svc = service(
+        IdempotencyLayer::new(MemoryStore::new())
+            .scope(|parts| Ok(Scope::from(parts.uri.path().trim_start_matches('/')))),
+        Handler::ok(|call| created(format!("call {}", call.n))),
+    );
+    let request = |scope: &str, key: &str, body: &'static str| {
+        keyed(Method::POST, &format!("/{scope}"), key)
+            .body(axum::body::Body::from(body))
+            .expect("a request")
+    };
+
+    let from = captured.events().len();
+    let mut tags = Vec::new();
+    let cases = [
+        (request("acct_a", raw_key, body), Outcome::Executed),
+        (request("acct_a", raw_key, body), Outcome::Replayed),
+        (request("acct_a", raw_key, "other body"), Outcome::Mismatch),
+        (request("acct_b", raw_key, body), Outcome::Executed),
+    ];
+    for (request, outcome) in cases {
+        let before = captured.events().len();
+        let reply = send(&svc, request).await;
+        assert_eq!(reply.outcome, Some(outcome));
+        let events = captured.outcomes_since(before);
+        assert_eq!(events.len(), 1, "one outcome event per request: {events:?}");
+        let event = &events[0];
+        assert_eq!(event.field("outcome"), Some(outcome.as_str()));
+        let key = event.field("key").expect("a key field").to_owned();
+        let scope = event.field("scope").expect("a scope field").to_owned();
+        assert!(!key.is_empty() && !scope.is_empty(), "{event:?}");
+        tags.push((key, scope));
+    }
+    assert_eq!(tags[0], tags[1], "the same key and scope, the same tags");
+    assert_eq!(tags[0], tags[2]);
+    assert_ne!(
+        tags[0].0, tags[3].0,
+        "the key tag is of the record (scope and key)"
+    );
+    assert_ne!(tags[0].1, tags[3].1, "two scopes, two scope tags");
+
+    // A key that cannot be parsed has no record: the event has the outcome alone.
+    let before = captured.events().len();
+    let invalid = http::Request::post("/acct_a")
+        .header(
+            "idempotency-key",
+            HeaderValue::from_static("raw key 4f1c9e"),
+        )
+        .body(axum::body::Body::from(body))
+        .expect("a request");
+    assert_eq!(send(&svc, invalid).await.outcome, Some(Outcome::Rejected));
+    let events = captured.outcomes_since(before);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].field("outcome"), Some("rejected"));
+
+    for event in captured.events().iter().skip(from) {
+        for (name, value) in &event.fields {
+            assert!(
+                !value.contains("4f1c9e") && !value.contains("4242") && !value.contains("acct_"),
+                "{name} of {event:?} leaks the key, the scope or the body"
+            );
+        }
+    }
+}
+
+/// Events logged while the detached handler runs (a store write that fails) are attributable to
+/// the request: they carry its key and scope tags.
+#[tokio::test(start_paused = true)]
+async fn events_of_the_detached_handler_carry_the_request_tags() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let faulty = Faulty::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(faulty.clone());
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, Handler::ok(|_| created("ok")));
+
+    let from = captured.events().len();
+    faulty.fail_writes(true);
+    let reply = send(&svc, post("k", "x")).await;
+    assert_eq!(reply.outcome, Some(Outcome::Executed));
+    shutdown.wait().await;
+    let events: Vec<_> = captured
+        .events()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.target == "tower_idempotency")
+        .collect();
+    let outcome = events
+        .iter()
+        .find(|e| e.field("outcome").is_some())
+        .expect("an outcome event");
+    let write_failures: Vec<_> = events
+        .iter()
+        .filter(|e| e.field("operation") == Some("complete"))
+        .collect();
+    assert!(write_failures.len() >= 2, "{events:?}");
+    for event in write_failures {
+        assert_eq!(event.field("key"), outcome.field("key"), "{event:?}");
+        assert_eq!(event.field("scope"), outcome.field("scope"), "{event:?}");
+    }
+}

@@ -1,0 +1,7 @@
+//! Shared test code: the store contract suite and the `redis-server` fixture.
+//!
+//! Every test binary that says `mod support;` compiles all of it, and none uses every item: the
+//! modules allow dead code.
+
+pub mod contract;
+pub mod redis_server;
