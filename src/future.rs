@@ -7,11 +7,13 @@ use std::task::{Context, Poll};
 
 use http::Response;
 use pin_project_lite::pin_project;
+use tokio::sync::oneshot;
+use tracing::instrument::Instrumented;
 
 use crate::body::ResponseBody;
 use crate::outcome::Outcome;
 
-type Covered<B> = Pin<Box<dyn Future<Output = Response<ResponseBody<B>>> + Send>>;
+pub(crate) type Covered<B> = Pin<Box<dyn Future<Output = Response<ResponseBody<B>>> + Send>>;
 
 pin_project! {
     /// The response future of [`Idempotency`](crate::Idempotency).
@@ -31,7 +33,7 @@ pin_project! {
     enum Kind<F, B> {
         Passthrough { #[pin] future: F, outcome: Option<Outcome> },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Covered { future: Covered<B> },
+        Covered { future: Instrumented<Covered<B>> },
     }
 }
 
@@ -50,7 +52,7 @@ impl<F, B> ResponseFuture<F, B> {
         }
     }
 
-    pub(crate) fn covered(future: Covered<B>) -> Self {
+    pub(crate) fn covered(future: Instrumented<Covered<B>>) -> Self {
         Self {
             kind: Kind::Covered { future },
         }
@@ -76,7 +78,7 @@ where
                 Some(response) => Poll::Ready(Ok(response)),
                 None => panic!("ResponseFuture polled after completion"),
             },
-            KindProj::Covered { future } => future.as_mut().poll(cx).map(Ok),
+            KindProj::Covered { future } => Pin::new(future).poll(cx).map(Ok),
         }
     }
 }
@@ -90,6 +92,59 @@ impl<F, B> fmt::Debug for ResponseFuture<F, B> {
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
+            .finish()
+    }
+}
+
+/// Runs work in the current task until it has sent its answer, and hands what is left of the work
+/// (or all of it) to a task of its own when dropped before the work finished, so that dropping the
+/// answer's receiver never cancels the work. The work is boxed by the caller, so moving it is cheap.
+pub(crate) struct Detachable<W: Future<Output = ()> + Unpin + Send + 'static, T> {
+    work: Option<W>,
+    answer: oneshot::Receiver<T>,
+}
+
+impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Detachable<W, T> {
+    pub(crate) fn new(work: W, answer: oneshot::Receiver<T>) -> Self {
+        Self {
+            work: Some(work),
+            answer,
+        }
+    }
+}
+
+impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Future for Detachable<W, T> {
+    type Output = Result<T, oneshot::error::RecvError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Some(work) = self.work.as_mut()
+            && Pin::new(work).poll(cx).is_ready()
+        {
+            self.work = None;
+        }
+        Pin::new(&mut self.answer).poll(cx)
+    }
+}
+
+impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Drop for Detachable<W, T> {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(work)),
+                // No runtime to move it to: the runtime itself is going away with its tasks.
+                Err(_) => tracing::warn!(
+                    target: "tower_idempotency",
+                    "dropped outside a tokio runtime: the detached work is lost; its claim's lease will run out"
+                ),
+            }
+        }
+    }
+}
+
+impl<W: Future<Output = ()> + Unpin + Send + 'static, T> fmt::Debug for Detachable<W, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Detachable")
+            .field("running", &self.work.is_some())
             .finish()
     }
 }

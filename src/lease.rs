@@ -2,7 +2,12 @@
 //! and fenced writes retried within a bound. Shared by the HTTP layer and the consumer.
 
 use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 
 use crate::record::{ClaimToken, RecordId};
 use crate::store::{Store, StoreError};
@@ -31,37 +36,86 @@ pub(crate) struct Held<'a, St> {
     pub(crate) timeout: Duration,
 }
 
-impl<St: Store> Held<'_, St> {
-    /// Runs `work` while renewing the claim's lease every third of it, so slow work keeps its claim.
-    pub(crate) async fn renewing<F: Future>(&self, work: F) -> F::Output {
-        let renewal = async {
-            let every = self.lease / 3;
-            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                let renewed = timed(
-                    self.timeout,
-                    self.store.renew(self.id, self.token, self.lease),
-                )
-                .await;
-                match renewed {
-                    Ok(true) => {}
-                    Ok(false) => tracing::warn!(
-                        target: "tower_idempotency",
-                        "the claim's lease was lost while its work ran; its result will not be stored"
-                    ),
-                    Err(err) => tracing::warn!(
-                        target: "tower_idempotency",
-                        error = %ErrorChain(&err),
-                        "renewing the claim's lease failed"
-                    ),
+impl<St> Clone for Held<'_, St> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<St> Copy for Held<'_, St> {}
+
+pin_project! {
+    /// Work running under a claim whose lease is renewed every third of it. A hand-written future
+    /// rather than an `async fn`, to keep one copy of the work in it, and no timer registered
+    /// when the work finishes at its first poll.
+    pub(crate) struct Renewing<'a, St, F> {
+        #[pin]
+        work: F,
+        #[pin]
+        tick: Sleep,
+        every: Duration,
+        held: Held<'a, St>,
+        // Boxed: renewals are rare (work longer than a third of the lease), and the renewal
+        // future would otherwise swell every request's future.
+        renewal: Option<Pin<Box<dyn Future<Output = ()> + Send + 'a>>>,
+    }
+}
+
+impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let mut this = self.project();
+        if let Poll::Ready(output) = this.work.poll(cx) {
+            return Poll::Ready(output);
+        }
+        loop {
+            if let Some(renewal) = this.renewal.as_mut() {
+                if renewal.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
                 }
+                *this.renewal = None;
             }
-        };
-        tokio::select! {
-            output = work => output,
-            _ = renewal => unreachable!("the renewal loop never ends"),
+            if this.tick.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            this.tick.as_mut().reset(Instant::now() + *this.every);
+            *this.renewal = Some(Box::pin(this.held.renew()));
+        }
+    }
+}
+
+impl<'a, St: Store> Held<'a, St> {
+    /// Runs `work` while renewing the claim's lease every third of it, so slow work keeps its claim.
+    pub(crate) fn renewing<F: Future>(&self, work: F) -> Renewing<'a, St, F> {
+        let every = self.lease / 3;
+        Renewing {
+            work,
+            tick: tokio::time::sleep(every),
+            every,
+            held: *self,
+            renewal: None,
+        }
+    }
+
+    /// One renewal of the lease, logged when it fails.
+    async fn renew(self) {
+        match timed(
+            self.timeout,
+            self.store.renew(self.id, self.token, self.lease),
+        )
+        .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                target: "tower_idempotency",
+                "the claim's lease was lost while its work ran; its result will not be stored"
+            ),
+            Err(err) => tracing::warn!(
+                target: "tower_idempotency",
+                error = %ErrorChain(&err),
+                "renewing the claim's lease failed"
+            ),
         }
     }
 

@@ -50,7 +50,10 @@ pub struct RecordId([u8; 16]);
 impl RecordId {
     /// The id of `key` inside `scope`.
     pub fn new(scope: &[u8], key: &str) -> Self {
-        let mut hasher = blake3::Hasher::new_derive_key("tower-idempotency record id v1");
+        // The key derivation from the context string is done once, not per record.
+        static KEY: std::sync::LazyLock<[u8; 32]> =
+            std::sync::LazyLock::new(|| blake3::derive_key("tower-idempotency record id v1", b""));
+        let mut hasher = blake3::Hasher::new_keyed(&KEY);
         hasher.update(&(scope.len() as u64).to_le_bytes());
         hasher.update(scope);
         hasher.update(key.as_bytes());

@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
-use crate::future::ResponseFuture;
+use crate::future::{Covered, Detachable, ResponseFuture};
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
 use crate::lease::{self, ErrorChain, Held, panic_message};
@@ -155,8 +155,9 @@ where
                 .reject(ProblemKind::BodyTooLarge, too_large(config));
         }
         let shared = self.shared.clone();
-        let protect = shared.protect(inner, parts, body, key, id);
-        ResponseFuture::covered(Box::pin(protect.instrument(span)))
+        // Boxed where it is made, then instrumented: the large future is not moved again.
+        let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
+        ResponseFuture::covered(protect.instrument(span))
     }
 }
 
@@ -224,7 +225,7 @@ impl<St: Store> Shared<St> {
     /// or runs the handler.
     async fn protect<S, ReqBody, ResBody>(
         self: Arc<Self>,
-        mut inner: S,
+        inner: S,
         mut parts: http::request::Parts,
         body: ReqBody,
         key: IdempotencyKey,
@@ -275,17 +276,7 @@ impl<St: Store> Shared<St> {
                 );
                 parts.extensions.insert(key);
                 let request = Request::from_parts(parts, RequestBody::buffered(body));
-                let run = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
-                let failure = match run {
-                    Ok(Ok(response)) => {
-                        return finish(response.map(ResponseBody::inner), Outcome::FailedOpen);
-                    }
-                    Ok(Err(err)) => format!("the handler failed: {err}"),
-                    Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
-                };
-                tracing::error!(target: "tower_idempotency", error = %failure, "the unprotected request failed");
-                let detail = String::from("the request failed");
-                return self.problem(ProblemKind::HandlerFailed, detail);
+                return self.run_unprotected(inner, request).await;
             }
             Err(err) => {
                 tracing::warn!(
@@ -304,18 +295,48 @@ impl<St: Store> Shared<St> {
         let request = Request::from_parts(parts, RequestBody::buffered(body));
         let (tx, rx) = oneshot::channel();
         let shared = self.clone();
-        // Detached from the connection: the handler runs to completion and its result is stored
-        // even when the client goes away, so the client's retry gets it.
-        let execute = shared.execute(inner, request, id, token, fingerprint, tx);
-        self.tracker
-            .spawn(execute.instrument(tracing::Span::current()));
-        match rx.await {
+        // The handler runs in this request's task; if the client goes away first, `Detachable`
+        // moves the rest of the work to a task of its own, so the handler still runs to completion
+        // and its result is stored for the client's retry. The tracker counts it either way.
+        let execute = shared.start(inner, request, id, token, fingerprint, tx);
+        match Detachable::new(execute, rx).await {
             Ok(response) => response,
             Err(_) => {
-                let detail = String::from("the request's task ended without a response");
+                let detail = String::from("the request's work ended without a response");
                 self.problem(ProblemKind::HandlerFailed, detail)
             }
         }
+    }
+
+    /// Runs a request without protection (fail-open), turning a failure into a 500 problem. Boxed,
+    /// so that the inner service's future does not swell every protected request's future.
+    fn run_unprotected<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        mut inner: S,
+        request: Request<RequestBody<ReqBody>>,
+    ) -> Covered<ResBody>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: fmt::Display + Send + 'static,
+        ReqBody: Send + 'static,
+        ResBody: Send + 'static,
+    {
+        Box::pin(async move {
+            let run = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
+            let failure = match run {
+                Ok(Ok(response)) => {
+                    return finish(response.map(ResponseBody::inner), Outcome::FailedOpen);
+                }
+                Ok(Err(err)) => format!("the handler failed: {err}"),
+                Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
+            };
+            tracing::error!(target: "tower_idempotency", error = %failure, "the unprotected request failed");
+            self.problem(
+                ProblemKind::HandlerFailed,
+                String::from("the request failed"),
+            )
+        })
     }
 
     fn answer_existing<B>(
@@ -370,6 +391,30 @@ impl<St: Store> Shared<St> {
         }
     }
 
+    /// The work of a claimed request, boxed where it is made (it is large), in this request's span
+    /// and counted by the shutdown tracker.
+    fn start<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        inner: S,
+        request: Request<RequestBody<ReqBody>>,
+        id: RecordId,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        tx: oneshot::Sender<Response<ResponseBody<ResBody>>>,
+    ) -> impl Future<Output = ()> + Unpin + Send + 'static
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: fmt::Display + Send + 'static,
+        ReqBody: Send + 'static,
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: fmt::Display,
+    {
+        let tracker = self.tracker.clone();
+        let execute = Box::pin(self.execute(inner, request, id, token, fingerprint, tx));
+        tracker.track_future(execute.instrument(tracing::Span::current()))
+    }
+
     /// Runs a claimed request to completion, renewing the lease meanwhile, then stores or releases.
     async fn execute<S, ReqBody, ResBody>(
         self: Arc<Self>,
@@ -388,12 +433,18 @@ impl<St: Store> Shared<St> {
         ResBody::Error: fmt::Display,
     {
         let config = &self.config;
-        let work = AssertUnwindSafe(async {
-            let response = inner.call(request).await.map_err(|err| err.to_string())?;
-            Ok::<_, String>(self.buffer_response(response).await)
-        })
-        .catch_unwind();
-        let result = self.held(&id, &token).renewing(work).await;
+        // No binding holds the work future: a binding would keep a second copy of it alive
+        // across the await, in this future's own state.
+        let result = self
+            .held(&id, &token)
+            .renewing(
+                AssertUnwindSafe(async {
+                    let response = inner.call(request).await.map_err(|err| err.to_string())?;
+                    Ok::<_, String>(self.buffer_response(response).await)
+                })
+                .catch_unwind(),
+            )
+            .await;
 
         let failure = match result {
             Ok(Ok(handled)) => match handled {
