@@ -12,6 +12,12 @@
 //! | the work failed or panicked | releases the claim: [`DedupError::Failed`] / [`DedupError::Panicked`] | no: the redelivery retries |
 //! | the store is unreachable | [`DedupError::Store`] | no |
 //!
+//! # Settings for a queue consumer
+//! Keep the lease no longer than the queue's redelivery delay (a Redis Stream's `XAUTOCLAIM`
+//! min-idle time, a visibility timeout): a consumer that dies holds its ids for one lease, and a
+//! takeover before that finds them in progress. A consumer that handles one message at a time
+//! wants a short `max_wait` (or zero), so that it does not stall behind another consumer's run.
+//!
 //! # What is guaranteed, and the remaining gap
 //! The work runs at most once per id within the dedup window as long as its completion is
 //! recorded, and a failed attempt never blocks a retry. One gap remains, as in every deduplicator
@@ -71,7 +77,6 @@ pub struct Deduplicator<St> {
 
 /// What [`Deduplicator::process`] did with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Processed<T> {
     /// The work ran, with this result; ack the message.
     Done(T),
@@ -80,6 +85,13 @@ pub enum Processed<T> {
     /// Another consumer is still running this id after `max_wait`; do not ack: the message will be
     /// delivered again, and then found done (or run, if that consumer failed).
     InProgress,
+}
+
+impl<T> Processed<T> {
+    /// Whether to acknowledge the message: after `Done` and `Duplicate`, not after `InProgress`.
+    pub fn should_ack(&self) -> bool {
+        !matches!(self, Processed::InProgress)
+    }
 }
 
 /// Why [`Deduplicator::process`] did not finish a delivery. Do not ack: the redelivery retries.
@@ -99,7 +111,8 @@ pub enum DedupError<E> {
 
 impl<St> Deduplicator<St> {
     /// A deduplicator over `store`, whose ids live in their own `scope` (a consumer group's or a
-    /// queue's name): ids of other scopes, and the HTTP layer's keys, never collide with them.
+    /// queue's name): ids of other scopes, and the HTTP layer's keys (even in a scope of the same
+    /// name), never collide with them.
     /// Defaults: a 24 h dedup window, a 30 s lease renewed while the work runs, a 1 s store
     /// timeout, and up to 30 s of waiting for another consumer's run of the same id.
     pub fn new(store: St, scope: impl Into<Scope>) -> Self {
@@ -155,7 +168,7 @@ impl<St: Store> Deduplicator<St> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let id = RecordId::new(self.scope.as_bytes(), message_id);
+        let id = RecordId::for_message(self.scope.as_bytes(), message_id);
         let span = tracing::info_span!(target: "tower_idempotency", "idempotent_consumer", key = %id.short());
         self.process_as(id, work).instrument(span).await
     }

@@ -16,8 +16,8 @@
 //! without decoding the rest.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -48,12 +48,24 @@ const KIND_TOMBSTONE: u8 = 3;
 pub struct RecordId([u8; 16]);
 
 impl RecordId {
-    /// The id of `key` inside `scope`.
+    /// The id of an HTTP request's `key` inside `scope`.
     pub fn new(scope: &[u8], key: &str) -> Self {
-        // The key derivation from the context string is done once, not per record.
-        static KEY: std::sync::LazyLock<[u8; 32]> =
-            std::sync::LazyLock::new(|| blake3::derive_key("tower-idempotency record id v1", b""));
-        let mut hasher = blake3::Hasher::new_keyed(&KEY);
+        static KEY: LazyLock<[u8; 32]> =
+            LazyLock::new(|| blake3::derive_key("tower-idempotency record id v1", b""));
+        Self::derive(&KEY, scope, key)
+    }
+
+    /// The id of a queue message's `message_id` inside `scope` (a consumer group). Ids of messages
+    /// and of HTTP keys never collide, even with the same scope and text.
+    pub fn for_message(scope: &[u8], message_id: &str) -> Self {
+        static KEY: LazyLock<[u8; 32]> =
+            LazyLock::new(|| blake3::derive_key("tower-idempotency message id v1", b""));
+        Self::derive(&KEY, scope, message_id)
+    }
+
+    fn derive(domain: &[u8; 32], scope: &[u8], key: &str) -> Self {
+        // The domain key is derived once per kind, not per record.
+        let mut hasher = blake3::Hasher::new_keyed(domain);
         hasher.update(&(scope.len() as u64).to_le_bytes());
         hasher.update(scope);
         hasher.update(key.as_bytes());
@@ -481,6 +493,18 @@ mod tests {
         let mut trailing = good.clone();
         trailing.push(0);
         assert!(Record::decode(&trailing).is_err());
+    }
+
+    #[test]
+    fn message_ids_never_collide_with_http_keys() {
+        assert_ne!(
+            RecordId::new(b"ledger", "evt_1"),
+            RecordId::for_message(b"ledger", "evt_1")
+        );
+        assert_eq!(
+            RecordId::for_message(b"ledger", "evt_1"),
+            RecordId::for_message(b"ledger", "evt_1")
+        );
     }
 
     #[test]

@@ -207,6 +207,36 @@ mod memory {
         super::many_events_with_redeliveries_across_two_consumers(MemoryStore::new()).await;
     }
 
+    /// A consumer sharing a store with the HTTP layer never mistakes an HTTP key for a message id,
+    /// even when an account is named like the consumer's scope.
+    #[tokio::test(start_paused = true)]
+    async fn message_ids_and_http_keys_never_collide() {
+        use axum::{Router, body::Body, routing::post};
+        use tower::ServiceExt;
+        use tower_idempotency::{IdempotencyLayer, Scope};
+
+        let store = MemoryStore::new();
+        let app = Router::new()
+            .route("/", post(|| async { "ok" }))
+            .layer(IdempotencyLayer::new(store.clone()).scope(|_| Ok(Scope::from("ledger"))));
+        let request = http::Request::post("/")
+            .header("idempotency-key", "evt_1")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(
+            app.oneshot(request).await.unwrap().status(),
+            http::StatusCode::OK
+        );
+
+        let ledger = Ledger::default();
+        let dedup = Deduplicator::new(store, "ledger");
+        assert_eq!(
+            dedup.process("evt_1", || ledger.apply(5)).await.unwrap(),
+            Processed::Done(())
+        );
+        assert_eq!(ledger.balance(), 5);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_processed_id_is_new_again_after_the_window() {
         let dedup =

@@ -3,6 +3,11 @@
 //! Every handler that calls the provider runs behind the idempotency layer, takes the request's
 //! [`IdempotencyKey`] and passes the provider a key derived from it and the account: a retry that
 //! reaches the handler again (its idempotency record lost) reaches the provider with the same key.
+//!
+//! Every charge the provider approves, every capture and every refund publishes an event
+//! (`events.rs`) once its state is recorded; the ledger consumer turns the events into balances.
+//! A handler that runs again for the same effect publishes the same event id again, and the
+//! consumer applies it once.
 
 use axum::Json;
 use axum::body::Bytes;
@@ -15,6 +20,7 @@ use tower_idempotency::IdempotencyKey;
 use super::AppState;
 use super::auth::Account;
 use super::error::ApiError;
+use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson};
 use super::provider::{Outcome, Source, Unavailable};
 use super::state_machine::Event;
@@ -122,6 +128,13 @@ pub async fn create(
     if reply.outcome == Outcome::Declined {
         return Err(ApiError::card_declined(&charge.id));
     }
+    // A repeated run gets the same reply from the provider and finds the same charge: the same
+    // event, id and content.
+    let captured = reply.outcome == Outcome::Captured;
+    state
+        .events
+        .publish(PaymentEvent::succeeded(&charge, captured))
+        .await;
     Ok((StatusCode::CREATED, Json(charge.to_json())))
 }
 
@@ -171,6 +184,7 @@ pub async fn capture(
         Err(Unavailable) => return Err(roll_back(&state, &account, &id)),
     };
     let charge = state.ledger.update(&account, &id, |c| c.apply(event))?;
+    state.events.publish(PaymentEvent::captured(&charge)).await;
     Ok(Json(charge.to_json()))
 }
 
@@ -225,6 +239,10 @@ pub async fn refund(
         };
         c.apply(event)
     })?;
+    state
+        .events
+        .publish(PaymentEvent::refunded(&charge, &reply.id, amount))
+        .await;
     let refund = RefundJson {
         id: reply.id,
         object: "refund",

@@ -111,6 +111,16 @@ impl ApiError {
         )
     }
 
+    /// 503: the balance ledger is unavailable; try again.
+    pub fn ledger_unavailable() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "api_error",
+            "ledger_unavailable",
+            "the balance is unavailable; try again".into(),
+        )
+    }
+
     /// Names the parameter at fault.
     pub fn with_param(mut self, param: &'static str) -> Self {
         self.param = Some(param);

@@ -13,19 +13,35 @@
 //!   key and the account ([`tower_idempotency::IdempotencyKey::derive`]): even a request whose
 //!   idempotency record was lost cannot charge twice.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
+//! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
+//!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
+//!   Redis Stream with a consumer group, or the same behaviour in memory. The event id is derived
+//!   from the effect, so a handler that runs twice for one effect publishes one event id twice.
+//! - A ledger consumer (`consumer.rs`), started beside the server, applies each event to the
+//!   account's balance exactly once: the crate's [`tower_idempotency::consumer::Deduplicator`]
+//!   skips redeliveries and keeps two consumers off one event, and the balance ledger
+//!   (`balance.rs`) records the event id atomically with the balance change, which closes the gap
+//!   a crash between the effect and the Deduplicator's record would leave. `GET /v1/balance` shows
+//!   the result: captured money counts, refunds subtract, an authorization alone does not count.
 //! - On SIGTERM or Ctrl-C the server stops accepting, lets requests in flight finish, and waits
-//!   for the layer's detached work ([`tower_idempotency::Shutdown`]).
+//!   for the layer's detached work ([`tower_idempotency::Shutdown`]); the consumer finishes the
+//!   event at hand and stops.
 //!
-//! The ledger and the provider are simulated, in memory; the idempotency records are in memory
-//! too, or in Redis when `REDIS_URL` is set.
+//! The charges and the provider are simulated, in memory. With `REDIS_URL` set, the idempotency
+//! records, the events (a Redis Stream with a consumer group), the balances and the consumer's
+//! records are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL` moves the events and
+//! balances to another Redis: they are durable data (a stream, balances that never expire), unlike
+//! the idempotency records, which all expire and may be flushed, so in production they belong on a
+//! Redis with persistence and no eviction.
 //!
 //! # Run it
 //! ```text
-//! cargo run --example server                                   # in-memory store
-//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example server  # Redis 7 or newer
+//! cargo run --example server                                   # everything in memory
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example server  # in Redis 7 or newer
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
-//! `PSP_LATENCY_MS` (the provider's delay per call, default 0), `RUST_LOG` (default `info`).
+//! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `PSP_LATENCY_MS` (the provider's delay per call,
+//! default 0), `RUST_LOG` (default `info`).
 //!
 //! # Walk through it
 //! Any non-empty bearer token is an account. Create a charge:
@@ -57,12 +73,25 @@
 //! Then: `"capture": false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
 //! (`{"amount": ...}`, default the rest) and `/cancel` move it on, each with its own
 //! `Idempotency-Key`. `tok_pspUnavailable` answers 503, and retrying it runs again.
+//!
+//! The balance, once the consumer has applied the events (the first charge above, captured; the
+//! declined one is not an event):
+//! ```text
+//! curl -s http://127.0.0.1:3000/v1/balance -H 'Authorization: Bearer sk_test_alice'
+//!
+//! {"object":"balance","available":[{"amount":2500,"currency":"eur"}]}
+//! ```
 
 mod auth;
+pub mod balance;
 mod charges;
+pub mod consumer;
 mod error;
+pub mod events;
 mod ledger;
 pub mod provider;
+pub mod queue;
+pub mod redis_conn;
 mod state_machine;
 
 use std::error::Error;
@@ -75,26 +104,53 @@ use axum::Router;
 use axum::middleware;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
 use tracing_subscriber::EnvFilter;
 
+pub use balance::Balances;
+pub use consumer::LedgerConsumer;
+pub use events::Publisher;
 pub use ledger::Ledger;
 pub use provider::Provider;
+pub use queue::{ConsumerConfig, Queue};
+
+/// The stream the events go to, when they go to Redis.
+pub const STREAM: &str = "payments:events";
+/// The prefix of the balance keys in Redis.
+pub const BALANCES_PREFIX: &str = "payments:balance:";
+/// The prefix of the ledger consumer's Deduplicator records, in the Redis of the stream: a
+/// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
+pub const CONSUMER_PREFIX: &str = "payments:consumer:";
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub ledger: Arc<Ledger>,
     pub provider: Provider,
+    /// Where the handlers publish their events.
+    pub events: Publisher,
+    /// What the ledger consumer made of the events.
+    pub balances: Balances,
 }
 
 impl AppState {
-    /// An empty ledger, and a simulated provider that takes `provider_latency` per call.
+    /// An empty ledger, a simulated provider that takes `provider_latency` per call, and events
+    /// and balances in memory.
     pub fn new(provider_latency: Duration) -> Self {
         Self {
             ledger: Arc::default(),
             provider: Provider::new(provider_latency),
+            events: Publisher::new(Queue::memory()),
+            balances: Balances::memory(),
         }
+    }
+
+    /// Publishes the events to `queue`, and shows the `balances` that its consumer keeps.
+    pub fn with_events(mut self, queue: Queue, balances: Balances) -> Self {
+        self.events = Publisher::new(queue);
+        self.balances = balances;
+        self
     }
 }
 
@@ -107,6 +163,7 @@ pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>
         .route("/v1/charges/{id}/capture", post(charges::capture))
         .route("/v1/charges/{id}/refunds", post(charges::refund))
         .route("/v1/charges/{id}/cancel", post(charges::cancel))
+        .route("/v1/balance", get(balance::show))
         // Layers wrap what comes before them: authentication runs first and puts the `Account`
         // in the request, then the idempotency layer keys its records by that account.
         .layer(idempotency.scope(auth::account_scope))
@@ -139,20 +196,48 @@ async fn run() -> Result<(), Box<dyn Error>> {
         Err(_) => 0,
     };
     let state = AppState::new(Duration::from_millis(latency));
-    match std::env::var("REDIS_URL")
-        .ok()
-        .filter(|url| !url.is_empty())
-    {
-        None => serve(&addr, state, MemoryStore::new(), "memory").await,
-        Some(url) => serve(&addr, state, connect_redis(&url).await?, "redis").await,
+    // The consumer's Deduplicator keeps its records beside the queue: in memory with the
+    // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
+    // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one.
+    let ledger_url = env_url("LEDGER_REDIS_URL").or_else(|| env_url("REDIS_URL"));
+    let (state, consumer_store) = match ledger_url {
+        None => (state, ConsumerStore::Memory(MemoryStore::new())),
+        Some(url) => {
+            let (queue, balances, store) = connect_ledger(&url).await?;
+            tracing::info!("events and balances: Redis stream {STREAM:?}");
+            (
+                state.with_events(queue, balances),
+                ConsumerStore::Redis(store),
+            )
+        }
+    };
+    match env_url("REDIS_URL") {
+        None => serve(&addr, state, MemoryStore::new(), consumer_store, "memory").await,
+        Some(url) => {
+            let store = connect_redis(&url).await?;
+            serve(&addr, state, store, consumer_store, "redis").await
+        }
     }
 }
 
-/// Serves until SIGTERM or Ctrl-C, then lets the requests in flight finish.
+/// The environment variable `name`, unless it is unset or empty.
+fn env_url(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|url| !url.is_empty())
+}
+
+/// Where the ledger consumer's Deduplicator keeps its records.
+enum ConsumerStore {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+/// Serves until SIGTERM or Ctrl-C, then lets the requests in flight finish. The ledger consumer
+/// runs beside the server and stops at the same signal, after the event at hand.
 async fn serve<St: Store + Clone>(
     addr: &str,
     state: AppState,
     store: St,
+    consumer_store: ConsumerStore,
     store_name: &str,
 ) -> Result<(), Box<dyn Error>> {
     let idempotency = IdempotencyLayer::new(store);
@@ -160,14 +245,44 @@ async fn serve<St: Store + Clone>(
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|err| format!("cannot listen on {addr}: {err}"))?;
-    let stop = shutdown_signal()?;
+    let signal = shutdown_signal()?;
+    let stop = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            signal.await;
+            stop.cancel();
+        }
+    });
+
+    let config = ConsumerConfig::default();
+    let queue = state
+        .events
+        .queue()
+        .consumer(&consumer_name(), config)
+        .await
+        .map_err(|err| format!("cannot read the event stream: {}", report(&err)))?;
+    let balances = state.balances.clone();
+    let consumer = match consumer_store {
+        ConsumerStore::Memory(store) => {
+            let dedup = consumer::deduplicator(store, config.min_idle);
+            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
+        }
+        ConsumerStore::Redis(store) => {
+            let dedup = consumer::deduplicator(store, config.min_idle);
+            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
+        }
+    };
+    // The outbox relay runs until the last request has published its events.
+    let relay_stop = CancellationToken::new();
+    let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
+
     println!(
         "listening on http://{} (store: {store_name})",
         listener.local_addr()?
     );
-
     axum::serve(listener, app(state, idempotency))
-        .with_graceful_shutdown(stop)
+        .with_graceful_shutdown(stop.clone().cancelled_owned())
         .await?;
     // Handlers whose client went away run on, detached; let them finish and store their result.
     if tokio::time::timeout(Duration::from_secs(30), drained.wait())
@@ -176,8 +291,42 @@ async fn serve<St: Store + Clone>(
     {
         tracing::warn!("gave up waiting for detached requests after 30 s");
     }
+    relay_stop.cancel();
+    let _ = relay.await;
+    if let Err(err) = consumer.await {
+        tracing::error!(%err, "the ledger consumer failed");
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A consumer name unique to this process: a restarted process is a new consumer of the group,
+/// and takes over what the old one left pending.
+fn consumer_name() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let nonce = RandomState::new().hash_one(std::process::id()) as u32;
+    format!("ledger-{}-{nonce:08x}", std::process::id())
+}
+
+/// The event stream, the balances and the consumer's records in the Redis at `url` (7.0 or
+/// newer), checked now.
+async fn connect_ledger(url: &str) -> Result<(Queue, Balances, RedisStore), String> {
+    let bad_url = |err: &dyn Error| format!("bad LEDGER_REDIS_URL: {}", report(err));
+    let unusable =
+        |err: &dyn Error| format!("cannot use Redis at LEDGER_REDIS_URL: {}", report(err));
+    let conn = redis_conn::RedisConn::open(url).map_err(|err| bad_url(&err))?;
+    let store = RedisStore::from_url(url)
+        .map_err(|err| bad_url(&err))?
+        .with_prefix(CONSUMER_PREFIX);
+    store.check().await.map_err(|err| unusable(&err))?;
+    let queue = queue::RedisQueue::connect(conn.clone(), STREAM, consumer::SCOPE)
+        .await
+        .map_err(|err| unusable(&err))?;
+    Ok((
+        Queue::Redis(queue),
+        Balances::redis(conn, BALANCES_PREFIX),
+        store,
+    ))
 }
 
 /// A Redis store, checked now so that a wrong `REDIS_URL` fails at start-up, not at the first
