@@ -103,13 +103,18 @@ impl fmt::Debug for RecordId {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    use fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
+    let mut out = String::with_capacity(bytes.len() * 2);
+    push_hex(&mut out, bytes);
+    out
+}
+
+/// Appends `bytes` to `out` in lowercase hex.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
 }
 
 /// A claim's fencing token: unique per claim. Complete, renew and release do nothing unless the
@@ -220,13 +225,20 @@ impl Record {
         }
     }
 
-    /// Decodes a record written by [`encode_in_flight`] or [`Completed::encode`]. The lease of an
+    /// Decodes a record written by [`encode_in_flight`] or [`Completed::encode`], sharing the
+    /// buffer for the body and header values. The lease of an
     /// in-flight record is measured against the current wall clock.
     ///
     /// # Errors
     /// A [`DecodeError`] when the bytes are not a record of a known version.
-    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
-        let mut r = Reader(bytes);
+    pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
+        let mut r = Reader(&bytes);
+        // Header values and the body are slices of `bytes`, not copies.
+        let shared = |r: &mut Reader<'_>, n: usize| {
+            let start = bytes.len() - r.0.len();
+            r.take(n)?;
+            Ok::<_, DecodeError>(bytes.slice(start..start + n))
+        };
         let version = r.u8()?;
         if version != VERSION {
             return Err(DecodeError::Version(version));
@@ -254,12 +266,12 @@ impl Record {
                     let name = HeaderName::from_bytes(r.take(name_len)?)
                         .map_err(|_| DecodeError::Malformed("header name"))?;
                     let value_len = r.u32()? as usize;
-                    let value = HeaderValue::from_bytes(r.take(value_len)?)
+                    let value = HeaderValue::from_maybe_shared(shared(&mut r, value_len)?)
                         .map_err(|_| DecodeError::Malformed("header value"))?;
                     headers.append(name, value);
                 }
                 let body_len = r.u32()? as usize;
-                let body = Bytes::copy_from_slice(r.take(body_len)?);
+                let body = shared(&mut r, body_len)?;
                 Record::Completed(Completed {
                     fingerprint,
                     response: Some(Arc::new(StoredResponse {
@@ -428,7 +440,7 @@ mod tests {
             })),
         };
         let bytes = record.encode().unwrap();
-        let Record::Completed(decoded) = Record::decode(&bytes).unwrap() else {
+        let Record::Completed(decoded) = Record::decode(Bytes::from(bytes.clone())).unwrap() else {
             panic!("not completed")
         };
         assert_eq!(decoded, record);
@@ -451,7 +463,10 @@ mod tests {
         };
         let bytes = record.encode().unwrap();
         assert_eq!(bytes.len(), 34);
-        assert_eq!(Record::decode(&bytes).unwrap(), Record::Completed(record));
+        assert_eq!(
+            Record::decode(Bytes::from(bytes.clone())).unwrap(),
+            Record::Completed(record)
+        );
     }
 
     #[test]
@@ -460,7 +475,7 @@ mod tests {
         let end = SystemTime::now() + Duration::from_secs(30);
         let bytes = encode_in_flight(&token, &fingerprint(), end);
         assert_eq!(&bytes[2..18], token.as_bytes());
-        let Record::InFlight(r) = Record::decode(&bytes).unwrap() else {
+        let Record::InFlight(r) = Record::decode(Bytes::from(bytes.clone())).unwrap() else {
             panic!("not in flight")
         };
         assert_eq!(r.fingerprint, fingerprint());
@@ -483,16 +498,22 @@ mod tests {
         .encode()
         .unwrap();
         for n in 0..good.len() {
-            assert!(Record::decode(&good[..n]).is_err(), "prefix of {n} bytes");
+            assert!(
+                Record::decode(Bytes::copy_from_slice(&good[..n])).is_err(),
+                "prefix of {n} bytes"
+            );
         }
         assert!(matches!(
-            Record::decode(&[2, 2]),
+            Record::decode(Bytes::from_static(&[2, 2])),
             Err(DecodeError::Version(2))
         ));
-        assert!(matches!(Record::decode(&[1, 9]), Err(DecodeError::Kind(9))));
+        assert!(matches!(
+            Record::decode(Bytes::from_static(&[1, 9])),
+            Err(DecodeError::Kind(9))
+        ));
         let mut trailing = good.clone();
         trailing.push(0);
-        assert!(Record::decode(&trailing).is_err());
+        assert!(Record::decode(Bytes::from(trailing)).is_err());
     }
 
     #[test]

@@ -4,13 +4,17 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+use deadpool_redis::redis::AsyncConnectionConfig;
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, RedisError, Script};
-use deadpool_redis::{Pool, Runtime};
+use deadpool_redis::{Manager, Pool, Runtime};
 
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{ClaimToken, Completed, Record, RecordId, encode_in_flight, unix_millis};
+use crate::record::{
+    ClaimToken, Completed, Record, RecordId, encode_in_flight, push_hex, unix_millis,
+};
 
 /// Replaces the in-flight record with the completed one, if the claim's token still matches.
 /// KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
@@ -71,7 +75,10 @@ struct Inner {
 pub enum RedisStoreError {
     /// The Redis URL is invalid.
     #[error("invalid Redis URL")]
-    Url(#[source] deadpool_redis::CreatePoolError),
+    Url(#[source] RedisError),
+    /// The pool could not be built.
+    #[error("could not build the Redis pool")]
+    Build(#[source] deadpool_redis::BuildError),
     /// Redis could not be reached, or failed.
     #[error("Redis is unreachable or failed")]
     Redis(#[source] RedisError),
@@ -110,9 +117,14 @@ impl RedisStore {
     /// # Errors
     /// [`RedisStoreError::Url`] when the URL is invalid.
     pub fn from_url(url: &str) -> Result<Self, RedisStoreError> {
-        let pool = deadpool_redis::Config::from_url(url)
-            .create_pool(Some(Runtime::Tokio1))
-            .map_err(RedisStoreError::Url)?;
+        // The store bounds every call itself (`with_timeout`), so the connections need no response
+        // timer of their own: one timer per call instead of two.
+        let config = AsyncConnectionConfig::new().set_response_timeout(None);
+        let manager = Manager::new_with_config(url, config).map_err(RedisStoreError::Url)?;
+        let pool = Pool::builder(manager)
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(RedisStoreError::Build)?;
         Ok(Self::new(pool))
     }
 
@@ -149,7 +161,13 @@ impl RedisStore {
 
     /// The Redis key of a record.
     pub fn redis_key(&self, id: &RecordId) -> String {
-        format!("{}{{{id}}}", self.inner.prefix)
+        let prefix = &self.inner.prefix;
+        let mut key = String::with_capacity(prefix.len() + 34);
+        key.push_str(prefix);
+        key.push('{');
+        push_hex(&mut key, id.as_bytes());
+        key.push('}');
+        key
     }
 
     /// Connects and checks that the server is Redis 7.0 or newer: call it at start-up to fail fast
@@ -313,7 +331,7 @@ impl Store for RedisStore {
         };
         match existing {
             None => Ok(Claim::Claimed(token)),
-            Some(bytes) => Record::decode(&bytes)
+            Some(bytes) => Record::decode(Bytes::from(bytes))
                 .map(Claim::Existing)
                 .map_err(|err| StoreError::Codec(Box::new(err))),
         }
