@@ -83,51 +83,36 @@ impl<B> ResponseBody<B> {
     }
 }
 
-impl<B> Body for RequestBody<B>
-where
-    B: Body<Data = Bytes>,
-{
-    type Data = Bytes;
-    type Error = B::Error;
+/// Both public body types are thin wrappers that delegate to `Kind`.
+macro_rules! delegate_body {
+    ($name:ident) => {
+        impl<B> Body for $name<B>
+        where
+            B: Body<Data = Bytes>,
+        {
+            type Data = Bytes;
+            type Error = B::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        self.project().kind.poll_frame(cx)
-    }
+            fn poll_frame(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+                self.project().kind.poll_frame(cx)
+            }
 
-    fn is_end_stream(&self) -> bool {
-        self.kind.is_end_stream()
-    }
+            fn is_end_stream(&self) -> bool {
+                self.kind.is_end_stream()
+            }
 
-    fn size_hint(&self) -> SizeHint {
-        self.kind.size_hint()
-    }
+            fn size_hint(&self) -> SizeHint {
+                self.kind.size_hint()
+            }
+        }
+    };
 }
 
-impl<B> Body for ResponseBody<B>
-where
-    B: Body<Data = Bytes>,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        self.project().kind.poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.kind.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.kind.size_hint()
-    }
-}
+delegate_body!(RequestBody);
+delegate_body!(ResponseBody);
 
 impl<B> Kind<B>
 where

@@ -446,77 +446,66 @@ impl<St: Store> Shared<St> {
             )
             .await;
 
-        let failure = match result {
-            Ok(Ok(handled)) => match handled {
-                Handled::Buffered(parts, body) => {
-                    let stored = StoredResponse {
-                        status: parts.status,
-                        headers: replayable_headers(&parts.headers, config.keep_set_cookie),
-                        body: body.clone(),
-                    };
-                    let completed = Completed {
-                        fingerprint,
-                        response: Some(Arc::new(stored)),
-                    };
-                    let response = Response::from_parts(parts, ResponseBody::full(body));
-                    self.complete(
-                        &id,
-                        &token,
-                        &completed,
-                        finish(response, Outcome::Executed),
-                        tx,
-                    )
+        // What to store (a response, or `None` for a tombstone) and what to answer, or why the
+        // claim is released instead.
+        let (stored, response) = match result {
+            Ok(Ok(Handled::Buffered(parts, body))) => {
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers: replayable_headers(&parts.headers, config.keep_set_cookie),
+                    body: body.clone(),
+                };
+                let response = Response::from_parts(parts, ResponseBody::full(body));
+                (Some(Arc::new(stored)), finish(response, Outcome::Executed))
+            }
+            Ok(Ok(Handled::Unstorable(response))) => (None, finish(response, Outcome::Executed)),
+            Ok(Ok(Handled::BodyFailed(err))) => {
+                // The handler ran: keep a tombstone so a retry does not run it again.
+                tracing::error!(
+                    target: "tower_idempotency",
+                    error = %err,
+                    "the response body failed while it was read; keeping a tombstone"
+                );
+                let detail = String::from(
+                    "the response failed while it was produced; the operation may have completed, \
+                     so a retry with this key will not run it again",
+                );
+                (None, self.problem(ProblemKind::HandlerFailed, detail))
+            }
+            Ok(Ok(Handled::NotStored(response))) => {
+                let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
+                return self.release(&id, &token, response, tx).await;
+            }
+            Ok(Err(err)) => {
+                return self
+                    .fail(&id, &token, format!("the handler failed: {err}"), tx)
                     .await;
-                    return;
-                }
-                Handled::Unstorable(response) => {
-                    let completed = Completed {
-                        fingerprint,
-                        response: None,
-                    };
-                    self.complete(
-                        &id,
-                        &token,
-                        &completed,
-                        finish(response, Outcome::Executed),
-                        tx,
-                    )
-                    .await;
-                    return;
-                }
-                Handled::NotStored(response) => {
-                    let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
-                    self.release(&id, &token, response, tx).await;
-                    return;
-                }
-                Handled::BodyFailed(err) => {
-                    // The handler ran: keep a tombstone so a retry does not run it again.
-                    tracing::error!(
-                        target: "tower_idempotency",
-                        error = %err,
-                        "the response body failed while it was read; keeping a tombstone"
-                    );
-                    let completed = Completed {
-                        fingerprint,
-                        response: None,
-                    };
-                    let detail = String::from(
-                        "the response failed while it was produced; the operation may have completed, \
-                         so a retry with this key will not run it again",
-                    );
-                    let response = self.problem(ProblemKind::HandlerFailed, detail);
-                    self.complete(&id, &token, &completed, response, tx).await;
-                    return;
-                }
-            },
-            Ok(Err(err)) => format!("the handler failed: {err}"),
-            Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
+            }
+            Err(panic) => {
+                let failure = format!("the handler panicked: {}", panic_message(&*panic));
+                return self.fail(&id, &token, failure, tx).await;
+            }
         };
+        let completed = Completed {
+            fingerprint,
+            response: stored,
+        };
+        self.complete(&id, &token, &completed, response, tx).await;
+    }
+
+    /// The handler failed or panicked: a 500 problem, and the claim is released.
+    async fn fail<B>(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        failure: String,
+        tx: oneshot::Sender<Response<ResponseBody<B>>>,
+    ) {
         tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
         let detail =
             String::from("the request failed; it was not stored, and a retry runs it again");
         let response = self.problem(ProblemKind::HandlerFailed, detail);
-        self.release(&id, &token, response, tx).await;
+        self.release(id, token, response, tx).await;
     }
 
     /// Reads the response body up to the response limit, or decides it is not to be stored.
