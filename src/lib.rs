@@ -89,8 +89,15 @@
 //! protected request (target `tower_idempotency`; keys and scopes appear only hashed).
 //!
 //! # Stores
-//! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`) for many
-//! instances. Write your own by implementing [`Store`].
+//! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`, Redis 7.0 or
+//! newer) for many instances behind a load balancer. Write your own by implementing [`Store`]; the
+//! record encoding in [`Record::decode`] and [`Completed::encode`] is there for stores that keep
+//! bytes.
+//!
+//! # Queue consumers
+//! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
+//! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
+//! attempt is retried by the redelivery.
 //!
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
@@ -111,7 +118,7 @@ mod layer;
 mod lease;
 mod outcome;
 pub mod problem;
-mod record;
+pub mod record;
 mod scope;
 mod service;
 pub mod store;
