@@ -30,6 +30,8 @@ use crate::record::{ClaimToken, Completed, Record, RecordId, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
 
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -241,11 +243,8 @@ impl<St: Store> Shared<St> {
         ResBody::Error: fmt::Display,
     {
         let config = &self.config;
-        let body = match Limited::new(body, config.request_body_limit)
-            .collect()
-            .await
-        {
-            Ok(collected) => collected.to_bytes(),
+        let body = match collect_limited(body, config.request_body_limit).await {
+            Ok(body) => body,
             Err(err) if err.is::<LengthLimitError>() => {
                 return self.problem(ProblemKind::BodyTooLarge, too_large(config));
             }
@@ -533,18 +532,16 @@ impl<St: Store> Shared<St> {
                 ResponseBody::chained(Bytes::new(), None, body),
             ));
         }
-        let mut chunks: Vec<Bytes> = Vec::new();
-        let mut total = 0usize;
+        let mut chunks = Chunks::default();
         loop {
             match body.frame().await {
                 None => break,
                 Some(Err(err)) => return Handled::BodyFailed(err.to_string()),
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) => {
-                        total += data.len();
                         chunks.push(data);
-                        if total > limit {
-                            let prefix = concat(chunks, total);
+                        if chunks.len > limit {
+                            let prefix = chunks.into_bytes();
                             let body = ResponseBody::chained(prefix, None, body);
                             return Handled::Unstorable(Response::from_parts(parts, body));
                         }
@@ -552,13 +549,13 @@ impl<St: Store> Shared<St> {
                     Err(frame) => {
                         // Trailers cannot be replayed faithfully: deliver them, keep a tombstone.
                         let trailers = frame.into_trailers().ok();
-                        let body = ResponseBody::chained(concat(chunks, total), trailers, body);
+                        let body = ResponseBody::chained(chunks.into_bytes(), trailers, body);
                         return Handled::Unstorable(Response::from_parts(parts, body));
                     }
                 },
             }
         }
-        Handled::Buffered(parts, concat(chunks, total))
+        Handled::Buffered(parts, chunks.into_bytes())
     }
 
     /// Stores the result and sends the response: after the write, so that a retry that follows
@@ -625,16 +622,50 @@ impl<St: Store> Shared<St> {
     }
 }
 
-fn concat(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
-    match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut out = BytesMut::with_capacity(total);
-            for chunk in chunks {
-                out.extend_from_slice(&chunk);
-            }
-            out.freeze()
+/// Reads a whole body of at most `limit` bytes. (Not `BodyExt::collect`: a body of one chunk, the
+/// common case, is returned as it came, with no allocation.)
+async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut chunks = Chunks::default();
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        if let Ok(data) = frame?.into_data() {
+            chunks.push(data);
+        }
+    }
+    Ok(chunks.into_bytes())
+}
+
+/// Body chunks gathered into one buffer, copied only when there is more than one.
+#[derive(Default)]
+struct Chunks {
+    first: Option<Bytes>,
+    joined: Option<BytesMut>,
+    len: usize,
+}
+
+impl Chunks {
+    fn push(&mut self, data: Bytes) {
+        self.len += data.len();
+        if let Some(joined) = &mut self.joined {
+            joined.extend_from_slice(&data);
+        } else if let Some(first) = self.first.take() {
+            let mut joined = BytesMut::with_capacity(first.len() + data.len());
+            joined.extend_from_slice(&first);
+            joined.extend_from_slice(&data);
+            self.joined = Some(joined);
+        } else {
+            self.first = Some(data);
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match (self.joined, self.first) {
+            (Some(joined), _) => joined.freeze(),
+            (None, first) => first.unwrap_or_default(),
         }
     }
 }
