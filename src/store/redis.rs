@@ -443,3 +443,34 @@ impl fmt::Debug for RedisStore {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_older_than_7_gets_a_clear_error() {
+        // Redis 6.2 answers `SET key value NX PX 1000 GET` with "ERR syntax error".
+        let reply = redis::make_extension_error("ERR".into(), Some("syntax error".into()));
+        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
+            reply,
+        ))));
+        let StoreError::Unavailable(source) = err else {
+            panic!("still a store failure")
+        };
+        let message = source.to_string();
+        assert!(message.contains("7.0 or newer"), "{message}");
+    }
+
+    #[test]
+    fn other_errors_are_left_alone() {
+        let reply = redis::make_extension_error("OOM".into(), Some("out of memory".into()));
+        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
+            reply,
+        ))));
+        let StoreError::Unavailable(source) = err else {
+            panic!("still a store failure")
+        };
+        assert!(!source.to_string().contains("7.0"), "{source}");
+    }
+}
