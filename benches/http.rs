@@ -44,6 +44,11 @@
 //! `EVAL` releases of claims abandoned when wrk stops (see `RedisStore::claim`) are counted right.
 //!
 //! `BENCH_VARIANTS=bare,memory,redis` (default: all) runs only some servers, e.g. to profile one.
+//! `BENCH_DEDUP_WINDOW` (seconds, default 86400) and `BENCH_MEMORY_CAPACITY` (bytes, default
+//! lifted) check that memory stays flat over a long new-key run, e.g.
+//! `BENCH_VARIANTS=memory BENCH_WORKLOADS=new-key BENCH_ROUNDS=1 BENCH_SECONDS=60
+//! BENCH_DEDUP_WINDOW=10 cargo bench --bench http`: the end of the run prints the store's size and
+//! the process's resident and peak memory.
 //!
 //! A run started by `cargo test --benches` (no `--bench` argument) does nothing.
 
@@ -78,6 +83,18 @@ const REQUEST_BODY: &str = r#"{"amount":1099,"currency":"eur","customer":"cus_Nf
 /// end up measuring 503s. The bench lifts the cap (same code path otherwise) and prints what the
 /// store holds at the end.
 const MEMORY_CAPACITY: usize = usize::MAX / 2;
+/// A line of `/proc/self/status` (`VmRSS:`, `VmHWM:`), or `?`.
+fn proc_status(field: &str) -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(field).map(|v| v.trim().to_owned()))
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
 /// Extra time wrk gets past its duration before the bench kills it.
 const WRK_GRACE: Duration = Duration::from_secs(30);
 /// Timeout of the bench's own priming and probing requests.
@@ -148,6 +165,10 @@ struct Settings {
     server_threads: usize,
     workloads: Vec<Workload>,
     variants: Vec<Variant>,
+    /// The layers' dedup window, in seconds (default: the layer's own, 24 h).
+    dedup_window: u64,
+    /// The memory store's byte cap (default: lifted, see `MEMORY_CAPACITY`).
+    memory_capacity: usize,
 }
 
 impl Settings {
@@ -162,6 +183,8 @@ impl Settings {
             server_threads: env_number("BENCH_SERVER_THREADS", nproc)?,
             workloads: env_list("BENCH_WORKLOADS", &Workload::ALL, Workload::name)?,
             variants: env_list("BENCH_VARIANTS", &Variant::ALL, Variant::name)?,
+            dedup_window: env_number("BENCH_DEDUP_WINDOW", 24 * 60 * 60)?,
+            memory_capacity: env_number("BENCH_MEMORY_CAPACITY", MEMORY_CAPACITY)?,
         };
         if settings.seconds == 0 || settings.rounds == 0 {
             return Err("BENCH_SECONDS and BENCH_ROUNDS must be at least 1".into());
@@ -187,6 +210,13 @@ impl Settings {
             let names: Vec<_> = self.variants.iter().map(|v| v.name()).collect();
             format!("BENCH_VARIANTS={} ", names.join(","))
         };
+        let mut variants = variants;
+        if self.dedup_window != 24 * 60 * 60 {
+            variants.push_str(&format!("BENCH_DEDUP_WINDOW={} ", self.dedup_window));
+        }
+        if self.memory_capacity != MEMORY_CAPACITY {
+            variants.push_str(&format!("BENCH_MEMORY_CAPACITY={} ", self.memory_capacity));
+        }
         format!(
             "BENCH_SECONDS={} BENCH_ROUNDS={} BENCH_WARMUP={} BENCH_CONNECTIONS={} BENCH_THREADS={} \
              BENCH_SERVER_THREADS={} BENCH_WORKLOADS={} {variants}cargo bench --bench http",
@@ -421,7 +451,8 @@ fn run() -> Result<bool, String> {
         .map_err(|e| format!("cannot build the tokio runtime: {e}"))?;
 
     let run_id = random_hex();
-    let memory_store = MemoryStore::with_capacity(MEMORY_CAPACITY);
+    let memory_store = MemoryStore::with_capacity(settings.memory_capacity);
+    let window = Duration::from_secs(settings.dedup_window);
     let redis_store = RedisStore::from_url(&redis.url()).map_err(|e| format!("{e}"))?;
     runtime
         .block_on(redis_store.check())
@@ -435,8 +466,12 @@ fn run() -> Result<bool, String> {
         let app = charges_app(executions.clone(), holds.clone());
         let app = match variant {
             Variant::Bare => app,
-            Variant::Memory => app.layer(IdempotencyLayer::new(memory_store.clone())),
-            Variant::Redis => app.layer(IdempotencyLayer::new(redis_store.clone())),
+            Variant::Memory => {
+                app.layer(IdempotencyLayer::new(memory_store.clone()).dedup_window(window))
+            }
+            Variant::Redis => {
+                app.layer(IdempotencyLayer::new(redis_store.clone()).dedup_window(window))
+            }
         };
         // Outermost, the same in every variant: one relaxed atomic add per request.
         let count = received.clone();
@@ -582,6 +617,11 @@ fn run() -> Result<bool, String> {
             .command(&["DBSIZE"])
             .as_integer()
             .map_or_else(|| "?".into(), |n| n.to_string()),
+    );
+    println!(
+        "bench process memory at the end: {} resident, {} at the peak",
+        proc_status("VmRSS:"),
+        proc_status("VmHWM:")
     );
     println!("load average at the end: {}", load_average());
 
