@@ -36,7 +36,9 @@ pin_project! {
     enum Kind<B> {
         Full { #[pin] body: Full<Bytes> },
         Inner { #[pin] body: B },
-        Chained { prefix: Option<Bytes>, trailers: Option<HeaderMap>, rest: Pin<Box<B>> },
+        // The trailers are boxed: they are rare, and unboxed they would triple the size of every
+        // response body (and of every future that holds one).
+        Chained { prefix: Option<Bytes>, trailers: Option<Box<HeaderMap>>, rest: Pin<Box<B>> },
     }
 }
 
@@ -71,7 +73,11 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn chained(prefix: Bytes, trailers: Option<HeaderMap>, rest: Pin<Box<B>>) -> Self {
+    pub(crate) fn chained(
+        prefix: Bytes,
+        trailers: Option<Box<HeaderMap>>,
+        rest: Pin<Box<B>>,
+    ) -> Self {
         let prefix = Some(prefix).filter(|p| !p.is_empty());
         Self {
             kind: Kind::Chained {
@@ -138,7 +144,7 @@ where
                 if let Some(bytes) = prefix.take() {
                     Poll::Ready(Some(Ok(Frame::data(bytes))))
                 } else if let Some(trailers) = trailers.take() {
-                    Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                    Poll::Ready(Some(Ok(Frame::trailers(*trailers))))
                 } else {
                     rest.as_mut().poll_frame(cx)
                 }

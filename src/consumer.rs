@@ -225,18 +225,18 @@ impl<St: Store> Deduplicator<St> {
                 held.write(
                     "complete",
                     || self.store.complete(&id, &token, &done, window),
-                    || {},
+                    None::<fn()>,
                 )
                 .await;
                 Ok(Processed::Done(value))
             }
             Ok(Err(err)) => {
-                held.write("release", || self.store.release(&id, &token), || {})
+                held.write("release", || self.store.release(&id, &token), None::<fn()>)
                     .await;
                 Err(DedupError::Failed(err))
             }
             Err(panic) => {
-                held.write("release", || self.store.release(&id, &token), || {})
+                held.write("release", || self.store.release(&id, &token), None::<fn()>)
                     .await;
                 Err(DedupError::Panicked(panic_message(&*panic).to_owned()))
             }

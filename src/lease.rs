@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
@@ -17,14 +18,14 @@ use crate::store::{Store, StoreError};
 const WRITE_RETRIES: u32 = 3;
 const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Bounds one store call by `timeout`.
-pub(crate) async fn timed<T>(
+/// Bounds one store call by `timeout`. (A combinator rather than an `async fn`, which would keep a
+/// second copy of the call in every future that awaits it.)
+pub(crate) fn timed<T>(
     timeout: Duration,
     call: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
+) -> impl Future<Output = Result<T, StoreError>> {
     tokio::time::timeout(timeout, call)
-        .await
-        .unwrap_or(Err(StoreError::Timeout(timeout)))
+        .map(move |result| result.unwrap_or(Err(StoreError::Timeout(timeout))))
 }
 
 /// A claim held on a record: what renewing and writing it needs.
@@ -120,17 +121,37 @@ impl<'a, St: Store> Held<'a, St> {
     }
 
     /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one within a bound.
-    /// `on_failure` runs after each failed attempt (the layer sends its response at the first).
-    /// Returns whether the write was made: `false` when the claim was lost or the store kept failing.
-    pub(crate) async fn write<F, Fut>(
-        &self,
+    /// `respond` runs once: after the first failed attempt, or when the write is done (the layer
+    /// sends its response then, so a failing store never holds a client up). Returns whether the
+    /// write was made: `false` when the claim was lost or the store kept failing.
+    pub(crate) async fn write<F, Fut, R>(
+        self,
         what: &'static str,
         mut call: F,
-        mut on_failure: impl FnMut(),
+        mut respond: Option<R>,
     ) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
+        R: FnOnce(),
+    {
+        let written = self.attempts(what, &mut call, &mut respond).await;
+        if let Some(respond) = respond.take() {
+            respond();
+        }
+        written
+    }
+
+    async fn attempts<F, Fut, R>(
+        self,
+        what: &'static str,
+        call: &mut F,
+        respond: &mut Option<R>,
+    ) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool, StoreError>>,
+        R: FnOnce(),
     {
         let mut backoff = WRITE_BACKOFF;
         for attempt in 0..=WRITE_RETRIES {
@@ -152,7 +173,9 @@ impl<'a, St: Store> Held<'a, St> {
                         error = %ErrorChain(&err),
                         "store write failed"
                     );
-                    on_failure();
+                    if let Some(respond) = respond.take() {
+                        respond();
+                    }
                     if attempt < WRITE_RETRIES {
                         tokio::time::sleep(backoff).await;
                         backoff *= 2;

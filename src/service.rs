@@ -206,11 +206,11 @@ impl<St: Store> Shared<St> {
         finish(problem.into_response().map(ResponseBody::full), outcome)
     }
 
-    async fn timed<T>(
+    fn timed<T>(
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        lease::timed(self.config.store_timeout, call).await
+    ) -> impl Future<Output = Result<T, StoreError>> {
+        lease::timed(self.config.store_timeout, call)
     }
 
     fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
@@ -473,7 +473,8 @@ impl<St: Store> Shared<St> {
             }
             Ok(Ok(Handled::NotStored(response))) => {
                 let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
-                return self.release(&id, &token, response, tx).await;
+                self.release(&id, &token, response, tx).await;
+                return;
             }
             Ok(Err(err)) => {
                 return self
@@ -548,7 +549,7 @@ impl<St: Store> Shared<St> {
                     }
                     Err(frame) => {
                         // Trailers cannot be replayed faithfully: deliver them, keep a tombstone.
-                        let trailers = frame.into_trailers().ok();
+                        let trailers = frame.into_trailers().ok().map(Box::new);
                         let body = ResponseBody::chained(chunks.into_bytes(), trailers, body);
                         return Handled::Unstorable(Response::from_parts(parts, body));
                     }
@@ -560,65 +561,38 @@ impl<St: Store> Shared<St> {
 
     /// Stores the result and sends the response: after the write, so that a retry that follows
     /// the response finds it; on a failed write, at once, while the write is retried.
-    async fn complete<B>(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        completed: &Completed,
+    fn complete<'a, B: 'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+        completed: &'a Completed,
         response: Response<B>,
         tx: oneshot::Sender<Response<B>>,
-    ) {
+    ) -> impl Future<Output = bool> + 'a {
         let ttl = self.config.dedup_window;
-        self.write(
-            "complete",
-            id,
-            token,
-            || self.store.complete(id, token, completed, ttl),
-            response,
-            tx,
-        )
-        .await;
+        let call = move || self.store.complete(id, token, completed, ttl);
+        self.held(id, token)
+            .write("complete", call, Some(respond(response, tx)))
     }
 
-    async fn release<B>(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
+    /// Releases the claim and sends the response, like [`Shared::complete`].
+    fn release<'a, B: 'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
         response: Response<B>,
         tx: oneshot::Sender<Response<B>>,
-    ) {
-        self.write(
-            "release",
-            id,
-            token,
-            || self.store.release(id, token),
-            response,
-            tx,
-        )
-        .await;
+    ) -> impl Future<Output = bool> + 'a {
+        let call = move || self.store.release(id, token);
+        self.held(id, token)
+            .write("release", call, Some(respond(response, tx)))
     }
+}
 
-    async fn write<B, F, Fut>(
-        &self,
-        what: &'static str,
-        id: &RecordId,
-        token: &ClaimToken,
-        call: F,
-        response: Response<B>,
-        tx: oneshot::Sender<Response<B>>,
-    ) where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<bool, StoreError>>,
-    {
-        let mut pending = Some((response, tx));
-        let mut send = || {
-            if let Some((response, tx)) = pending.take() {
-                // The client may have gone away: its retry will find the stored result.
-                let _ = tx.send(response);
-            }
-        };
-        self.held(id, token).write(what, call, &mut send).await;
-        send();
+/// Sends the response; the client may have gone away, and its retry will find the stored result.
+fn respond<B>(response: Response<B>, tx: oneshot::Sender<Response<B>>) -> impl FnOnce() {
+    move || {
+        let _ = tx.send(response);
     }
 }
 
