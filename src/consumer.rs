@@ -222,21 +222,19 @@ impl<St: Store> Deduplicator<St> {
                     response: None,
                 };
                 let window = self.window;
-                held.write(
-                    "complete",
-                    || self.store.complete(&id, &token, &done, window),
-                    None::<fn()>,
-                )
+                held.write("complete", || {
+                    self.store.complete(&id, &token, &done, window)
+                })
                 .await;
                 Ok(Processed::Done(value))
             }
             Ok(Err(err)) => {
-                held.write("release", || self.store.release(&id, &token), None::<fn()>)
+                held.write("release", || self.store.release(&id, &token))
                     .await;
                 Err(DedupError::Failed(err))
             }
             Err(panic) => {
-                held.write("release", || self.store.release(&id, &token), None::<fn()>)
+                held.write("release", || self.store.release(&id, &token))
                     .await;
                 Err(DedupError::Panicked(panic_message(&*panic).to_owned()))
             }

@@ -7,7 +7,6 @@ use std::task::{Context, Poll};
 
 use http::Response;
 use pin_project_lite::pin_project;
-use tokio::sync::oneshot;
 use tracing::instrument::Instrumented;
 
 use crate::body::ResponseBody;
@@ -96,37 +95,49 @@ impl<F, B> fmt::Debug for ResponseFuture<F, B> {
     }
 }
 
-/// Runs work in the current task until it has sent its answer, and hands what is left of the work
-/// (or all of it) to a task of its own when dropped before the work finished, so that dropping the
-/// answer's receiver never cancels the work. The work is boxed by the caller, so moving it is cheap.
-pub(crate) struct Detachable<W: Future<Output = ()> + Unpin + Send + 'static, T> {
+/// Runs work in the current task, and hands it to a task of its own when dropped before it
+/// finished, so that a client that goes away never cancels the work (its answer is then dropped).
+/// The work is boxed by the caller, so moving it is cheap.
+pub(crate) struct Detachable<W>
+where
+    W: Future + Unpin + Send + 'static,
+    W::Output: Send + 'static,
+{
     work: Option<W>,
-    answer: oneshot::Receiver<T>,
 }
 
-impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Detachable<W, T> {
-    pub(crate) fn new(work: W, answer: oneshot::Receiver<T>) -> Self {
-        Self {
-            work: Some(work),
-            answer,
-        }
+impl<W> Detachable<W>
+where
+    W: Future + Unpin + Send + 'static,
+    W::Output: Send + 'static,
+{
+    pub(crate) fn new(work: W) -> Self {
+        Self { work: Some(work) }
     }
 }
 
-impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Future for Detachable<W, T> {
-    type Output = Result<T, oneshot::error::RecvError>;
+impl<W> Future for Detachable<W>
+where
+    W: Future + Unpin + Send + 'static,
+    W::Output: Send + 'static,
+{
+    type Output = W::Output;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let Some(work) = self.work.as_mut()
-            && Pin::new(work).poll(cx).is_ready()
-        {
-            self.work = None;
-        }
-        Pin::new(&mut self.answer).poll(cx)
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
+        let Some(work) = self.work.as_mut() else {
+            panic!("Detachable polled after completion");
+        };
+        let output = std::task::ready!(Pin::new(work).poll(cx));
+        self.work = None;
+        Poll::Ready(output)
     }
 }
 
-impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Drop for Detachable<W, T> {
+impl<W> Drop for Detachable<W>
+where
+    W: Future + Unpin + Send + 'static,
+    W::Output: Send + 'static,
+{
     fn drop(&mut self) {
         if let Some(work) = self.work.take() {
             match tokio::runtime::Handle::try_current() {
@@ -141,7 +152,11 @@ impl<W: Future<Output = ()> + Unpin + Send + 'static, T> Drop for Detachable<W, 
     }
 }
 
-impl<W: Future<Output = ()> + Unpin + Send + 'static, T> fmt::Debug for Detachable<W, T> {
+impl<W> fmt::Debug for Detachable<W>
+where
+    W: Future + Unpin + Send + 'static,
+    W::Output: Send + 'static,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Detachable")
             .field("running", &self.work.is_some())

@@ -16,7 +16,7 @@ use crate::store::{Store, StoreError};
 /// How often a failed store write is retried, and the first pause between attempts (doubled each
 /// time): 100 ms + 200 ms + 400 ms.
 const WRITE_RETRIES: u32 = 3;
-const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Bounds one store call by `timeout`. (A combinator rather than an `async fn`, which would keep a
 /// second copy of the call in every future that awaits it.)
@@ -120,38 +120,13 @@ impl<'a, St: Store> Held<'a, St> {
         }
     }
 
-    /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one within a bound.
-    /// `respond` runs once: after the first failed attempt, or when the write is done (the layer
-    /// sends its response then, so a failing store never holds a client up). Returns whether the
-    /// write was made: `false` when the claim was lost or the store kept failing.
-    pub(crate) async fn write<F, Fut, R>(
-        self,
-        what: &'static str,
-        mut call: F,
-        mut respond: Option<R>,
-    ) -> bool
+    /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one within a
+    /// bound. Returns whether the write was made: `false` when the
+    /// claim was lost or the store kept failing.
+    pub(crate) async fn write<F, Fut>(self, what: &'static str, mut call: F) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
-        R: FnOnce(),
-    {
-        let written = self.attempts(what, &mut call, &mut respond).await;
-        if let Some(respond) = respond.take() {
-            respond();
-        }
-        written
-    }
-
-    async fn attempts<F, Fut, R>(
-        self,
-        what: &'static str,
-        call: &mut F,
-        respond: &mut Option<R>,
-    ) -> bool
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<bool, StoreError>>,
-        R: FnOnce(),
     {
         let mut backoff = WRITE_BACKOFF;
         for attempt in 0..=WRITE_RETRIES {
@@ -173,9 +148,6 @@ impl<'a, St: Store> Held<'a, St> {
                         error = %ErrorChain(&err),
                         "store write failed"
                     );
-                    if let Some(respond) = respond.take() {
-                        respond();
-                    }
                     if attempt < WRITE_RETRIES {
                         tokio::time::sleep(backoff).await;
                         backoff *= 2;

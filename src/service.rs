@@ -13,7 +13,6 @@ use http::response::Parts as ResponseParts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 use tracing::Instrument;
@@ -292,19 +291,10 @@ impl<St: Store> Shared<St> {
 
         parts.extensions.insert(key);
         let request = Request::from_parts(parts, RequestBody::buffered(body));
-        let (tx, rx) = oneshot::channel();
-        let shared = self.clone();
         // The handler runs in this request's task; if the client goes away first, `Detachable`
         // moves the rest of the work to a task of its own, so the handler still runs to completion
         // and its result is stored for the client's retry. The tracker counts it either way.
-        let execute = shared.start(inner, request, id, token, fingerprint, tx);
-        match Detachable::new(execute, rx).await {
-            Ok(response) => response,
-            Err(_) => {
-                let detail = String::from("the request's work ended without a response");
-                self.problem(ProblemKind::HandlerFailed, detail)
-            }
-        }
+        Detachable::new(self.start(inner, request, id, token, fingerprint)).await
     }
 
     /// Runs a request without protection (fail-open), turning a failure into a 500 problem. Boxed,
@@ -399,8 +389,7 @@ impl<St: Store> Shared<St> {
         id: RecordId,
         token: ClaimToken,
         fingerprint: Fingerprint,
-        tx: oneshot::Sender<Response<ResponseBody<ResBody>>>,
-    ) -> impl Future<Output = ()> + Unpin + Send + 'static
+    ) -> impl Future<Output = Response<ResponseBody<ResBody>>> + Unpin + Send + 'static
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send + 'static,
@@ -410,7 +399,7 @@ impl<St: Store> Shared<St> {
         ResBody::Error: fmt::Display,
     {
         let tracker = self.tracker.clone();
-        let execute = Box::pin(self.execute(inner, request, id, token, fingerprint, tx));
+        let execute = Box::pin(self.execute(inner, request, id, token, fingerprint));
         tracker.track_future(execute.instrument(tracing::Span::current()))
     }
 
@@ -422,8 +411,8 @@ impl<St: Store> Shared<St> {
         id: RecordId,
         token: ClaimToken,
         fingerprint: Fingerprint,
-        tx: oneshot::Sender<Response<ResponseBody<ResBody>>>,
-    ) where
+    ) -> Response<ResponseBody<ResBody>>
+    where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send + 'static,
         S::Error: fmt::Display + Send + 'static,
@@ -473,39 +462,37 @@ impl<St: Store> Shared<St> {
             }
             Ok(Ok(Handled::NotStored(response))) => {
                 let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
-                self.release(&id, &token, response, tx).await;
-                return;
+                return self.release(&id, &token, response).await;
             }
             Ok(Err(err)) => {
                 return self
-                    .fail(&id, &token, format!("the handler failed: {err}"), tx)
+                    .fail(&id, &token, format!("the handler failed: {err}"))
                     .await;
             }
             Err(panic) => {
                 let failure = format!("the handler panicked: {}", panic_message(&*panic));
-                return self.fail(&id, &token, failure, tx).await;
+                return self.fail(&id, &token, failure).await;
             }
         };
         let completed = Completed {
             fingerprint,
             response: stored,
         };
-        self.complete(&id, &token, &completed, response, tx).await;
+        self.complete(&id, &token, completed, response).await
     }
 
     /// The handler failed or panicked: a 500 problem, and the claim is released.
     async fn fail<B>(
-        &self,
+        self: &Arc<Self>,
         id: &RecordId,
         token: &ClaimToken,
         failure: String,
-        tx: oneshot::Sender<Response<ResponseBody<B>>>,
-    ) {
+    ) -> Response<ResponseBody<B>> {
         tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
         let detail =
             String::from("the request failed; it was not stored, and a retry runs it again");
         let response = self.problem(ProblemKind::HandlerFailed, detail);
-        self.release(id, token, response, tx).await;
+        self.release(id, token, response).await
     }
 
     /// Reads the response body up to the response limit, or decides it is not to be stored.
@@ -559,40 +546,80 @@ impl<St: Store> Shared<St> {
         Handled::Buffered(parts, chunks.into_bytes())
     }
 
-    /// Stores the result and sends the response: after the write, so that a retry that follows
-    /// the response finds it; on a failed write, at once, while the write is retried.
-    fn complete<'a, B: 'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a ClaimToken,
-        completed: &'a Completed,
+    /// Stores the result, then answers: after the write, so that a retry that follows the response
+    /// finds it. A failed write answers at once and is retried on a task of its own.
+    async fn complete<B>(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: Completed,
         response: Response<B>,
-        tx: oneshot::Sender<Response<B>>,
-    ) -> impl Future<Output = bool> + 'a {
+    ) -> Response<B> {
         let ttl = self.config.dedup_window;
-        let call = move || self.store.complete(id, token, completed, ttl);
-        self.held(id, token)
-            .write("complete", call, Some(respond(response, tx)))
+        let written = self
+            .timed(self.store.complete(id, token, &completed, ttl))
+            .await;
+        self.after_write(id, token, Some(completed), written);
+        response
     }
 
-    /// Releases the claim and sends the response, like [`Shared::complete`].
-    fn release<'a, B: 'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a ClaimToken,
+    /// Releases the claim, then answers, like [`Shared::complete`].
+    async fn release<B>(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
         response: Response<B>,
-        tx: oneshot::Sender<Response<B>>,
-    ) -> impl Future<Output = bool> + 'a {
-        let call = move || self.store.release(id, token);
-        self.held(id, token)
-            .write("release", call, Some(respond(response, tx)))
+    ) -> Response<B> {
+        let released = self.timed(self.store.release(id, token)).await;
+        self.after_write(id, token, None, released);
+        response
     }
-}
 
-/// Sends the response; the client may have gone away, and its retry will find the stored result.
-fn respond<B>(response: Response<B>, tx: oneshot::Sender<Response<B>>) -> impl FnOnce() {
-    move || {
-        let _ = tx.send(response);
+    /// Logs a lost claim, and hands a failed write (a completion, or a release when `completed` is
+    /// `None`) to a task that retries it within a bound.
+    fn after_write(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: Option<Completed>,
+        written: Result<bool, StoreError>,
+    ) {
+        let what = if completed.is_some() {
+            "complete"
+        } else {
+            "release"
+        };
+        match written {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                target: "tower_idempotency",
+                operation = what,
+                "the claim was lost (its lease ran out and the key was claimed again); nothing written"
+            ),
+            Err(err) => {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    operation = what,
+                    error = %ErrorChain(&err),
+                    "store write failed; answering now and retrying the write"
+                );
+                let (shared, id, token) = (self.clone(), *id, *token);
+                let retry = async move {
+                    tokio::time::sleep(lease::WRITE_BACKOFF).await;
+                    let held = shared.held(&id, &token);
+                    let ttl = shared.config.dedup_window;
+                    match &completed {
+                        Some(done) => {
+                            held.write(what, || shared.store.complete(&id, &token, done, ttl))
+                                .await
+                        }
+                        None => held.write(what, || shared.store.release(&id, &token)).await,
+                    };
+                };
+                self.tracker
+                    .spawn(retry.instrument(tracing::Span::current()));
+            }
+        }
     }
 }
 
