@@ -194,42 +194,46 @@ impl MemoryStore {
         completed: &Completed,
         ttl: Duration,
     ) -> bool {
-        let now = Instant::now();
-        let mut shard = self.shard(id);
-        shard.expire(now, &self.inner.used);
-        let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token)) else {
-            return false;
-        };
-        let wanted = ENTRY_OVERHEAD + completed.response.as_ref().map_or(0, |r| r.size());
-        let mut completed = completed.clone();
-        if wanted > entry.size && !self.reserve(wanted - entry.size) {
-            tracing::warn!(
-                target: "tower_idempotency",
-                bytes = wanted,
-                "memory store full: keeping a tombstone instead of the response"
-            );
-            completed.response = None;
-        } else if wanted < entry.size {
-            self.free(entry.size - wanted);
-        }
-        if completed.response.is_some() {
-            entry.size = wanted;
-        }
-        entry.state = State::Completed(completed);
-        entry.expires_at = now + ttl;
-        shard.expiry.push(Reverse((now + ttl, *id)));
-        true
+        self.update_owned(id, token, |entry, now| {
+            // An owned entry is in flight and holds only its overhead: reserve the response's bytes.
+            let extra = completed.response.as_ref().map_or(0, |r| r.size());
+            let mut completed = completed.clone();
+            if self.reserve(extra) {
+                entry.size += extra;
+            } else {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    bytes = ENTRY_OVERHEAD + extra,
+                    "memory store full: keeping a tombstone instead of the response"
+                );
+                completed.response = None;
+            }
+            entry.state = State::Completed(completed);
+            entry.expires_at = now + ttl;
+        })
     }
 
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
+        self.update_owned(id, token, |entry, now| entry.expires_at = now + lease)
+    }
+
+    /// Changes the in-flight entry claimed with `token` and queues its new expiry; `false`, and no
+    /// change, when the entry is gone or carries another claim's token.
+    fn update_owned(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        change: impl FnOnce(&mut Entry, Instant),
+    ) -> bool {
         let now = Instant::now();
         let mut shard = self.shard(id);
         shard.expire(now, &self.inner.used);
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token)) else {
             return false;
         };
-        entry.expires_at = now + lease;
-        shard.expiry.push(Reverse((now + lease, *id)));
+        change(entry, now);
+        let expires_at = entry.expires_at;
+        shard.expiry.push(Reverse((expires_at, *id)));
         true
     }
 
