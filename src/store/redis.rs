@@ -69,6 +69,20 @@ struct Inner {
     release: Script,
 }
 
+impl Inner {
+    fn new(pool: Pool, prefix: String, timeout: Duration) -> Self {
+        Self {
+            pool,
+            prefix,
+            timeout,
+            connection: Mutex::new(None),
+            complete: Script::new(COMPLETE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+        }
+    }
+}
+
 /// Setting up a [`RedisStore`] failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -99,15 +113,7 @@ impl RedisStore {
     /// A store on `pool`, with the default prefix (`idempotency:`) and timeout (1 second).
     pub fn new(pool: Pool) -> Self {
         Self {
-            inner: Arc::new(Inner {
-                pool,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                timeout: DEFAULT_TIMEOUT,
-                connection: Mutex::new(None),
-                complete: Script::new(COMPLETE),
-                renew: Script::new(RENEW),
-                release: Script::new(RELEASE),
-            }),
+            inner: Arc::new(Inner::new(pool, DEFAULT_PREFIX.to_owned(), DEFAULT_TIMEOUT)),
         }
     }
 
@@ -139,14 +145,8 @@ impl RedisStore {
     }
 
     fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
-        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
-            pool: shared.pool.clone(),
-            prefix: shared.prefix.clone(),
-            timeout: shared.timeout,
-            connection: Mutex::new(None),
-            complete: Script::new(COMPLETE),
-            renew: Script::new(RENEW),
-            release: Script::new(RELEASE),
+        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| {
+            Inner::new(shared.pool.clone(), shared.prefix.clone(), shared.timeout)
         });
         change(&mut inner);
         Self {
