@@ -187,13 +187,23 @@ impl<St: Store> Shared<St> {
     }
 
     fn problem<B>(&self, kind: ProblemKind, detail: String) -> Response<ResponseBody<B>> {
-        let problem = Problem::new(kind, self.config.status(kind), detail);
-        let problem = match kind {
-            ProblemKind::StoreUnavailable => {
-                problem.retry_after(whole_seconds(self.config.retry_after))
-            }
-            _ => problem,
+        let retry_after = match kind {
+            ProblemKind::StoreUnavailable => Some(whole_seconds(self.config.retry_after)),
+            _ => None,
         };
+        self.problem_with(kind, detail, retry_after)
+    }
+
+    fn problem_with<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        retry_after: Option<u64>,
+    ) -> Response<ResponseBody<B>> {
+        let mut problem = Problem::new(kind, self.config.status(kind), detail);
+        if let Some(seconds) = retry_after {
+            problem = problem.retry_after(seconds);
+        }
         let outcome = match kind {
             ProblemKind::InFlight => Outcome::InFlight,
             ProblemKind::Mismatch => Outcome::Mismatch,
@@ -347,16 +357,7 @@ impl<St: Store> Shared<St> {
                 let detail = String::from(
                     "a request with this Idempotency-Key is still being processed; retry later",
                 );
-                let problem = Problem::new(
-                    ProblemKind::InFlight,
-                    self.config.status(ProblemKind::InFlight),
-                    detail,
-                )
-                .retry_after(retry_after);
-                finish(
-                    problem.into_response().map(ResponseBody::full),
-                    Outcome::InFlight,
-                )
+                self.problem_with(ProblemKind::InFlight, detail, Some(retry_after))
             }
             Record::Completed(Completed {
                 response: Some(stored),
