@@ -210,6 +210,13 @@ impl RedisStore {
         if let Some(connection) = self.cached().clone() {
             return Ok(connection);
         }
+        // Boxed: the pool's future is large (about 7 KiB, as it may connect), and every request
+        // future that awaits a store call would otherwise carry it, and copy it, for this rare path.
+        Box::pin(self.connect()).await
+    }
+
+    /// Takes a connection from the pool and shares it.
+    async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
         let pooled = self
             .inner
             .pool
