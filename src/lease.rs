@@ -6,7 +6,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
@@ -18,14 +17,50 @@ use crate::store::{Store, StoreError};
 const WRITE_RETRIES: u32 = 3;
 pub(crate) const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Bounds one store call by `timeout`. (A combinator rather than an `async fn`, which would keep a
-/// second copy of the call in every future that awaits it.)
-pub(crate) fn timed<T>(
-    timeout: Duration,
-    call: impl Future<Output = Result<T, StoreError>>,
-) -> impl Future<Output = Result<T, StoreError>> {
-    tokio::time::timeout(timeout, call)
-        .map(move |result| result.unwrap_or(Err(StoreError::Timeout(timeout))))
+/// Bounds one store call by `timeout`, counted from its first poll.
+pub(crate) fn timed<F, T>(timeout: Duration, call: F) -> Timed<F>
+where
+    F: Future<Output = Result<T, StoreError>>,
+{
+    Timed {
+        call,
+        timer: None,
+        timeout,
+    }
+}
+
+pin_project! {
+    /// A store call bounded by a timeout. Its timer is made (boxed) only when the call does not
+    /// finish at its first poll: a store that answers at once (the memory store) pays for no timer,
+    /// and every request future that awaits a call stays smaller than with an inline `Sleep`.
+    pub(crate) struct Timed<F> {
+        #[pin]
+        call: F,
+        timer: Option<Pin<Box<Sleep>>>,
+        timeout: Duration,
+    }
+}
+
+impl<F, T> Future for Timed<F>
+where
+    F: Future<Output = Result<T, StoreError>>,
+{
+    type Output = Result<T, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(result) = this.call.poll(cx) {
+            return Poll::Ready(result);
+        }
+        let timeout = *this.timeout;
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(StoreError::Timeout(timeout))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// A claim held on a record: what renewing and writing it needs.
@@ -47,13 +82,12 @@ impl<St> Copy for Held<'_, St> {}
 
 pin_project! {
     /// Work running under a claim whose lease is renewed every third of it. A hand-written future
-    /// rather than an `async fn`, to keep one copy of the work in it, and no timer registered
-    /// when the work finishes at its first poll.
+    /// rather than an `async fn`, to keep one copy of the work in it; its timer is made (boxed)
+    /// only when the work does not finish at its first poll.
     pub(crate) struct Renewing<'a, St, F> {
         #[pin]
         work: F,
-        #[pin]
-        tick: Sleep,
+        tick: Option<Pin<Box<Sleep>>>,
         every: Duration,
         held: Held<'a, St>,
         // Boxed: renewals are rare (work longer than a third of the lease), and the renewal
@@ -66,10 +100,14 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let mut this = self.project();
+        let this = self.project();
         if let Poll::Ready(output) = this.work.poll(cx) {
             return Poll::Ready(output);
         }
+        let every = *this.every;
+        let tick = this
+            .tick
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
         loop {
             if let Some(renewal) = this.renewal.as_mut() {
                 if renewal.as_mut().poll(cx).is_pending() {
@@ -77,10 +115,10 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
                 }
                 *this.renewal = None;
             }
-            if this.tick.as_mut().poll(cx).is_pending() {
+            if tick.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            this.tick.as_mut().reset(Instant::now() + *this.every);
+            tick.as_mut().reset(Instant::now() + every);
             *this.renewal = Some(Box::pin(this.held.renew()));
         }
     }
@@ -89,11 +127,10 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
 impl<'a, St: Store> Held<'a, St> {
     /// Runs `work` while renewing the claim's lease every third of it, so slow work keeps its claim.
     pub(crate) fn renewing<F: Future>(&self, work: F) -> Renewing<'a, St, F> {
-        let every = self.lease / 3;
         Renewing {
             work,
-            tick: tokio::time::sleep(every),
-            every,
+            tick: None,
+            every: self.lease / 3,
             held: *self,
             renewal: None,
         }
