@@ -289,8 +289,48 @@ impl RedisStore {
     }
 }
 
+// Each call is boxed: a Redis call's future holds the command, the connection and a timer, and
+// inline it would swell, and be copied with, every request future that awaits it.
 impl Store for RedisStore {
-    async fn claim(
+    fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        Box::pin(self.claim_call(id, fingerprint, lease))
+    }
+
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.complete_call(id, token, completed, ttl))
+    }
+
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.renew_call(id, token, lease))
+    }
+
+    fn release(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.release_call(id, token))
+    }
+}
+
+impl RedisStore {
+    async fn claim_call(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
@@ -344,7 +384,7 @@ impl Store for RedisStore {
         }
     }
 
-    async fn complete(
+    async fn complete_call(
         &self,
         id: &RecordId,
         token: &ClaimToken,
@@ -359,7 +399,7 @@ impl Store for RedisStore {
             .await
     }
 
-    async fn renew(
+    async fn renew_call(
         &self,
         id: &RecordId,
         token: &ClaimToken,
@@ -376,7 +416,7 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+    async fn release_call(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.fenced(&self.inner.release, id, token, &[]).await
     }
 }
