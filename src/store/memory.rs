@@ -1,7 +1,7 @@
 //! `MemoryStore`: records in this process's memory.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, hash_map};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -152,38 +152,35 @@ impl MemoryStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
+        let mut guard = self.shard(id);
+        guard.expire(now, &self.inner.used);
+        let shard = &mut *guard;
+        // One probe of the map for both the lookup and the insert.
+        match shard.map.entry(*id) {
+            hash_map::Entry::Occupied(entry) => {
+                return Ok(Claim::Existing(entry.get().record(now)));
+            }
+            hash_map::Entry::Vacant(vacant) if self.reserve(ENTRY_OVERHEAD) => {
+                let (token, entry) = Entry::claimed(fingerprint, now + lease);
+                shard.expiry.push(Reverse((entry.expires_at, *id)));
+                vacant.insert(entry);
+                return Ok(Claim::Claimed(token));
+            }
+            hash_map::Entry::Vacant(_) => {}
+        }
+        // Full. Records that expired in other shards may still hold bytes: collect them, retry.
+        drop(guard);
+        self.expire_all(now);
         let mut shard = self.shard(id);
-        shard.expire(now, &self.inner.used);
         if let Some(entry) = shard.map.get(id) {
             return Ok(Claim::Existing(entry.record(now)));
         }
         if !self.reserve(ENTRY_OVERHEAD) {
-            // Records that expired in other shards may still hold bytes: collect them, then retry.
-            drop(shard);
-            self.expire_all(now);
-            if !self.reserve(ENTRY_OVERHEAD) {
-                return Err(StoreError::Full);
-            }
-            shard = self.shard(id);
-            if let Some(entry) = shard.map.get(id) {
-                self.free(ENTRY_OVERHEAD);
-                return Ok(Claim::Existing(entry.record(now)));
-            }
+            return Err(StoreError::Full);
         }
-        let token = ClaimToken::generate();
-        let expires_at = now + lease;
-        shard.map.insert(
-            *id,
-            Entry {
-                state: State::InFlight {
-                    token,
-                    fingerprint: *fingerprint,
-                },
-                expires_at,
-                size: ENTRY_OVERHEAD,
-            },
-        );
-        shard.expiry.push(Reverse((expires_at, *id)));
+        let (token, entry) = Entry::claimed(fingerprint, now + lease);
+        shard.expiry.push(Reverse((entry.expires_at, *id)));
+        shard.map.insert(*id, entry);
         Ok(Claim::Claimed(token))
     }
 
@@ -303,6 +300,20 @@ impl Shard {
 }
 
 impl Entry {
+    /// A new in-flight entry, and the token of its claim.
+    fn claimed(fingerprint: &Fingerprint, expires_at: Instant) -> (ClaimToken, Self) {
+        let token = ClaimToken::generate();
+        let entry = Self {
+            state: State::InFlight {
+                token,
+                fingerprint: *fingerprint,
+            },
+            expires_at,
+            size: ENTRY_OVERHEAD,
+        };
+        (token, entry)
+    }
+
     fn is_owned_by(&self, token: &ClaimToken) -> bool {
         matches!(&self.state, State::InFlight { token: t, .. } if t == token)
     }
