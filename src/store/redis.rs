@@ -268,6 +268,9 @@ impl RedisStore {
         StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
     }
 
+    /// Runs a fenced script: `EVALSHA` built straight into one command (no intermediate copies
+    /// of the record), loading the script and retrying once when Redis has lost it (a restart or
+    /// `SCRIPT FLUSH`).
     async fn fenced(
         &self,
         script: &Script,
@@ -276,14 +279,29 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<bool, StoreError> {
         let key = self.redis_key(id);
-        let mut invocation = script.key(key);
-        invocation.arg(token.as_bytes().as_slice());
+        let hash = script.get_hash();
+        let size = hash.len() + key.len() + 16 + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut evalsha = redis::Cmd::with_capacity(5 + args.len(), size);
+        evalsha
+            .arg("EVALSHA")
+            .arg(hash)
+            .arg(1)
+            .arg(key)
+            .arg(token.as_bytes().as_slice());
         for arg in args {
-            invocation.arg(*arg);
+            evalsha.arg(*arg);
         }
-        self.run(
-            |mut connection| async move { invocation.invoke_async::<i64>(&mut connection).await },
-        )
+        self.run(|mut connection| async move {
+            match evalsha.query_async::<i64>(&mut connection).await {
+                Err(err)
+                    if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    script.load_async(&mut connection).await?;
+                    evalsha.query_async::<i64>(&mut connection).await
+                }
+                answer => answer,
+            }
+        })
         .await
         .map(|written| written == 1)
     }
