@@ -169,7 +169,7 @@ impl<St: Store> Deduplicator<St> {
         Fut: Future<Output = Result<T, E>>,
     {
         let id = RecordId::for_message(self.scope.as_bytes(), message_id);
-        let span = tracing::info_span!(target: "tower_idempotency", "idempotent_consumer", key = %id.short());
+        let span = tracing::info_span!(target: "tower_idempotency", "idempotent_consumer", key = %id.tag());
         self.process_as(id, work).instrument(span).await
     }
 

@@ -86,13 +86,32 @@ impl RecordId {
 
     /// A short, non-reversible tag of the id for logs (the first 8 hex characters).
     pub fn short(&self) -> String {
-        hex(&self.0[..4])
+        self.tag().to_string()
+    }
+
+    /// [`RecordId::short`] without the allocation, for log fields.
+    pub(crate) fn tag(&self) -> Hex<'_> {
+        Hex(&self.0[..4])
     }
 }
 
 impl fmt::Display for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex(&self.0))
+        Hex(&self.0).fmt(f)
+    }
+}
+
+/// Bytes displayed in lowercase hex.
+pub(crate) struct Hex<'a>(&'a [u8]);
+
+impl fmt::Display for Hex<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use fmt::Write as _;
+        for b in self.0 {
+            f.write_char(char::from(HEX_DIGITS[usize::from(b >> 4)]))?;
+            f.write_char(char::from(HEX_DIGITS[usize::from(b & 0x0f)]))?;
+        }
+        Ok(())
     }
 }
 
@@ -102,18 +121,13 @@ impl fmt::Debug for RecordId {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len() * 2);
-    push_hex(&mut out, bytes);
-    out
-}
+const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
 
 /// Appends `bytes` to `out` in lowercase hex.
 pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+        out.push(char::from(HEX_DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(HEX_DIGITS[usize::from(b & 0x0f)]));
     }
 }
 
@@ -160,7 +174,7 @@ impl ClaimToken {
 
 impl fmt::Debug for ClaimToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ClaimToken({})", hex(&self.0))
+        write!(f, "ClaimToken({})", Hex(&self.0))
     }
 }
 

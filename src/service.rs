@@ -146,7 +146,7 @@ where
         let span = tracing::info_span!(
             target: "tower_idempotency",
             "idempotency",
-            key = %id.short(),
+            key = %id.tag(),
             scope = %ScopeTag(&scope),
         );
         if body.size_hint().lower() > config.request_body_limit as u64 {
