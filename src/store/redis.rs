@@ -366,17 +366,20 @@ impl RedisStore {
             .arg("GET");
         let timeout = self.inner.timeout;
         let started = tokio::time::Instant::now();
-        let mut connection = tokio::time::timeout(timeout, self.connection())
+        let connection = tokio::time::timeout(timeout, self.connection())
             .await
             .unwrap_or(Err(StoreError::Timeout(timeout)))?;
         let remaining = timeout.saturating_sub(started.elapsed());
         // If the answer never arrives here (a timeout, or the caller dropped this future because
         // its client went away), the SET may still claim the key in Redis for a request that will
-        // never run. The guard then releases that claim behind the SET.
-        let guard = ReleaseBehind(Some((connection.clone(), key, token, lease)));
+        // never run. The guard then releases that claim behind the SET, on the same connection.
+        let mut guard = ReleaseBehind {
+            connection,
+            claim: Some((key, token, lease)),
+        };
         let answer = tokio::time::timeout(
             remaining,
-            set.query_async::<Option<Vec<u8>>>(&mut connection),
+            set.query_async::<Option<Vec<u8>>>(&mut guard.connection),
         )
         .await;
         let existing = match answer {
@@ -439,20 +442,25 @@ impl RedisStore {
     }
 }
 
-/// Releases a claim whose answer was never read, behind the `SET` that may have made it.
-struct ReleaseBehind(Option<(MultiplexedConnection, String, ClaimToken, Duration)>);
+/// Releases a claim whose answer was never read, behind the `SET` that may have made it. It holds
+/// the connection the `SET` is sent on.
+struct ReleaseBehind {
+    connection: MultiplexedConnection,
+    claim: Option<(String, ClaimToken, Duration)>,
+}
 
 impl ReleaseBehind {
     fn disarm(mut self) {
-        self.0 = None;
+        self.claim = None;
     }
 }
 
 impl Drop for ReleaseBehind {
     fn drop(&mut self) {
-        let Some((mut connection, key, token, lease)) = self.0.take() else {
+        let Some((key, token, lease)) = self.claim.take() else {
             return;
         };
+        let mut connection = self.connection.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // No runtime to send it from: the claim's lease runs out instead.
         };
