@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -400,39 +401,48 @@ impl<St: Store> Shared<St> {
         ResBody::Error: fmt::Display,
     {
         let tracker = self.tracker.clone();
-        let execute = Box::pin(self.execute(inner, request, id, token, fingerprint));
+        // The handler's work and what follows it are boxed apart: each box stays under 1 KiB,
+        // which allocators serve from their fast per-thread caches, where one box of both would
+        // not be.
+        let work = Box::pin(self.clone().run(inner, request));
+        let execute = Box::pin(self.execute(work, id, token, fingerprint));
         tracker.track_future(execute.instrument(tracing::Span::current()))
     }
 
-    /// Runs a claimed request to completion, renewing the lease meanwhile, then stores or releases.
-    async fn execute<S, ReqBody, ResBody>(
+    /// Calls the handler and reads its response.
+    async fn run<S, ReqBody, ResBody>(
         self: Arc<Self>,
         mut inner: S,
         request: Request<RequestBody<ReqBody>>,
+    ) -> Result<Handled<ResBody>, String>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+        S::Error: fmt::Display,
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: fmt::Display,
+    {
+        let response = inner.call(request).await.map_err(|err| err.to_string())?;
+        Ok(self.buffer_response(response).await)
+    }
+
+    /// Runs a claimed request's work to completion, renewing the lease meanwhile, then stores or
+    /// releases.
+    async fn execute<W, ResBody>(
+        self: Arc<Self>,
+        work: Pin<Box<W>>,
         id: RecordId,
         token: ClaimToken,
         fingerprint: Fingerprint,
     ) -> Response<ResponseBody<ResBody>>
     where
-        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: fmt::Display + Send + 'static,
-        ReqBody: Send + 'static,
+        W: Future<Output = Result<Handled<ResBody>, String>>,
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: fmt::Display,
     {
         let config = &self.config;
-        // No binding holds the work future: a binding would keep a second copy of it alive
-        // across the await, in this future's own state.
         let result = self
             .held(&id, &token)
-            .renewing(
-                AssertUnwindSafe(async {
-                    let response = inner.call(request).await.map_err(|err| err.to_string())?;
-                    Ok::<_, String>(self.buffer_response(response).await)
-                })
-                .catch_unwind(),
-            )
+            .renewing(AssertUnwindSafe(work).catch_unwind())
             .await;
 
         // What to store (a response, or `None` for a tombstone) and what to answer, or why the
