@@ -496,3 +496,46 @@ async fn a_client_that_leaves_during_the_claim_does_not_leave_its_key_claimed() 
     );
     assert_eq!(handler.runs(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_command_fails_only_its_own_claim_in_a_shared_pipeline() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    // A key of the wrong type: `SET ... GET` on it fails with WRONGTYPE.
+    let poisoned = RecordId::new(b"", "poisoned");
+    assert!(matches!(
+        server.command(&["HSET", &store.redis_key(&poisoned), "field", "value"]),
+        redis_server::RespValue::Integer(1)
+    ));
+    let fingerprint = Fingerprint::from_bytes([7; 32]);
+    // Claims started together go out in shared pipelines.
+    let claims: Vec<_> = (0..64)
+        .map(|i| {
+            let store = store.clone();
+            let id = if i == 32 {
+                poisoned
+            } else {
+                RecordId::new(b"", &format!("key-{i}"))
+            };
+            tokio::spawn(async move {
+                store
+                    .claim(&id, &fingerprint, Duration::from_secs(30))
+                    .await
+            })
+        })
+        .collect();
+    for (i, claim) in claims.into_iter().enumerate() {
+        let claim = claim.await.unwrap();
+        if i == 32 {
+            let Err(err) = claim else {
+                panic!("the claim on the poisoned key succeeded")
+            };
+            assert!(format!("{err:?}").contains("WRONGTYPE"), "{err:?}");
+        } else {
+            assert!(
+                matches!(claim, Ok(Claim::Claimed(_))),
+                "claim {i}: {claim:?}"
+            );
+        }
+    }
+}

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use deadpool_redis::redis::AsyncConnectionConfig;
 use deadpool_redis::redis::aio::MultiplexedConnection;
-use deadpool_redis::redis::{self, RedisError, Script};
+use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, Script, Value};
 use deadpool_redis::{Manager, Pool, Runtime};
 
 use super::{Claim, Store, StoreError};
@@ -15,6 +15,9 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{
     ClaimToken, Completed, Record, RecordId, encode_in_flight, push_hex, unix_millis,
 };
+use batch::{Batch, ClaimRef};
+
+mod batch;
 
 /// Replaces the in-flight record with the completed one, if the claim's token still matches.
 /// KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
@@ -42,7 +45,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// a long handler. The store keeps one multiplexed connection from the pool and shares it between
 /// requests, so it does not pay the pool's `UNWATCH` + `PING` recycle check per request; it goes
 /// back to the pool for a fresh, checked connection after a connection error or timeout, so it
-/// recovers by itself when Redis comes back.
+/// recovers by itself when Redis comes back. The commands of requests that arrive together are
+/// sent as one pipeline (one write, one read on each side) rather than one write each; each
+/// still gets its own answer and its own error.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, RedisStore};
@@ -64,9 +69,25 @@ struct Inner {
     prefix: String,
     timeout: Duration,
     connection: Mutex<Option<MultiplexedConnection>>,
-    complete: Script,
-    renew: Script,
-    release: Script,
+    batch: Batch,
+    complete: Lua,
+    renew: Lua,
+    release: Lua,
+}
+
+/// A fenced script: its source, and the SHA1 that `EVALSHA` names it by.
+struct Lua {
+    source: &'static str,
+    hash: String,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Self {
+        Self {
+            source,
+            hash: Script::new(source).get_hash().to_owned(),
+        }
+    }
 }
 
 impl Inner {
@@ -76,9 +97,10 @@ impl Inner {
             prefix,
             timeout,
             connection: Mutex::new(None),
-            complete: Script::new(COMPLETE),
-            renew: Script::new(RENEW),
-            release: Script::new(RELEASE),
+            batch: Batch::default(),
+            complete: Lua::new(COMPLETE),
+            renew: Lua::new(RENEW),
+            release: Lua::new(RELEASE),
         }
     }
 }
@@ -235,20 +257,12 @@ impl RedisStore {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs one call on the shared connection within the timeout; on a connection error or a
-    /// timeout, drops the shared connection so the next call takes a fresh one from the pool.
-    async fn run<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
-    where
-        F: FnOnce(MultiplexedConnection) -> Fut,
-        Fut: Future<Output = Result<T, RedisError>>,
-    {
+    /// Runs one call within the timeout; on a connection error or a timeout, drops the shared
+    /// connection so the next call takes a fresh one from the pool.
+    async fn run<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Result<T, StoreError> {
         let timeout = self.inner.timeout;
-        let attempt = async {
-            let connection = self.connection().await?;
-            call(connection).await.map_err(|err| self.redis_error(err))
-        };
-        match tokio::time::timeout(timeout, attempt).await {
-            Ok(result) => result,
+        match tokio::time::timeout(timeout, call).await {
+            Ok(result) => result.map_err(|err| self.redis_error(err)),
             Err(_) => {
                 self.cached().take();
                 Err(StoreError::Timeout(timeout))
@@ -268,36 +282,78 @@ impl RedisStore {
         StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
     }
 
-    /// Runs a fenced script: `EVALSHA` built straight into one command (no intermediate copies
-    /// of the record), loading the script and retrying once when Redis has lost it (a restart or
-    /// `SCRIPT FLUSH`).
+    /// Sends `cmd` with the commands of the other requests queued now, as one pipeline (see
+    /// `batch`), and returns its own answer.
+    async fn send<T: FromRedisValue>(&self, cmd: Cmd) -> RedisResult<T> {
+        let answer = self
+            .queue(cmd, None)
+            .await
+            .unwrap_or_else(|_| Err(dropped()))?;
+        T::from_redis_value(answer).map_err(RedisError::from)
+    }
+
+    /// Queues `cmd` for the next pipeline; `claim` names the claim a `SET ... NX` makes, for the
+    /// pipeline to release if its caller stops waiting. The first command of a batch starts the task that
+    /// sends it, once the requests that are ready now have queued theirs.
+    fn queue(
+        &self,
+        cmd: Cmd,
+        claim: Option<ClaimRef>,
+    ) -> tokio::sync::oneshot::Receiver<RedisResult<Value>> {
+        let (answer, first) = self.inner.batch.push(cmd, claim);
+        if first {
+            let store = self.clone();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let pipeline = store.inner.batch.take();
+                let timeout = store.inner.timeout;
+                let failure = match tokio::time::timeout(timeout, store.connection()).await {
+                    Ok(Ok(connection)) => pipeline.send(connection, timeout, RELEASE).await,
+                    Ok(Err(err)) => Some(pipeline.fail(&err)),
+                    Err(_) => Some(pipeline.fail(&StoreError::Timeout(timeout))),
+                };
+                if let Some(err) = failure {
+                    // Drops the shared connection when the error says it is broken.
+                    store.redis_error(err);
+                }
+            });
+        }
+        answer
+    }
+
+    /// Runs a fenced script with `EVALSHA`, built straight into one command (no intermediate
+    /// copies of the record), loading the script and retrying once when Redis has lost it (a
+    /// restart or `SCRIPT FLUSH`).
     async fn fenced(
         &self,
-        script: &Script,
+        script: &Lua,
         id: &RecordId,
         token: &ClaimToken,
         args: &[&[u8]],
     ) -> Result<bool, StoreError> {
         let key = self.redis_key(id);
-        let hash = script.get_hash();
-        let size = hash.len() + key.len() + 16 + args.iter().map(|a| a.len()).sum::<usize>();
-        let mut evalsha = redis::Cmd::with_capacity(5 + args.len(), size);
-        evalsha
-            .arg("EVALSHA")
-            .arg(hash)
-            .arg(1)
-            .arg(key)
-            .arg(token.as_bytes().as_slice());
-        for arg in args {
-            evalsha.arg(*arg);
-        }
-        self.run(|mut connection| async move {
-            match evalsha.query_async::<i64>(&mut connection).await {
+        let evalsha = || {
+            let size = 40 + key.len() + 16 + args.iter().map(|a| a.len()).sum::<usize>();
+            let mut cmd = Cmd::with_capacity(5 + args.len(), size);
+            cmd.arg("EVALSHA")
+                .arg(&script.hash)
+                .arg(1)
+                .arg(&key)
+                .arg(token.as_bytes().as_slice());
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        self.run(async {
+            match self.send::<i64>(evalsha()).await {
                 Err(err)
                     if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                 {
-                    script.load_async(&mut connection).await?;
-                    evalsha.query_async::<i64>(&mut connection).await
+                    let mut load = redis::cmd("SCRIPT");
+                    load.arg("LOAD").arg(script.source);
+                    self.send::<String>(load).await?;
+                    self.send::<i64>(evalsha()).await
                 }
                 answer => answer,
             }
@@ -365,35 +421,18 @@ impl RedisStore {
             .arg(millis(lease))
             .arg("GET");
         let timeout = self.inner.timeout;
-        let started = tokio::time::Instant::now();
-        let connection = tokio::time::timeout(timeout, self.connection())
-            .await
-            .unwrap_or(Err(StoreError::Timeout(timeout)))?;
-        let remaining = timeout.saturating_sub(started.elapsed());
-        // If the answer never arrives here (a timeout, or the caller dropped this future because
-        // its client went away), the SET may still claim the key in Redis for a request that will
-        // never run. The guard then releases that claim behind the SET, on the same connection.
-        let mut guard = ReleaseBehind {
-            connection,
-            claim: Some((key, token, lease)),
-        };
-        let answer = tokio::time::timeout(
-            remaining,
-            set.query_async::<Option<Vec<u8>>>(&mut guard.connection),
-        )
-        .await;
-        let existing = match answer {
-            Ok(Ok(existing)) => {
-                guard.disarm();
-                existing
-            }
-            Ok(Err(err)) if !err.is_timeout() => {
-                guard.disarm();
+        // If this caller stops waiting (a timeout, or this future is dropped because its client
+        // went away), the SET may still claim the key for a request that will never run: the
+        // pipeline then releases that claim behind the SET.
+        let answer = self.queue(set, Some((key, token)));
+        let existing = match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(Ok(existing))) => Option::<Vec<u8>>::from_redis_value(existing)
+                .map_err(|err| self.redis_error(RedisError::from(err)))?,
+            Ok(Ok(Err(err))) if !err.is_timeout() => {
                 return Err(too_old(self.redis_error(err)));
             }
-            Ok(Err(_)) | Err(_) => {
+            Ok(Ok(Err(_)) | Err(_)) | Err(_) => {
                 self.cached().take();
-                drop(guard);
                 return Err(StoreError::Timeout(timeout));
             }
         };
@@ -442,46 +481,12 @@ impl RedisStore {
     }
 }
 
-/// Releases a claim whose answer was never read, behind the `SET` that may have made it. It holds
-/// the connection the `SET` is sent on.
-struct ReleaseBehind {
-    connection: MultiplexedConnection,
-    claim: Option<(String, ClaimToken, Duration)>,
-}
-
-impl ReleaseBehind {
-    fn disarm(mut self) {
-        self.claim = None;
-    }
-}
-
-impl Drop for ReleaseBehind {
-    fn drop(&mut self) {
-        let Some((key, token, lease)) = self.claim.take() else {
-            return;
-        };
-        let mut connection = self.connection.clone();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // No runtime to send it from: the claim's lease runs out instead.
-        };
-        // EVAL, not EVALSHA: a NOSCRIPT fallback could let another command in between. The release
-        // is fenced by the token, so it does nothing when the SET did not claim.
-        let mut release = redis::cmd("EVAL");
-        release
-            .arg(RELEASE)
-            .arg(1)
-            .arg(key)
-            .arg(token.as_bytes().as_slice());
-        let mut release = Box::pin(async move {
-            let _ = tokio::time::timeout(lease, release.query_async::<i64>(&mut connection)).await;
-        });
-        // One poll queues the EVAL on the connection now, behind the SET and ahead of anything
-        // sent later; the task then waits for its answer.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if release.as_mut().poll(&mut cx).is_pending() {
-            runtime.spawn(release);
-        }
-    }
+/// The error of a command whose pipeline went away without answering it.
+fn dropped() -> RedisError {
+    RedisError::from((
+        redis::ErrorKind::Io,
+        "Redis did not answer the pipeline carrying this command",
+    ))
 }
 
 /// Milliseconds for `PX`: at least 1 (Redis refuses 0).
