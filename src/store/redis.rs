@@ -257,17 +257,15 @@ impl RedisStore {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs one call within the timeout; on a connection error or a timeout, drops the shared
-    /// connection so the next call takes a fresh one from the pool.
+    /// Runs one call; its pipeline bounds it by the timeout (see [`RedisStore::queue`]).
     async fn run<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Result<T, StoreError> {
-        let timeout = self.inner.timeout;
-        match tokio::time::timeout(timeout, call).await {
-            Ok(result) => result.map_err(|err| self.redis_error(err)),
-            Err(_) => {
-                self.cached().take();
-                Err(StoreError::Timeout(timeout))
+        call.await.map_err(|err| {
+            if err.is_timeout() {
+                StoreError::Timeout(self.inner.timeout)
+            } else {
+                self.redis_error(err)
             }
-        }
+        })
     }
 
     fn redis_error(&self, err: RedisError) -> StoreError {
@@ -306,11 +304,13 @@ impl RedisStore {
             tokio::spawn(async move {
                 tokio::task::yield_now().await;
                 let pipeline = store.inner.batch.take();
-                let timeout = store.inner.timeout;
-                let failure = match tokio::time::timeout(timeout, store.connection()).await {
-                    Ok(Ok(connection)) => pipeline.send(connection, timeout, RELEASE).await,
+                // One bound for taking a connection and the round trip: every caller gets its
+                // answer, or an error, within the store's timeout.
+                let deadline = tokio::time::Instant::now() + store.inner.timeout;
+                let failure = match tokio::time::timeout_at(deadline, store.connection()).await {
+                    Ok(Ok(connection)) => pipeline.send(connection, deadline, RELEASE).await,
                     Ok(Err(err)) => Some(pipeline.fail(&err)),
-                    Err(_) => Some(pipeline.fail(&StoreError::Timeout(timeout))),
+                    Err(_) => Some(pipeline.fail(&io_timeout())),
                 };
                 if let Some(err) = failure {
                     // Drops the shared connection when the error says it is broken.
@@ -425,16 +425,12 @@ impl RedisStore {
         // went away), the SET may still claim the key for a request that will never run: the
         // pipeline then releases that claim behind the SET.
         let answer = self.queue(set, Some((key, token)));
-        let existing = match tokio::time::timeout(timeout, answer).await {
-            Ok(Ok(Ok(existing))) => Option::<Vec<u8>>::from_redis_value(existing)
+        // The pipeline answers within the timeout, or fails.
+        let existing = match answer.await {
+            Ok(Ok(existing)) => Option::<Vec<u8>>::from_redis_value(existing)
                 .map_err(|err| self.redis_error(RedisError::from(err)))?,
-            Ok(Ok(Err(err))) if !err.is_timeout() => {
-                return Err(too_old(self.redis_error(err)));
-            }
-            Ok(Ok(Err(_)) | Err(_)) | Err(_) => {
-                self.cached().take();
-                return Err(StoreError::Timeout(timeout));
-            }
+            Ok(Err(err)) if !err.is_timeout() => return Err(too_old(self.redis_error(err))),
+            Ok(Err(_)) | Err(_) => return Err(StoreError::Timeout(timeout)),
         };
         match existing {
             None => Ok(Claim::Claimed(token)),
@@ -479,6 +475,14 @@ impl RedisStore {
     async fn release_call(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.fenced(&self.inner.release, id, token, &[]).await
     }
+}
+
+/// The error of a pipeline that did not get a connection or an answer in time.
+fn io_timeout() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "Redis did not answer within the store's timeout",
+    )
 }
 
 /// The error of a command whose pipeline went away without answering it.

@@ -15,6 +15,8 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
 use futures_util::StreamExt;
@@ -22,6 +24,9 @@ use futures_util::stream::FuturesUnordered;
 use tokio::sync::oneshot;
 
 use crate::record::ClaimToken;
+
+/// How long a release behind an abandoned claim waits for its answer (nobody else waits for it).
+const RELEASE_BOUND: Duration = Duration::from_secs(30);
 
 /// A claim's Redis key and token: what releasing it takes.
 pub(super) type ClaimRef = (String, ClaimToken);
@@ -103,13 +108,14 @@ impl Pipeline {
         err
     }
 
-    /// Sends the batch within `timeout` and hands each command its answer, releasing (with
-    /// `release`, the fenced release script) the claims whose callers stopped waiting. Returns
-    /// the error that failed the whole batch, for the caller to act on.
+    /// Sends the batch, answered by `deadline`, and hands each command its answer (or the error
+    /// that failed the batch), releasing (with `release`, the fenced release script) the claims
+    /// whose callers stopped waiting. Returns the error that failed the whole batch, for the
+    /// caller to act on.
     pub(super) async fn send(
         self,
         connection: MultiplexedConnection,
-        timeout: Duration,
+        deadline: Instant,
         release: &'static str,
     ) -> Option<RedisError> {
         let Self {
@@ -121,8 +127,8 @@ impl Pipeline {
             return None;
         }
         let mut sending = connection.clone();
-        let query = tokio::time::timeout(
-            timeout,
+        let query = tokio::time::timeout_at(
+            deadline,
             pipe.query_async::<Vec<RedisResult<Value>>>(&mut sending),
         );
         let answers = {
@@ -144,7 +150,7 @@ impl Pipeline {
                     answers = &mut query => break answers,
                     Some(i) = gone.next() => {
                         if let Some(claim) = claims[i].take() {
-                            release_behind(&connection, claim, timeout, release);
+                            release_behind(&connection, claim, release);
                         }
                     }
                 }
@@ -159,7 +165,7 @@ impl Pipeline {
                         && claimed
                         && let Some(claim) = claim
                     {
-                        release_behind(&connection, claim, timeout, release);
+                        release_behind(&connection, claim, release);
                     }
                 }
                 return None;
@@ -170,16 +176,13 @@ impl Pipeline {
                 format!("{} commands, {} answers", replies.len(), answers.len()),
             )),
             Ok(Err(err)) => err,
-            Err(_) => RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "Redis did not answer a pipeline in time",
-            )),
+            Err(_) => RedisError::from(super::io_timeout()),
         };
         // Nobody will run these claims (their callers answer 503): release them behind the SETs.
         for (reply, claim) in replies.into_iter().zip(claims) {
             let _ = reply.send(Err(failure.clone()));
             if let Some(claim) = claim {
-                release_behind(&connection, claim, timeout, release);
+                release_behind(&connection, claim, release);
             }
         }
         Some(failure)
@@ -192,7 +195,6 @@ impl Pipeline {
 fn release_behind(
     connection: &MultiplexedConnection,
     (key, token): ClaimRef,
-    timeout: Duration,
     release: &'static str,
 ) {
     let mut connection = connection.clone();
@@ -202,6 +204,6 @@ fn release_behind(
         .arg(key)
         .arg(token.as_bytes().as_slice());
     tokio::spawn(async move {
-        let _ = tokio::time::timeout(timeout, cmd.query_async::<i64>(&mut connection)).await;
+        let _ = tokio::time::timeout(RELEASE_BOUND, cmd.query_async::<i64>(&mut connection)).await;
     });
 }
