@@ -413,8 +413,10 @@ impl RedisStore {
         let token = ClaimToken::generate();
         let value = encode_in_flight(&token, fingerprint, SystemTime::now() + lease);
         let key = self.redis_key(id);
-        let mut set = redis::cmd("SET");
-        set.arg(&key)
+        // Sized up front: grown argument by argument, the command would be reallocated each time.
+        let mut set = Cmd::with_capacity(7, 3 + key.len() + value.len() + 2 + 2 + 20 + 3);
+        set.arg("SET")
+            .arg(&key)
             .arg(value)
             .arg("NX")
             .arg("PX")

@@ -67,7 +67,12 @@ impl Batch {
 
     /// Takes every queued command whose caller still waits, in order.
     pub(super) fn take(&self) -> Pipeline {
-        let queued = std::mem::take(&mut *self.lock());
+        let queued = {
+            let mut queue = self.lock();
+            // The next batch is likely about as large: spare it the regrowth.
+            let capacity = queue.len();
+            std::mem::replace(&mut *queue, Vec::with_capacity(capacity))
+        };
         let mut pipe = redis::pipe();
         // Each command gets its own answer, errors included, rather than the first error for all.
         pipe.ignore_errors();
