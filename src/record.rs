@@ -289,7 +289,8 @@ impl Record {
                 let status =
                     StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
                 let count = r.u32()? as usize;
-                let mut headers = HeaderMap::with_capacity(count.min(64));
+                // One more than stored: room for the marker a replay adds.
+                let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
                 for _ in 0..count {
                     let name_len = r.u16()? as usize;
                     let name = HeaderName::from_bytes(r.take(name_len)?)

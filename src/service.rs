@@ -364,12 +364,22 @@ impl<St: Store> Shared<St> {
                 response: Some(stored),
                 ..
             }) => {
-                let mut response = Response::new(ResponseBody::full(stored.body.clone()));
-                *response.status_mut() = stored.status;
-                *response.headers_mut() = stored.headers.clone();
-                response
-                    .headers_mut()
-                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                let (status, mut headers, body) = match Arc::try_unwrap(stored) {
+                    // Decoded for this request (a shared store): moved, not copied.
+                    Ok(stored) => (stored.status, stored.headers, stored.body),
+                    // Shared with the store (the memory store): copied, with room for the marker.
+                    Err(stored) => {
+                        let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
+                        for (name, value) in &stored.headers {
+                            headers.append(name, value.clone());
+                        }
+                        (stored.status, headers, stored.body.clone())
+                    }
+                };
+                headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                let mut response = Response::new(ResponseBody::full(body));
+                *response.status_mut() = status;
+                *response.headers_mut() = headers;
                 finish(response, Outcome::Replayed)
             }
             Record::Completed(Completed { response: None, .. }) => {
