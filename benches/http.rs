@@ -3,7 +3,7 @@
 //! ```sh
 //! cargo bench --bench http
 //! # knobs (defaults shown); BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 is a quick smoke run
-//! BENCH_SECONDS=5 BENCH_ROUNDS=3 BENCH_WARMUP=1 BENCH_CONNECTIONS=32 BENCH_THREADS=1 \
+//! BENCH_SECONDS=5 BENCH_ROUNDS=5 BENCH_WARMUP=1 BENCH_CONNECTIONS=32 BENCH_THREADS=1 \
 //!     BENCH_SERVER_THREADS=<nproc> BENCH_WORKLOADS=replay,new-key,conflict cargo bench --bench http
 //! ```
 //!
@@ -176,7 +176,7 @@ impl Settings {
         let nproc = std::thread::available_parallelism().map_or(2, usize::from);
         let settings = Settings {
             seconds: env_number("BENCH_SECONDS", 5)?,
-            rounds: env_number("BENCH_ROUNDS", 3)?,
+            rounds: env_number("BENCH_ROUNDS", 5)?,
             warmup: env_number("BENCH_WARMUP", 1)?,
             connections: env_number("BENCH_CONNECTIONS", 32)?,
             threads: env_number("BENCH_THREADS", 1)?,
