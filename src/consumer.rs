@@ -189,7 +189,6 @@ impl<St: Store> Deduplicator<St> {
         let token = loop {
             let claim = lease::timed(
                 self.timeout,
-                self.store.call_bound(),
                 self.store.claim(&id, &fingerprint, self.lease),
             )
             .await;

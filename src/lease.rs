@@ -17,9 +17,8 @@ use crate::store::{Store, StoreError};
 const WRITE_RETRIES: u32 = 3;
 pub(crate) const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Bounds one store call by `timeout`, counted from its first poll, unless the store bounds it
-/// itself within that (`bound`, from [`Store::call_bound`]).
-pub(crate) fn timed<F, T>(timeout: Duration, bound: Option<Duration>, call: F) -> Timed<F>
+/// Bounds one store call by `timeout`, counted from its first poll.
+pub(crate) fn timed<F, T>(timeout: Duration, call: F) -> Timed<F>
 where
     F: Future<Output = Result<T, StoreError>>,
 {
@@ -27,7 +26,6 @@ where
         call,
         timer: None,
         timeout,
-        armed: bound.is_none_or(|bound| bound > timeout),
     }
 }
 
@@ -40,8 +38,6 @@ pin_project! {
         call: F,
         timer: Option<Pin<Box<Sleep>>>,
         timeout: Duration,
-        // Whether this call needs a timer at all.
-        armed: bool,
     }
 }
 
@@ -55,9 +51,6 @@ where
         let this = self.project();
         if let Poll::Ready(result) = this.call.poll(cx) {
             return Poll::Ready(result);
-        }
-        if !*this.armed {
-            return Poll::Pending;
         }
         let timeout = *this.timeout;
         let timer = this
@@ -147,7 +140,6 @@ impl<'a, St: Store> Held<'a, St> {
     async fn renew(self) {
         match timed(
             self.timeout,
-            self.store.call_bound(),
             self.store.renew(self.id, self.token, self.lease),
         )
         .await
@@ -175,7 +167,7 @@ impl<'a, St: Store> Held<'a, St> {
     {
         let mut backoff = WRITE_BACKOFF;
         for attempt in 0..=WRITE_RETRIES {
-            match timed(self.timeout, self.store.call_bound(), call()).await {
+            match timed(self.timeout, call()).await {
                 Ok(true) => return true,
                 Ok(false) => {
                     tracing::warn!(
@@ -231,25 +223,4 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(not a string)")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test(start_paused = true)]
-    async fn a_call_is_bounded_unless_the_store_bounds_it_within_the_timeout() {
-        let timeout = Duration::from_secs(1);
-        let never = std::future::pending::<Result<(), StoreError>>;
-        // The store bounds nothing itself, or less tightly: the caller's timer answers.
-        for bound in [None, Some(timeout * 2)] {
-            let started = Instant::now();
-            let answer = timed(timeout, bound, never()).await;
-            assert!(matches!(answer, Err(StoreError::Timeout(t)) if t == timeout));
-            assert_eq!(started.elapsed(), timeout);
-        }
-        // The store bounds its calls within the timeout: no timer of the caller's own.
-        let unarmed = tokio::time::timeout(timeout * 10, timed(timeout, Some(timeout), never()));
-        assert!(unarmed.await.is_err(), "the caller armed a timer");
-    }
 }

@@ -220,7 +220,7 @@ impl<St: Store> Shared<St> {
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> impl Future<Output = Result<T, StoreError>> {
-        lease::timed(self.config.store_timeout, self.store.call_bound(), call)
+        lease::timed(self.config.store_timeout, call)
     }
 
     fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {

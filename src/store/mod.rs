@@ -116,12 +116,4 @@ pub trait Store: Send + Sync + 'static {
         id: &RecordId,
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// The time within which every call of this store returns (with [`StoreError::Timeout`] when
-    /// its backend is too slow), if the store bounds its calls itself. A caller whose own bound
-    /// is at least as long (the layer's `store_timeout`) then arms no timer of its own. Default:
-    /// `None`, the caller bounds every call that does not finish at once.
-    fn call_bound(&self) -> Option<Duration> {
-        None
-    }
 }

@@ -345,22 +345,15 @@ impl RedisStore {
             }
             cmd
         };
-        let deadline = tokio::time::Instant::now() + self.inner.timeout;
         self.run(async {
             match self.send::<i64>(evalsha()).await {
                 Err(err)
                     if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                 {
-                    // Loading and retrying within what is left of the call's bound.
-                    let retry = async {
-                        let mut load = redis::cmd("SCRIPT");
-                        load.arg("LOAD").arg(script.source);
-                        self.send::<String>(load).await?;
-                        self.send::<i64>(evalsha()).await
-                    };
-                    tokio::time::timeout_at(deadline, retry)
-                        .await
-                        .unwrap_or_else(|_| Err(RedisError::from(io_timeout())))
+                    let mut load = redis::cmd("SCRIPT");
+                    load.arg("LOAD").arg(script.source);
+                    self.send::<String>(load).await?;
+                    self.send::<i64>(evalsha()).await
                 }
                 answer => answer,
             }
@@ -407,12 +400,6 @@ impl Store for RedisStore {
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         Box::pin(self.release_call(id, token))
-    }
-
-    /// The store's timeout ([`RedisStore::with_timeout`]): each call's pipeline takes its
-    /// connection and its answer within it.
-    fn call_bound(&self) -> Option<Duration> {
-        Some(self.inner.timeout)
     }
 }
 
