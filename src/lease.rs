@@ -53,14 +53,16 @@ where
             return Poll::Ready(result);
         }
         let timeout = *this.timeout;
-        let timer = this
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        match timer.as_mut().poll(cx) {
+        match started(this.timer, timeout).as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(Err(StoreError::Timeout(timeout))),
             Poll::Pending => Poll::Pending,
         }
     }
+}
+
+/// The timer in `slot`, started to fire `after` from now if it was not started yet.
+fn started(slot: &mut Option<Pin<Box<Sleep>>>, after: Duration) -> &mut Pin<Box<Sleep>> {
+    slot.get_or_insert_with(|| Box::pin(tokio::time::sleep(after)))
 }
 
 /// A claim held on a record: what renewing and writing it needs.
@@ -105,9 +107,7 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
             return Poll::Ready(output);
         }
         let every = *this.every;
-        let tick = this
-            .tick
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+        let tick = started(this.tick, every);
         loop {
             if let Some(renewal) = this.renewal.as_mut() {
                 if renewal.as_mut().poll(cx).is_pending() {
