@@ -15,13 +15,12 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::record::ClaimToken;
 
