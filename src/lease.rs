@@ -158,8 +158,8 @@ impl<'a, St: Store> Held<'a, St> {
     }
 
     /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one within a
-    /// bound. Returns whether the write was made: `false` when the
-    /// claim was lost or the store kept failing.
+    /// bound. Returns whether the write was made: `false` when the claim was lost or the store
+    /// kept failing.
     pub(crate) async fn write<F, Fut>(self, what: &'static str, mut call: F) -> bool
     where
         F: FnMut() -> Fut,
