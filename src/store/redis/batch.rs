@@ -13,12 +13,11 @@
 //! not sent at all.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::task::Poll;
 use std::time::Duration;
 
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -137,22 +136,25 @@ impl Pipeline {
         );
         let answers = {
             let mut query = std::pin::pin!(query);
-            // The claims whose callers stop waiting, while the answers are awaited.
-            let mut gone: FuturesUnordered<_> = replies
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| claims[*i].is_some())
-                .map(|(i, reply)| async move {
-                    reply.closed().await;
-                    i
-                })
-                .collect();
             loop {
-                tokio::select! {
+                let event = std::future::poll_fn(|cx| {
                     // The pipeline first: it is on the connection before any release.
-                    biased;
-                    answers = &mut query => break answers,
-                    Some(i) = gone.next() => {
+                    if let Poll::Ready(answers) = query.as_mut().poll(cx) {
+                        return Poll::Ready(Event::Answered(answers));
+                    }
+                    // A claim whose caller stopped waiting. Each open claim's channel holds this
+                    // task's waker, rather than a future of its own per claim.
+                    for (i, reply) in replies.iter_mut().enumerate() {
+                        if claims[i].is_some() && reply.poll_closed(cx).is_ready() {
+                            return Poll::Ready(Event::Left(i));
+                        }
+                    }
+                    Poll::Pending
+                })
+                .await;
+                match event {
+                    Event::Answered(answers) => break answers,
+                    Event::Left(i) => {
                         if let Some(claim) = claims[i].take() {
                             release_behind(&connection, claim, release);
                         }
@@ -191,6 +193,14 @@ impl Pipeline {
         }
         Some(failure)
     }
+}
+
+/// What a pipeline in flight waits for next.
+enum Event<A> {
+    /// Redis answered the pipeline (or its deadline passed).
+    Answered(A),
+    /// The caller of the claim at this index stopped waiting.
+    Left(usize),
 }
 
 /// Releases `claim` on `connection`, behind the pipeline that sent its `SET`. `EVAL`, not
