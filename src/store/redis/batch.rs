@@ -71,7 +71,7 @@ impl Batch {
             let capacity = queue.len();
             std::mem::replace(&mut *queue, Vec::with_capacity(capacity))
         };
-        let mut pipe = redis::pipe();
+        let mut pipe = redis::Pipeline::with_capacity(queued.len());
         // Each command gets its own answer, errors included, rather than the first error for all.
         pipe.ignore_errors();
         let mut replies = Vec::with_capacity(queued.len());
