@@ -1,7 +1,7 @@
 //! `MemoryStore`: records in this process's memory.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, hash_map};
+use std::collections::{BinaryHeap, HashMap, VecDeque, hash_map};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -15,6 +15,9 @@ use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
 /// What one record costs beyond its response: the map entry, the expiry queue and the key.
 const ENTRY_OVERHEAD: usize = 160;
 const SHARDS: usize = 64;
+/// How many distinct durations get an expiry lane of their own in each shard; items with any other
+/// duration share a heap.
+const LANES: usize = 8;
 /// The default capacity of [`MemoryStore::new`]: 256 MiB.
 pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
 
@@ -51,9 +54,28 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Shard {
     map: HashMap<RecordId, Entry>,
-    /// Expiry times, earliest first. An item is stale when its entry has since been renewed,
-    /// completed or removed; stale items are skipped when they come due.
-    expiry: BinaryHeap<Reverse<(Instant, RecordId)>>,
+    /// When entries come due. An item is stale when its entry has since been renewed, completed or
+    /// removed; stale items are skipped when they come due.
+    expiry: Expiry,
+}
+
+/// Expiry times, taken out earliest first.
+///
+/// A store is used with a few fixed durations (a layer's lease and dedup window), and items queued
+/// with one duration under the shard's lock come due in the order they were queued. So each
+/// duration gets a FIFO lane: pushing and popping are O(1) and touch memory in order. A binary
+/// heap of all the items would take a cache miss per level to pop, once per request, from a queue
+/// of millions. Durations beyond the first [`LANES`] share such a heap.
+#[derive(Debug, Default)]
+struct Expiry {
+    lanes: Vec<Lane>,
+    heap: BinaryHeap<Reverse<(Instant, RecordId)>>,
+}
+
+#[derive(Debug)]
+struct Lane {
+    after: Duration,
+    queue: VecDeque<(Instant, RecordId)>,
 }
 
 #[derive(Debug)]
@@ -139,9 +161,10 @@ impl MemoryStore {
         self.inner.used.fetch_sub(bytes, Ordering::AcqRel);
     }
 
-    fn expire_all(&self, now: Instant) {
+    fn expire_all(&self) {
         for shard in self.inner.shards.iter() {
-            lock(shard).expire(now, &self.inner.used);
+            let mut shard = lock(shard);
+            shard.expire(Instant::now(), &self.inner.used);
         }
     }
 
@@ -151,37 +174,53 @@ impl MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let now = Instant::now();
+        if let Some(claim) = self.try_claim(id, fingerprint, lease) {
+            return Ok(claim);
+        }
+        // Full. Records that expired in other shards may still hold bytes: collect them, retry.
+        self.expire_all();
+        self.try_claim(id, fingerprint, lease)
+            .ok_or(StoreError::Full)
+    }
+
+    /// Claims `id`, or returns its live record; `None` when the store has no room for a claim.
+    fn try_claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Option<Claim> {
         let mut guard = self.shard(id);
+        let now = Instant::now();
         guard.expire(now, &self.inner.used);
         let shard = &mut *guard;
         // One probe of the map for both the lookup and the insert.
-        match shard.map.entry(*id) {
-            hash_map::Entry::Occupied(entry) => {
-                return Ok(Claim::Existing(entry.get().record(now)));
+        let claimed = match shard.map.entry(*id) {
+            hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => {
+                return Some(Claim::Existing(entry.get().record(now)));
             }
-            hash_map::Entry::Vacant(vacant) if self.reserve(ENTRY_OVERHEAD) => {
-                let (token, entry) = Entry::claimed(fingerprint, now + lease);
-                shard.expiry.push(Reverse((entry.expires_at, *id)));
-                vacant.insert(entry);
-                return Ok(Claim::Claimed(token));
+            // Due, but not collected yet: gone. The claim takes its place.
+            hash_map::Entry::Occupied(mut entry) => {
+                self.free(entry.get().size);
+                if !self.reserve(ENTRY_OVERHEAD) {
+                    entry.remove();
+                    return None;
+                }
+                let (token, claimed) = Entry::claimed(fingerprint, now + lease);
+                entry.insert(claimed);
+                token
             }
-            hash_map::Entry::Vacant(_) => {}
-        }
-        // Full. Records that expired in other shards may still hold bytes: collect them, retry.
-        drop(guard);
-        self.expire_all(now);
-        let mut shard = self.shard(id);
-        if let Some(entry) = shard.map.get(id) {
-            return Ok(Claim::Existing(entry.record(now)));
-        }
-        if !self.reserve(ENTRY_OVERHEAD) {
-            return Err(StoreError::Full);
-        }
-        let (token, entry) = Entry::claimed(fingerprint, now + lease);
-        shard.expiry.push(Reverse((entry.expires_at, *id)));
-        shard.map.insert(*id, entry);
-        Ok(Claim::Claimed(token))
+            hash_map::Entry::Vacant(vacant) => {
+                if !self.reserve(ENTRY_OVERHEAD) {
+                    return None;
+                }
+                let (token, claimed) = Entry::claimed(fingerprint, now + lease);
+                vacant.insert(claimed);
+                token
+            }
+        };
+        shard.expiry.push(lease, now + lease, *id);
+        Some(Claim::Claimed(claimed))
     }
 
     fn complete_now(
@@ -191,7 +230,7 @@ impl MemoryStore {
         completed: &Completed,
         ttl: Duration,
     ) -> bool {
-        self.update_owned(id, token, |entry, now| {
+        self.update_owned(id, token, ttl, |entry, now| {
             // An owned entry is in flight and holds only its overhead: reserve the response's bytes.
             let extra = completed.response.as_ref().map_or(0, |r| r.size());
             let mut completed = completed.clone();
@@ -211,34 +250,38 @@ impl MemoryStore {
     }
 
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
-        self.update_owned(id, token, |entry, now| entry.expires_at = now + lease)
+        self.update_owned(id, token, lease, |entry, now| {
+            entry.expires_at = now + lease
+        })
     }
 
-    /// Changes the in-flight entry claimed with `token` and queues its new expiry; `false`, and no
-    /// change, when the entry is gone or carries another claim's token.
+    /// Changes the in-flight entry claimed with `token`, which then expires `after` from now, and
+    /// queues its new expiry; `false`, and no change, when the entry is gone or carries another
+    /// claim's token.
     fn update_owned(
         &self,
         id: &RecordId,
         token: &ClaimToken,
+        after: Duration,
         change: impl FnOnce(&mut Entry, Instant),
     ) -> bool {
-        let now = Instant::now();
         let mut shard = self.shard(id);
+        let now = Instant::now();
         shard.expire(now, &self.inner.used);
-        let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token)) else {
+        let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
         };
         change(entry, now);
         let expires_at = entry.expires_at;
-        shard.expiry.push(Reverse((expires_at, *id)));
+        shard.expiry.push(after, expires_at, *id);
         true
     }
 
     fn release_now(&self, id: &RecordId, token: &ClaimToken) -> bool {
-        let now = Instant::now();
         let mut shard = self.shard(id);
+        let now = Instant::now();
         shard.expire(now, &self.inner.used);
-        if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token)) {
+        if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token, now)) {
             return false;
         }
         if let Some(entry) = shard.map.remove(id) {
@@ -285,12 +328,8 @@ impl Store for MemoryStore {
 impl Shard {
     /// Removes every record whose time has come.
     fn expire(&mut self, now: Instant, used: &AtomicUsize) {
-        while let Some(Reverse((at, id))) = self.expiry.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.expiry.pop();
-            if self.map.get(&id).is_some_and(|e| e.expires_at <= now)
+        while let Some(id) = self.expiry.pop_due(now) {
+            if self.map.get(&id).is_some_and(|e| !e.is_live(now))
                 && let Some(entry) = self.map.remove(&id)
             {
                 used.fetch_sub(entry.size, Ordering::AcqRel);
@@ -314,8 +353,15 @@ impl Entry {
         (token, entry)
     }
 
-    fn is_owned_by(&self, token: &ClaimToken) -> bool {
-        matches!(&self.state, State::InFlight { token: t, .. } if t == token)
+    /// Whether the entry is live and in flight under `token`'s claim.
+    fn is_owned_by(&self, token: &ClaimToken, now: Instant) -> bool {
+        self.is_live(now) && matches!(&self.state, State::InFlight { token: t, .. } if t == token)
+    }
+
+    /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a
+    /// moment after it comes due (until its shard collects it), and counts as gone.
+    fn is_live(&self, now: Instant) -> bool {
+        self.expires_at > now
     }
 
     fn record(&self, now: Instant) -> Record {
@@ -326,6 +372,39 @@ impl Entry {
             }),
             State::Completed(completed) => Record::Completed(completed.clone()),
         }
+    }
+}
+
+impl Expiry {
+    /// Queues `id` to come due at `at`, which is `after` from now.
+    fn push(&mut self, after: Duration, at: Instant, id: RecordId) {
+        if let Some(lane) = self.lanes.iter_mut().find(|lane| lane.after == after) {
+            // Times are read under the shard's lock, so they arrive in order; should the clock
+            // ever step back, the item comes due with the one before it, and the entry's own
+            // time still decides whether it is live.
+            let at = lane.queue.back().map_or(at, |(last, _)| at.max(*last));
+            lane.queue.push_back((at, id));
+        } else if self.lanes.len() < LANES {
+            self.lanes.push(Lane {
+                after,
+                queue: VecDeque::from([(at, id)]),
+            });
+        } else {
+            self.heap.push(Reverse((at, id)));
+        }
+    }
+
+    /// Takes out one item that is due by `now`.
+    fn pop_due(&mut self, now: Instant) -> Option<RecordId> {
+        for lane in &mut self.lanes {
+            if lane.queue.front().is_some_and(|(at, _)| *at <= now) {
+                return lane.queue.pop_front().map(|(_, id)| id);
+            }
+        }
+        if self.heap.peek().is_some_and(|Reverse((at, _))| *at <= now) {
+            return self.heap.pop().map(|Reverse((_, id))| id);
+        }
+        None
     }
 }
 
@@ -408,6 +487,64 @@ mod tests {
         tokio::time::advance(Duration::from_secs(61)).await;
         assert_eq!(store.len(), 0);
         assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn records_with_many_durations_all_expire() {
+        // More distinct durations than lanes: the rest go through the shared heap.
+        let store = MemoryStore::new();
+        let durations = (1..=LANES as u64 * 2).map(Duration::from_secs);
+        for (n, lease) in durations.clone().enumerate() {
+            let id = RecordId::new(b"", &n.to_string());
+            let claimed = store.claim_now(&id, &Fingerprint::from_bytes([1; 32]), lease);
+            assert!(matches!(claimed, Ok(Claim::Claimed(_))));
+        }
+        for (n, lease) in durations.enumerate() {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert_eq!(store.len(), LANES * 2 - n - 1, "after {lease:?}");
+        }
+        assert_eq!(store.used_bytes(), 0);
+        let shard = lock(&store.inner.shards[0]);
+        assert!(shard.expiry.lanes.len() <= LANES);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lane_stays_in_order_when_a_time_arrives_late() {
+        let mut expiry = Expiry::default();
+        let now = Instant::now();
+        let lease = Duration::from_secs(10);
+        let (a, b) = (RecordId::new(b"", "a"), RecordId::new(b"", "b"));
+        expiry.push(lease, now + lease, a);
+        // An earlier time behind a later one comes due with the later one, not before.
+        expiry.push(lease, now + Duration::from_secs(5), b);
+        assert_eq!(expiry.pop_due(now + Duration::from_secs(5)), None);
+        assert_eq!(expiry.pop_due(now + lease), Some(a));
+        assert_eq!(expiry.pop_due(now + lease), Some(b));
+        assert_eq!(expiry.pop_due(now + lease), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_entry_due_but_not_yet_collected_counts_as_gone() {
+        let store = MemoryStore::new();
+        let id = RecordId::new(b"", "k");
+        let Ok(Claim::Claimed(old)) = claim_id(&store, &id) else {
+            panic!()
+        };
+        // Make the entry due without its queue item coming due: nothing collects it.
+        {
+            let mut shard = store.shard(&id);
+            shard.map.get_mut(&id).unwrap().expires_at = Instant::now();
+        }
+        // Its owner can no longer complete, renew or release it...
+        assert!(!store.renew_now(&id, &old, Duration::from_secs(30)));
+        assert!(!store.release_now(&id, &old));
+        // ...and a new claim takes its place, with its bytes counted once.
+        let Ok(Claim::Claimed(new)) = claim_id(&store, &id) else {
+            panic!("the due entry was served as live")
+        };
+        assert_ne!(new, old);
+        assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
+        assert!(store.complete_now(&id, &new, &completed(10), Duration::from_secs(60)));
     }
 
     fn claim_id(store: &MemoryStore, id: &RecordId) -> Result<Claim, StoreError> {
