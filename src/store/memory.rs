@@ -66,6 +66,10 @@ struct Shard {
 /// duration gets a FIFO lane: pushing and popping are O(1) and touch memory in order. A binary
 /// heap of all the items would take a cache miss per level to pop, once per request, from a queue
 /// of millions. Durations beyond the first [`LANES`] share such a heap.
+///
+/// An item in a lane is cancelled in place when its entry's expiry changes (a claim completes) or
+/// the entry goes, so that collecting it later needs no lookup in a map far larger than the
+/// caches: every new key's lease item would otherwise cost one.
 #[derive(Debug, Default)]
 struct Expiry {
     lanes: Vec<Lane>,
@@ -75,7 +79,23 @@ struct Expiry {
 #[derive(Debug)]
 struct Lane {
     after: Duration,
-    queue: VecDeque<(Instant, RecordId)>,
+    /// The sequence number of the item at the front of `queue`.
+    front: u64,
+    queue: VecDeque<Due>,
+}
+
+/// A queued expiry; `id` is `None` once cancelled.
+#[derive(Debug)]
+struct Due {
+    at: Instant,
+    id: Option<RecordId>,
+}
+
+/// Where an item sits in the lanes: its lane and sequence number.
+#[derive(Debug, Clone, Copy)]
+struct Ticket {
+    lane: usize,
+    seq: u64,
 }
 
 #[derive(Debug)]
@@ -83,6 +103,8 @@ struct Entry {
     state: State,
     expires_at: Instant,
     size: usize,
+    /// Where the entry's expiry is queued, to cancel it there when the entry changes or goes.
+    queued: Option<Ticket>,
 }
 
 #[derive(Debug)]
@@ -202,11 +224,13 @@ impl MemoryStore {
             // Due, but not collected yet: gone. The claim takes its place.
             hash_map::Entry::Occupied(mut entry) => {
                 self.free(entry.get().size);
+                shard.expiry.cancel(entry.get().queued);
                 if !self.reserve(ENTRY_OVERHEAD) {
                     entry.remove();
                     return None;
                 }
-                let (token, claimed) = Entry::claimed(fingerprint, now + lease);
+                let (token, mut claimed) = Entry::claimed(fingerprint, now + lease);
+                claimed.queued = shard.expiry.push(lease, claimed.expires_at, *id);
                 entry.insert(claimed);
                 token
             }
@@ -214,12 +238,12 @@ impl MemoryStore {
                 if !self.reserve(ENTRY_OVERHEAD) {
                     return None;
                 }
-                let (token, claimed) = Entry::claimed(fingerprint, now + lease);
+                let (token, mut claimed) = Entry::claimed(fingerprint, now + lease);
+                claimed.queued = shard.expiry.push(lease, claimed.expires_at, *id);
                 vacant.insert(claimed);
                 token
             }
         };
-        shard.expiry.push(lease, now + lease, *id);
         Some(Claim::Claimed(claimed))
     }
 
@@ -265,15 +289,16 @@ impl MemoryStore {
         after: Duration,
         change: impl FnOnce(&mut Entry, Instant),
     ) -> bool {
-        let mut shard = self.shard(id);
+        let mut guard = self.shard(id);
         let now = Instant::now();
-        shard.expire(now, &self.inner.used);
+        guard.expire(now, &self.inner.used);
+        let shard = &mut *guard;
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
         };
         change(entry, now);
-        let expires_at = entry.expires_at;
-        shard.expiry.push(after, expires_at, *id);
+        shard.expiry.cancel(entry.queued);
+        entry.queued = shard.expiry.push(after, entry.expires_at, *id);
         true
     }
 
@@ -285,6 +310,7 @@ impl MemoryStore {
             return false;
         }
         if let Some(entry) = shard.map.remove(id) {
+            shard.expiry.cancel(entry.queued);
             self.free(entry.size);
         }
         true
@@ -349,6 +375,7 @@ impl Entry {
             },
             expires_at,
             size: ENTRY_OVERHEAD,
+            queued: None,
         };
         (token, entry)
     }
@@ -376,29 +403,64 @@ impl Entry {
 }
 
 impl Expiry {
-    /// Queues `id` to come due at `at`, which is `after` from now.
-    fn push(&mut self, after: Duration, at: Instant, id: RecordId) {
-        if let Some(lane) = self.lanes.iter_mut().find(|lane| lane.after == after) {
-            // Times are read under the shard's lock, so they arrive in order; should the clock
-            // ever step back, the item comes due with the one before it, and the entry's own
-            // time still decides whether it is live.
-            let at = lane.queue.back().map_or(at, |(last, _)| at.max(*last));
-            lane.queue.push_back((at, id));
-        } else if self.lanes.len() < LANES {
-            self.lanes.push(Lane {
-                after,
-                queue: VecDeque::from([(at, id)]),
-            });
-        } else {
-            self.heap.push(Reverse((at, id)));
+    /// Queues `id` to come due at `at`, which is `after` from now. Returns where it sits, unless
+    /// it went to the shared heap (which cannot cancel).
+    fn push(&mut self, after: Duration, at: Instant, id: RecordId) -> Option<Ticket> {
+        let index = match self.lanes.iter().position(|lane| lane.after == after) {
+            Some(index) => index,
+            None if self.lanes.len() < LANES => {
+                self.lanes.push(Lane {
+                    after,
+                    front: 0,
+                    queue: VecDeque::new(),
+                });
+                self.lanes.len() - 1
+            }
+            None => {
+                self.heap.push(Reverse((at, id)));
+                return None;
+            }
+        };
+        let lane = &mut self.lanes[index];
+        // Times are read under the shard's lock, so they arrive in order; should the clock ever
+        // step back, the item comes due with the one before it, and the entry's own time still
+        // decides whether it is live.
+        let at = lane.queue.back().map_or(at, |last| at.max(last.at));
+        lane.queue.push_back(Due { at, id: Some(id) });
+        Some(Ticket {
+            lane: index,
+            seq: lane.front + (lane.queue.len() as u64 - 1),
+        })
+    }
+
+    /// Cancels the item at `ticket`, if it is still queued.
+    fn cancel(&mut self, ticket: Option<Ticket>) {
+        let Some(Ticket { lane, seq }) = ticket else {
+            return;
+        };
+        let lane = &mut self.lanes[lane];
+        if let Some(index) = seq.checked_sub(lane.front)
+            && let Some(due) = usize::try_from(index)
+                .ok()
+                .and_then(|index| lane.queue.get_mut(index))
+        {
+            due.id = None;
         }
     }
 
-    /// Takes out one item that is due by `now`.
+    /// Takes out one item that is due by `now`, dropping the cancelled items ahead of it.
     fn pop_due(&mut self, now: Instant) -> Option<RecordId> {
         for lane in &mut self.lanes {
-            if lane.queue.front().is_some_and(|(at, _)| *at <= now) {
-                return lane.queue.pop_front().map(|(_, id)| id);
+            while let Some(due) = lane.queue.front() {
+                let (at, id) = (due.at, due.id);
+                if id.is_some() && at > now {
+                    break;
+                }
+                lane.queue.pop_front();
+                lane.front += 1;
+                if id.is_some() {
+                    return id;
+                }
             }
         }
         if self.heap.peek().is_some_and(|Reverse((at, _))| *at <= now) {
@@ -521,6 +583,44 @@ mod tests {
         assert_eq!(expiry.pop_due(now + lease), Some(a));
         assert_eq!(expiry.pop_due(now + lease), Some(b));
         assert_eq!(expiry.pop_due(now + lease), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_item_never_comes_due() {
+        let mut expiry = Expiry::default();
+        let now = Instant::now();
+        let lease = Duration::from_secs(10);
+        let (a, b) = (RecordId::new(b"", "a"), RecordId::new(b"", "b"));
+        let ticket = expiry.push(lease, now + lease, a);
+        expiry.push(lease, now + lease, b);
+        expiry.cancel(ticket);
+        assert_eq!(expiry.pop_due(now + lease), Some(b));
+        assert_eq!(expiry.pop_due(now + lease), None);
+        // A ticket whose item has gone cancels nothing.
+        expiry.cancel(ticket);
+        let c = RecordId::new(b"", "c");
+        expiry.push(lease, now + lease, c);
+        assert_eq!(expiry.pop_due(now + lease), Some(c));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completed_claim_leaves_no_lease_item_behind() {
+        let store = MemoryStore::new();
+        let id = RecordId::new(b"", "k");
+        let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
+            panic!()
+        };
+        assert!(store.complete_now(&id, &token, &completed(10), Duration::from_secs(60)));
+        // The lease item was cancelled, and the next call on the shard drops it, long before the
+        // lease would have run out: only the completion's item is left.
+        store.len();
+        let queued: usize = {
+            let shard = store.shard(&id);
+            shard.expiry.lanes.iter().map(|lane| lane.queue.len()).sum()
+        };
+        assert_eq!(queued, 1);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(store.len(), 0);
     }
 
     #[tokio::test(start_paused = true)]
