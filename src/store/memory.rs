@@ -56,8 +56,8 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Shard {
     map: HashMap<RecordId, Entry>,
-    /// When entries come due. An item is stale when its entry has since been renewed, completed or
-    /// removed; stale items are skipped when they come due.
+    /// When entries come due. The item of an entry that has since been renewed, completed or
+    /// removed is cancelled (or, in the shared heap, skipped when it comes due).
     expiry: Expiry,
 }
 
@@ -218,8 +218,16 @@ impl MemoryStore {
         let now = Instant::now();
         guard.expire(now, &self.inner.used);
         let shard = &mut *guard;
+        let new_claim = |expiry: &mut Expiry| {
+            if !self.reserve(ENTRY_OVERHEAD) {
+                return None;
+            }
+            let (token, mut entry) = Entry::claimed(fingerprint, now + lease);
+            entry.queued = expiry.push(lease, entry.expires_at, *id);
+            Some((token, entry))
+        };
         // One probe of the map for both the lookup and the insert.
-        let claimed = match shard.map.entry(*id) {
+        let token = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => {
                 return Some(Claim::Existing(entry.get().record(now)));
             }
@@ -227,26 +235,20 @@ impl MemoryStore {
             hash_map::Entry::Occupied(mut entry) => {
                 self.free(entry.get().size);
                 shard.expiry.cancel(entry.get().queued);
-                if !self.reserve(ENTRY_OVERHEAD) {
+                let Some((token, claimed)) = new_claim(&mut shard.expiry) else {
                     entry.remove();
                     return None;
-                }
-                let (token, mut claimed) = Entry::claimed(fingerprint, now + lease);
-                claimed.queued = shard.expiry.push(lease, claimed.expires_at, *id);
+                };
                 entry.insert(claimed);
                 token
             }
             hash_map::Entry::Vacant(vacant) => {
-                if !self.reserve(ENTRY_OVERHEAD) {
-                    return None;
-                }
-                let (token, mut claimed) = Entry::claimed(fingerprint, now + lease);
-                claimed.queued = shard.expiry.push(lease, claimed.expires_at, *id);
+                let (token, claimed) = new_claim(&mut shard.expiry)?;
                 vacant.insert(claimed);
                 token
             }
         };
-        Some(Claim::Claimed(claimed))
+        Some(Claim::Claimed(token))
     }
 
     fn complete_now(
