@@ -61,7 +61,7 @@ struct Shard {
     expiry: Expiry,
 }
 
-/// Expiry times, taken out earliest first.
+/// Expiry times, each taken out once it is due.
 ///
 /// A store is used with a few fixed durations (a layer's lease and dedup window), and items queued
 /// with one duration under the shard's lock come due in the order they were queued. So each
@@ -570,8 +570,25 @@ mod tests {
             assert_eq!(store.len(), LANES * 2 - n - 1, "after {lease:?}");
         }
         assert_eq!(store.used_bytes(), 0);
-        let shard = lock(&store.inner.shards[0]);
-        assert!(shard.expiry.lanes.len() <= LANES);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn durations_beyond_the_lanes_share_the_heap() {
+        let mut expiry = Expiry::default();
+        let now = Instant::now();
+        let id = RecordId::new(b"", "k");
+        for seconds in 1..=LANES as u64 * 2 {
+            let after = Duration::from_secs(seconds);
+            let ticket = expiry.push(after, now + after, id);
+            assert_eq!(ticket.is_some(), seconds <= LANES as u64, "{seconds} s");
+        }
+        assert_eq!(expiry.lanes.len(), LANES);
+        assert_eq!(expiry.heap.len(), LANES);
+        // Each item comes due at its own time, in a lane or in the heap.
+        for seconds in 1..=LANES as u64 * 2 {
+            assert_eq!(expiry.pop_due(now + Duration::from_secs(seconds)), Some(id));
+            assert_eq!(expiry.pop_due(now + Duration::from_secs(seconds)), None);
+        }
     }
 
     #[tokio::test(start_paused = true)]
