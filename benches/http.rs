@@ -1094,6 +1094,20 @@ fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
+/// The median of per-round ratios to bare, with their range when there are several rounds: on a
+/// shared machine, rounds differ by more than small changes do, and the range says by how much.
+fn ratio_text(ratios: Vec<f64>) -> String {
+    let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let several = ratios.len() > 1;
+    let mid = median(ratios);
+    if several {
+        format!("{mid:.2} ({low:.2}–{high:.2})")
+    } else {
+        format!("{mid:.2}")
+    }
+}
+
 fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     let of = |workload: Workload, variant: Variant| -> Vec<&Sample> {
         samples
@@ -1106,7 +1120,7 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     println!("## Results (medians of {} round(s))", settings.rounds);
     println!();
     println!(
-        "| workload | server | req/s | vs bare | p50 | p99 | server CPU/req | +CPU vs bare | Redis CPU/req | Redis round trips/req |"
+        "| workload | server | req/s | vs bare (range) | p50 | p99 | server CPU/req | +CPU vs bare | Redis CPU/req | Redis round trips/req |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &workload in &settings.workloads {
@@ -1132,10 +1146,7 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
             } else if bare.is_empty() {
                 ("—".to_string(), "—".to_string())
             } else {
-                (
-                    format!("{:.2}", median(ratios)),
-                    format!("{:+.1} µs", cpu - bare_cpu),
-                )
+                (ratio_text(ratios), format!("{:+.1} µs", cpu - bare_cpu))
             };
             let (redis_cpu, round_trips) = if variant == Variant::Redis {
                 (
