@@ -222,20 +222,20 @@ impl<St: Store> Deduplicator<St> {
                     response: None,
                 };
                 let window = self.window;
-                held.write("complete", || {
+                // Bounded by a lease, not the window: the caller is waiting to ack the message, and
+                // the effect is done whether or not the record lands.
+                held.complete_with(self.lease, || {
                     self.store.complete(&id, &token, &done, window)
                 })
                 .await;
                 Ok(Processed::Done(value))
             }
             Ok(Err(err)) => {
-                held.write("release", || self.store.release(&id, &token))
-                    .await;
+                held.release_with(|| self.store.release(&id, &token)).await;
                 Err(DedupError::Failed(err))
             }
             Err(panic) => {
-                held.write("release", || self.store.release(&id, &token))
-                    .await;
+                held.release_with(|| self.store.release(&id, &token)).await;
                 Err(DedupError::Panicked(panic_message(&*panic).to_owned()))
             }
         }

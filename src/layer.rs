@@ -332,13 +332,15 @@ pub struct Shutdown {
 
 impl Shutdown {
     /// Waits until every handler the layer started has finished and its result is stored. Call it
-    /// after the server stopped accepting requests; wrap it in `tokio::time::timeout` to bound it.
+    /// after the server stopped accepting requests, and bound it with `tokio::time::timeout`: a
+    /// result whose store write failed is retried for as long as the store stays away.
     pub async fn wait(self) {
         self.tracker.close();
         self.tracker.wait().await;
     }
 
-    /// How many handlers are running detached now.
+    /// How many detached tasks are running now: handlers whose client went away, and store writes
+    /// being retried.
     pub fn running(&self) -> usize {
         self.tracker.len()
     }

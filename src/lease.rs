@@ -12,10 +12,12 @@ use tokio::time::{Instant, Sleep};
 use crate::record::{ClaimToken, RecordId};
 use crate::store::{Store, StoreError};
 
-/// How often a failed store write is retried, and the first pause between attempts (doubled each
-/// time): 100 ms + 200 ms + 400 ms.
-const WRITE_RETRIES: u32 = 3;
+/// The first pause before a failed store write is tried again; it doubles after each failure, up
+/// to [`WRITE_BACKOFF_MAX`].
 pub(crate) const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+/// The longest pause between two attempts of a failed store write: once the store is back, a
+/// pending write lands within about this long.
+const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Bounds one store call by `timeout`, counted from its first poll.
 pub(crate) fn timed<F, T>(timeout: Duration, call: F) -> Timed<F>
@@ -147,7 +149,7 @@ impl<'a, St: Store> Held<'a, St> {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 target: "tower_idempotency",
-                "the claim's lease was lost while its work ran; its result will not be stored"
+                "the claim's lease ran out before it was renewed; its result is stored only if nobody claimed the key since"
             ),
             Err(err) => tracing::warn!(
                 target: "tower_idempotency",
@@ -157,47 +159,96 @@ impl<'a, St: Store> Held<'a, St> {
         }
     }
 
-    /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one within a
-    /// bound. Returns whether the write was made: `false` when the claim was lost or the store
-    /// kept failing.
-    pub(crate) async fn write<F, Fut>(self, what: &'static str, mut call: F) -> bool
+    /// Writes a completion (`call` makes one attempt) for as long as the claim can still be
+    /// ours: a failed attempt is retried with backoff, and the lease renewed meanwhile, until the
+    /// write lands, the store answers that the record is no longer this claim's (`false`), or
+    /// `within` has passed. A record that vanished meanwhile (its lease ran out and nobody claimed
+    /// it since) is written all the same: the work did run.
+    pub(crate) async fn complete_with<F, Fut>(self, within: Duration, call: F) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
+        self.renewing(self.retried("complete", within, call)).await
+    }
+
+    /// Releases the claim (`call` makes one attempt), retrying a failed attempt with backoff for
+    /// up to a lease: after that the claim has run out by itself.
+    pub(crate) async fn release_with<F, Fut>(self, call: F) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool, StoreError>>,
+    {
+        self.retried("release", self.lease, call).await
+    }
+
+    /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one with capped
+    /// exponential backoff for up to `within`. Returns whether the write was made.
+    async fn retried<F, Fut>(self, what: &'static str, within: Duration, mut call: F) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool, StoreError>>,
+    {
+        let deadline = Instant::now() + within;
         let mut backoff = WRITE_BACKOFF;
-        for attempt in 0..=WRITE_RETRIES {
+        let mut failures: u32 = 0;
+        loop {
             match timed(self.timeout, call()).await {
-                Ok(true) => return true,
+                Ok(true) => {
+                    if failures > 0 {
+                        tracing::info!(
+                            target: "tower_idempotency",
+                            operation = what,
+                            failures,
+                            "store write made after the store came back"
+                        );
+                    }
+                    return true;
+                }
                 Ok(false) => {
+                    // Either the claim was lost (its lease ran out and the key was claimed again),
+                    // or an earlier attempt whose answer was lost did land.
                     tracing::warn!(
                         target: "tower_idempotency",
                         operation = what,
-                        "the claim was lost (its lease ran out and the key was claimed again); nothing written"
+                        failures,
+                        "the record no longer carries this claim; nothing written"
                     );
                     return false;
                 }
                 Err(err) => {
-                    tracing::warn!(
-                        target: "tower_idempotency",
-                        operation = what,
-                        attempt,
-                        error = %ErrorChain(&err),
-                        "store write failed"
-                    );
-                    if attempt < WRITE_RETRIES {
-                        tokio::time::sleep(backoff).await;
-                        backoff *= 2;
+                    failures += 1;
+                    // One warning per write, not one per attempt: an outage would flood the log.
+                    if failures == 1 {
+                        tracing::warn!(
+                            target: "tower_idempotency",
+                            operation = what,
+                            error = %ErrorChain(&err),
+                            "store write failed; retrying it until the store answers"
+                        );
+                    } else {
+                        tracing::debug!(
+                            target: "tower_idempotency",
+                            operation = what,
+                            failures,
+                            error = %ErrorChain(&err),
+                            "store write failed again"
+                        );
                     }
+                    if Instant::now() + backoff >= deadline {
+                        tracing::error!(
+                            target: "tower_idempotency",
+                            operation = what,
+                            failures,
+                            "giving up on the store write: the store stayed unreachable past the point where the write could matter"
+                        );
+                        return false;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(WRITE_BACKOFF_MAX);
                 }
             }
         }
-        tracing::error!(
-            target: "tower_idempotency",
-            operation = what,
-            "giving up on the store write; the claim's lease will run out, and a retry after that runs again"
-        );
-        false
     }
 }
 

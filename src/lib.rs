@@ -71,6 +71,18 @@
 //! - **Execution.** A claimed request runs to completion even when the client disconnects, so its
 //!   retry finds the result; [`Shutdown`] waits for such work at shutdown. A handler that errors or
 //!   panics gets a 500 problem and its claim is released.
+//! - **Storing the result.** The response goes to the client as soon as its record is written, or
+//!   at once when the write fails: the write is then retried in the background (backoff up to 1 s,
+//!   the lease renewed meanwhile) for as long as the claim can still be ours. A record that
+//!   vanished meanwhile (its lease ran out, or a Redis without persistence restarted empty) is
+//!   written all the same, since the handler did run; only a key claimed by another request
+//!   meanwhile ends the attempts, and that is logged.
+//! - **A store away for longer than the lease.** The claim runs out while the store is away. When
+//!   the store answers again, the pending write lands within about a second, and retries get the
+//!   replay. A retry that reaches the store before that write finds the key free and runs the
+//!   handler a second time; the late write is then refused and logged. So keep the lease longer
+//!   than the store outages you mean to ride out, and give downstream effects a key derived from
+//!   the request's ([`IdempotencyKey::derive`]), so that a second run repeats none of them.
 //! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
 //!   response says `Cache-Control: no-store` ([`IdempotencyLayer::store_policy`]); headers minus
 //!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A

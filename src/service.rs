@@ -597,7 +597,8 @@ impl<St: Store> Shared<St> {
     }
 
     /// Logs a lost claim, and hands a failed write (a completion, or a release when `completed` is
-    /// `None`) to a task that retries it within a bound.
+    /// `None`) to a task that retries it: a completion for as long as the claim can still be ours
+    /// (up to the dedup window), a release for up to a lease.
     fn after_write(
         self: &Arc<Self>,
         id: &RecordId,
@@ -628,13 +629,14 @@ impl<St: Store> Shared<St> {
                 let retry = async move {
                     tokio::time::sleep(lease::WRITE_BACKOFF).await;
                     let held = shared.held(&id, &token);
-                    let ttl = shared.config.dedup_window;
+                    let store = &shared.store;
                     match &completed {
                         Some(done) => {
-                            held.write(what, || shared.store.complete(&id, &token, done, ttl))
+                            let ttl = shared.config.dedup_window;
+                            held.complete_with(ttl, || store.complete(&id, &token, done, ttl))
                                 .await
                         }
-                        None => held.write(what, || shared.store.release(&id, &token)).await,
+                        None => held.release_with(|| store.release(&id, &token)).await,
                     };
                 };
                 self.tracker

@@ -257,24 +257,53 @@ impl MemoryStore {
         token: &ClaimToken,
         completed: &Completed,
         ttl: Duration,
-    ) -> bool {
-        self.update_owned(id, token, ttl, |entry, now| {
-            // An owned entry is in flight and holds only its overhead: reserve the response's bytes.
-            let extra = completed.response.as_ref().map_or(0, |r| r.size());
-            let mut completed = completed.clone();
-            if self.reserve(extra) {
-                entry.size += extra;
-            } else {
-                tracing::warn!(
-                    target: "tower_idempotency",
-                    bytes = ENTRY_OVERHEAD + extra,
-                    "memory store full: keeping a tombstone instead of the response"
-                );
-                completed.response = None;
+    ) -> Result<bool, StoreError> {
+        let mut guard = self.shard(id);
+        let now = Instant::now();
+        guard.expire(now, &self.inner.used);
+        let shard = &mut *guard;
+        let entry = match shard.map.entry(*id) {
+            hash_map::Entry::Occupied(entry) if entry.get().is_owned_by(token, now) => {
+                entry.into_mut()
             }
-            entry.state = State::Completed(completed);
-            entry.expires_at = now + ttl;
-        })
+            hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => return Ok(false),
+            // The claim ran out (due, not collected yet) and nobody claimed the key since: the
+            // work did run, so its result takes the place of the stale claim.
+            hash_map::Entry::Occupied(mut entry) => {
+                self.free(entry.get().size);
+                shard.expiry.cancel(entry.get().queued);
+                if !self.reserve(ENTRY_OVERHEAD) {
+                    entry.remove();
+                    return Err(StoreError::Full);
+                }
+                entry.insert(Entry::bare(completed, now));
+                entry.into_mut()
+            }
+            hash_map::Entry::Vacant(vacant) => {
+                if !self.reserve(ENTRY_OVERHEAD) {
+                    return Err(StoreError::Full);
+                }
+                vacant.insert(Entry::bare(completed, now))
+            }
+        };
+        // The entry holds only its overhead so far: reserve the response's bytes.
+        let extra = completed.response.as_ref().map_or(0, |r| r.size());
+        let mut completed = completed.clone();
+        if self.reserve(extra) {
+            entry.size += extra;
+        } else {
+            tracing::warn!(
+                target: "tower_idempotency",
+                bytes = ENTRY_OVERHEAD + extra,
+                "memory store full: keeping a tombstone instead of the response"
+            );
+            completed.response = None;
+        }
+        entry.state = State::Completed(completed);
+        entry.expires_at = now + ttl;
+        shard.expiry.cancel(entry.queued);
+        entry.queued = shard.expiry.push(ttl, entry.expires_at, *id);
+        Ok(true)
     }
 
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
@@ -338,7 +367,7 @@ impl Store for MemoryStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.complete_now(id, token, completed, ttl))
+        self.complete_now(id, token, completed, ttl)
     }
 
     async fn renew(
@@ -382,6 +411,19 @@ impl Entry {
             queued: None,
         };
         (token, entry)
+    }
+
+    /// An entry that holds only its overhead, for a completion to fill in.
+    fn bare(completed: &Completed, now: Instant) -> Self {
+        Self {
+            state: State::Completed(Completed {
+                fingerprint: completed.fingerprint,
+                response: None,
+            }),
+            expires_at: now,
+            size: ENTRY_OVERHEAD,
+            queued: None,
+        }
     }
 
     /// Whether the entry is live and in flight under `token`'s claim.
@@ -529,7 +571,11 @@ mod tests {
         let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
             panic!()
         };
-        assert!(store.complete_now(&id, &token, &completed(1000), Duration::from_secs(60)));
+        assert!(
+            store
+                .complete_now(&id, &token, &completed(1000), Duration::from_secs(60))
+                .unwrap()
+        );
         let Ok(Claim::Existing(Record::Completed(c))) = claim_id(&store, &id) else {
             panic!()
         };
@@ -545,7 +591,11 @@ mod tests {
             panic!()
         };
         let done = completed(1000);
-        assert!(store.complete_now(&id, &token, &done, Duration::from_secs(60)));
+        assert!(
+            store
+                .complete_now(&id, &token, &done, Duration::from_secs(60))
+                .unwrap()
+        );
         assert_eq!(
             store.used_bytes(),
             ENTRY_OVERHEAD + done.response.as_ref().unwrap().size()
@@ -631,7 +681,11 @@ mod tests {
         let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
             panic!()
         };
-        assert!(store.complete_now(&id, &token, &completed(10), Duration::from_secs(60)));
+        assert!(
+            store
+                .complete_now(&id, &token, &completed(10), Duration::from_secs(60))
+                .unwrap()
+        );
         // The lease item was cancelled, and the next call on the shard drops it, long before the
         // lease would have run out: only the completion's item is left.
         store.len();
@@ -665,7 +719,11 @@ mod tests {
         };
         assert_ne!(new, old);
         assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
-        assert!(store.complete_now(&id, &new, &completed(10), Duration::from_secs(60)));
+        assert!(
+            store
+                .complete_now(&id, &new, &completed(10), Duration::from_secs(60))
+                .unwrap()
+        );
     }
 
     fn claim_id(store: &MemoryStore, id: &RecordId) -> Result<Claim, StoreError> {

@@ -4,7 +4,8 @@
 //! is already there, in one step, so two instances can never both run a handler for one key.
 //! [`Store::complete`], [`Store::renew`] and [`Store::release`] take the claim's [`ClaimToken`] and
 //! do nothing (returning `Ok(false)`) when the record no longer carries it: an owner whose lease ran
-//! out and whose key was claimed again cannot overwrite or free the new owner's record.
+//! out and whose key was claimed again cannot overwrite or free the new owner's record. Only
+//! `complete` also writes where the key has no record left: the work ran, so its result is kept.
 //!
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
 
@@ -91,7 +92,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Replaces the in-flight record claimed with `token` by `completed`, kept for `ttl` (the dedup
-    /// window). `Ok(false)` when the record no longer carries `token`: nothing was written.
+    /// window). Where the key has no record at all (the claim's lease ran out, or the store lost
+    /// it, and nobody claimed the key since), writes `completed` all the same: the work did run,
+    /// and a retry must find its result. `Ok(false)` when the key holds another claim's record or
+    /// a completed one: nothing was written.
     fn complete(
         &self,
         id: &RecordId,

@@ -19,8 +19,8 @@ use batch::{Batch, ClaimRef};
 
 mod batch;
 
-/// Replaces the in-flight record with the completed one, if the claim's token still matches.
-/// KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
+/// Replaces the in-flight record with the completed one, if the claim's token still matches, or
+/// writes it where the key has no record. KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
 const COMPLETE: &str = include_str!("redis/complete.lua");
 /// Extends the lease of the in-flight record, if the claim's token still matches.
 /// KEYS[1] record; ARGV[1] token, ARGV[2] new lease end (8 bytes), ARGV[3] lease in ms.

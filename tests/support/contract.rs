@@ -104,7 +104,8 @@ macro_rules! store_contract {
             store_release_frees_the_key,
             store_fencing_stops_an_owner_whose_lease_was_lost,
             store_completed_record_is_final,
-            store_writes_to_a_missing_record_do_nothing,
+            store_complete_writes_a_missing_record_and_nothing_else_does,
+            store_complete_after_the_lease_ran_out_writes_the_record,
             store_concurrent_claims_have_one_winner,
             // Through the layer.
             replay_is_byte_identical_through_a_router,
@@ -128,7 +129,8 @@ macro_rules! store_contract {
             store_failure_at_claim_fails_open_when_configured,
             slow_store_at_claim_gets_503,
             failed_store_write_still_answers_and_is_retried,
-            store_write_that_keeps_failing_frees_the_key_after_the_lease,
+            store_write_failing_past_the_lease_lands_when_the_store_returns,
+            retried_write_gives_up_once_another_claim_holds_the_key,
         );
     };
 }
@@ -984,22 +986,48 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
     assert_eq!(existing_completed(&store, &id, lease).await, done);
 }
 
-/// Complete, renew and release on a key without a record do nothing, and create nothing.
-pub async fn store_writes_to_a_missing_record_do_nothing<H: Harness>(h: H) {
+/// Renew and release on a key without a record do nothing and create nothing; complete writes
+/// the record, since the work it records did run (section 3, "store fails when storing the
+/// result").
+pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
     let id = record_id("missing");
     let token = ClaimToken::generate();
+    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
+    assert!(!store.release(&id, &token).await.expect("release"));
+    claimed(&store, &id, &fingerprint(1), lease).await;
+
+    let other = record_id("missing-then-completed");
     let done = completed_with_response(fingerprint(1));
     assert!(
-        !store
+        store
+            .complete(&other, &token, &done, window)
+            .await
+            .expect("complete")
+    );
+    assert_eq!(existing_completed(&store, &other, lease).await, done);
+}
+
+/// An owner whose lease ran out while nobody claimed the key since still completes it: the record
+/// vanished, but the work ran, and a retry must get its result rather than run it again.
+pub async fn store_complete_after_the_lease_ran_out_writes_the_record<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("late");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    h.advance(lease + margin(&h)).await;
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
             .complete(&id, &token, &done, window)
             .await
             .expect("complete")
     );
-    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
-    assert!(!store.release(&id, &token).await.expect("release"));
-    claimed(&store, &id, &fingerprint(1), lease).await;
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    // Kept for the window, like any completion.
+    h.advance(lease + margin(&h)).await;
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
 }
 
 /// Of many concurrent claims of one key, exactly one wins.
@@ -1926,9 +1954,10 @@ pub async fn failed_store_write_still_answers_and_is_retried<H: Harness>(h: H) {
     assert_eq!(handler.calls(), 1);
 }
 
-/// When storing the result keeps failing, the layer gives up after a bounded number of attempts;
-/// the claim's lease then runs out and a retry runs the handler again.
-pub async fn store_write_that_keeps_failing_frees_the_key_after_the_lease<H: Harness>(h: H) {
+/// When storing the result keeps failing for longer than the lease, the write is still retried:
+/// once the store answers again, the result is written (the claim ran out, but nobody claimed the
+/// key since), and a retry gets the replay. The handler runs once.
+pub async fn store_write_failing_past_the_lease_lands_when_the_store_returns<H: Harness>(h: H) {
     let faulty = Faulty::new(h.store());
     let store = Counting::new(faulty.clone());
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
@@ -1942,17 +1971,41 @@ pub async fn store_write_that_keeps_failing_frees_the_key_after_the_lease<H: Har
         (first.status, first.text()),
         (StatusCode::CREATED, "call 1".into())
     );
-    shutdown.wait().await;
-    let completes = store.calls().complete;
-    assert!((2..=10).contains(&completes), "{completes} attempts");
+    h.advance(h.lease() + margin(&h)).await;
+    assert_eq!(shutdown.running(), 1, "the write is still being retried");
+    let attempts = store.calls().complete;
+    assert!(attempts >= 3, "{attempts} attempts so far");
 
     faulty.fail_writes(false);
+    shutdown.wait().await;
+    assert_replay_of(&send(&svc, post("k", "x")).await, &first);
+    assert_eq!(handler.calls(), 1);
+}
+
+/// A write retried while the store failed gives up once another claim holds the key: the claim
+/// is provably lost, and the new owner's result stands.
+pub async fn retried_write_gives_up_once_another_claim_holds_the_key<H: Harness>(h: H) {
+    let faulty = Faulty::new(h.store());
+    let handler = Handler::ok(|call| created(format!("call {}", call.n)));
+    let layer = layer(&h, faulty.clone());
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, handler.clone());
+
+    faulty.fail_writes(true);
+    assert_eq!(send(&svc, post("k", "x")).await.text(), "call 1");
+    // Past the lease, with the first write still failing, a retry claims the key and runs.
     h.advance(h.lease() + margin(&h)).await;
-    let retry = send(&svc, post("k", "x")).await;
-    assert_eq!(
-        (retry.outcome, retry.text()),
-        (Some(Outcome::Executed), "call 2".into())
-    );
-    assert_replay_of(&send(&svc, post("k", "x")).await, &retry);
-    assert_eq!(handler.calls(), 2);
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let second_handler = gated_handler(started.clone(), gate.clone(), "second run");
+    let second_svc = service(self::layer(&h, faulty.clone()), second_handler);
+    let second = spawn_send(&second_svc, post("k", "x"));
+    started.notified().await;
+    // The first owner's write comes back while the second claim is in flight: refused, given up.
+    faulty.fail_writes(false);
+    shutdown.wait().await;
+    gate.notify_one();
+    let second = second.await.expect("the second request");
+    assert_eq!(second.text(), "second run 1");
+    assert_replay_of(&send(&svc, post("k", "x")).await, &second);
+    assert_eq!(handler.calls(), 1);
 }
