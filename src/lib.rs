@@ -134,6 +134,7 @@ pub mod record;
 mod scope;
 mod service;
 pub mod store;
+mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
 #[cfg(feature = "axum")]

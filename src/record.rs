@@ -46,7 +46,12 @@ const KIND_TOMBSTONE: u8 = 3;
 /// assert_eq!(RecordId::new(b"acct_1", "k").to_string().len(), 32);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RecordId([u8; 16]);
+pub struct RecordId {
+    id: [u8; 16],
+    /// A tag of the scope alone, so that a store can account records per scope (the memory
+    /// store's per-scope limit). Not part of any stored key: the id alone names the record.
+    scope: u64,
+}
 
 impl RecordId {
     /// The id of an HTTP request's `key` inside `scope`.
@@ -69,10 +74,16 @@ impl RecordId {
         let mut hasher = blake3::Hasher::new_keyed(domain);
         hasher.update(&(scope.len() as u64).to_le_bytes());
         hasher.update(scope);
+        let scope_tag = hasher.finalize();
         hasher.update(key.as_bytes());
         let mut id = [0; 16];
         id.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
-        Self(id)
+        let mut tag = [0; 8];
+        tag.copy_from_slice(&scope_tag.as_bytes()[..8]);
+        Self {
+            id,
+            scope: u64::from_le_bytes(tag),
+        }
     }
 
     /// The id of an [`IdempotencyKey`] inside `scope`.
@@ -82,7 +93,13 @@ impl RecordId {
 
     /// The id's bytes.
     pub const fn as_bytes(&self) -> &[u8; 16] {
-        &self.0
+        &self.id
+    }
+
+    /// A tag of the id's scope: ids of one scope share it (ids of different scopes almost never
+    /// do). For per-scope accounting in a store.
+    pub(crate) const fn scope_tag(&self) -> u64 {
+        self.scope
     }
 
     /// A short, non-reversible tag of the id for logs (the first 8 hex characters).
@@ -92,13 +109,13 @@ impl RecordId {
 
     /// [`RecordId::short`] without the allocation, for log fields.
     pub(crate) fn tag(&self) -> Hex<'_> {
-        Hex(&self.0[..4])
+        Hex(&self.id[..4])
     }
 }
 
 impl fmt::Display for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        Hex(&self.0).fmt(f)
+        Hex(&self.id).fmt(f)
     }
 }
 

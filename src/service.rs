@@ -29,8 +29,12 @@ use crate::problem::{Problem, ProblemKind};
 use crate::record::{ClaimToken, Completed, Record, RecordId, StoredResponse};
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
+use crate::throttle::Throttle;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How often a claim-time store failure is logged while it lasts.
+const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -45,6 +49,8 @@ pub(crate) struct Shared<St> {
     store: St,
     config: Config,
     tracker: TaskTracker,
+    /// Claim-time store failures repeat with every request: logged once per interval.
+    store_failures: Throttle,
 }
 
 impl<S, St> Idempotency<S, St> {
@@ -55,6 +61,7 @@ impl<S, St> Idempotency<S, St> {
                 store,
                 config,
                 tracker,
+                store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
             }),
         }
     }
@@ -277,26 +284,46 @@ impl<St: Store> Shared<St> {
             Ok(Claim::Claimed(token)) => token,
             Ok(Claim::Existing(record)) => return self.answer_existing(record, &fingerprint),
             Err(err) if config.fail_open => {
-                tracing::warn!(
-                    target: "tower_idempotency",
-                    outcome = %Outcome::FailedOpen,
-                    error = %ErrorChain(&err),
-                    "idempotency store failed; running the request without protection (fail-open)"
-                );
+                if let Some(held_back) = self.store_failures.admit() {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        outcome = %Outcome::FailedOpen,
+                        error = %ErrorChain(&err),
+                        held_back,
+                        "idempotency store failed; running requests without protection (fail-open)"
+                    );
+                }
                 parts.extensions.insert(key);
                 let request = Request::from_parts(parts, RequestBody::buffered(body));
                 return self.run_unprotected(inner, request).await;
             }
             Err(err) => {
-                tracing::warn!(
-                    target: "tower_idempotency",
-                    outcome = %Outcome::StoreUnavailable,
-                    error = %ErrorChain(&err),
-                    "idempotency store failed at claim time; refusing the request (fail-closed)"
+                if let Some(held_back) = self.store_failures.admit() {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        outcome = %Outcome::StoreUnavailable,
+                        error = %ErrorChain(&err),
+                        held_back,
+                        "idempotency store failed at claim time; refusing requests (fail-closed)"
+                    );
+                }
+                let (detail, retry_after) = match err {
+                    StoreError::Full { retry_after } => (
+                        "the idempotency store has no room for this request's record; the \
+                         request was not run",
+                        retry_after.unwrap_or(config.retry_after),
+                    ),
+                    _ => (
+                        "the idempotency store is unavailable; the request was not run",
+                        config.retry_after,
+                    ),
+                };
+                let retry_after = Some(whole_seconds(retry_after));
+                return self.problem_with(
+                    ProblemKind::StoreUnavailable,
+                    detail.into(),
+                    retry_after,
                 );
-                let detail =
-                    String::from("the idempotency store is unavailable; the request was not run");
-                return self.problem(ProblemKind::StoreUnavailable, detail);
             }
         };
 
@@ -722,7 +749,9 @@ fn whole_seconds(duration: Duration) -> u64 {
 fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
     let status = response.status().as_u16();
     match outcome {
-        Outcome::StoreUnavailable | Outcome::HandlerFailed | Outcome::FailedOpen => {
+        // Store failures are warned of once per interval where they happen, with a count: one
+        // warning per request would flood the log for as long as the store is away or full.
+        Outcome::HandlerFailed => {
             tracing::warn!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
         }
         Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {

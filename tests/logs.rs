@@ -203,6 +203,9 @@ async fn events_of_the_detached_handler_carry_the_request_tags() {
     faulty.fail_writes(true);
     let reply = send(&svc, post("k", "x")).await;
     assert_eq!(reply.outcome, Some(Outcome::Executed));
+    // A few retries fail too; then the store is back, and the write lands.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    faulty.fail_writes(false);
     shutdown.wait().await;
     let events: Vec<_> = captured
         .events()
@@ -223,4 +226,44 @@ async fn events_of_the_detached_handler_carry_the_request_tags() {
         assert_eq!(event.field("key"), outcome.field("key"), "{event:?}");
         assert_eq!(event.field("scope"), outcome.field("scope"), "{event:?}");
     }
+}
+
+/// A store that refuses every claim (full, or away) is warned of once per interval, with the
+/// number of refusals held back, not once or twice per refused request.
+#[tokio::test(start_paused = true)]
+async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let store = MemoryStore::with_capacity(0);
+    let svc = service(IdempotencyLayer::new(store), Handler::ok(|_| created("ok")));
+    let refusals = |from: usize| -> Vec<LogEvent> {
+        captured
+            .events()
+            .into_iter()
+            .skip(from)
+            .filter(|e| {
+                e.field("message")
+                    .is_some_and(|m| m.starts_with("idempotency store failed at claim time"))
+            })
+            .collect()
+    };
+
+    let from = captured.events().len();
+    for n in 0..50 {
+        let reply = send(&svc, post(&format!("k{n}"), "x")).await;
+        assert_eq!(reply.outcome, Some(Outcome::StoreUnavailable));
+    }
+    let warned = refusals(from);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].field("held_back"), Some("0"));
+
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    let from = captured.events().len();
+    assert_eq!(
+        send(&svc, post("k-later", "x")).await.outcome,
+        Some(Outcome::StoreUnavailable)
+    );
+    let warned = refusals(from);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].field("held_back"), Some("49"));
 }

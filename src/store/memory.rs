@@ -1,25 +1,22 @@
 //! `MemoryStore`: records in this process's memory.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque, hash_map};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{HashMap, hash_map};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+mod budget;
+mod expiry;
+mod scopes;
+
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
+use budget::{Budget, Refused};
+use expiry::{Expiry, Ticket};
 
-/// What one record costs beyond its response: the key and entry (120 bytes in a map that is at
-/// most 7/8 full, and about two thirds on average), and its expiry items (40 bytes each, in queues
-/// that grow by doubling).
-const ENTRY_OVERHEAD: usize = 256;
 const SHARDS: usize = 64;
-/// How many distinct durations get an expiry lane of their own in each shard; items with any other
-/// duration share a heap.
-const LANES: usize = 8;
 /// The default capacity of [`MemoryStore::new`]: 256 MiB.
 pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
 
@@ -28,9 +25,12 @@ pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
 /// - Sharded: 64 independently locked maps, so concurrent requests on different keys do not wait
 ///   on one lock.
 /// - Records expire on time (on [`tokio::time::Instant`], so paused test time drives expiry).
-/// - Bounded by bytes. When full it refuses new claims ([`StoreError::Full`], a 503) rather than
-///   evict a live record, because evicting a record would silently shorten the dedup window. A
-///   completion that does not fit is kept as a tombstone (the operation is never run twice).
+/// - Bounded by bytes. When full it refuses new claims ([`StoreError::Full`], a 503 whose
+///   `Retry-After` says when the next record comes due) rather than evict a live record, because
+///   evicting a record would silently shorten the dedup window. A completion that does not fit is
+///   kept as a tombstone (the operation is never run twice).
+/// - Optionally bounded per scope ([`MemoryStore::with_scope_limit`]), so that one tenant filling
+///   the store cannot refuse service to the others.
 ///
 /// Records are not shared between processes: behind a load balancer, use a shared store such as
 /// `RedisStore`.
@@ -49,8 +49,7 @@ pub struct MemoryStore {
 #[derive(Debug)]
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
-    used: AtomicUsize,
-    capacity: usize,
+    budget: Budget,
 }
 
 #[derive(Debug, Default)]
@@ -59,45 +58,6 @@ struct Shard {
     /// When entries come due. The item of an entry that has since been renewed, completed or
     /// removed is cancelled (or, in the shared heap, skipped when it comes due).
     expiry: Expiry,
-}
-
-/// Expiry times, each taken out once it is due.
-///
-/// A store is used with a few fixed durations (a layer's lease and dedup window), and items queued
-/// with one duration under the shard's lock come due in the order they were queued. So each
-/// duration gets a FIFO lane: pushing and popping are O(1) and touch memory in order. A binary
-/// heap of all the items would take a cache miss per level to pop, once per request, from a queue
-/// of millions. Durations beyond the first [`LANES`] share such a heap.
-///
-/// An item in a lane is cancelled in place when its entry's expiry changes (a claim completes) or
-/// the entry goes, so that collecting it later needs no lookup in a map far larger than the
-/// caches: every new key's lease item would otherwise cost one.
-#[derive(Debug, Default)]
-struct Expiry {
-    lanes: Vec<Lane>,
-    heap: BinaryHeap<Reverse<(Instant, RecordId)>>,
-}
-
-#[derive(Debug)]
-struct Lane {
-    after: Duration,
-    /// The sequence number of the item at the front of `queue`.
-    front: u64,
-    queue: VecDeque<Due>,
-}
-
-/// A queued expiry; `id` is `None` once cancelled.
-#[derive(Debug)]
-struct Due {
-    at: Instant,
-    id: Option<RecordId>,
-}
-
-/// Where an item sits in the lanes: its lane and sequence number.
-#[derive(Debug, Clone, Copy)]
-struct Ticket {
-    lane: usize,
-    seq: u64,
 }
 
 #[derive(Debug)]
@@ -133,18 +93,43 @@ impl MemoryStore {
     /// A store bounded to `bytes` of records (responses plus a per-record overhead of about
     /// 256 bytes).
     pub fn with_capacity(bytes: usize) -> Self {
+        Self::with_budget(Budget::new(bytes, None))
+    }
+
+    /// Bounds the records of each scope (each tenant: see
+    /// [`IdempotencyLayer::scope`](crate::IdempotencyLayer::scope)) to `bytes`, so that one scope
+    /// filling the store cannot lock the others out. A claim past its scope's limit is refused
+    /// ([`StoreError::Full`], a 503 whose `Retry-After` says when the scope's next record comes
+    /// due), and a completion that does not fit is kept as a tombstone, as when the whole store is
+    /// full. Each record then costs about 32 bytes more. Default: no per-scope limit.
+    ///
+    /// Set it when building the store: the store it returns starts empty, apart from clones of
+    /// this one.
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    ///
+    /// let capacity = 256 * 1024 * 1024;
+    /// // No tenant may hold more than a tenth of the store.
+    /// let store = MemoryStore::with_capacity(capacity).with_scope_limit(capacity / 10);
+    /// # let _ = store;
+    /// ```
+    pub fn with_scope_limit(self, bytes: usize) -> Self {
+        Self::with_budget(Budget::new(self.inner.budget.capacity(), Some(bytes)))
+    }
+
+    fn with_budget(budget: Budget) -> Self {
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-                used: AtomicUsize::new(0),
-                capacity: bytes,
+                budget,
             }),
         }
     }
 
     /// The bytes the live records hold now.
     pub fn used_bytes(&self) -> usize {
-        self.inner.used.load(Ordering::Relaxed)
+        self.inner.budget.used()
     }
 
     /// The number of records, expired ones removed first.
@@ -155,7 +140,7 @@ impl MemoryStore {
             .iter()
             .map(|shard| {
                 let mut shard = lock(shard);
-                shard.expire(now, &self.inner.used);
+                shard.expire(now, &self.inner.budget);
                 shard.map.len()
             })
             .sum()
@@ -171,24 +156,29 @@ impl MemoryStore {
         lock(&self.inner.shards[usize::from(id.as_bytes()[0]) % SHARDS])
     }
 
-    fn reserve(&self, bytes: usize) -> bool {
-        self.inner
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(bytes)
-                    .filter(|total| *total <= self.inner.capacity)
-            })
-            .is_ok()
-    }
-
-    fn free(&self, bytes: usize) {
-        self.inner.used.fetch_sub(bytes, Ordering::AcqRel);
-    }
-
     fn expire_all(&self) {
         for shard in self.inner.shards.iter() {
             let mut shard = lock(shard);
-            shard.expire(Instant::now(), &self.inner.used);
+            shard.expire(Instant::now(), &self.inner.budget);
+        }
+    }
+
+    /// The refusal of a claim, saying when room may free: when the scope's next completed record
+    /// comes due, or the store's next record; within a `lease` when nothing else is known.
+    fn full(&self, refused: Refused, lease: Duration) -> StoreError {
+        let room_at = match refused {
+            Refused::Scope(room_at) => room_at,
+            Refused::Store => {
+                let now = Instant::now();
+                let shards = self.inner.shards.iter();
+                let next = shards
+                    .filter_map(|shard| lock(shard).expiry.next_due())
+                    .min();
+                next.map(|at| at.saturating_duration_since(now))
+            }
+        };
+        StoreError::Full {
+            retry_after: Some(room_at.unwrap_or(lease)),
         }
     }
 
@@ -198,49 +188,52 @@ impl MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        if let Some(claim) = self.try_claim(id, fingerprint, lease) {
+        if let Ok(claim) = self.try_claim(id, fingerprint, lease) {
             return Ok(claim);
         }
         // Full. Records that expired in other shards may still hold bytes: collect them, retry.
         self.expire_all();
         self.try_claim(id, fingerprint, lease)
-            .ok_or(StoreError::Full)
+            .map_err(|refused| self.full(refused, lease))
     }
 
-    /// Claims `id`, or returns its live record; `None` when the store has no room for a claim.
+    /// Claims `id`, or returns its live record; refused when there is no room for a claim.
     fn try_claim(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
         lease: Duration,
-    ) -> Option<Claim> {
+    ) -> Result<Claim, Refused> {
+        let budget = &self.inner.budget;
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, &self.inner.used);
+        guard.expire(now, budget);
         let shard = &mut *guard;
         let new_claim = |expiry: &mut Expiry| {
-            if !self.reserve(ENTRY_OVERHEAD) {
-                return None;
-            }
-            let (token, mut entry) = Entry::claimed(fingerprint, now + lease);
+            budget.reserve(id, budget.overhead(), now)?;
+            let (token, mut entry) = Entry::claimed(fingerprint, now + lease, budget.overhead());
             entry.queued = expiry.push(lease, entry.expires_at, *id);
-            Some((token, entry))
+            Ok((token, entry))
         };
         // One probe of the map for both the lookup and the insert.
         let token = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => {
-                return Some(Claim::Existing(entry.get().record(now)));
+                return Ok(Claim::Existing(entry.get().record(now)));
             }
             // Due, but not collected yet: gone. The claim takes its place.
             hash_map::Entry::Occupied(mut entry) => {
-                self.free(entry.get().size);
+                budget.free(id, entry.get().size);
                 shard.expiry.cancel(entry.get().queued);
-                let Some((token, claimed)) = new_claim(&mut shard.expiry) else {
-                    entry.remove();
-                    return None;
-                };
-                entry.insert(claimed);
-                token
+                match new_claim(&mut shard.expiry) {
+                    Ok((token, claimed)) => {
+                        entry.insert(claimed);
+                        token
+                    }
+                    Err(refused) => {
+                        entry.remove();
+                        return Err(refused);
+                    }
+                }
             }
             hash_map::Entry::Vacant(vacant) => {
                 let (token, claimed) = new_claim(&mut shard.expiry)?;
@@ -248,7 +241,7 @@ impl MemoryStore {
                 token
             }
         };
-        Some(Claim::Claimed(token))
+        Ok(Claim::Claimed(token))
     }
 
     fn complete_now(
@@ -258,9 +251,10 @@ impl MemoryStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        let budget = &self.inner.budget;
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, &self.inner.used);
+        guard.expire(now, budget);
         let shard = &mut *guard;
         let entry = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_owned_by(token, now) => {
@@ -270,37 +264,40 @@ impl MemoryStore {
             // The claim ran out (due, not collected yet) and nobody claimed the key since: the
             // work did run, so its result takes the place of the stale claim.
             hash_map::Entry::Occupied(mut entry) => {
-                self.free(entry.get().size);
+                budget.free(id, entry.get().size);
                 shard.expiry.cancel(entry.get().queued);
-                if !self.reserve(ENTRY_OVERHEAD) {
+                if budget.reserve(id, budget.overhead(), now).is_err() {
                     entry.remove();
-                    return Err(StoreError::Full);
+                    return Err(StoreError::Full { retry_after: None });
                 }
-                entry.insert(Entry::bare(completed, now));
+                entry.insert(Entry::bare(completed, now, budget.overhead()));
                 entry.into_mut()
             }
             hash_map::Entry::Vacant(vacant) => {
-                if !self.reserve(ENTRY_OVERHEAD) {
-                    return Err(StoreError::Full);
+                if budget.reserve(id, budget.overhead(), now).is_err() {
+                    return Err(StoreError::Full { retry_after: None });
                 }
-                vacant.insert(Entry::bare(completed, now))
+                vacant.insert(Entry::bare(completed, now, budget.overhead()))
             }
         };
         // The entry holds only its overhead so far: reserve the response's bytes.
         let extra = completed.response.as_ref().map_or(0, |r| r.size());
         let mut completed = completed.clone();
-        if self.reserve(extra) {
-            entry.size += extra;
-        } else {
-            tracing::warn!(
-                target: "tower_idempotency",
-                bytes = ENTRY_OVERHEAD + extra,
-                "memory store full: keeping a tombstone instead of the response"
-            );
-            completed.response = None;
+        match budget.reserve(id, extra, now) {
+            Ok(()) => entry.size += extra,
+            Err(refused) => {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    bytes = entry.size + extra,
+                    full = if refused == Refused::Store { "store" } else { "scope" },
+                    "memory store full: keeping a tombstone instead of the response"
+                );
+                completed.response = None;
+            }
         }
         entry.state = State::Completed(completed);
         entry.expires_at = now + ttl;
+        budget.completed(id, entry.expires_at, now);
         shard.expiry.cancel(entry.queued);
         entry.queued = shard.expiry.push(ttl, entry.expires_at, *id);
         Ok(true)
@@ -324,7 +321,7 @@ impl MemoryStore {
     ) -> bool {
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, &self.inner.used);
+        guard.expire(now, &self.inner.budget);
         let shard = &mut *guard;
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
@@ -338,13 +335,13 @@ impl MemoryStore {
     fn release_now(&self, id: &RecordId, token: &ClaimToken) -> bool {
         let mut shard = self.shard(id);
         let now = Instant::now();
-        shard.expire(now, &self.inner.used);
+        shard.expire(now, &self.inner.budget);
         if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token, now)) {
             return false;
         }
         if let Some(entry) = shard.map.remove(id) {
             shard.expiry.cancel(entry.queued);
-            self.free(entry.size);
+            self.inner.budget.free(id, entry.size);
         }
         true
     }
@@ -386,12 +383,12 @@ impl Store for MemoryStore {
 
 impl Shard {
     /// Removes every record whose time has come.
-    fn expire(&mut self, now: Instant, used: &AtomicUsize) {
+    fn expire(&mut self, now: Instant, budget: &Budget) {
         while let Some(id) = self.expiry.pop_due(now) {
             if self.map.get(&id).is_some_and(|e| !e.is_live(now))
                 && let Some(entry) = self.map.remove(&id)
             {
-                used.fetch_sub(entry.size, Ordering::AcqRel);
+                budget.free(&id, entry.size);
             }
         }
     }
@@ -399,7 +396,7 @@ impl Shard {
 
 impl Entry {
     /// A new in-flight entry, and the token of its claim.
-    fn claimed(fingerprint: &Fingerprint, expires_at: Instant) -> (ClaimToken, Self) {
+    fn claimed(fingerprint: &Fingerprint, expires_at: Instant, size: usize) -> (ClaimToken, Self) {
         let token = ClaimToken::generate();
         let entry = Self {
             state: State::InFlight {
@@ -407,21 +404,21 @@ impl Entry {
                 fingerprint: *fingerprint,
             },
             expires_at,
-            size: ENTRY_OVERHEAD,
+            size,
             queued: None,
         };
         (token, entry)
     }
 
     /// An entry that holds only its overhead, for a completion to fill in.
-    fn bare(completed: &Completed, now: Instant) -> Self {
+    fn bare(completed: &Completed, now: Instant, size: usize) -> Self {
         Self {
             state: State::Completed(Completed {
                 fingerprint: completed.fingerprint,
                 response: None,
             }),
             expires_at: now,
-            size: ENTRY_OVERHEAD,
+            size,
             queued: None,
         }
     }
@@ -448,74 +445,6 @@ impl Entry {
     }
 }
 
-impl Expiry {
-    /// Queues `id` to come due at `at`, which is `after` from now. Returns where it sits, unless
-    /// it went to the shared heap (which cannot cancel).
-    fn push(&mut self, after: Duration, at: Instant, id: RecordId) -> Option<Ticket> {
-        let index = match self.lanes.iter().position(|lane| lane.after == after) {
-            Some(index) => index,
-            None if self.lanes.len() < LANES => {
-                self.lanes.push(Lane {
-                    after,
-                    front: 0,
-                    queue: VecDeque::new(),
-                });
-                self.lanes.len() - 1
-            }
-            None => {
-                self.heap.push(Reverse((at, id)));
-                return None;
-            }
-        };
-        let lane = &mut self.lanes[index];
-        // Times are read under the shard's lock, so they arrive in order; should the clock ever
-        // step back, the item comes due with the one before it, and the entry's own time still
-        // decides whether it is live.
-        let at = lane.queue.back().map_or(at, |last| at.max(last.at));
-        lane.queue.push_back(Due { at, id: Some(id) });
-        Some(Ticket {
-            lane: index,
-            seq: lane.front + (lane.queue.len() as u64 - 1),
-        })
-    }
-
-    /// Cancels the item at `ticket`, if it is still queued.
-    fn cancel(&mut self, ticket: Option<Ticket>) {
-        let Some(Ticket { lane, seq }) = ticket else {
-            return;
-        };
-        let lane = &mut self.lanes[lane];
-        if let Some(index) = seq.checked_sub(lane.front)
-            && let Some(due) = usize::try_from(index)
-                .ok()
-                .and_then(|index| lane.queue.get_mut(index))
-        {
-            due.id = None;
-        }
-    }
-
-    /// Takes out one item that is due by `now`, dropping the cancelled items ahead of it.
-    fn pop_due(&mut self, now: Instant) -> Option<RecordId> {
-        for lane in &mut self.lanes {
-            while let Some(due) = lane.queue.front() {
-                let (at, id) = (due.at, due.id);
-                if id.is_some() && at > now {
-                    break;
-                }
-                lane.queue.pop_front();
-                lane.front += 1;
-                if id.is_some() {
-                    return id;
-                }
-            }
-        }
-        if self.heap.peek().is_some_and(|Reverse((at, _))| *at <= now) {
-            return self.heap.pop().map(|Reverse((_, id))| id);
-        }
-        None
-    }
-}
-
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while a shard was locked cannot leave it half-updated in a way that matters more
     // than losing every record: keep serving.
@@ -524,6 +453,8 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 
 #[cfg(test)]
 mod tests {
+    use super::budget::ENTRY_OVERHEAD;
+    use super::expiry::LANES;
     use super::*;
     use crate::record::StoredResponse;
 
@@ -552,7 +483,7 @@ mod tests {
         for n in 0..3 {
             assert!(matches!(claim(&store, n), Ok(Claim::Claimed(_))));
         }
-        assert!(matches!(claim(&store, 3), Err(StoreError::Full)));
+        assert!(matches!(claim(&store, 3), Err(StoreError::Full { .. })));
         // The live records are all still there.
         for n in 0..3 {
             assert!(matches!(claim(&store, n), Ok(Claim::Existing(_))));
@@ -620,58 +551,6 @@ mod tests {
             assert_eq!(store.len(), LANES * 2 - n - 1, "after {lease:?}");
         }
         assert_eq!(store.used_bytes(), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn durations_beyond_the_lanes_share_the_heap() {
-        let mut expiry = Expiry::default();
-        let now = Instant::now();
-        let id = RecordId::new(b"", "k");
-        for seconds in 1..=LANES as u64 * 2 {
-            let after = Duration::from_secs(seconds);
-            let ticket = expiry.push(after, now + after, id);
-            assert_eq!(ticket.is_some(), seconds <= LANES as u64, "{seconds} s");
-        }
-        assert_eq!(expiry.lanes.len(), LANES);
-        assert_eq!(expiry.heap.len(), LANES);
-        // Each item comes due at its own time, in a lane or in the heap.
-        for seconds in 1..=LANES as u64 * 2 {
-            assert_eq!(expiry.pop_due(now + Duration::from_secs(seconds)), Some(id));
-            assert_eq!(expiry.pop_due(now + Duration::from_secs(seconds)), None);
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_lane_stays_in_order_when_a_time_arrives_late() {
-        let mut expiry = Expiry::default();
-        let now = Instant::now();
-        let lease = Duration::from_secs(10);
-        let (a, b) = (RecordId::new(b"", "a"), RecordId::new(b"", "b"));
-        expiry.push(lease, now + lease, a);
-        // An earlier time behind a later one comes due with the later one, not before.
-        expiry.push(lease, now + Duration::from_secs(5), b);
-        assert_eq!(expiry.pop_due(now + Duration::from_secs(5)), None);
-        assert_eq!(expiry.pop_due(now + lease), Some(a));
-        assert_eq!(expiry.pop_due(now + lease), Some(b));
-        assert_eq!(expiry.pop_due(now + lease), None);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_cancelled_item_never_comes_due() {
-        let mut expiry = Expiry::default();
-        let now = Instant::now();
-        let lease = Duration::from_secs(10);
-        let (a, b) = (RecordId::new(b"", "a"), RecordId::new(b"", "b"));
-        let ticket = expiry.push(lease, now + lease, a);
-        expiry.push(lease, now + lease, b);
-        expiry.cancel(ticket);
-        assert_eq!(expiry.pop_due(now + lease), Some(b));
-        assert_eq!(expiry.pop_due(now + lease), None);
-        // A ticket whose item has gone cancels nothing.
-        expiry.cancel(ticket);
-        let c = RecordId::new(b"", "c");
-        expiry.push(lease, now + lease, c);
-        assert_eq!(expiry.pop_due(now + lease), Some(c));
     }
 
     #[tokio::test(start_paused = true)]

@@ -39,9 +39,13 @@ pub enum Claim {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// The store is full and refuses new claims rather than evict a live record.
+    /// The store (or the record's share of it) is full and refuses new claims rather than evict a
+    /// live record.
     #[error("the store is full")]
-    Full,
+    Full {
+        /// When room is expected to free up, if the store knows: the layer's `Retry-After`.
+        retry_after: Option<Duration>,
+    },
     /// The store did not answer in time.
     #[error("the store did not answer within {0:?}")]
     Timeout(Duration),
