@@ -696,3 +696,78 @@ on_both_queues!(
     a_stop_finishes_the_message_at_hand,
     end_to_end_through_the_http_api,
 );
+
+/// A charge for 10.00 EUR, captured.
+fn ten_euros() -> Value {
+    json!({ "amount": 1000, "currency": "eur", "source": "tok_visa" })
+}
+
+/// While the stream's Redis is stalled, every charge is answered after at most one publish
+/// timeout: no charge waits for another's publish. The events wait in the outbox and reach the
+/// ledger once Redis is back.
+#[tokio::test]
+async fn a_stalled_redis_does_not_serialise_charges() {
+    const CHARGES: usize = 20;
+    const STALL: Duration = Duration::from_secs(3);
+    // The queue's 1 s bound on a publish, and a margin for a loaded machine.
+    const ANSWER_BOUND: Duration = Duration::from_millis(2000);
+    let env = Env::redis().await;
+    let redis = env.redis.as_ref().expect("a Redis environment");
+    let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
+    let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
+    let consumer = env.start("ledger").await;
+    let relay_stop = CancellationToken::new();
+    let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
+    let warm_up = post(&router, ALICE, "/v1/charges", "warm-up", ten_euros()).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{}", warm_up.json);
+
+    redis.pause();
+    let stalled_at = tokio::time::Instant::now();
+    let charges: Vec<_> = (0..CHARGES)
+        .map(|n| {
+            let router = router.clone();
+            tokio::spawn(async move {
+                let reply = post(
+                    &router,
+                    ALICE,
+                    "/v1/charges",
+                    &format!("stall-{n}"),
+                    ten_euros(),
+                )
+                .await;
+                (reply.status, stalled_at.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(stalled_at + STALL).await;
+    let finished_in_stall = charges.iter().filter(|charge| charge.is_finished()).count();
+    redis.resume();
+
+    let mut latencies = Vec::new();
+    for charge in charges {
+        let (status, elapsed) = charge.await.expect("the request task");
+        assert_eq!(status, StatusCode::CREATED);
+        latencies.push(elapsed);
+    }
+    latencies.sort();
+    assert_eq!(
+        finished_in_stall, CHARGES,
+        "charges answered during the {STALL:?} stall: {finished_in_stall} of {CHARGES}; \
+         answered after {latencies:?}"
+    );
+    let slowest = latencies.last().copied().unwrap_or_default();
+    assert!(
+        slowest <= ANSWER_BOUND,
+        "the slowest charge took {slowest:?}: {latencies:?}"
+    );
+
+    // Nothing was lost: the outbox sent the events once Redis was back.
+    wait_for("the stalled charges' events", || async {
+        env.balance(ALICE).await == eur(1000 * (CHARGES as i64 + 1))
+    })
+    .await;
+    relay_stop.cancel();
+    relay.await.expect("the relay does not panic");
+    let counts = consumer.stop().await;
+    assert_eq!(counts.applied, CHARGES + 1, "{counts:?}");
+}

@@ -5,21 +5,25 @@
 //! provider answering the repeated call with the same payment) publishes the same event id again,
 //! and the ledger consumer recognises it.
 //!
-//! Publishing goes through a small outbox ([`Publisher`]): the event is queued in memory first and
-//! sent from there, so an unreachable queue delays an event instead of losing it or failing a
-//! request whose money already moved. (The outbox lives in memory, like the charges; a real service
-//! writes it in the same database transaction as the charge.)
+//! Publishing goes through a small outbox ([`Publisher`]): an event the queue refuses waits in memory
+//! and is sent again from there, so an unreachable queue delays an event instead of losing it or
+//! failing a request whose money already moved. (The outbox lives in memory, like the charges; a
+//! real service writes it in the same database transaction as the charge.)
+//!
+//! No lock is held across a call to the queue: a stalled Redis costs each request at most one
+//! publish timeout, side by side, instead of queueing every request behind the one that waits. An
+//! event published while others wait joins them, behind, and the relay sends them in order.
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::ledger::Charge;
-use super::queue::Queue;
+use super::queue::{Queue, QueueError};
 
 /// How often [`Publisher::relay`] retries events the queue refused.
 const RELAY_EVERY: Duration = Duration::from_secs(1);
@@ -123,7 +127,12 @@ fn event_id(kind: EventType, object: &str) -> String {
 #[derive(Clone)]
 pub struct Publisher {
     queue: Queue,
-    outbox: Arc<tokio::sync::Mutex<VecDeque<PaymentEvent>>>,
+    /// The events the queue refused, oldest first. Locked only to look or change, never across a
+    /// call to the queue.
+    outbox: Arc<Mutex<VecDeque<PaymentEvent>>>,
+    /// Held by the one flush that sends the outbox; another flush returns at once instead of
+    /// waiting for it (and sending the same event twice).
+    sending: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Publisher {
@@ -132,6 +141,7 @@ impl Publisher {
         Self {
             queue,
             outbox: Arc::default(),
+            sending: Arc::default(),
         }
     }
 
@@ -140,19 +150,41 @@ impl Publisher {
         &self.queue
     }
 
-    /// Puts `event` in the outbox and sends the outbox to the queue. An event the queue refuses
-    /// stays in the outbox for the next publish or [`Publisher::relay`]: it is never dropped.
+    /// Sends `event` to the queue, or leaves it in the outbox for [`Publisher::relay`]: behind
+    /// events that are waiting already, or when the queue refuses it. It is never dropped.
     pub async fn publish(&self, event: PaymentEvent) {
-        let mut outbox = self.outbox.lock().await;
-        outbox.push_back(event);
-        send(&self.queue, &mut outbox).await;
+        {
+            let mut outbox = self.outbox();
+            if !outbox.is_empty() {
+                outbox.push_back(event);
+                return;
+            }
+        }
+        if let Err(err) = send(&self.queue, &event).await {
+            let mut outbox = self.outbox();
+            refused(&event, outbox.len() + 1, &err);
+            outbox.push_back(event);
+        }
     }
 
-    /// Sends what the outbox holds; returns how many events are still waiting.
+    /// Sends what the outbox holds, in order, up to the first event the queue refuses; returns how
+    /// many events are still waiting. While another flush is sending, returns at once.
     pub async fn flush(&self) -> usize {
-        let mut outbox = self.outbox.lock().await;
-        send(&self.queue, &mut outbox).await;
-        outbox.len()
+        let Ok(_sending) = self.sending.try_lock() else {
+            return self.outbox().len();
+        };
+        loop {
+            // Only the flush holding `sending` removes events, so the front stays this event.
+            let Some(event) = self.outbox().front().cloned() else {
+                return 0;
+            };
+            if let Err(err) = send(&self.queue, &event).await {
+                let waiting = self.outbox().len();
+                refused(&event, waiting, &err);
+                return waiting;
+            }
+            self.outbox().pop_front();
+        }
     }
 
     /// Retries the outbox every second until `stop`, then one last time.
@@ -169,27 +201,27 @@ impl Publisher {
             tracing::error!(left, "stopping with events the queue did not take");
         }
     }
+
+    fn outbox(&self) -> MutexGuard<'_, VecDeque<PaymentEvent>> {
+        self.outbox.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
-/// Sends the outbox to the queue in order, up to the first event the queue refuses.
-async fn send(queue: &Queue, outbox: &mut VecDeque<PaymentEvent>) {
-    while let Some(event) = outbox.front() {
-        match queue.publish(&event.to_json()).await {
-            Ok(message) => {
-                tracing::debug!(event = %event.id, %message, "event published");
-                outbox.pop_front();
-            }
-            Err(err) => {
-                tracing::warn!(
-                    event = %event.id,
-                    waiting = outbox.len(),
-                    error = %super::report(&err),
-                    "the queue refused an event; it stays in the outbox"
-                );
-                return;
-            }
-        }
-    }
+/// Sends one event to the queue.
+async fn send(queue: &Queue, event: &PaymentEvent) -> Result<(), QueueError> {
+    let message = queue.publish(&event.to_json()).await?;
+    tracing::debug!(event = %event.id, %message, "event published");
+    Ok(())
+}
+
+/// Logs that the queue refused `event`, which waits in the outbox with `waiting - 1` others.
+fn refused(event: &PaymentEvent, waiting: usize, err: &QueueError) {
+    tracing::warn!(
+        event = %event.id,
+        waiting,
+        error = %super::report(err),
+        "the queue refused an event; it stays in the outbox"
+    );
 }
 
 impl fmt::Debug for Publisher {
