@@ -771,3 +771,50 @@ async fn a_stalled_redis_does_not_serialise_charges() {
     let counts = consumer.stop().await;
     assert_eq!(counts.applied, CHARGES + 1, "{counts:?}");
 }
+
+/// Redis restarts empty: the stream, the consumer group and the balances are gone. The consumer
+/// creates its group again and applies the events published since.
+#[tokio::test]
+async fn the_consumer_resumes_after_redis_restarts_empty() {
+    // The consumer's longest pause between receives is 5 s; this is that and a margin.
+    const RESUME_BOUND: Duration = Duration::from_secs(8);
+    let mut env = Env::redis().await;
+    let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
+    let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
+    let consumer = env.start("ledger").await;
+    let relay_stop = CancellationToken::new();
+    let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
+    let before = post(&router, ALICE, "/v1/charges", "before", ten_euros()).await;
+    assert_eq!(before.status, StatusCode::CREATED, "{}", before.json);
+    env.drained().await;
+    assert_eq!(env.balance(ALICE).await, eur(1000));
+
+    env.redis.as_mut().expect("a Redis environment").restart();
+    let restarted_at = tokio::time::Instant::now();
+    let after = post(&router, ALICE, "/v1/charges", "after", ten_euros()).await;
+    assert_eq!(after.status, StatusCode::CREATED, "{}", after.json);
+    while env
+        .balances
+        .get(ALICE)
+        .await
+        .ok()
+        .map(|available| available.len())
+        != Some(1)
+    {
+        assert!(
+            restarted_at.elapsed() < RESUME_BOUND,
+            "no balance {RESUME_BOUND:?} after the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        env.balance(ALICE).await,
+        eur(1000),
+        "the charge made after the restart"
+    );
+
+    relay_stop.cancel();
+    relay.await.expect("the relay does not panic");
+    let counts = consumer.stop().await;
+    assert_eq!(counts.applied, 2, "{counts:?}");
+}

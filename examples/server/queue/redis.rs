@@ -3,7 +3,7 @@
 //! | step | command |
 //! |---|---|
 //! | publish | `XADD <stream> MAXLEN ~ 1000000 * event <json>` (shared connection) |
-//! | start | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (from the start: nothing published before the group existed is missed) |
+//! | start, and when the group is gone (`NOGROUP`: Redis restarted empty) | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (from the start: nothing published before the group existed is missed) |
 //! | take over the stale | `XAUTOCLAIM <stream> <group> <consumer> <min_idle> <cursor> COUNT <batch>` |
 //! | receive new | `XREADGROUP GROUP <group> <consumer> COUNT <batch> BLOCK <block> STREAMS <stream> >` |
 //! | done | `XACK <stream> <group> <id>` |
@@ -46,26 +46,29 @@ pub struct RedisQueue {
 impl RedisQueue {
     /// The queue on `stream`, read by consumer group `group`, which is created if missing.
     pub async fn connect(conn: RedisConn, stream: &str, group: &str) -> Result<Self, QueueError> {
-        let mut create = redis::cmd("XGROUP");
-        create
-            .arg("CREATE")
-            .arg(stream)
-            .arg(group)
-            .arg("0")
-            .arg("MKSTREAM");
-        let created = conn
-            .run(move |mut c| async move { create.query_async::<()>(&mut c).await })
-            .await;
-        match created {
-            Ok(()) => {}
-            Err(RedisFailure::Redis(err)) if err.code() == Some("BUSYGROUP") => {}
-            Err(err) => return Err(err.into()),
-        }
-        Ok(Self {
+        let queue = Self {
             conn,
             stream: stream.into(),
             group: group.into(),
-        })
+        };
+        queue.create_group().await?;
+        Ok(queue)
+    }
+
+    /// Creates the consumer group, and the stream with it, unless the group exists. It reads from
+    /// the start of the stream: nothing published before the group existed is missed.
+    async fn create_group(&self) -> Result<(), RedisFailure> {
+        let mut create = redis::cmd("XGROUP");
+        create
+            .arg("CREATE")
+            .arg(&*self.stream)
+            .arg(&*self.group)
+            .arg("0")
+            .arg("MKSTREAM");
+        match self.query::<()>(create).await {
+            Err(RedisFailure::Redis(err)) if err.code() == Some("BUSYGROUP") => Ok(()),
+            created => created,
+        }
     }
 
     /// `XADD`s a message; returns its entry id.
@@ -174,7 +177,26 @@ pub struct RedisConsumer {
 
 impl RedisConsumer {
     /// Stale pending entries taken over (`XAUTOCLAIM`), or else new ones (`XREADGROUP`).
+    ///
+    /// When the group is gone (Redis restarted empty, or the stream was deleted), creates it again
+    /// and returns nothing: the next receive reads the stream from its start.
     pub async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
+        match self.receive_in_group().await {
+            Err(RedisFailure::Redis(err)) if err.code() == Some("NOGROUP") => {
+                tracing::warn!(
+                    consumer = %self.name,
+                    group = %self.queue.group,
+                    "the consumer group is gone; creating it again"
+                );
+                self.queue.create_group().await?;
+                self.cursor = String::from("0-0");
+                Ok(Vec::new())
+            }
+            received => Ok(received?),
+        }
+    }
+
+    async fn receive_in_group(&mut self) -> Result<Vec<Delivery>, RedisFailure> {
         let min_idle = u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX);
         let mut claim = redis::cmd("XAUTOCLAIM");
         claim
