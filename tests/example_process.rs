@@ -1,7 +1,7 @@
-//! The payments example as users run it: `cargo run --example server`, a real process on a real
-//! port, stopped with SIGTERM.
+//! The examples as users run them: `cargo run --example server` (the payments API) and
+//! `cargo run --example axum`, real processes on real ports, stopped with SIGTERM.
 //!
-//! The example binary is built once per test run (`cargo build --example server`, which is quick
+//! Each example binary is built once per test run (`cargo build --example <name>`, which is quick
 //! when it is up to date) into the same target directory as this test.
 
 #![cfg(unix)]
@@ -9,12 +9,13 @@
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -25,12 +26,21 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the example may take to exit after SIGTERM, or after a failed start.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long the payments example's shutdown may take in these tests (`SHUTDOWN_TIMEOUT_MS`).
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
+/// The examples' read timeouts (`examples/server/http_server.rs`, `examples/axum.rs`).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// What a timing bound allows on top: a signal's delivery, a loaded machine.
+const SLACK: Duration = Duration::from_millis(1500);
+
 const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
 
-/// The example binary, built on first use.
-fn server_binary() -> &'static Path {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
+/// The binary of the example `name`, built on first use.
+fn example_binary(name: &'static str) -> PathBuf {
+    static BINARIES: Mutex<BTreeMap<&str, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut binaries = BINARIES.lock().unwrap_or_else(PoisonError::into_inner);
+    let binary = binaries.entry(name).or_insert_with(|| {
         // This test runs as <target dir>/<profile>/deps/example_process-<hash>.
         let exe = std::env::current_exe().expect("the test's own path");
         let profile_dir = exe
@@ -41,7 +51,7 @@ fn server_binary() -> &'static Path {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut build = Command::new(cargo);
         build
-            .args(["build", "--quiet", "--example", "server", "--manifest-path"])
+            .args(["build", "--quiet", "--example", name, "--manifest-path"])
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
             .arg("--target-dir")
             .arg(target_dir);
@@ -52,13 +62,14 @@ fn server_binary() -> &'static Path {
             }
         }
         let status = build.status().expect("cargo runs");
-        assert!(status.success(), "cargo build --example server failed");
+        assert!(status.success(), "cargo build --example {name} failed");
         let binary = profile_dir
             .join("examples")
-            .join(format!("server{}", std::env::consts::EXE_SUFFIX));
+            .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
         assert!(binary.exists(), "no example binary at {}", binary.display());
         binary
-    })
+    });
+    binary.clone()
 }
 
 /// A running example process.
@@ -73,9 +84,14 @@ struct Server {
 }
 
 impl Server {
-    /// Starts the example on a free port with `env`, and waits until it listens.
+    /// Starts the payments example on a free port with `env`, and waits until it listens.
     fn start(env: &[(&str, &str)]) -> Server {
-        let mut child = spawn(env);
+        Server::start_example("server", env)
+    }
+
+    /// Starts the example `name` on a free port with `env`, and waits until it listens.
+    fn start_example(name: &'static str, env: &[(&str, &str)]) -> Server {
+        let mut child = spawn(name, env);
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = Arc::new(Mutex::new(String::new()));
         let stderr_reader = {
@@ -151,8 +167,13 @@ impl Server {
     }
 
     /// Waits for the process to exit; returns its status and its stderr.
-    fn wait(mut self) -> (ExitStatus, String) {
-        let status = wait_with_timeout(&mut self.child, EXIT_TIMEOUT);
+    fn wait(self) -> (ExitStatus, String) {
+        self.wait_within(EXIT_TIMEOUT)
+    }
+
+    /// Waits up to `bound` for the process to exit; returns its status and its stderr.
+    fn wait_within(mut self, bound: Duration) -> (ExitStatus, String) {
+        let status = wait_with_timeout(&mut self.child, bound);
         if let Some(reader) = self.stderr_reader.take() {
             let _ = reader.join();
         }
@@ -169,12 +190,13 @@ impl Drop for Server {
     }
 }
 
-fn spawn(env: &[(&str, &str)]) -> Child {
-    let mut command = Command::new(server_binary());
+fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
+    let mut command = Command::new(example_binary(example));
     command
         .env("ADDR", "127.0.0.1:0")
         .env_remove("REDIS_URL")
         .env_remove("PSP_LATENCY_MS")
+        .env_remove("SHUTDOWN_TIMEOUT_MS")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -211,7 +233,7 @@ fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
 
 /// Runs the example to its exit (it is expected to fail at start-up).
 fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
-    let mut child = spawn(env);
+    let mut child = spawn("server", env);
     let stdout = collect(child.stdout.take().expect("piped stdout"));
     let stderr = collect(child.stderr.take().expect("piped stderr"));
     let status = wait_with_timeout(&mut child, EXIT_TIMEOUT);
@@ -402,4 +424,133 @@ fn redis_end_to_end() {
     server.terminate();
     let (status, stderr) = server.wait();
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// Opens a connection to `addr` and sends `part` of a request, no more.
+fn send_part(addr: SocketAddr, part: &[u8]) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("the example accepts connections");
+    stream.write_all(part).expect("the part is sent");
+    stream
+}
+
+/// Sends `rest` one byte a second on a thread, as a slow client does, until the server closes.
+fn trickle(stream: &TcpStream, rest: &[u8]) -> JoinHandle<()> {
+    let mut stream = stream.try_clone().expect("a second handle on the socket");
+    let rest = rest.to_vec();
+    thread::spawn(move || {
+        for byte in rest {
+            thread::sleep(Duration::from_secs(1));
+            if stream.write_all(&[byte]).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// Reads what the server sends until it closes the connection; panics when that takes longer
+/// than `bound`. Returns what was read and when the connection closed.
+fn read_until_closed(stream: &mut TcpStream, bound: Duration) -> (String, Duration) {
+    let started = Instant::now();
+    stream
+        .set_read_timeout(Some(bound))
+        .expect("a socket timeout");
+    let mut received = Vec::new();
+    let mut buffer = [0; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => received.extend_from_slice(&buffer[..n]),
+            Err(err) if err.kind() == ErrorKind::ConnectionReset => break,
+            Err(err) if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                panic!(
+                    "the server kept the connection open for {bound:?}; it sent {:?}",
+                    String::from_utf8_lossy(&received)
+                )
+            }
+            Err(err) => panic!("reading failed: {err}"),
+        }
+    }
+    (
+        String::from_utf8_lossy(&received).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// SIGTERM while a client holds a request it sent a part of: the example exits within its
+/// shutdown timeout, and exits 0.
+fn sigterm_with_a_half_sent_request_exits_in_time(part: &[u8]) {
+    let server = Server::start(&[("SHUTDOWN_TIMEOUT_MS", "2000")]);
+    let _client = send_part(server.addr, part);
+    // Let the server read the part: the connection is then busy, no longer idle.
+    thread::sleep(Duration::from_millis(200));
+    server.terminate();
+    let (status, stderr) = server.wait_within(SHUTDOWN_TIMEOUT + SLACK);
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn sigterm_with_12_bytes_of_a_request_line_exits_within_the_shutdown_timeout() {
+    sigterm_with_a_half_sent_request_exits_in_time(b"POST /v1/cha");
+}
+
+#[test]
+fn sigterm_with_half_sent_headers_exits_within_the_shutdown_timeout() {
+    sigterm_with_a_half_sent_request_exits_in_time(
+        b"POST /v1/charges HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer sk_te",
+    );
+}
+
+/// Headers sent a byte a second: the connection is closed at the header read timeout, counted
+/// from the start of the request, not from the last byte.
+#[test]
+fn slow_headers_are_cut_by_the_header_read_timeout() {
+    let server = Server::start(&[]);
+    let mut client = send_part(server.addr, b"POST /v1/charges HTTP/1.1\r\nHost: ");
+    let writer = trickle(
+        &client,
+        b"localhost\r\nAuthorization: Bearer sk_test_alice\r\n\r\n",
+    );
+    let (received, closed_after) = read_until_closed(&mut client, HEADER_READ_TIMEOUT + SLACK);
+    assert!(
+        received.is_empty(),
+        "no answer to a request never read: {received:?}"
+    );
+    assert!(
+        closed_after >= HEADER_READ_TIMEOUT - Duration::from_millis(500),
+        "closed after {closed_after:?}"
+    );
+    let _ = writer.join();
+}
+
+/// A body sent a byte a second: the request fails at the body read timeout, counted from the
+/// end of the headers, not from the last byte.
+#[test]
+fn a_slow_body_is_cut_by_the_body_read_timeout() {
+    let server = Server::start(&[]);
+    let head = format!(
+        "POST /v1/charges HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Authorization: Bearer sk_test_alice\r\nIdempotency-Key: slow-body\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        CHARGE.len()
+    );
+    let (first, rest) = CHARGE.split_at(10);
+    let mut client = send_part(server.addr, format!("{head}{first}").as_bytes());
+    let writer = trickle(&client, rest.as_bytes());
+    let (received, answered_after) = read_until_closed(&mut client, BODY_READ_TIMEOUT + SLACK);
+    assert!(
+        received.starts_with("HTTP/1.1 400 "),
+        "the request failed: {received:?}"
+    );
+    assert!(received.contains("body-unreadable"), "{received:?}");
+    assert!(
+        answered_after >= BODY_READ_TIMEOUT - Duration::from_millis(500),
+        "answered after {answered_after:?}"
+    );
+    let _ = writer.join();
+
+    // Nothing was charged: a retry with the whole body runs.
+    let retry = create_charge(server.addr, "slow-body");
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.head.contains("idempotent-replayed"), "{retry:?}");
 }

@@ -23,9 +23,13 @@
 //!   (`balance.rs`) records the event id atomically with the balance change, which closes the gap
 //!   a crash between the effect and the Deduplicator's record would leave. `GET /v1/balance` shows
 //!   the result: captured money counts, refunds subtract, an authorization alone does not count.
+//! - No client can hold the server open (`http_server.rs`): the request line and headers must
+//!   arrive within 10 s, the body within 10 s more, else the request fails or its connection is
+//!   closed.
 //! - On SIGTERM or Ctrl-C the server stops accepting, lets requests in flight finish, and waits
-//!   for the layer's detached work ([`tower_idempotency::Shutdown`]); the consumer finishes the
-//!   event at hand and stops.
+//!   for the layer's detached work ([`tower_idempotency::Shutdown`]), all within
+//!   `SHUTDOWN_TIMEOUT_MS` (20 s by default); connections still open then are closed. The consumer
+//!   finishes the event at hand and stops, and the process exits.
 //!
 //! The charges and the provider are simulated, in memory. With `REDIS_URL` set, the idempotency
 //! records, the events (a Redis Stream with a consumer group), the balances and the consumer's
@@ -41,7 +45,9 @@
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
 //! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `PSP_LATENCY_MS` (the provider's delay per call,
-//! default 0), `RUST_LOG` (default `info`).
+//! default 0), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
+//! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
+//! (default `info`).
 //!
 //! # Walk through it
 //! Any non-empty bearer token is an account. Create a charge:
@@ -88,6 +94,7 @@ mod charges;
 pub mod consumer;
 mod error;
 pub mod events;
+mod http_server;
 mod ledger;
 pub mod provider;
 pub mod queue;
@@ -114,6 +121,9 @@ pub use events::Publisher;
 pub use ledger::Ledger;
 pub use provider::Provider;
 pub use queue::{ConsumerConfig, Queue};
+
+/// How long a shutdown may take by default: requests in flight and detached work.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The stream the events go to, when they go to Redis.
 pub const STREAM: &str = "payments:events";
@@ -189,13 +199,9 @@ async fn main() -> std::process::ExitCode {
 
 async fn run() -> Result<(), Box<dyn Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let latency = match std::env::var("PSP_LATENCY_MS") {
-        Ok(ms) => ms
-            .parse()
-            .map_err(|_| format!("PSP_LATENCY_MS must be a number of milliseconds, not {ms:?}"))?,
-        Err(_) => 0,
-    };
-    let state = AppState::new(Duration::from_millis(latency));
+    let latency = env_millis("PSP_LATENCY_MS")?.unwrap_or_default();
+    let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
+    let state = AppState::new(latency);
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
     // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one.
@@ -212,11 +218,43 @@ async fn run() -> Result<(), Box<dyn Error>> {
         }
     };
     match env_url("REDIS_URL") {
-        None => serve(&addr, state, MemoryStore::new(), consumer_store, "memory").await,
+        None => {
+            let store = MemoryStore::new();
+            serve(
+                &addr,
+                state,
+                store,
+                consumer_store,
+                "memory",
+                shutdown_timeout,
+            )
+            .await
+        }
         Some(url) => {
             let store = connect_redis(&url).await?;
-            serve(&addr, state, store, consumer_store, "redis").await
+            serve(
+                &addr,
+                state,
+                store,
+                consumer_store,
+                "redis",
+                shutdown_timeout,
+            )
+            .await
         }
+    }
+}
+
+/// The environment variable `name`, a number of milliseconds, unless it is unset.
+fn env_millis(name: &str) -> Result<Option<Duration>, String> {
+    match std::env::var(name) {
+        Ok(ms) => match ms.parse() {
+            Ok(ms) => Ok(Some(Duration::from_millis(ms))),
+            Err(_) => Err(format!(
+                "{name} must be a number of milliseconds, not {ms:?}"
+            )),
+        },
+        Err(_) => Ok(None),
     }
 }
 
@@ -231,14 +269,16 @@ enum ConsumerStore {
     Redis(RedisStore),
 }
 
-/// Serves until SIGTERM or Ctrl-C, then lets the requests in flight finish. The ledger consumer
-/// runs beside the server and stops at the same signal, after the event at hand.
+/// Serves until SIGTERM or Ctrl-C, then lets the requests in flight and the layer's detached work
+/// finish, within `shutdown_timeout`. The ledger consumer runs beside the server and stops at the
+/// same signal, after the event at hand.
 async fn serve<St: Store + Clone>(
     addr: &str,
     state: AppState,
     store: St,
     consumer_store: ConsumerStore,
     store_name: &str,
+    shutdown_timeout: Duration,
 ) -> Result<(), Box<dyn Error>> {
     let idempotency = IdempotencyLayer::new(store);
     let drained = idempotency.shutdown_handle();
@@ -281,15 +321,28 @@ async fn serve<St: Store + Clone>(
         "listening on http://{} (store: {store_name})",
         listener.local_addr()?
     );
-    axum::serve(listener, app(state, idempotency))
-        .with_graceful_shutdown(stop.clone().cancelled_owned())
-        .await?;
+    let shutdown_deadline = async {
+        stop.cancelled().await;
+        tokio::time::Instant::now() + shutdown_timeout
+    };
+    let ((), shutdown_deadline) = tokio::join!(
+        http_server::serve(
+            listener,
+            app(state, idempotency),
+            stop.clone(),
+            shutdown_timeout
+        ),
+        shutdown_deadline,
+    );
     // Handlers whose client went away run on, detached; let them finish and store their result.
-    if tokio::time::timeout(Duration::from_secs(30), drained.wait())
+    if tokio::time::timeout_at(shutdown_deadline, drained.wait())
         .await
         .is_err()
     {
-        tracing::warn!("gave up waiting for detached requests after 30 s");
+        tracing::warn!(
+            ?shutdown_timeout,
+            "gave up waiting for detached requests; their claims' leases will run out"
+        );
     }
     relay_stop.cancel();
     let _ = relay.await;
