@@ -554,3 +554,55 @@ fn a_slow_body_is_cut_by_the_body_read_timeout() {
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.head.contains("idempotent-replayed"), "{retry:?}");
 }
+
+/// `examples/axum.rs`: one route behind the layer, per route, beside routes without it; records
+/// in Redis.
+#[test]
+fn the_axum_example_protects_its_one_route() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let server = Server::start_example("axum", &[("REDIS_URL", &url)]);
+
+    let health = request(server.addr, "GET", "/health", &[], "");
+    assert_eq!(health.status, 200, "{health:?}");
+    let login = request(server.addr, "POST", "/login", &[], r#"{"user": "alice"}"#);
+    assert_eq!(login.status, 200, "no key needed: {login:?}");
+    let order = r#"{"item": "book", "quantity": 2}"#;
+    let keyless = request(server.addr, "POST", "/orders", &[], order);
+    assert_eq!(keyless.status, 400, "a key is required: {keyless:?}");
+    let key = [
+        ("Idempotency-Key", "order-1"),
+        ("Content-Type", "application/json"),
+    ];
+    let first = request(server.addr, "POST", "/orders", &key, order);
+    assert_eq!(first.status, 201, "{first:?}");
+    let retry = request(server.addr, "POST", "/orders", &key, order);
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(
+        retry.head.contains("idempotent-replayed: true"),
+        "{retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    let records = redis.command(&["KEYS", "idempotency:*"]);
+    assert!(
+        matches!(&records, RespValue::Array(keys) if keys.len() == 1),
+        "one idempotency record in Redis: {records:?}"
+    );
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// `examples/axum.rs` with a half-sent request at SIGTERM: the header read timeout closes it,
+/// and the example exits.
+#[test]
+fn the_axum_example_exits_despite_a_half_sent_request() {
+    let server = Server::start_example("axum", &[]);
+    let _client = send_part(server.addr, b"POST /orders");
+    thread::sleep(Duration::from_millis(200));
+    server.terminate();
+    let (status, stderr) = server.wait_within(HEADER_READ_TIMEOUT + SLACK);
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
