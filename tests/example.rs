@@ -20,6 +20,8 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
 
+use server::provider::{self, KeyTable};
+use server::redis_conn::RedisConn;
 use server::{AppState, Provider, app};
 
 const ALICE: &str = "sk_test_alice";
@@ -29,35 +31,78 @@ const BOB: &str = "sk_test_bob";
 struct Harness {
     state: AppState,
     router: Router,
+    records: Records,
     redis: Option<RedisServer>,
     /// Numbers the keys of [`Harness::charge`].
     keys: AtomicUsize,
 }
 
+/// Where the idempotency layer keeps its records.
+enum Records {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+/// The prefix of the layer's records in Redis: the store's default.
+const RECORDS_PREFIX: &str = "idempotency:";
+
+/// How long the provider remembers a key in the scenarios that let its window run out.
+const SHORT_WINDOW: Duration = Duration::from_millis(100);
+
 impl Harness {
     fn memory() -> Self {
-        let state = AppState::new(Duration::ZERO);
-        let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
-        Self {
-            state,
-            router,
-            redis: None,
-            keys: AtomicUsize::new(0),
-        }
+        Self::on(
+            AppState::new(Duration::ZERO),
+            Records::Memory(MemoryStore::new()),
+            None,
+        )
     }
 
+    /// The layer's records and the provider's keys in one Redis, as `main` puts them when
+    /// `REDIS_URL` is set.
     async fn redis() -> Self {
         let server = RedisServer::start();
         let store = RedisStore::from_url(&server.url()).expect("a valid URL");
         store.check().await.expect("the fixture's Redis answers");
-        let state = AppState::new(Duration::ZERO);
-        let router = app(state.clone(), IdempotencyLayer::new(store));
+        let mut harness = Self::on(
+            AppState::new(Duration::ZERO),
+            Records::Redis(store),
+            Some(server),
+        );
+        harness.provider_window(provider::WINDOW);
+        harness
+    }
+
+    fn on(state: AppState, records: Records, redis: Option<RedisServer>) -> Self {
+        let router = Self::app(&state, &records);
         Self {
             state,
             router,
-            redis: Some(server),
+            records,
+            redis,
             keys: AtomicUsize::new(0),
         }
+    }
+
+    fn app(state: &AppState, records: &Records) -> Router {
+        match records {
+            Records::Memory(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
+            Records::Redis(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
+        }
+    }
+
+    /// A new provider that remembers its keys for `window`, beside the layer's records.
+    fn provider_window(&mut self, window: Duration) {
+        let keys = match &self.redis {
+            Some(server) => {
+                let conn = RedisConn::open(&server.url()).expect("a valid URL");
+                KeyTable::redis(conn, server::PROVIDER_PREFIX, window)
+            }
+            None => KeyTable::memory(window),
+        };
+        let provider = Provider::with_keys(Duration::ZERO, keys);
+        self.state = self.state.clone().with_provider(provider);
+        self.router = Self::app(&self.state, &self.records);
     }
 
     fn provider(&self) -> &Provider {
@@ -73,12 +118,33 @@ impl Harness {
     /// ledger and the provider.
     fn lose_idempotency_records(&mut self) {
         match &self.redis {
-            Some(server) => server.flushall(),
+            Some(server) => {
+                let deleted = server.command(&[
+                    "EVAL",
+                    "local keys = redis.call('KEYS', ARGV[1]) \
+                     for _, key in ipairs(keys) do redis.call('DEL', key) end \
+                     return #keys",
+                    "0",
+                    &format!("{RECORDS_PREFIX}*"),
+                ]);
+                assert!(deleted.as_integer().is_some(), "{deleted:?}");
+            }
             None => {
-                let layer = IdempotencyLayer::new(MemoryStore::new());
-                self.router = app(self.state.clone(), layer);
+                self.records = Records::Memory(MemoryStore::new());
+                self.router = Self::app(&self.state, &self.records);
             }
         }
+    }
+
+    /// Lets the layer's and the provider's dedup windows run out; the provider's must be short.
+    async fn pass_the_windows(&mut self) {
+        let window = self.provider().window();
+        assert!(
+            window <= Duration::from_secs(1),
+            "{window:?}: shorten it first"
+        );
+        self.lose_idempotency_records();
+        tokio::time::sleep(window + Duration::from_millis(20)).await;
     }
 
     /// Checks what every scenario must leave behind.
@@ -840,6 +906,154 @@ async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
     assert_eq!(h.provider_counts(), (3, 2));
 }
 
+/// The key of a refund, reused for a charge once both windows ran out: a new charge, not the
+/// refund's (nor a 500).
+async fn a_key_reused_after_the_window_for_another_operation_is_a_new_charge(h: &mut Harness) {
+    h.provider_window(SHORT_WINDOW);
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().unwrap();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("reused-1")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+
+    h.pass_the_windows().await;
+    let reused = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("reused-1")
+        .json(visa(700))
+        .send()
+        .await;
+    assert_eq!(reused.status, StatusCode::CREATED, "{}", reused.text());
+    assert!(!reused.replayed());
+    assert_ne!(reused.json["id"], charge["id"]);
+    assert_eq!(reused.json["amount"], 700);
+    assert_eq!(reused.json["status"], "captured");
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "refunded");
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json).len(), 2);
+}
+
+/// A key reused for another amount once both windows ran out: a new charge of that amount.
+async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mut Harness) {
+    h.provider_window(SHORT_WINDOW);
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("reused-2")
+            .json(visa(amount))
+    }
+    let first = create(h, 900).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let id = first.json["id"].as_str().unwrap();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("refund-reused-2")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+
+    h.pass_the_windows().await;
+    let reused = create(h, 1200).send().await;
+    assert_eq!(reused.status, StatusCode::CREATED, "{}", reused.text());
+    assert!(!reused.replayed());
+    assert_ne!(reused.json["id"], first.json["id"]);
+    assert_eq!(reused.json["amount"], 1200);
+    assert_eq!(reused.json["status"], "captured");
+    assert_eq!(reused.json["amount_refunded"], 0);
+}
+
+/// A key the layer forgot but the provider still holds, reused for another amount: the
+/// provider's own refusal, as an API error, and nothing charged.
+async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(h: &mut Harness) {
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("reused-3")
+            .json(visa(amount))
+    }
+    let first = create(h, 900).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+
+    h.lose_idempotency_records();
+    let reused = create(h, 1200).send().await;
+    reused.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "nothing charged the second time"
+    );
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
+
+    // The same request as the first, once the layer forgot the refusal too, is still the
+    // first charge.
+    h.lose_idempotency_records();
+    let same = create(h, 900).send().await;
+    assert_eq!(same.status, StatusCode::CREATED, "{}", same.text());
+    assert_eq!(same.json["id"], first.json["id"]);
+}
+
+/// A key the layer forgot but the provider still holds, reused for another operation: refused
+/// too, and the charge it was aimed at is left as it was.
+async fn a_key_reused_within_the_providers_window_for_another_operation_is_refused(
+    h: &mut Harness,
+) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    let id = charge["id"].as_str().unwrap();
+    let capture = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("reused-4")
+        .send()
+        .await;
+    assert_eq!(capture.status, StatusCode::OK, "{}", capture.text());
+
+    h.lose_idempotency_records();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("reused-4")
+        .send()
+        .await;
+    refund.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "captured", "rolled back");
+    assert_eq!(after["amount_refunded"], 0);
+    h.lose_idempotency_records();
+    let create = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("reused-4")
+        .json(visa(1000))
+        .send()
+        .await;
+    create.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(h.provider_counts(), (4, 2));
+}
+
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -885,4 +1099,53 @@ on_both_stores!(
     reads_need_no_key_and_are_never_stored,
     a_lost_record_is_caught_by_the_provider,
     a_provider_outage_rolls_a_capture_back,
+    a_key_reused_after_the_window_for_another_operation_is_a_new_charge,
+    a_key_reused_after_the_window_for_another_amount_is_a_new_charge,
+    a_key_reused_within_the_providers_window_for_another_amount_is_refused,
+    a_key_reused_within_the_providers_window_for_another_operation_is_refused,
 );
+
+/// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the
+/// other instance after the layer forgot the key finds the first payment, or the refusal.
+#[tokio::test]
+async fn two_instances_on_one_redis_share_the_providers_keys() {
+    let mut first = Harness::redis().await;
+    let url = first.redis.as_ref().expect("a Redis").url();
+    let second = Harness::on(
+        AppState::new(Duration::ZERO).with_provider(Provider::with_keys(
+            Duration::ZERO,
+            KeyTable::redis(
+                RedisConn::open(&url).expect("a valid URL"),
+                server::PROVIDER_PREFIX,
+                provider::WINDOW,
+            ),
+        )),
+        Records::Redis(RedisStore::from_url(&url).expect("a valid URL")),
+        None,
+    );
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("shared")
+            .json(visa(amount))
+    }
+    let charged = create(&first, 900).send().await;
+    assert_eq!(charged.status, StatusCode::CREATED, "{}", charged.text());
+
+    first.lose_idempotency_records();
+    let retry = create(&second, 900).send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(retry.json["id"], charged.json["id"], "the same payment");
+    assert_eq!(second.provider_counts(), (1, 0), "nothing charged again");
+
+    first.lose_idempotency_records();
+    let other = create(&second, 1200).send().await;
+    other.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(second.provider_counts(), (2, 0));
+    first.finish();
+}

@@ -22,7 +22,7 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson};
-use super::provider::{Outcome, Source, Unavailable};
+use super::provider::{Outcome, Source};
 use super::state_machine::Event;
 
 /// The body of `POST /v1/charges`.
@@ -65,7 +65,8 @@ fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
 }
 
 /// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
-/// recorded), 503 when the provider is unavailable (nothing is recorded: retry).
+/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 422 when the
+/// provider knows the key from another request (nothing is recorded).
 pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
@@ -103,14 +104,13 @@ pub async fn create(
         input.description,
     );
     charge.apply(Event::Authorize)?;
-    let reply = state
+    let payment = state
         .provider
         .create_payment(&provider_key(&key, &account), source, amount, capture)
-        .await
-        .map_err(|Unavailable| ApiError::provider_unavailable())?;
-    charge.id = format!("ch_{}", reply.id.trim_start_matches("py_"));
-    charge.payment = reply.id;
-    match reply.outcome {
+        .await?;
+    charge.id = format!("ch_{}", payment.id.trim_start_matches("py_"));
+    charge.payment = payment.id;
+    match payment.outcome {
         Outcome::Declined => charge.apply(Event::Declined)?,
         Outcome::Authorized => charge.apply(Event::Approved)?,
         // One provider call authorized and captured; the charge still walks every step.
@@ -119,18 +119,15 @@ pub async fn create(
             charge.apply(Event::Capture)?;
             charge.apply(Event::Captured)?;
         }
-        Outcome::Refunded | Outcome::Canceled => {
-            unreachable!("a new payment is authorized, captured or declined")
-        }
     }
     let charge = state.ledger.insert(charge);
     tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
-    if reply.outcome == Outcome::Declined {
+    if payment.outcome == Outcome::Declined {
         return Err(ApiError::card_declined(&charge.id));
     }
     // A repeated run gets the same reply from the provider and finds the same charge: the same
     // event, id and content.
-    let captured = reply.outcome == Outcome::Captured;
+    let captured = payment.outcome == Outcome::Captured;
     state
         .events
         .publish(PaymentEvent::succeeded(&charge, captured))
@@ -175,15 +172,16 @@ pub async fn capture(
     let charge = state
         .ledger
         .update(&account, &id, |c| c.apply(Event::Capture))?;
-    let reply = state
+    let captured = state
         .provider
         .capture(&provider_key(&key, &account), &charge.payment)
         .await;
-    let event = match reply {
-        Ok(_) => Event::Captured,
-        Err(Unavailable) => return Err(roll_back(&state, &account, &id)),
-    };
-    let charge = state.ledger.update(&account, &id, |c| c.apply(event))?;
+    if let Err(err) = captured {
+        return Err(roll_back(&state, &account, &id, err.into()));
+    }
+    let charge = state
+        .ledger
+        .update(&account, &id, |c| c.apply(Event::Captured))?;
     state.events.publish(PaymentEvent::captured(&charge)).await;
     Ok(Json(charge.to_json()))
 }
@@ -223,12 +221,13 @@ pub async fn refund(
         }
         Ok(())
     })?;
-    let reply = state
+    let refund_id = match state
         .provider
         .refund(&provider_key(&key, &account), &charge.payment, amount)
-        .await;
-    let Ok(reply) = reply else {
-        return Err(roll_back(&state, &account, &id));
+        .await
+    {
+        Ok(refund_id) => refund_id,
+        Err(err) => return Err(roll_back(&state, &account, &id, err.into())),
     };
     let charge = state.ledger.update(&account, &id, |c| {
         c.amount_refunded += amount;
@@ -241,10 +240,10 @@ pub async fn refund(
     })?;
     state
         .events
-        .publish(PaymentEvent::refunded(&charge, &reply.id, amount))
+        .publish(PaymentEvent::refunded(&charge, &refund_id, amount))
         .await;
     let refund = RefundJson {
-        id: reply.id,
+        id: refund_id,
         object: "refund",
         amount,
         charge: charge.id,
@@ -263,12 +262,12 @@ pub async fn cancel(
     let charge = state
         .ledger
         .update(&account, &id, |c| c.apply(Event::Cancel))?;
-    let reply = state
+    let canceled = state
         .provider
         .cancel(&provider_key(&key, &account), &charge.payment)
         .await;
-    if reply.is_err() {
-        return Err(roll_back(&state, &account, &id));
+    if let Err(err) = canceled {
+        return Err(roll_back(&state, &account, &id, err.into()));
     }
     let charge = state
         .ledger
@@ -276,16 +275,17 @@ pub async fn cancel(
     Ok(Json(charge.to_json()))
 }
 
-/// The provider was unavailable: back to the state before the call, and a 503 (which the
-/// idempotency layer does not store, so a retry with the same key runs again).
-fn roll_back(state: &AppState, account: &Account, id: &str) -> ApiError {
+/// The provider did nothing (it was unavailable, or knew the key from another request): back to
+/// the state before the call, and `error`. A 503 is not stored by the idempotency layer, so a
+/// retry with the same key runs again.
+fn roll_back(state: &AppState, account: &Account, id: &str, error: ApiError) -> ApiError {
     let rolled_back = state
         .ledger
-        .update(account, id, |c| c.apply(Event::ProviderUnavailable));
+        .update(account, id, |c| c.apply(Event::ProviderDidNothing));
     if let Err(err) = rolled_back {
         tracing::error!(charge = id, ?err, "could not roll the charge back");
     }
-    ApiError::provider_unavailable()
+    error
 }
 
 /// A JSON body, or 400: `invalid_json` when it is not JSON, `parameter_invalid` when a field has

@@ -10,6 +10,7 @@ use axum::http::{self, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use super::provider::ProviderError;
 use super::state_machine::Status;
 
 /// An error answer of the API.
@@ -111,6 +112,19 @@ impl ApiError {
         )
     }
 
+    /// 422: the provider knows the request's key from another request: the idempotency layer's
+    /// record of the key is gone (its window ran out, its store was flushed) but the provider's
+    /// is not. Nothing was done; the client sent another request under a used key.
+    pub fn idempotency_key_reused() -> Self {
+        Self::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_error",
+            "idempotency_key_reused",
+            "this Idempotency-Key was used for a different request; nothing was done: send a new key"
+                .into(),
+        )
+    }
+
     /// 503: the balance ledger is unavailable; try again.
     pub fn ledger_unavailable() -> Self {
         Self::new(
@@ -150,6 +164,15 @@ impl ApiError {
             .headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         response
+    }
+}
+
+impl From<ProviderError> for ApiError {
+    fn from(err: ProviderError) -> Self {
+        match err {
+            ProviderError::Unavailable => Self::provider_unavailable(),
+            ProviderError::KeyReused => Self::idempotency_key_reused(),
+        }
     }
 }
 

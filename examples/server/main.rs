@@ -11,7 +11,12 @@
 //!   is transient: not stored, so the retry runs again.
 //! - The handler passes the payment provider its own idempotency key, derived from the client's
 //!   key and the account ([`tower_idempotency::IdempotencyKey::derive`]): even a request whose
-//!   idempotency record was lost cannot charge twice.
+//!   idempotency record was lost cannot charge twice. The provider binds each key to the request
+//!   it was first used for (operation, amount, source, capture flag, payment) for its own 24 h
+//!   window (`provider/`): the same key with another request, which only reaches it once the
+//!   layer has forgotten the key, is refused with `422` and `{"error": {"type":
+//!   "idempotency_error", "code": "idempotency_key_reused", ...}}`, and nothing happens; after
+//!   the window the key is new again.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
 //! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
 //!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
@@ -32,11 +37,13 @@
 //!   finishes the event at hand and stops, and the process exits.
 //!
 //! The charges and the provider are simulated, in memory. With `REDIS_URL` set, the idempotency
-//! records, the events (a Redis Stream with a consumer group), the balances and the consumer's
-//! records are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL` moves the events and
-//! balances to another Redis: they are durable data (a stream, balances that never expire), unlike
-//! the idempotency records, which all expire and may be flushed, so in production they belong on a
-//! Redis with persistence and no eviction.
+//! records, the events (a Redis Stream with a consumer group), the balances, the consumer's
+//! records and the provider's keys are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL`
+//! moves the events, balances and provider keys to another Redis: they are durable data (a stream,
+//! balances that never expire, the keys that stand for an outside provider's), unlike the
+//! idempotency records, which all expire and may be flushed, so in production they belong on a
+//! Redis with persistence and no eviction. Every instance on that Redis shares the provider's keys,
+//! as they would share one real provider.
 //!
 //! # Run it
 //! ```text
@@ -129,6 +136,8 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 pub const STREAM: &str = "payments:events";
 /// The prefix of the balance keys in Redis.
 pub const BALANCES_PREFIX: &str = "payments:balance:";
+/// The prefix of the provider's idempotency keys in Redis (see [`provider::KeyTable`]).
+pub const PROVIDER_PREFIX: &str = "payments:provider:";
 /// The prefix of the ledger consumer's Deduplicator records, in the Redis of the stream: a
 /// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
 pub const CONSUMER_PREFIX: &str = "payments:consumer:";
@@ -154,6 +163,12 @@ impl AppState {
             events: Publisher::new(Queue::memory()),
             balances: Balances::memory(),
         }
+    }
+
+    /// Calls `provider` instead of the one in memory.
+    pub fn with_provider(mut self, provider: Provider) -> Self {
+        self.provider = provider;
+        self
     }
 
     /// Publishes the events to `queue`, and shows the `balances` that its consumer keeps.
@@ -209,10 +224,16 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let (state, consumer_store) = match ledger_url {
         None => (state, ConsumerStore::Memory(MemoryStore::new())),
         Some(url) => {
-            let (queue, balances, store) = connect_ledger(&url).await?;
+            let (conn, queue, balances, store) = connect_ledger(&url).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
+            // The provider stands for one outside service that every instance calls: its keys
+            // are shared in the ledger's Redis, which keeps them apart from the idempotency
+            // records, flushed or not.
+            let keys = provider::KeyTable::redis(conn, PROVIDER_PREFIX, provider::WINDOW);
             (
-                state.with_events(queue, balances),
+                state
+                    .with_events(queue, balances)
+                    .with_provider(Provider::with_keys(latency, keys)),
                 ConsumerStore::Redis(store),
             )
         }
@@ -361,9 +382,11 @@ fn consumer_name() -> String {
     format!("ledger-{}-{nonce:08x}", std::process::id())
 }
 
-/// The event stream, the balances and the consumer's records in the Redis at `url` (7.0 or
-/// newer), checked now.
-async fn connect_ledger(url: &str) -> Result<(Queue, Balances, RedisStore), String> {
+/// A connection to the Redis at `url` (7.0 or newer), checked now, and the event stream, the
+/// balances and the consumer's records in it.
+async fn connect_ledger(
+    url: &str,
+) -> Result<(redis_conn::RedisConn, Queue, Balances, RedisStore), String> {
     let bad_url = |err: &dyn Error| format!("bad LEDGER_REDIS_URL: {}", report(err));
     let unusable =
         |err: &dyn Error| format!("cannot use Redis at LEDGER_REDIS_URL: {}", report(err));
@@ -376,6 +399,7 @@ async fn connect_ledger(url: &str) -> Result<(Queue, Balances, RedisStore), Stri
         .await
         .map_err(|err| unusable(&err))?;
     Ok((
+        conn.clone(),
         Queue::Redis(queue),
         Balances::redis(conn, BALANCES_PREFIX),
         store,

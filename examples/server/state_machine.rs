@@ -10,8 +10,9 @@
 //!
 //! The `-ing` states are held while the payment provider is called: a second request on the same
 //! charge (with another idempotency key) finds the charge busy and gets `invalid_state` instead of
-//! a second provider call. When the provider is unavailable, `provider_unavailable` rolls the charge
-//! back to the state it came from, so the client's retry can run again.
+//! a second provider call. When the provider does nothing (it is unavailable, or it knows the key
+//! from another request), `provider_did_nothing` rolls the charge back to the state it came from,
+//! so the client's retry can run again.
 
 /// Where a charge is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,7 +60,7 @@ pub enum Event {
     Refunded,
     Cancel,
     Canceled,
-    ProviderUnavailable,
+    ProviderDidNothing,
 }
 
 impl Event {
@@ -72,7 +73,7 @@ impl Event {
             Event::Capture | Event::Captured => "captured",
             Event::Refund | Event::PartiallyRefunded | Event::Refunded => "refunded",
             Event::Cancel | Event::Canceled => "canceled",
-            Event::ProviderUnavailable => "rolled back",
+            Event::ProviderDidNothing => "rolled back",
         }
     }
 }
@@ -85,17 +86,17 @@ pub const TRANSITIONS: &[(Status, Event, Status)] = {
         (S::Created, E::Authorize, S::Authorizing),
         (S::Authorizing, E::Approved, S::Authorized),
         (S::Authorizing, E::Declined, S::Failed),
-        (S::Authorizing, E::ProviderUnavailable, S::Created),
+        (S::Authorizing, E::ProviderDidNothing, S::Created),
         (S::Authorized, E::Capture, S::Capturing),
         (S::Capturing, E::Captured, S::Captured),
-        (S::Capturing, E::ProviderUnavailable, S::Authorized),
+        (S::Capturing, E::ProviderDidNothing, S::Authorized),
         (S::Authorized, E::Cancel, S::Canceling),
         (S::Canceling, E::Canceled, S::Canceled),
-        (S::Canceling, E::ProviderUnavailable, S::Authorized),
+        (S::Canceling, E::ProviderDidNothing, S::Authorized),
         (S::Captured, E::Refund, S::Refunding),
         (S::Refunding, E::PartiallyRefunded, S::Captured),
         (S::Refunding, E::Refunded, S::Refunded),
-        (S::Refunding, E::ProviderUnavailable, S::Captured),
+        (S::Refunding, E::ProviderDidNothing, S::Captured),
     ]
 };
 
@@ -136,7 +137,7 @@ mod tests {
         E::Refunded,
         E::Cancel,
         E::Canceled,
-        E::ProviderUnavailable,
+        E::ProviderDidNothing,
     ];
 
     #[test]
@@ -145,17 +146,17 @@ mod tests {
             (S::Created, E::Authorize, S::Authorizing),
             (S::Authorizing, E::Approved, S::Authorized),
             (S::Authorizing, E::Declined, S::Failed),
-            (S::Authorizing, E::ProviderUnavailable, S::Created),
+            (S::Authorizing, E::ProviderDidNothing, S::Created),
             (S::Authorized, E::Capture, S::Capturing),
             (S::Capturing, E::Captured, S::Captured),
-            (S::Capturing, E::ProviderUnavailable, S::Authorized),
+            (S::Capturing, E::ProviderDidNothing, S::Authorized),
             (S::Authorized, E::Cancel, S::Canceling),
             (S::Canceling, E::Canceled, S::Canceled),
-            (S::Canceling, E::ProviderUnavailable, S::Authorized),
+            (S::Canceling, E::ProviderDidNothing, S::Authorized),
             (S::Captured, E::Refund, S::Refunding),
             (S::Refunding, E::PartiallyRefunded, S::Captured),
             (S::Refunding, E::Refunded, S::Refunded),
-            (S::Refunding, E::ProviderUnavailable, S::Captured),
+            (S::Refunding, E::ProviderDidNothing, S::Captured),
         ];
         for (from, event, to) in expected {
             assert_eq!(next(from, event), Some(to), "{from:?} --{event:?}-->");

@@ -1,0 +1,458 @@
+//! A simulated payment service provider (PSP), deduplicating on its own idempotency key.
+//!
+//! Like a real PSP, every call carries an idempotency key, and a second call with the same key
+//! returns the first call's reply without doing anything again. The example derives that key from
+//! the client's `Idempotency-Key` and the account, so even a request whose idempotency record was
+//! lost (a flushed Redis, a dedup window that ran out) cannot move money twice.
+//!
+//! A key is bound to the request it was first used for: the operation and every parameter
+//! (amount, source, capture flag, payment). The same key with another request is refused with
+//! [`ProviderError::KeyReused`], and nothing happens: a reused key never returns another
+//! request's payment or refund. A key is remembered for the provider's dedup window ([`WINDOW`],
+//! 24 h, as the idempotency layer's), then it is new again. The keys live in a [`KeyTable`]: in
+//! memory, or in Redis, where every instance of the service shares them.
+//!
+//! Test tokens: `tok_visa` is approved, `tok_chargeDeclined` is declined, and
+//! `tok_pspUnavailable` finds the provider down (a transient failure: nothing happened, retry).
+//! The simulated issuer decides from the token alone, so a payment's outcome follows from its
+//! request, and a key only needs to remember the id it answered with.
+
+mod keys;
+
+use std::fmt::Write as _;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+pub use keys::{KeyTable, KeyTableError, Used};
+
+/// How long the provider remembers a key: 24 hours.
+pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A card token of the test mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// `tok_visa`: approved.
+    Visa,
+    /// `tok_chargeDeclined`: declined by the issuer.
+    ChargeDeclined,
+    /// `tok_pspUnavailable`: the provider is down for this call.
+    ProviderUnavailable,
+}
+
+impl Source {
+    /// The test token's source, or `None` for a token the provider does not know.
+    pub fn parse(token: &str) -> Option<Self> {
+        match token {
+            "tok_visa" => Some(Source::Visa),
+            "tok_chargeDeclined" => Some(Source::ChargeDeclined),
+            "tok_pspUnavailable" => Some(Source::ProviderUnavailable),
+            _ => None,
+        }
+    }
+
+    /// The test token.
+    pub fn token(self) -> &'static str {
+        match self {
+            Source::Visa => "tok_visa",
+            Source::ChargeDeclined => "tok_chargeDeclined",
+            Source::ProviderUnavailable => "tok_pspUnavailable",
+        }
+    }
+}
+
+/// A new payment, as the provider answers it; a repeated call with the same key gets the same one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payment {
+    /// The provider's id of the payment.
+    pub id: String,
+    pub outcome: Outcome,
+}
+
+/// What the provider did with a new payment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The payment is authorized: the money is held, not yet taken.
+    Authorized,
+    /// The payment is captured: the money is taken.
+    Captured,
+    /// The issuer declined the card: a decided outcome, nothing is held.
+    Declined,
+}
+
+/// A call the provider refused; in both cases nothing happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProviderError {
+    /// The provider could not be reached: a retry with the same key is safe.
+    #[error("the payment provider is unavailable")]
+    Unavailable,
+    /// The key was used, within the provider's window, for another request.
+    #[error("the idempotency key was used for another request")]
+    KeyReused,
+}
+
+/// One call, as its key is bound to it.
+#[derive(Debug, Clone, Copy)]
+enum Request<'a> {
+    CreatePayment {
+        source: Source,
+        amount: i64,
+        capture: bool,
+    },
+    Capture {
+        payment: &'a str,
+    },
+    Refund {
+        payment: &'a str,
+        amount: i64,
+    },
+    Cancel {
+        payment: &'a str,
+    },
+}
+
+impl Request<'_> {
+    /// The operation and all its parameters, as the key table stores them.
+    fn describe(self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = match self {
+            Request::CreatePayment {
+                source,
+                amount,
+                capture,
+            } => write!(
+                text,
+                "create_payment source={} amount={amount} capture={capture}",
+                source.token()
+            ),
+            Request::Capture { payment } => write!(text, "capture payment={payment}"),
+            Request::Refund { payment, amount } => {
+                write!(text, "refund payment={payment} amount={amount}")
+            }
+            Request::Cancel { payment } => write!(text, "cancel payment={payment}"),
+        };
+        text
+    }
+}
+
+/// A handle on the simulated provider; clones share it.
+#[derive(Debug, Clone)]
+pub struct Provider {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    latency: Duration,
+    /// Every call, including the ones answered from the key table and the failed ones.
+    calls: AtomicUsize,
+    /// Every call that did something: the ones not answered from the key table, nor failed.
+    effects: AtomicUsize,
+    /// The provider is down for every call (tests switch it on and off).
+    outage: AtomicBool,
+    keys: KeyTable,
+    ids: RandomState,
+    next_id: AtomicUsize,
+}
+
+impl Default for Provider {
+    fn default() -> Self {
+        Self::new(Duration::ZERO)
+    }
+}
+
+impl Provider {
+    /// A provider that takes `latency` to answer each call, with its keys in memory for
+    /// [`WINDOW`].
+    pub fn new(latency: Duration) -> Self {
+        Self::with_keys(latency, KeyTable::memory(WINDOW))
+    }
+
+    /// A provider that takes `latency` to answer each call, with its keys in `keys`.
+    pub fn with_keys(latency: Duration, keys: KeyTable) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                latency,
+                calls: AtomicUsize::new(0),
+                effects: AtomicUsize::new(0),
+                outage: AtomicBool::new(false),
+                keys,
+                ids: RandomState::new(),
+                next_id: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Creates a payment of `amount` from `source`, authorized only or also captured.
+    pub async fn create_payment(
+        &self,
+        key: &str,
+        source: Source,
+        amount: i64,
+        capture: bool,
+    ) -> Result<Payment, ProviderError> {
+        tracing::debug!(amount, ?source, capture, "provider: create payment");
+        let request = Request::CreatePayment {
+            source,
+            amount,
+            capture,
+        };
+        let unavailable = source == Source::ProviderUnavailable;
+        let id = self
+            .call(key, request, unavailable, || self.new_id("py"))
+            .await?;
+        let outcome = match (source, capture) {
+            (Source::ChargeDeclined, _) => Outcome::Declined,
+            (_, false) => Outcome::Authorized,
+            (_, true) => Outcome::Captured,
+        };
+        Ok(Payment { id, outcome })
+    }
+
+    /// Captures an authorized payment.
+    pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
+        self.call(key, Request::Capture { payment }, false, || {
+            payment.to_owned()
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Refunds `amount` of a captured payment; answers the refund's id.
+    pub async fn refund(
+        &self,
+        key: &str,
+        payment: &str,
+        amount: i64,
+    ) -> Result<String, ProviderError> {
+        tracing::debug!(payment, amount, "provider: refund");
+        self.call(key, Request::Refund { payment, amount }, false, || {
+            self.new_id("re")
+        })
+        .await
+    }
+
+    /// Releases an authorized payment.
+    pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
+        self.call(key, Request::Cancel { payment }, false, || {
+            payment.to_owned()
+        })
+        .await
+        .map(drop)
+    }
+
+    /// How many calls reached the provider, repeated and failed ones included.
+    #[allow(dead_code)] // for tests
+    pub fn calls(&self) -> usize {
+        self.inner.calls.load(Ordering::SeqCst)
+    }
+
+    /// How many calls did something (moved or held money, or recorded a decline): a call repeated
+    /// with the same idempotency key is not counted again.
+    #[allow(dead_code)] // for tests
+    pub fn effects(&self) -> usize {
+        self.inner.effects.load(Ordering::SeqCst)
+    }
+
+    /// Makes every call fail as [`ProviderError::Unavailable`] until switched off.
+    #[allow(dead_code)] // for tests
+    pub fn set_outage(&self, down: bool) {
+        self.inner.outage.store(down, Ordering::SeqCst);
+    }
+
+    /// How long the provider remembers a key.
+    #[allow(dead_code)] // for tests
+    pub fn window(&self) -> Duration {
+        self.inner.keys.window()
+    }
+
+    /// One call: the id answered before for a key used for the same request, a refusal for a key
+    /// used for another one, or else `effect` run once and its id remembered.
+    async fn call(
+        &self,
+        key: &str,
+        request: Request<'_>,
+        unavailable: bool,
+        effect: impl FnOnce() -> String,
+    ) -> Result<String, ProviderError> {
+        let inner = &self.inner;
+        inner.calls.fetch_add(1, Ordering::SeqCst);
+        if !inner.latency.is_zero() {
+            tokio::time::sleep(inner.latency).await;
+        }
+        let request = request.describe();
+        // A provider that is down does nothing new, but still answers a key it knows.
+        let earlier = if unavailable || inner.outage.load(Ordering::SeqCst) {
+            let known = inner.keys.get(key).await.map_err(table_unavailable)?;
+            known.ok_or(ProviderError::Unavailable)?
+        } else {
+            let used = Used {
+                request: request.clone(),
+                id: effect(),
+            };
+            let earlier = inner
+                .keys
+                .insert(key, &used)
+                .await
+                .map_err(table_unavailable)?;
+            let Some(earlier) = earlier else {
+                inner.effects.fetch_add(1, Ordering::SeqCst);
+                return Ok(used.id);
+            };
+            earlier
+        };
+        if earlier.request != request {
+            tracing::info!(used_for = %earlier.request, %request, "provider: a key reused for another request");
+            return Err(ProviderError::KeyReused);
+        }
+        Ok(earlier.id)
+    }
+
+    /// A fresh, unguessable id such as `py_3f9a0c1b7e2d4a68`.
+    fn new_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, Ordering::SeqCst);
+        format!("{prefix}_{:016x}", self.inner.ids.hash_one(n))
+    }
+}
+
+/// A key table that failed makes the provider unavailable: what happened to the call is unknown,
+/// and a retry with the same key finds out.
+fn table_unavailable(err: KeyTableError) -> ProviderError {
+    tracing::warn!(error = %super::report(&err), "provider: the key table failed");
+    ProviderError::Unavailable
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_repeated_key_gets_the_first_reply_without_a_second_effect() {
+        let provider = Provider::default();
+        let first = provider
+            .create_payment("k1", Source::Visa, 100, true)
+            .await
+            .unwrap();
+        let again = provider
+            .create_payment("k1", Source::Visa, 100, true)
+            .await
+            .unwrap();
+        assert_eq!(first, again);
+        assert_eq!(first.outcome, Outcome::Captured);
+        assert_eq!((provider.calls(), provider.effects()), (2, 1));
+
+        let other = provider
+            .create_payment("k2", Source::Visa, 100, false)
+            .await
+            .unwrap();
+        assert_ne!(other.id, first.id);
+        assert_eq!(other.outcome, Outcome::Authorized);
+        assert_eq!((provider.calls(), provider.effects()), (3, 2));
+    }
+
+    #[tokio::test]
+    async fn a_decline_is_a_decided_outcome() {
+        let provider = Provider::default();
+        for _ in 0..2 {
+            let reply = provider
+                .create_payment("k", Source::ChargeDeclined, 100, true)
+                .await
+                .unwrap();
+            assert_eq!(reply.outcome, Outcome::Declined);
+        }
+        assert_eq!((provider.calls(), provider.effects()), (2, 1));
+    }
+
+    #[tokio::test]
+    async fn an_unavailable_call_does_nothing_and_is_not_remembered() {
+        let provider = Provider::default();
+        for _ in 0..2 {
+            let reply = provider
+                .create_payment("k", Source::ProviderUnavailable, 100, true)
+                .await;
+            assert_eq!(reply, Err(ProviderError::Unavailable));
+        }
+        assert_eq!((provider.calls(), provider.effects()), (2, 0));
+
+        provider.set_outage(true);
+        assert_eq!(
+            provider.capture("c", "py_1").await,
+            Err(ProviderError::Unavailable)
+        );
+        provider.set_outage(false);
+        assert_eq!(provider.capture("c", "py_1").await, Ok(()));
+        assert_eq!((provider.calls(), provider.effects()), (4, 1));
+    }
+
+    #[tokio::test]
+    async fn a_key_is_bound_to_its_operation_and_parameters() {
+        let provider = Provider::default();
+        let payment = provider
+            .create_payment("k", Source::Visa, 100, true)
+            .await
+            .unwrap();
+        let reused = [
+            provider.create_payment("k", Source::Visa, 101, true).await,
+            provider.create_payment("k", Source::Visa, 100, false).await,
+            provider
+                .create_payment("k", Source::ChargeDeclined, 100, true)
+                .await,
+        ];
+        for reply in reused {
+            assert_eq!(reply, Err(ProviderError::KeyReused));
+        }
+        assert_eq!(
+            provider.refund("k", &payment.id, 100).await,
+            Err(ProviderError::KeyReused)
+        );
+        assert_eq!(
+            provider.capture("k", &payment.id).await,
+            Err(ProviderError::KeyReused)
+        );
+        assert_eq!(
+            provider.cancel("k", &payment.id).await,
+            Err(ProviderError::KeyReused)
+        );
+
+        let refund = provider.refund("r", &payment.id, 40).await.unwrap();
+        assert_eq!(provider.refund("r", &payment.id, 40).await, Ok(refund));
+        assert_eq!(
+            provider.refund("r", &payment.id, 60).await,
+            Err(ProviderError::KeyReused)
+        );
+        assert_eq!(
+            provider.refund("r", "py_other", 40).await,
+            Err(ProviderError::KeyReused)
+        );
+        assert_eq!((provider.calls(), provider.effects()), (11, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_is_new_again_after_the_window() {
+        let window = Duration::from_secs(60);
+        let provider = Provider::with_keys(Duration::ZERO, KeyTable::memory(window));
+        let refund = provider.refund("k", "py_1", 100).await.unwrap();
+
+        tokio::time::advance(window - Duration::from_millis(1)).await;
+        assert_eq!(
+            provider.create_payment("k", Source::Visa, 100, true).await,
+            Err(ProviderError::KeyReused)
+        );
+
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let payment = provider
+            .create_payment("k", Source::Visa, 100, true)
+            .await
+            .unwrap();
+        assert_ne!(payment.id, refund);
+        assert_eq!(payment.outcome, Outcome::Captured);
+        assert_eq!(
+            provider.create_payment("k", Source::Visa, 100, true).await,
+            Ok(payment)
+        );
+        assert_eq!((provider.calls(), provider.effects()), (4, 2));
+    }
+}
