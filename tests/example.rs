@@ -1054,6 +1054,27 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
     assert_eq!(h.provider_counts(), (4, 2));
 }
 
+async fn amounts_out_of_bounds_are_400(h: &mut Harness) {
+    for (i, amount) in [100_000_000, i64::MAX].into_iter().enumerate() {
+        let reply = h
+            .post("/v1/charges")
+            .auth(ALICE)
+            .key(&format!("too-much-{i}"))
+            .json(visa(amount))
+            .send()
+            .await;
+        reply.assert_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "parameter_invalid",
+        );
+        assert_eq!(reply.json["error"]["param"], "amount", "{}", reply.text());
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+    let largest = h.charge(ALICE, visa(99_999_999)).await;
+    assert_eq!(largest["amount"], 99_999_999);
+}
+
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -1103,6 +1124,7 @@ on_both_stores!(
     a_key_reused_after_the_window_for_another_amount_is_a_new_charge,
     a_key_reused_within_the_providers_window_for_another_amount_is_refused,
     a_key_reused_within_the_providers_window_for_another_operation_is_refused,
+    amounts_out_of_bounds_are_400,
 );
 
 /// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the

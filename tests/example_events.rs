@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
 
-use server::balance::{Available, Fault};
+use server::balance::{Applied, Available, BalanceError, Fault};
 use server::consumer::{Counts, Handled, LedgerConsumer, deduplicator};
 use server::events::{EventType, PaymentEvent};
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
@@ -451,6 +451,85 @@ async fn a_stop_finishes_the_message_at_hand<St: Store + Clone>(env: Env<St>) {
     assert_eq!(env.balance(ALICE).await, eur(123));
 }
 
+/// A `charge.refunded` event.
+fn refunded(id: &str, account: &str, amount: i64, currency: &str) -> PaymentEvent {
+    PaymentEvent {
+        kind: EventType::Refunded,
+        ..captured(id, account, amount, currency)
+    }
+}
+
+async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
+    let max = captured("evt_max", ALICE, i64::MAX, "eur");
+    let one_more = captured("evt_one_more", ALICE, 1, "eur");
+    assert!(matches!(env.balances.apply(&max).await, Ok(Applied::New)));
+    for _ in 0..2 {
+        let overflow = env.balances.apply(&one_more).await;
+        assert!(
+            matches!(&overflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
+            "{overflow:?}"
+        );
+        assert_eq!(env.balance(ALICE).await, eur(i64::MAX), "unchanged");
+        assert_eq!(env.applied_count(ALICE).await, 1, "not recorded as applied");
+    }
+    // Once there is room, the same event applies.
+    let refund = refunded("evt_refund", ALICE, 1, "eur");
+    assert!(matches!(
+        env.balances.apply(&refund).await,
+        Ok(Applied::New)
+    ));
+    assert!(matches!(
+        env.balances.apply(&one_more).await,
+        Ok(Applied::New)
+    ));
+    assert_eq!(env.balance(ALICE).await, eur(i64::MAX));
+
+    // Below zero, too.
+    let big_refund = refunded("evt_big_refund", BOB, i64::MAX, "eur");
+    let two_more = refunded("evt_two_more", BOB, 2, "eur");
+    assert!(matches!(
+        env.balances.apply(&big_refund).await,
+        Ok(Applied::New)
+    ));
+    let underflow = env.balances.apply(&two_more).await;
+    assert!(
+        matches!(&underflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
+        "{underflow:?}"
+    );
+    assert_eq!(env.balance(BOB).await, eur(-i64::MAX));
+
+    // An amount that is not positive is refused, even the one whose negation overflows.
+    for amount in [0, -5, i64::MIN] {
+        let refund = refunded("evt_not_positive", BOB, amount, "eur");
+        let refused = env.balances.apply(&refund).await;
+        assert!(
+            matches!(refused, Err(BalanceError::InvalidAmount(a)) if a == amount),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(env.balance(BOB).await, eur(-i64::MAX));
+    assert_eq!(env.applied_count(BOB).await, 1);
+}
+
+async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone>(env: Env<St>) {
+    env.publish(&captured("evt_max", ALICE, i64::MAX, "eur"))
+        .await;
+    env.publish(&captured("evt_overflow", ALICE, 1, "eur"))
+        .await;
+    env.publish(&refunded("evt_refund", ALICE, 3, "eur")).await;
+
+    let consumer = env.start("consumer").await;
+    env.drained().await;
+    let counts = consumer.stop().await;
+    assert_eq!(
+        (counts.applied, counts.rejected, counts.failed),
+        (2, 1, 0),
+        "{counts:?}"
+    );
+    assert_eq!(env.balance(ALICE).await, eur(i64::MAX - 3));
+    assert_eq!(env.applied_count(ALICE).await, 2);
+}
+
 /// One HTTP answer.
 struct Reply {
     status: StatusCode,
@@ -695,6 +774,8 @@ on_both_queues!(
     a_failing_apply_is_retried_on_redelivery_then_applied_once,
     a_stop_finishes_the_message_at_hand,
     end_to_end_through_the_http_api,
+    balances_never_wrap,
+    an_overflowing_event_is_dropped_not_retried,
 );
 
 /// A charge for 10.00 EUR, captured.

@@ -9,6 +9,13 @@
 //!   events (`ZADD NX`) and, only if it was new, `HINCRBY`s the balance. Both keys carry the
 //!   account as their hash tag, so Redis Cluster keeps them in one slot.
 //!
+//! A balance is an `i64` of minor units, changed with checked arithmetic: an event that would take
+//! it past `i64::MAX` or below `i64::MIN` is refused ([`BalanceError::Overflow`]), changes nothing
+//! and is not recorded as applied; so is an event whose amount is not positive
+//! ([`BalanceError::InvalidAmount`]). Both are permanent: the consumer logs and drops such an
+//! event instead of retrying it. In Redis the check is `HINCRBY`'s own, run before the event id
+//! is recorded.
+//!
 //! Retention: an applied event id is remembered for [`RETENTION`] (7 days) after it was applied,
 //! then forgotten (in Redis: trimmed from the sorted set by score on the account's next apply, and
 //! the whole set expires with an idle account). An event delivered again later than that would be
@@ -43,19 +50,29 @@ pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 /// Applies one event, once. KEYS[1] the account's applied events (a sorted set, scored by the
 /// time of application), KEYS[2] its balances (a hash: currency -> amount). ARGV[1] the event id,
 /// ARGV[2] the currency ("" for no change), ARGV[3] the change, ARGV[4] the retention in ms.
-/// Returns 1 when applied now, 0 when it had been applied before.
+/// Returns 1 when applied now, 0 when it had been applied before, -1 when the balance would
+/// overflow (nothing written). The balance changes before the id is recorded: a script that
+/// stops at an error keeps the writes it made, and an id recorded without its change would make
+/// the event look applied.
 const APPLY: &str = r"
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local retention = tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - retention)
-if redis.call('ZADD', KEYS[1], 'NX', now_ms, ARGV[1]) == 0 then
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return 0
 end
-redis.call('PEXPIRE', KEYS[1], retention)
 if ARGV[2] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
+  local changed = redis.pcall('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
+  if type(changed) == 'table' and changed.err then
+    if string.find(changed.err, 'overflow', 1, true) then
+      return -1
+    end
+    return changed
+  end
 end
+redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], retention)
 return 1
 ";
 
@@ -76,9 +93,26 @@ pub enum BalanceError {
     /// is safe).
     #[error("the balance ledger is unavailable")]
     Redis(#[from] RedisFailure),
+    /// The event would take the balance past what an `i64` holds: nothing changed, and applying
+    /// it again fails the same way.
+    #[error("the {currency} balance would overflow")]
+    Overflow { currency: String },
+    /// The event's amount is not positive: nothing changed.
+    #[error("the event's amount is not positive: {0}")]
+    InvalidAmount(i64),
     /// A failure injected by a test ([`Fault`]).
     #[error("injected failure ({0})")]
     Injected(&'static str),
+}
+
+impl BalanceError {
+    /// Whether applying the same event again can never succeed.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            BalanceError::Overflow { .. } | BalanceError::InvalidAmount(_) => true,
+            BalanceError::Redis(_) | BalanceError::Injected(_) => false,
+        }
+    }
 }
 
 /// One currency's balance, as the API shows it.
@@ -173,8 +207,11 @@ impl Balances {
             }
             _ => {}
         }
+        if event.amount <= 0 {
+            return Err(BalanceError::InvalidAmount(event.amount));
+        }
         let applied = match &self.backend {
-            Backend::Memory(books) => Ok(apply_in_memory(books, event)),
+            Backend::Memory(books) => apply_in_memory(books, event),
             Backend::Redis(redis) => redis.apply(event).await,
         }?;
         match fault {
@@ -229,7 +266,10 @@ impl Balances {
     }
 }
 
-fn apply_in_memory(books: &Mutex<HashMap<String, Book>>, event: &PaymentEvent) -> Applied {
+fn apply_in_memory(
+    books: &Mutex<HashMap<String, Book>>,
+    event: &PaymentEvent,
+) -> Result<Applied, BalanceError> {
     let now = Instant::now();
     let mut books = lock(books);
     let book = books.entry(event.account.clone()).or_default();
@@ -241,14 +281,20 @@ fn apply_in_memory(books: &Mutex<HashMap<String, Book>>, event: &PaymentEvent) -
             book.applied.remove(&id);
         }
     }
-    if !book.applied.insert(event.id.clone()) {
-        return Applied::Already;
+    if book.applied.contains(&event.id) {
+        return Ok(Applied::Already);
     }
-    book.order.push_back((now, event.id.clone()));
     if let Some((currency, change)) = event.balance_change() {
-        *book.available.entry(currency.to_owned()).or_default() += change;
+        let balance = book.available.entry(currency.to_owned()).or_default();
+        *balance = balance
+            .checked_add(change)
+            .ok_or_else(|| BalanceError::Overflow {
+                currency: currency.to_owned(),
+            })?;
     }
-    Applied::New
+    book.applied.insert(event.id.clone());
+    book.order.push_back((now, event.id.clone()));
+    Ok(Applied::New)
 }
 
 impl RedisBalances {
@@ -272,15 +318,17 @@ impl RedisBalances {
             .arg(currency)
             .arg(change)
             .arg(retention);
-        let new: i64 = self
+        let applied: i64 = self
             .conn
             .run(move |mut c| async move { invocation.invoke_async(&mut c).await })
             .await?;
-        Ok(if new == 1 {
-            Applied::New
-        } else {
-            Applied::Already
-        })
+        match applied {
+            1 => Ok(Applied::New),
+            -1 => Err(BalanceError::Overflow {
+                currency: currency.to_owned(),
+            }),
+            _ => Ok(Applied::Already),
+        }
     }
 
     async fn get(&self, account: &str) -> Result<Vec<Available>, BalanceError> {

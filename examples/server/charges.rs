@@ -9,6 +9,8 @@
 //! A handler that runs again for the same effect publishes the same event id again, and the
 //! consumer applies it once.
 
+use std::ops::RangeInclusive;
+
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, State};
@@ -24,6 +26,11 @@ use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson};
 use super::provider::{Outcome, Source};
 use super::state_machine::Event;
+
+/// The amounts a charge may have, in minor units (cents): 1 to 99,999,999, as card payment APIs
+/// allow. The bound keeps every sum the example makes (a balance, a refund total) far from
+/// overflowing.
+pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 
 /// The body of `POST /v1/charges`.
 #[derive(Debug, Deserialize)]
@@ -75,10 +82,14 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
     let input: CreateCharge = parse_json(&body)?;
     let amount = input.amount.ok_or(ApiError::missing_param("amount"))?;
-    if amount <= 0 {
+    if !AMOUNTS.contains(&amount) {
         return Err(ApiError::invalid_param(
             "amount",
-            "`amount` must be a positive integer, in minor units (cents)",
+            format!(
+                "`amount` must be an integer from {} to {}, in minor units (cents)",
+                AMOUNTS.start(),
+                AMOUNTS.end()
+            ),
         ));
     }
     let currency = input.currency.ok_or(ApiError::missing_param("currency"))?;

@@ -13,6 +13,7 @@
 //! | again, while another consumer runs it | waits for that one (up to `max_wait`), then [`Handled::Duplicate`], or [`Handled::InProgress`] | not on `InProgress` |
 //! | the ledger already has it, though the Deduplicator has no record | the ledger skips it: [`Handled::AlreadyApplied`] | yes |
 //! | the apply failed | the claim is released: [`Handled::Failed`] | no: it comes back after `min_idle` |
+//! | the apply can never succeed (the balance would overflow, the amount is not positive) | logged as an error and dropped: [`Handled::Rejected`] | yes: it would fail every time |
 //! | not an event | logged and dropped: [`Handled::Unreadable`] | yes |
 //!
 //! # What is guaranteed, and where the remaining gap is closed
@@ -42,8 +43,9 @@
 //! event once.
 //!
 //! Not covered: an event the ledger forgot (older than the retention) and delivered again is
-//! applied again; a message that fails every time is retried every `min_idle` forever (no
-//! dead-letter stream here); an event that never reached the queue (the publisher's outbox is in
+//! applied again; a message whose apply fails for a transient reason every time (a ledger that
+//! stays unreachable) is retried every `min_idle` until it succeeds, and one refused for good is
+//! only logged (no dead-letter stream here); an event that never reached the queue (the publisher's outbox is in
 //! memory, like the charges) is never applied; with the in-memory queue, everything is lost with
 //! the process.
 //!
@@ -96,6 +98,11 @@ pub enum Handled {
     InProgress,
     /// The apply failed, or the idempotency store did. Not acked: it comes back.
     Failed,
+    /// The apply can never succeed (see [`BalanceError::is_permanent`]). Logged, acked, and
+    /// dropped: a retry would fail the same way, forever.
+    ///
+    /// [`BalanceError::is_permanent`]: super::balance::BalanceError::is_permanent
+    Rejected,
     /// The message is not an event (or was deleted from the stream). Acked, and dropped.
     Unreadable,
 }
@@ -115,6 +122,7 @@ pub struct Stats {
     duplicates: AtomicUsize,
     in_progress: AtomicUsize,
     failed: AtomicUsize,
+    rejected: AtomicUsize,
     unreadable: AtomicUsize,
 }
 
@@ -126,6 +134,7 @@ pub struct Counts {
     pub duplicates: usize,
     pub in_progress: usize,
     pub failed: usize,
+    pub rejected: usize,
     pub unreadable: usize,
 }
 
@@ -137,6 +146,7 @@ impl Stats {
             Handled::Duplicate => &self.duplicates,
             Handled::InProgress => &self.in_progress,
             Handled::Failed => &self.failed,
+            Handled::Rejected => &self.rejected,
             Handled::Unreadable => &self.unreadable,
         };
         counter.fetch_add(1, Ordering::SeqCst);
@@ -151,6 +161,7 @@ impl Stats {
             duplicates: load(&self.duplicates),
             in_progress: load(&self.in_progress),
             failed: load(&self.failed),
+            rejected: load(&self.rejected),
             unreadable: load(&self.unreadable),
         }
     }
@@ -166,6 +177,7 @@ impl std::ops::Add for Counts {
             duplicates: self.duplicates + other.duplicates,
             in_progress: self.in_progress + other.in_progress,
             failed: self.failed + other.failed,
+            rejected: self.rejected + other.rejected,
             unreadable: self.unreadable + other.unreadable,
         }
     }
@@ -280,6 +292,10 @@ impl<St: Store> LedgerConsumer<St> {
             Ok(Processed::Done(Applied::Already)) => Handled::AlreadyApplied,
             Ok(Processed::Duplicate) => Handled::Duplicate,
             Ok(Processed::InProgress) => Handled::InProgress,
+            Err(DedupError::Failed(err)) if err.is_permanent() => {
+                tracing::error!(event = %event.id, account = %event.account, error = %super::report(&err), "dropping an event the ledger refuses for good");
+                Handled::Rejected
+            }
             Err(DedupError::Failed(err)) => {
                 tracing::warn!(event = %event.id, error = %super::report(&err), "applying the event failed; it will be retried");
                 Handled::Failed

@@ -98,12 +98,13 @@ impl PaymentEvent {
     ///
     /// Only captured money is available: `charge.succeeded` adds the amount when the charge was
     /// captured at once and nothing when it was authorized only (its `charge.captured` adds it
-    /// later); `charge.refunded` subtracts the refund.
+    /// later); `charge.refunded` subtracts the refund. (An amount is positive, and
+    /// [`Balances::apply`](super::Balances::apply) refuses any other, so the negation is exact.)
     pub fn balance_change(&self) -> Option<(&str, i64)> {
         match self.kind {
             EventType::Succeeded if !self.captured => None,
             EventType::Succeeded | EventType::Captured => Some((&self.currency, self.amount)),
-            EventType::Refunded => Some((&self.currency, -self.amount)),
+            EventType::Refunded => Some((&self.currency, self.amount.saturating_neg())),
         }
     }
 

@@ -26,8 +26,10 @@
 //!   account's balance exactly once: the crate's [`tower_idempotency::consumer::Deduplicator`]
 //!   skips redeliveries and keeps two consumers off one event, and the balance ledger
 //!   (`balance.rs`) records the event id atomically with the balance change, which closes the gap
-//!   a crash between the effect and the Deduplicator's record would leave. `GET /v1/balance` shows
-//!   the result: captured money counts, refunds subtract, an authorization alone does not count.
+//!   a crash between the effect and the Deduplicator's record would leave. Balances change with
+//!   checked arithmetic: an event that would overflow one is refused for good, logged and acked,
+//!   never wrapped nor retried forever. `GET /v1/balance` shows the result: captured money
+//!   counts, refunds subtract, an authorization alone does not count.
 //! - No client can hold the server open (`http_server.rs`): the request line and headers must
 //!   arrive within 10 s, the body within 10 s more, else the request fails or its connection is
 //!   closed.
@@ -67,6 +69,9 @@
 //! HTTP/1.1 201 Created
 //! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "status":"captured", ...}
 //! ```
+//! `amount` is in minor units (cents), from 1 to 99,999,999; any other is `400` with
+//! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`.
+//!
 //! Send the same command again, as a client that timed out would: the same response comes back,
 //! byte for byte, marked `idempotent-replayed: true`, and nothing is charged again.
 //!
