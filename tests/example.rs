@@ -26,6 +26,9 @@ use server::{AppState, Provider, app};
 
 const ALICE: &str = "sk_test_alice";
 const BOB: &str = "sk_test_bob";
+/// The example's documented limits: characters of `description`, bytes of a request body.
+const DESCRIPTION_LIMIT: usize = 1000;
+const REQUEST_LIMIT: usize = 64 * 1024;
 
 /// One app on one store, and the means to call it.
 struct Harness {
@@ -230,6 +233,11 @@ impl<'a> Call<'a> {
     }
 
     fn raw(mut self, body: &'static str) -> Self {
+        self.body = Body::from(body);
+        self
+    }
+
+    fn raw_owned(mut self, body: String) -> Self {
         self.body = Body::from(body);
         self
     }
@@ -1075,6 +1083,110 @@ async fn amounts_out_of_bounds_are_400(h: &mut Harness) {
     assert_eq!(largest["amount"], 99_999_999);
 }
 
+async fn a_description_over_the_bound_is_400(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("long-description")
+        .json(json!({
+            "amount": 100,
+            "currency": "eur",
+            "source": "tok_visa",
+            "description": "x".repeat(DESCRIPTION_LIMIT + 1),
+        }))
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert_eq!(
+        reply.json["error"]["param"],
+        "description",
+        "{}",
+        reply.text()
+    );
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+/// The largest valid charge, with the description whose JSON grows the most (every character a
+/// control character, escaped as `\u00XX`), padded to the largest body: its 201 replays.
+async fn the_largest_valid_charge_replays_byte_for_byte(h: &mut Harness) {
+    let description = "\u{1}".repeat(DESCRIPTION_LIMIT);
+    let body = json!({
+        "amount": 99_999_999,
+        "currency": "eur",
+        "source": "tok_visa",
+        "capture": false,
+        "description": description,
+    })
+    .to_string();
+    let padding = REQUEST_LIMIT - body.len();
+    let body = format!("{}{body}", " ".repeat(padding));
+    assert_eq!(body.len(), REQUEST_LIMIT);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("largest")
+            .raw_owned(body.clone())
+    };
+    let first = create().send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json["description"], description.as_str());
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+    assert_eq!(h.provider_counts(), (1, 1));
+}
+
+/// The largest request with the bad value whose quote in the error grows the most (DEL, raw in
+/// JSON, quoted as `\\u{7f}`): its 400 replays too.
+async fn the_largest_invalid_charge_replays_byte_for_byte(h: &mut Harness) {
+    let prefix = r#"{"currency": "eur", "source": "tok_visa", "amount": ""#;
+    let suffix = r#""}"#;
+    let value = "\u{7f}".repeat(REQUEST_LIMIT - prefix.len() - suffix.len());
+    let body = format!("{prefix}{value}{suffix}");
+    assert_eq!(body.len(), REQUEST_LIMIT);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("largest-invalid")
+            .raw_owned(body.clone())
+    };
+    let first = create().send().await;
+    first.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert!(
+        first.bytes.len() > 6 * REQUEST_LIMIT,
+        "{}",
+        first.bytes.len()
+    );
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::BAD_REQUEST, "{}", retry.text());
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+
+    let over = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("over-the-limit")
+        .raw_owned(format!(" {body}"))
+        .send()
+        .await;
+    assert_eq!(
+        over.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        over.text()
+    );
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -1125,6 +1237,9 @@ on_both_stores!(
     a_key_reused_within_the_providers_window_for_another_amount_is_refused,
     a_key_reused_within_the_providers_window_for_another_operation_is_refused,
     amounts_out_of_bounds_are_400,
+    a_description_over_the_bound_is_400,
+    the_largest_valid_charge_replays_byte_for_byte,
+    the_largest_invalid_charge_replays_byte_for_byte,
 );
 
 /// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the

@@ -32,6 +32,11 @@ use super::state_machine::Event;
 /// overflowing.
 pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 
+/// The longest `description`, in characters. A charge echoes its description, so the bound
+/// keeps every charge's JSON small (at most 6 bytes a character once escaped, about 6 KB), and
+/// far within the response limit the idempotency layer stores: see [`super::RESPONSE_LIMIT`].
+pub const DESCRIPTION_CHARS: usize = 1000;
+
 /// The body of `POST /v1/charges`.
 #[derive(Debug, Deserialize)]
 struct CreateCharge {
@@ -107,6 +112,14 @@ pub async fn create(
         )
     })?;
     let capture = input.capture.unwrap_or(true);
+    if let Some(description) = &input.description
+        && description.chars().count() > DESCRIPTION_CHARS
+    {
+        return Err(ApiError::invalid_param(
+            "description",
+            format!("`description` must be at most {DESCRIPTION_CHARS} characters"),
+        ));
+    }
 
     let mut charge = Charge::new(
         account.clone(),

@@ -70,7 +70,14 @@
 //! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "status":"captured", ...}
 //! ```
 //! `amount` is in minor units (cents), from 1 to 99,999,999; any other is `400` with
-//! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`.
+//! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`. `description` is optional,
+//! at most 1,000 characters (`400` otherwise, `"param": "description"`).
+//!
+//! Every response the layer stores fits its limit: the API reads at most 64 KiB of request body
+//! (`413` beyond, [`REQUEST_LIMIT`]) and the layer stores responses up to 1 MiB
+//! ([`RESPONSE_LIMIT`]), which the largest response of the API, a 400 quoting a 64 KiB bad value,
+//! stays under. A client that lost a 201, 400 or 402 gets it back, byte for byte, by retrying
+//! with its key.
 //!
 //! Send the same command again, as a client that timed out would: the same response comes back,
 //! byte for byte, marked `idempotent-replayed: true`, and nothing is charged again.
@@ -147,6 +154,17 @@ pub const PROVIDER_PREFIX: &str = "payments:provider:";
 /// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
 pub const CONSUMER_PREFIX: &str = "payments:consumer:";
 
+/// The largest request body the API reads: 64 KiB, far above the largest valid request (a
+/// charge with a [`charges::DESCRIPTION_CHARS`]-character description is under 7 KB); a larger
+/// one gets `413` from the idempotency layer and nothing runs.
+pub const REQUEST_LIMIT: usize = 64 * 1024;
+
+/// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every response
+/// of the API fits, so a client that lost one can always get it back: a charge is at most about
+/// 7 KB, and an error quotes at most the request's bad value, at most 7 bytes for each of its
+/// [`REQUEST_LIMIT`] bytes once escaped twice (the value's `Debug` form in JSON).
+pub const RESPONSE_LIMIT: usize = 1024 * 1024;
+
 /// What the handlers share.
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -184,9 +202,14 @@ impl AppState {
     }
 }
 
-/// The API. `idempotency` is scoped to the authenticated account here; keep its
+/// The API. `idempotency` is scoped to the authenticated account here, and given the API's body
+/// limits ([`REQUEST_LIMIT`], [`RESPONSE_LIMIT`]); keep its
 /// [`shutdown_handle`](IdempotencyLayer::shutdown_handle) to drain its work at shutdown.
 pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>) -> Router {
+    let idempotency = idempotency
+        .request_body_limit(REQUEST_LIMIT)
+        .response_body_limit(RESPONSE_LIMIT)
+        .scope(auth::account_scope);
     Router::new()
         .route("/v1/charges", post(charges::create).get(charges::list))
         .route("/v1/charges/{id}", get(charges::get))
@@ -196,7 +219,7 @@ pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>
         .route("/v1/balance", get(balance::show))
         // Layers wrap what comes before them: authentication runs first and puts the `Account`
         // in the request, then the idempotency layer keys its records by that account.
-        .layer(idempotency.scope(auth::account_scope))
+        .layer(idempotency)
         .layer(middleware::from_fn(auth::authenticate))
         .with_state(state)
 }
