@@ -255,8 +255,8 @@ async fn run() -> Result<(), Box<dyn Error>> {
             let (conn, queue, balances, store) = connect_ledger(&url).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
             // The provider stands for one outside service that every instance calls: its keys
-            // are shared in the ledger's Redis, which keeps them apart from the idempotency
-            // records, flushed or not.
+            // are shared, beside the ledger's durable data (apart from the idempotency records
+            // when LEDGER_REDIS_URL names another Redis, so flushing those keeps them).
             let keys = provider::KeyTable::redis(conn, PROVIDER_PREFIX, provider::WINDOW);
             (
                 state
