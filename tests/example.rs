@@ -170,6 +170,15 @@ impl Harness {
     }
 
     /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
+    /// A charge of `amount` euro cents, authorized only; its id.
+    async fn authorized(&self, api_key: &str, amount: i64) -> String {
+        let body =
+            json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
+        let charge = self.charge(api_key, body).await;
+        assert_eq!(charge["status"], "authorized");
+        charge["id"].as_str().expect("a charge id").to_owned()
+    }
+
     async fn charge(&self, api_key: &str, body: Value) -> Value {
         let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
         let reply = self
@@ -543,13 +552,7 @@ async fn the_list_is_newest_first_and_per_account(h: &mut Harness) {
 }
 
 async fn another_accounts_charge_is_404(h: &mut Harness) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 100, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
-    let id = charge["id"].as_str().unwrap();
+    let id = &h.authorized(ALICE, 100).await;
 
     let reply = h.get(&format!("/v1/charges/{id}")).auth(BOB).send().await;
     reply.assert_error(
@@ -696,13 +699,7 @@ async fn partial_refunds_then_the_rest(h: &mut Harness) {
 }
 
 async fn a_refund_needs_a_captured_charge(h: &mut Harness) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
-    let id = charge["id"].as_str().unwrap();
+    let id = &h.authorized(ALICE, 1000).await;
     let reply = h
         .post(&format!("/v1/charges/{id}/refunds"))
         .auth(ALICE)
@@ -717,13 +714,7 @@ async fn a_refund_needs_a_captured_charge(h: &mut Harness) {
 }
 
 async fn cancel_an_authorized_charge(h: &mut Harness) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
-    let id = charge["id"].as_str().unwrap();
+    let id = &h.authorized(ALICE, 1000).await;
 
     let canceled = h
         .post(&format!("/v1/charges/{id}/cancel"))
@@ -884,13 +875,7 @@ async fn a_lost_record_is_caught_by_the_provider(h: &mut Harness) {
 }
 
 async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
-    let id = charge["id"].as_str().unwrap();
+    let id = &h.authorized(ALICE, 1000).await;
     let capture = || {
         h.post(&format!("/v1/charges/{id}/capture"))
             .auth(ALICE)
@@ -1016,13 +1001,7 @@ async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(
 async fn a_key_reused_within_the_providers_window_for_another_operation_is_refused(
     h: &mut Harness,
 ) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 1000, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
-    let id = charge["id"].as_str().unwrap();
+    let id = &h.authorized(ALICE, 1000).await;
     let capture = h
         .post(&format!("/v1/charges/{id}/capture"))
         .auth(ALICE)

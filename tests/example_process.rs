@@ -252,6 +252,24 @@ struct Answer {
     body: String,
 }
 
+/// `first` created something (201), `retry` is its replay, byte for byte, and Redis holds the one
+/// idempotency record.
+#[track_caller]
+fn assert_replay_in_redis(first: &Answer, retry: &Answer, redis: &RedisServer) {
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(
+        retry.head.contains("idempotent-replayed: true"),
+        "{retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    let records = redis.command(&["KEYS", "idempotency:*"]);
+    assert!(
+        matches!(&records, RespValue::Array(keys) if keys.len() == 1),
+        "one idempotency record in Redis: {records:?}"
+    );
+}
+
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`), read to the end.
 fn request(
     addr: SocketAddr,
@@ -397,21 +415,9 @@ fn redis_end_to_end() {
     );
 
     let first = create_charge(server.addr, "redis-1");
-    assert_eq!(first.status, 201, "{first:?}");
     assert!(!first.head.contains("idempotent-replayed"), "{first:?}");
     let retry = create_charge(server.addr, "redis-1");
-    assert_eq!(retry.status, 201, "{retry:?}");
-    assert!(
-        retry.head.contains("idempotent-replayed: true"),
-        "{retry:?}"
-    );
-    assert_eq!(retry.body, first.body);
-
-    let records = redis.command(&["KEYS", "idempotency:*"]);
-    assert!(
-        matches!(&records, RespValue::Array(keys) if keys.len() == 1),
-        "one idempotency record in Redis: {records:?}"
-    );
+    assert_replay_in_redis(&first, &retry, &redis);
     // Only the durable ledger data lives without a TTL: the event stream and the balances.
     for key in redis.keys_without_ttl() {
         assert!(
@@ -575,19 +581,8 @@ fn the_axum_example_protects_its_one_route() {
         ("Content-Type", "application/json"),
     ];
     let first = request(server.addr, "POST", "/orders", &key, order);
-    assert_eq!(first.status, 201, "{first:?}");
     let retry = request(server.addr, "POST", "/orders", &key, order);
-    assert_eq!(retry.status, 201, "{retry:?}");
-    assert!(
-        retry.head.contains("idempotent-replayed: true"),
-        "{retry:?}"
-    );
-    assert_eq!(retry.body, first.body);
-    let records = redis.command(&["KEYS", "idempotency:*"]);
-    assert!(
-        matches!(&records, RespValue::Array(keys) if keys.len() == 1),
-        "one idempotency record in Redis: {records:?}"
-    );
+    assert_replay_in_redis(&first, &retry, &redis);
 
     server.terminate();
     let (status, stderr) = server.wait();
