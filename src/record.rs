@@ -17,6 +17,7 @@
 
 use std::cell::Cell;
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -48,8 +49,9 @@ const KIND_TOMBSTONE: u8 = 3;
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RecordId {
     id: [u8; 16],
-    /// A tag of the scope alone, so that a store can account records per scope (the memory
-    /// store's per-scope limit). Not part of any stored key: the id alone names the record.
+    /// A tag of the scope alone, so that a store in this process can account records per scope
+    /// (the memory store's per-scope limit). Not part of any stored key: the id alone names the
+    /// record.
     scope: u64,
 }
 
@@ -74,15 +76,15 @@ impl RecordId {
         let mut hasher = blake3::Hasher::new_keyed(domain);
         hasher.update(&(scope.len() as u64).to_le_bytes());
         hasher.update(scope);
-        let scope_tag = hasher.finalize();
         hasher.update(key.as_bytes());
         let mut id = [0; 16];
         id.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
-        let mut tag = [0; 8];
-        tag.copy_from_slice(&scope_tag.as_bytes()[..8]);
+        // The tag never leaves the process: a keyed SipHash with a per-process random key is
+        // cheaper than a second blake3 output, and no scope can be chosen to collide with another.
+        static SCOPE_TAGS: LazyLock<RandomState> = LazyLock::new(RandomState::new);
         Self {
             id,
-            scope: u64::from_le_bytes(tag),
+            scope: SCOPE_TAGS.hash_one(scope),
         }
     }
 
