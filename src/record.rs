@@ -46,7 +46,7 @@ const KIND_TOMBSTONE: u8 = 3;
 /// assert_ne!(RecordId::new(b"acct_1", key.as_str()), RecordId::new(b"acct_2", key.as_str()));
 /// assert_eq!(RecordId::new(b"acct_1", "k").to_string().len(), 32);
 /// ```
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RecordId {
     id: [u8; 16],
     /// A tag of the scope alone, so that a store in this process can account records per scope
@@ -112,6 +112,14 @@ impl RecordId {
     /// [`RecordId::short`] without the allocation, for log fields.
     pub(crate) fn tag(&self) -> Hex<'_> {
         Hex(&self.id[..4])
+    }
+}
+
+/// Hashes the id alone: it already names the record (and so its scope), and the memory store's
+/// maps hash one per request.
+impl std::hash::Hash for RecordId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.id.hash(state);
     }
 }
 
