@@ -224,18 +224,20 @@ impl<St: Store> Deduplicator<St> {
                 let window = self.window;
                 // Bounded by a lease, not the window: the caller is waiting to ack the message, and
                 // the effect is done whether or not the record lands.
-                held.complete_with(self.lease, || {
+                held.complete_with(self.lease, 0, || {
                     self.store.complete(&id, &token, &done, window)
                 })
                 .await;
                 Ok(Processed::Done(value))
             }
             Ok(Err(err)) => {
-                held.release_with(|| self.store.release(&id, &token)).await;
+                held.release_with(0, || self.store.release(&id, &token))
+                    .await;
                 Err(DedupError::Failed(err))
             }
             Err(panic) => {
-                held.release_with(|| self.store.release(&id, &token)).await;
+                held.release_with(0, || self.store.release(&id, &token))
+                    .await;
                 Err(DedupError::Panicked(panic_message(&*panic).to_owned()))
             }
         }

@@ -14,7 +14,7 @@ use crate::store::{Store, StoreError};
 
 /// The first pause before a failed store write is tried again; it doubles after each failure, up
 /// to [`WRITE_BACKOFF_MAX`].
-pub(crate) const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 /// The longest pause between two attempts of a failed store write: once the store is back, a
 /// pending write lands within about this long.
 const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(1);
@@ -163,35 +163,48 @@ impl<'a, St: Store> Held<'a, St> {
     /// ours: a failed attempt is retried with backoff, and the lease renewed meanwhile, until the
     /// write lands, the store answers that the record is no longer this claim's (`false`), or
     /// `within` has passed. A record that vanished meanwhile (its lease ran out and nobody claimed
-    /// it since) is written all the same: the work did run.
-    pub(crate) async fn complete_with<F, Fut>(self, within: Duration, call: F) -> bool
+    /// it since) is written all the same: the work did run. `failed` is how many attempts failed
+    /// (and were logged) before this call.
+    pub(crate) async fn complete_with<F, Fut>(self, within: Duration, failed: u32, call: F) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
-        self.renewing(self.retried("complete", within, call)).await
+        self.renewing(self.retried("complete", within, failed, call))
+            .await
     }
 
     /// Releases the claim (`call` makes one attempt), retrying a failed attempt with backoff for
-    /// up to a lease: after that the claim has run out by itself.
-    pub(crate) async fn release_with<F, Fut>(self, call: F) -> bool
+    /// up to a lease: after that the claim has run out by itself. `failed` as for
+    /// [`Held::complete_with`].
+    pub(crate) async fn release_with<F, Fut>(self, failed: u32, call: F) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
-        self.retried("release", self.lease, call).await
+        self.retried("release", self.lease, failed, call).await
     }
 
     /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one with capped
-    /// exponential backoff for up to `within`. Returns whether the write was made.
-    async fn retried<F, Fut>(self, what: &'static str, within: Duration, mut call: F) -> bool
+    /// exponential backoff for up to `within`; after `failed` earlier failures, it starts with a
+    /// pause. Returns whether the write was made.
+    async fn retried<F, Fut>(
+        self,
+        what: &'static str,
+        within: Duration,
+        mut failures: u32,
+        mut call: F,
+    ) -> bool
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
         let deadline = Instant::now() + within;
         let mut backoff = WRITE_BACKOFF;
-        let mut failures: u32 = 0;
+        if failures > 0 {
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+        }
         loop {
             match timed(self.timeout, call()).await {
                 Ok(true) => {
@@ -206,14 +219,7 @@ impl<'a, St: Store> Held<'a, St> {
                     return true;
                 }
                 Ok(false) => {
-                    // Either the claim was lost (its lease ran out and the key was claimed again),
-                    // or an earlier attempt whose answer was lost did land.
-                    tracing::warn!(
-                        target: "tower_idempotency",
-                        operation = what,
-                        failures,
-                        "the record no longer carries this claim; nothing written"
-                    );
+                    not_written(what);
                     return false;
                 }
                 Err(err) => {
@@ -250,6 +256,17 @@ impl<'a, St: Store> Held<'a, St> {
             }
         }
     }
+}
+
+/// Logs a fenced write (`what`) that found the record no longer this claim's: the claim was lost
+/// (its lease ran out and the key was claimed again), or an earlier attempt whose answer was lost
+/// did land.
+pub(crate) fn not_written(what: &'static str) {
+    tracing::warn!(
+        target: "tower_idempotency",
+        operation = what,
+        "the record no longer carries this claim; nothing written"
+    );
 }
 
 /// Displays an error with its sources.

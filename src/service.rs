@@ -195,11 +195,7 @@ impl<St: Store> Shared<St> {
     }
 
     fn problem<B>(&self, kind: ProblemKind, detail: String) -> Response<ResponseBody<B>> {
-        let retry_after = match kind {
-            ProblemKind::StoreUnavailable => Some(whole_seconds(self.config.retry_after)),
-            _ => None,
-        };
-        self.problem_with(kind, detail, retry_after)
+        self.problem_with(kind, detail, None)
     }
 
     fn problem_with<B>(
@@ -640,11 +636,7 @@ impl<St: Store> Shared<St> {
         };
         match written {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                target: "tower_idempotency",
-                operation = what,
-                "the claim was lost (its lease ran out and the key was claimed again); nothing written"
-            ),
+            Ok(false) => lease::not_written(what),
             Err(err) => {
                 tracing::warn!(
                     target: "tower_idempotency",
@@ -654,16 +646,15 @@ impl<St: Store> Shared<St> {
                 );
                 let (shared, id, token) = (self.clone(), *id, *token);
                 let retry = async move {
-                    tokio::time::sleep(lease::WRITE_BACKOFF).await;
                     let held = shared.held(&id, &token);
                     let store = &shared.store;
                     match &completed {
                         Some(done) => {
                             let ttl = shared.config.dedup_window;
-                            held.complete_with(ttl, || store.complete(&id, &token, done, ttl))
+                            held.complete_with(ttl, 1, || store.complete(&id, &token, done, ttl))
                                 .await
                         }
-                        None => held.release_with(|| store.release(&id, &token)).await,
+                        None => held.release_with(1, || store.release(&id, &token)).await,
                     };
                 };
                 self.tracker
