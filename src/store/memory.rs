@@ -156,30 +156,16 @@ impl MemoryStore {
         lock(&self.inner.shards[usize::from(id.as_bytes()[0]) % SHARDS])
     }
 
-    fn expire_all(&self) {
-        for shard in self.inner.shards.iter() {
+    /// Collects every record that is due in any shard; returns how long until the next one comes
+    /// due.
+    fn expire_all(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let shards = self.inner.shards.iter().filter_map(|shard| {
             let mut shard = lock(shard);
-            shard.expire(Instant::now(), &self.inner.budget);
-        }
-    }
-
-    /// The refusal of a claim, saying when room may free: when the scope's next completed record
-    /// comes due, or the store's next record; within a `lease` when nothing else is known.
-    fn full(&self, refused: Refused, lease: Duration) -> StoreError {
-        let room_at = match refused {
-            Refused::Scope(room_at) => room_at,
-            Refused::Store => {
-                let now = Instant::now();
-                let shards = self.inner.shards.iter();
-                let next = shards
-                    .filter_map(|shard| lock(shard).expiry.next_due())
-                    .min();
-                next.map(|at| at.saturating_duration_since(now))
-            }
-        };
-        StoreError::Full {
-            retry_after: Some(room_at.unwrap_or(lease)),
-        }
+            shard.expire(now, &self.inner.budget);
+            shard.expiry.next_due()
+        });
+        shards.min().map(|at| at.saturating_duration_since(now))
     }
 
     fn claim_now(
@@ -192,9 +178,18 @@ impl MemoryStore {
             return Ok(claim);
         }
         // Full. Records that expired in other shards may still hold bytes: collect them, retry.
-        self.expire_all();
-        self.try_claim(id, fingerprint, lease)
-            .map_err(|refused| self.full(refused, lease))
+        let next_due = self.expire_all();
+        // Refused again: say when room may free, when the scope's next completed record comes
+        // due, or the store's next record; within a lease when nothing else is known.
+        self.try_claim(id, fingerprint, lease).map_err(|refused| {
+            let room_at = match refused {
+                Refused::Scope(room_at) => room_at,
+                Refused::Store => next_due,
+            };
+            StoreError::Full {
+                retry_after: Some(room_at.unwrap_or(lease)),
+            }
+        })
     }
 
     /// Claims `id`, or returns its live record; refused when there is no room for a claim.
@@ -303,22 +298,9 @@ impl MemoryStore {
         Ok(true)
     }
 
+    /// Extends the in-flight entry claimed with `token` to `lease` from now, and queues its new
+    /// expiry; `false`, and no change, when the entry is gone or carries another claim's token.
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
-        self.update_owned(id, token, lease, |entry, now| {
-            entry.expires_at = now + lease
-        })
-    }
-
-    /// Changes the in-flight entry claimed with `token`, which then expires `after` from now, and
-    /// queues its new expiry; `false`, and no change, when the entry is gone or carries another
-    /// claim's token.
-    fn update_owned(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        after: Duration,
-        change: impl FnOnce(&mut Entry, Instant),
-    ) -> bool {
         let mut guard = self.shard(id);
         let now = Instant::now();
         guard.expire(now, &self.inner.budget);
@@ -326,9 +308,9 @@ impl MemoryStore {
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
         };
-        change(entry, now);
+        entry.expires_at = now + lease;
         shard.expiry.cancel(entry.queued);
-        entry.queued = shard.expiry.push(after, entry.expires_at, *id);
+        entry.queued = shard.expiry.push(lease, entry.expires_at, *id);
         true
     }
 
