@@ -8,6 +8,8 @@ use std::fmt;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
 
+use crate::hex::Hex;
+
 /// A request's fingerprint: 32 bytes of blake3.
 ///
 /// ```
@@ -66,11 +68,7 @@ fn field(hasher: &mut blake3::Hasher, bytes: &[u8]) {
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint(")?;
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        write!(f, "..)")
+        write!(f, "Fingerprint({}..)", Hex(&self.0[..8]))
     }
 }
 

@@ -125,6 +125,7 @@ pub mod consumer;
 mod extract;
 mod fingerprint;
 mod future;
+mod hex;
 mod key;
 mod layer;
 mod lease;

@@ -1,6 +1,6 @@
 //! `RedisStore`: records in Redis (7.0 or newer), shared by every instance.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -12,9 +12,8 @@ use deadpool_redis::{Manager, Pool, Runtime};
 
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{
-    ClaimToken, Completed, Record, RecordId, encode_in_flight, push_hex, unix_millis,
-};
+use crate::hex::Hex;
+use crate::record::{ClaimToken, Completed, Record, RecordId, encode_in_flight, unix_millis};
 use batch::{Batch, ClaimRef};
 
 mod batch;
@@ -185,10 +184,8 @@ impl RedisStore {
     pub fn redis_key(&self, id: &RecordId) -> String {
         let prefix = &self.inner.prefix;
         let mut key = String::with_capacity(prefix.len() + 34);
-        key.push_str(prefix);
-        key.push('{');
-        push_hex(&mut key, id.as_bytes());
-        key.push('}');
+        // Writing to a String cannot fail.
+        let _ = write!(key, "{prefix}{{{}}}", Hex(id.as_bytes()));
         key
     }
 
@@ -532,6 +529,44 @@ impl fmt::Debug for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::layout;
+
+    /// The scripts read an in-flight record in place: their offsets must be the encoding's.
+    #[test]
+    fn scripts_fence_on_the_encodings_offsets() {
+        let kind = format!(
+            "string.byte(record, {}) ~= {}",
+            layout::KIND + 1,
+            layout::IN_FLIGHT
+        );
+        let (first, last) = layout::lua(layout::TOKEN);
+        let token = format!("string.sub(record, {first}, {last}) ~= ARGV[1]");
+        for (name, script) in [
+            ("complete", COMPLETE),
+            ("renew", RENEW),
+            ("release", RELEASE),
+        ] {
+            assert!(
+                script.contains(&kind),
+                "{name}.lua reads the kind at {kind}"
+            );
+            assert!(
+                script.contains(&token),
+                "{name}.lua reads the token as {token}"
+            );
+        }
+        let (_, before_lease) = layout::lua(0..layout::LEASE_END.start);
+        let kept = format!("string.sub(record, 1, {before_lease}) .. ARGV[2]");
+        assert!(
+            RENEW.contains(&kept),
+            "renew.lua rewrites the lease end: {kept}"
+        );
+        assert_eq!(
+            layout::LEASE_END.end,
+            layout::IN_FLIGHT_LEN,
+            "the lease end is last"
+        );
+    }
 
     #[test]
     fn a_server_older_than_7_gets_a_clear_error() {

@@ -1,0 +1,372 @@
+//! The records' byte encoding (the table is in the [module docs](super)), for stores that keep
+//! bytes. A store script fences on an in-flight record's kind and token, and renews its lease end,
+//! without decoding the rest: those offsets are named in [`layout`] and fixed for version 1.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use super::id::ClaimToken;
+use super::model::{Completed, InFlight, Record, StoredResponse};
+use crate::fingerprint::Fingerprint;
+
+/// The encoding version written by this crate.
+pub const VERSION: u8 = 1;
+const KIND_IN_FLIGHT: u8 = 1;
+const KIND_COMPLETED: u8 = 2;
+const KIND_TOMBSTONE: u8 = 3;
+
+/// Where the fields of an encoded record sit, for store scripts that read them in place. Every
+/// record starts with the version and the kind; the rest is per kind.
+#[cfg_attr(
+    not(test),
+    allow(
+        dead_code,
+        reason = "the Redis scripts use these offsets; tests check that they agree"
+    )
+)]
+pub(crate) mod layout {
+    use std::ops::Range;
+
+    /// The encoding version's byte.
+    pub(crate) const VERSION: usize = 0;
+    /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone.
+    pub(crate) const KIND: usize = 1;
+    /// An in-flight record's claim token.
+    pub(crate) const TOKEN: Range<usize> = 2..18;
+    /// An in-flight record's fingerprint.
+    pub(crate) const IN_FLIGHT_FINGERPRINT: Range<usize> = TOKEN.end..TOKEN.end + 32;
+    /// An in-flight record's lease end (unix ms, u64 little-endian), its last field.
+    pub(crate) const LEASE_END: Range<usize> =
+        IN_FLIGHT_FINGERPRINT.end..IN_FLIGHT_FINGERPRINT.end + 8;
+    /// A completed record's (or a tombstone's) fingerprint.
+    pub(crate) const COMPLETED_FINGERPRINT: Range<usize> = 2..34;
+
+    /// The kind byte of an in-flight record.
+    pub(crate) const IN_FLIGHT: u8 = super::KIND_IN_FLIGHT;
+
+    /// The length of an in-flight record.
+    pub(crate) const IN_FLIGHT_LEN: usize = LEASE_END.end;
+
+    /// `range`, 1-based and inclusive as Lua's `string.sub` takes it.
+    pub(crate) const fn lua(range: Range<usize>) -> (usize, usize) {
+        (range.start + 1, range.end)
+    }
+}
+
+/// Encodes an in-flight record whose lease ends at `lease_end`.
+pub fn encode_in_flight(
+    token: &ClaimToken,
+    fingerprint: &Fingerprint,
+    lease_end: SystemTime,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(layout::IN_FLIGHT_LEN);
+    out.extend_from_slice(&[VERSION, KIND_IN_FLIGHT]);
+    out.extend_from_slice(token.as_bytes());
+    out.extend_from_slice(fingerprint.as_bytes());
+    out.extend_from_slice(&unix_millis(lease_end).to_le_bytes());
+    out
+}
+
+impl Completed {
+    /// Encodes the record.
+    ///
+    /// # Errors
+    /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB).
+    pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let Some(response) = &self.response else {
+            let mut out = Vec::with_capacity(layout::COMPLETED_FINGERPRINT.end);
+            out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
+            out.extend_from_slice(self.fingerprint.as_bytes());
+            return Ok(out);
+        };
+        let mut out = Vec::with_capacity(64 + response.size());
+        out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
+        out.extend_from_slice(self.fingerprint.as_bytes());
+        out.extend_from_slice(&response.status.as_u16().to_le_bytes());
+        out.extend_from_slice(&len_u32(response.headers.len())?.to_le_bytes());
+        for (name, value) in &response.headers {
+            let name = name.as_str().as_bytes();
+            // Header names are far shorter than 64 KiB in every HTTP implementation.
+            let name_len = u16::try_from(name.len()).map_err(|_| EncodeError::TooLarge)?;
+            out.extend_from_slice(&name_len.to_le_bytes());
+            out.extend_from_slice(name);
+            out.extend_from_slice(&len_u32(value.len())?.to_le_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
+        out.extend_from_slice(&response.body);
+        Ok(out)
+    }
+}
+
+impl Record {
+    /// Decodes a record written by [`encode_in_flight`] or [`Completed::encode`], sharing the
+    /// buffer for the body and header values. The lease of an
+    /// in-flight record is measured against the current wall clock.
+    ///
+    /// # Errors
+    /// A [`DecodeError`] when the bytes are not a record of a known version.
+    pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
+        let mut r = Reader(&bytes);
+        // Header values and the body are slices of `bytes`, not copies.
+        let shared = |r: &mut Reader<'_>, n: usize| {
+            let start = bytes.len() - r.0.len();
+            r.take(n)?;
+            Ok::<_, DecodeError>(bytes.slice(start..start + n))
+        };
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        let record = match r.u8()? {
+            KIND_IN_FLIGHT => {
+                let _token = r.take(layout::TOKEN.len())?;
+                let fingerprint = r.fingerprint()?;
+                let lease_end = r.u64()?;
+                let lease_remaining =
+                    Duration::from_millis(lease_end.saturating_sub(unix_millis(SystemTime::now())));
+                Record::InFlight(InFlight {
+                    fingerprint,
+                    lease_remaining,
+                })
+            }
+            KIND_COMPLETED => {
+                let fingerprint = r.fingerprint()?;
+                let status =
+                    StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
+                let count = r.u32()? as usize;
+                // One more than stored: room for the marker a replay adds.
+                let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
+                for _ in 0..count {
+                    let name_len = r.u16()? as usize;
+                    let name = HeaderName::from_bytes(r.take(name_len)?)
+                        .map_err(|_| DecodeError::Malformed("header name"))?;
+                    let value_len = r.u32()? as usize;
+                    let value = HeaderValue::from_maybe_shared(shared(&mut r, value_len)?)
+                        .map_err(|_| DecodeError::Malformed("header value"))?;
+                    headers.append(name, value);
+                }
+                let body_len = r.u32()? as usize;
+                let body = shared(&mut r, body_len)?;
+                Record::Completed(Completed {
+                    fingerprint,
+                    response: Some(Arc::new(StoredResponse {
+                        status,
+                        headers,
+                        body,
+                    })),
+                })
+            }
+            KIND_TOMBSTONE => Record::Completed(Completed {
+                fingerprint: r.fingerprint()?,
+                response: None,
+            }),
+            other => return Err(DecodeError::Kind(other)),
+        };
+        if !r.0.is_empty() {
+            return Err(DecodeError::Malformed("trailing bytes"));
+        }
+        Ok(record)
+    }
+}
+
+fn len_u32(len: usize) -> Result<u32, EncodeError> {
+    u32::try_from(len).map_err(|_| EncodeError::TooLarge)
+}
+
+/// Milliseconds since the Unix epoch (0 before it).
+pub fn unix_millis(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A record could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// A field is larger than the encoding allows.
+    #[error("a record field is too large to encode")]
+    TooLarge,
+}
+
+/// Stored bytes are not a record this version understands.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// An unknown encoding version (written by a newer release).
+    #[error("unknown record encoding version {0}")]
+    Version(u8),
+    /// An unknown record kind.
+    #[error("unknown record kind {0}")]
+    Kind(u8),
+    /// The record ends early.
+    #[error("record truncated")]
+    Truncated,
+    /// A field is invalid.
+    #[error("malformed record: {0}")]
+    Malformed(&'static str),
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut out = [0; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn fingerprint(&mut self) -> Result<Fingerprint, DecodeError> {
+        Ok(Fingerprint::from_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fingerprint() -> Fingerprint {
+        Fingerprint::from_bytes([7; 32])
+    }
+
+    #[test]
+    fn completed_round_trips_with_repeated_headers_in_order() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-b", HeaderValue::from_static("2"));
+        headers.append("x-a", HeaderValue::from_static("first"));
+        headers.append("x-a", HeaderValue::from_static("second"));
+        headers.append("content-type", HeaderValue::from_static("application/json"));
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Arc::new(StoredResponse {
+                status: StatusCode::CREATED,
+                headers,
+                body: Bytes::from_static(b"{\"id\":1}\xff\x00"),
+            })),
+        };
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes[layout::KIND], KIND_COMPLETED);
+        assert_eq!(
+            &bytes[layout::COMPLETED_FINGERPRINT],
+            fingerprint().as_bytes()
+        );
+        let Record::Completed(decoded) = Record::decode(Bytes::from(bytes.clone())).unwrap() else {
+            panic!("not completed")
+        };
+        assert_eq!(decoded, record);
+        let values: Vec<_> = decoded
+            .response
+            .unwrap()
+            .headers
+            .get_all("x-a")
+            .iter()
+            .cloned()
+            .collect();
+        assert_eq!(values, ["first", "second"]);
+    }
+
+    #[test]
+    fn tombstone_round_trips() {
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: None,
+        };
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes.len(), layout::COMPLETED_FINGERPRINT.end);
+        assert_eq!(
+            &bytes[layout::COMPLETED_FINGERPRINT],
+            fingerprint().as_bytes()
+        );
+        assert_eq!(
+            Record::decode(Bytes::from(bytes.clone())).unwrap(),
+            Record::Completed(record)
+        );
+    }
+
+    #[test]
+    fn in_flight_round_trips_with_the_token_at_a_fixed_offset() {
+        let token = ClaimToken::generate();
+        let end = SystemTime::now() + Duration::from_secs(30);
+        let bytes = encode_in_flight(&token, &fingerprint(), end);
+        assert_eq!(bytes.len(), layout::IN_FLIGHT_LEN);
+        assert_eq!(bytes[layout::VERSION], VERSION);
+        assert_eq!(bytes[layout::KIND], layout::IN_FLIGHT);
+        assert_eq!(&bytes[layout::TOKEN], token.as_bytes());
+        assert_eq!(
+            &bytes[layout::IN_FLIGHT_FINGERPRINT],
+            fingerprint().as_bytes()
+        );
+        assert_eq!(
+            bytes[layout::LEASE_END],
+            unix_millis(end).to_le_bytes(),
+            "the lease end is the last field, where a renewal rewrites it"
+        );
+        let Record::InFlight(r) = Record::decode(Bytes::from(bytes.clone())).unwrap() else {
+            panic!("not in flight")
+        };
+        assert_eq!(r.fingerprint, fingerprint());
+        assert!(
+            r.lease_remaining > Duration::from_secs(28)
+                && r.lease_remaining <= Duration::from_secs(30)
+        );
+    }
+
+    #[test]
+    fn bad_bytes_are_errors_not_panics() {
+        let good = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: HeaderMap::new(),
+                body: Bytes::from_static(b"abc"),
+            })),
+        }
+        .encode()
+        .unwrap();
+        for n in 0..good.len() {
+            assert!(
+                Record::decode(Bytes::copy_from_slice(&good[..n])).is_err(),
+                "prefix of {n} bytes"
+            );
+        }
+        assert!(matches!(
+            Record::decode(Bytes::from_static(&[2, 2])),
+            Err(DecodeError::Version(2))
+        ));
+        assert!(matches!(
+            Record::decode(Bytes::from_static(&[1, 9])),
+            Err(DecodeError::Kind(9))
+        ));
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert!(Record::decode(Bytes::from(trailing)).is_err());
+    }
+}

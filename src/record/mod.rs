@@ -1,0 +1,27 @@
+//! What a store keeps under a key, and its compact, versioned binary encoding.
+//!
+//! A record is either [`InFlight`] (claimed, the handler is running) or [`Completed`] (the handler
+//! ran; its response, if it could be stored). [`RecordId`] names a record and [`ClaimToken`] fences
+//! the writes of the claim that made it. Stores that keep bytes (Redis) use [`encode_in_flight`],
+//! [`Completed::encode`] and [`Record::decode`]; the memory store keeps the typed values.
+//!
+//! Encoding, version 1 (integers little-endian):
+//!
+//! | kind | layout |
+//! |---|---|
+//! | in flight | `01 01` token (16) fingerprint (32) lease end, unix ms (u64) |
+//! | completed | `01 02` fingerprint (32) status (u16) header count (u32), per header: name length (u16) name, value length (u32) value; body length (u32) body |
+//! | tombstone | `01 03` fingerprint (32) |
+//!
+//! The claim token sits at bytes 2..18 of an in-flight record, so a store script can fence on it
+//! without decoding the rest.
+
+mod codec;
+mod id;
+mod model;
+
+#[cfg(test)]
+pub(crate) use codec::layout;
+pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};
+pub use id::{ClaimToken, RecordId};
+pub use model::{Completed, InFlight, Record, StoredResponse};
