@@ -1,4 +1,4 @@
-//! `IdempotencyLayer`: the builder and its configuration.
+//! `IdempotencyLayer`: the builder; its settings live in [`Config`](crate::config::Config).
 
 use std::fmt;
 use std::sync::Arc;
@@ -6,15 +6,13 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
-use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use crate::config::Config;
+use crate::detach::{Background, Shutdown};
 use crate::problem::ProblemKind;
 use crate::scope::{Rejection, Scope};
 use crate::service::Idempotency;
-
-type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
-type PolicyFn = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync>;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -35,50 +33,7 @@ type PolicyFn = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync>;
 pub struct IdempotencyLayer<St> {
     store: St,
     config: Config,
-    tracker: TaskTracker,
-}
-
-/// The layer's settings; see each builder method of [`IdempotencyLayer`] for its default.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) header: HeaderName,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) key_required: bool,
-    pub(crate) dedup_window: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) request_body_limit: usize,
-    pub(crate) response_body_limit: usize,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) scope: Option<ScopeFn>,
-    pub(crate) store_policy: PolicyFn,
-    pub(crate) keep_set_cookie: bool,
-    pub(crate) store_timeout: Duration,
-    pub(crate) fail_open: bool,
-    pub(crate) retry_after: Duration,
-    pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
-}
-
-impl Config {
-    pub(crate) fn status(&self, kind: ProblemKind) -> StatusCode {
-        self.statuses[kind.index()]
-    }
-}
-
-/// The default store policy: every 2xx, 3xx and 4xx response is stored except 408, 409, 425 and
-/// 429 (which a retry may well change); 1xx and 5xx are not.
-///
-/// ```
-/// use http::{HeaderMap, StatusCode};
-/// use tower_idempotency::default_store_policy;
-///
-/// let none = HeaderMap::new();
-/// assert!(default_store_policy(StatusCode::CREATED, &none));
-/// assert!(default_store_policy(StatusCode::PAYMENT_REQUIRED, &none));
-/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS, &none));
-/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE, &none));
-/// ```
-pub fn default_store_policy(status: StatusCode, _headers: &HeaderMap) -> bool {
-    (200..500).contains(&status.as_u16()) && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
+    background: Background,
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -86,24 +41,8 @@ impl<St> IdempotencyLayer<St> {
     pub fn new(store: St) -> Self {
         Self {
             store,
-            config: Config {
-                header: HeaderName::from_static("idempotency-key"),
-                methods: vec![Method::POST, Method::PATCH],
-                key_required: true,
-                dedup_window: Duration::from_secs(24 * 60 * 60),
-                lease: Duration::from_secs(30),
-                request_body_limit: 1024 * 1024,
-                response_body_limit: 1024 * 1024,
-                fingerprint_headers: Vec::new(),
-                scope: None,
-                store_policy: Arc::new(default_store_policy),
-                keep_set_cookie: false,
-                store_timeout: Duration::from_secs(1),
-                fail_open: false,
-                retry_after: Duration::from_secs(1),
-                statuses: ProblemKind::ALL.map(ProblemKind::default_status),
-            },
-            tracker: TaskTracker::new(),
+            config: Config::default(),
+            background: Background::default(),
         }
     }
 
@@ -271,9 +210,7 @@ impl<St> IdempotencyLayer<St> {
     /// # }
     /// ```
     pub fn shutdown_handle(&self) -> Shutdown {
-        Shutdown {
-            tracker: self.tracker.clone(),
-        }
+        self.background.shutdown()
     }
 
     /// The store.
@@ -290,7 +227,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             inner,
             self.store.clone(),
             self.config.clone(),
-            self.tracker.clone(),
+            self.background.clone(),
         )
     }
 }
@@ -301,47 +238,5 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
             .field("store", &self.store)
             .field("config", &self.config)
             .finish()
-    }
-}
-
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("header", &self.header)
-            .field("methods", &self.methods)
-            .field("key_required", &self.key_required)
-            .field("dedup_window", &self.dedup_window)
-            .field("lease", &self.lease)
-            .field("request_body_limit", &self.request_body_limit)
-            .field("response_body_limit", &self.response_body_limit)
-            .field("fingerprint_headers", &self.fingerprint_headers)
-            .field("scoped", &self.scope.is_some())
-            .field("keep_set_cookie", &self.keep_set_cookie)
-            .field("store_timeout", &self.store_timeout)
-            .field("fail_open", &self.fail_open)
-            .field("retry_after", &self.retry_after)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Waits for the layer's detached handler work; from [`IdempotencyLayer::shutdown_handle`].
-#[derive(Debug, Clone)]
-pub struct Shutdown {
-    tracker: TaskTracker,
-}
-
-impl Shutdown {
-    /// Waits until every handler the layer started has finished and its result is stored. Call it
-    /// after the server stopped accepting requests, and bound it with `tokio::time::timeout`: a
-    /// result whose store write failed is retried for as long as the store stays away.
-    pub async fn wait(self) {
-        self.tracker.close();
-        self.tracker.wait().await;
-    }
-
-    /// How many detached tasks are running now: handlers whose client went away, and store writes
-    /// being retried.
-    pub fn running(&self) -> usize {
-        self.tracker.len()
     }
 }

@@ -120,7 +120,9 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+mod config;
 pub mod consumer;
+mod detach;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;
@@ -138,12 +140,14 @@ pub mod store;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
+pub use config::default_store_policy;
+pub use detach::Shutdown;
 #[cfg(feature = "axum")]
 pub use extract::MissingKeyExtension;
 pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{IdempotencyLayer, Shutdown, default_store_policy};
+pub use layer::IdempotencyLayer;
 pub use outcome::Outcome;
 pub use problem::ProblemKind;
 pub use record::{

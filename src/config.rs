@@ -1,0 +1,101 @@
+//! The layer's settings, with their defaults: a private struct behind the builder methods of
+//! [`IdempotencyLayer`](crate::IdempotencyLayer), each of which documents its default.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, Method, StatusCode};
+
+use crate::problem::ProblemKind;
+use crate::scope::{Rejection, Scope};
+
+pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
+pub(crate) type PolicyFn = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync>;
+
+/// The layer's settings; see each builder method of [`IdempotencyLayer`](crate::IdempotencyLayer)
+/// for its default.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) dedup_window: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) request_body_limit: usize,
+    pub(crate) response_body_limit: usize,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) store_policy: PolicyFn,
+    pub(crate) keep_set_cookie: bool,
+    pub(crate) store_timeout: Duration,
+    pub(crate) fail_open: bool,
+    pub(crate) retry_after: Duration,
+    pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            header: HeaderName::from_static("idempotency-key"),
+            methods: vec![Method::POST, Method::PATCH],
+            key_required: true,
+            dedup_window: Duration::from_secs(24 * 60 * 60),
+            lease: Duration::from_secs(30),
+            request_body_limit: 1024 * 1024,
+            response_body_limit: 1024 * 1024,
+            fingerprint_headers: Vec::new(),
+            scope: None,
+            store_policy: Arc::new(default_store_policy),
+            keep_set_cookie: false,
+            store_timeout: Duration::from_secs(1),
+            fail_open: false,
+            retry_after: Duration::from_secs(1),
+            statuses: ProblemKind::ALL.map(ProblemKind::default_status),
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn status(&self, kind: ProblemKind) -> StatusCode {
+        self.statuses[kind.index()]
+    }
+}
+
+/// The default store policy: every 2xx, 3xx and 4xx response is stored except 408, 409, 425 and
+/// 429 (which a retry may well change); 1xx and 5xx are not.
+///
+/// ```
+/// use http::{HeaderMap, StatusCode};
+/// use tower_idempotency::default_store_policy;
+///
+/// let none = HeaderMap::new();
+/// assert!(default_store_policy(StatusCode::CREATED, &none));
+/// assert!(default_store_policy(StatusCode::PAYMENT_REQUIRED, &none));
+/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS, &none));
+/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE, &none));
+/// ```
+pub fn default_store_policy(status: StatusCode, _headers: &HeaderMap) -> bool {
+    (200..500).contains(&status.as_u16()) && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("header", &self.header)
+            .field("methods", &self.methods)
+            .field("key_required", &self.key_required)
+            .field("dedup_window", &self.dedup_window)
+            .field("lease", &self.lease)
+            .field("request_body_limit", &self.request_body_limit)
+            .field("response_body_limit", &self.response_body_limit)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("scoped", &self.scope.is_some())
+            .field("keep_set_cookie", &self.keep_set_cookie)
+            .field("store_timeout", &self.store_timeout)
+            .field("fail_open", &self.fail_open)
+            .field("retry_after", &self.retry_after)
+            .finish_non_exhaustive()
+    }
+}

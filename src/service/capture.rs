@@ -1,0 +1,175 @@
+//! Response capture: reading the handler's response into a record (within the response limit),
+//! or deciding that it is not to be stored; and reading the request body within its limit.
+
+use bytes::{Bytes, BytesMut};
+use http::header::{CACHE_CONTROL, DATE, SET_COOKIE};
+use http::response::Parts as ResponseParts;
+use http::{HeaderMap, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+
+use super::{BoxError, StorableBody};
+use crate::body::ResponseBody;
+use crate::config::Config;
+
+/// What running the handler produced, before it is stored.
+pub(super) enum Handled<B> {
+    /// The store policy or `Cache-Control: no-store` says: do not store; release the claim.
+    NotStored(Response<B>),
+    /// The whole body, within the response limit.
+    Buffered(ResponseParts, Bytes),
+    /// The body outgrew the response limit (or carries trailers): deliver it, keep a tombstone.
+    Unstorable(Response<ResponseBody<B>>),
+    /// The body failed while it was read; the handler did run.
+    BodyFailed(String),
+}
+
+/// Reads the response body up to the response limit, or decides it is not to be stored.
+pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response<B>) -> Handled<B> {
+    let no_store = response.headers().get_all(CACHE_CONTROL).iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',')
+                .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
+        })
+    });
+    if no_store || !(config.store_policy)(response.status(), response.headers()) {
+        return Handled::NotStored(response);
+    }
+    let (parts, body) = response.into_parts();
+    let limit = config.response_body_limit;
+    let mut body = Box::pin(body);
+    if body.size_hint().lower() > limit as u64 {
+        return Handled::Unstorable(Response::from_parts(
+            parts,
+            ResponseBody::chained(Bytes::new(), None, body),
+        ));
+    }
+    let mut chunks = Chunks::default();
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(err)) => return Handled::BodyFailed(err.to_string()),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    chunks.push(data);
+                    if chunks.len > limit {
+                        let prefix = chunks.into_bytes();
+                        let body = ResponseBody::chained(prefix, None, body);
+                        return Handled::Unstorable(Response::from_parts(parts, body));
+                    }
+                }
+                Err(frame) => {
+                    // Trailers cannot be replayed faithfully: deliver them, keep a tombstone.
+                    let trailers = frame.into_trailers().ok().map(Box::new);
+                    let body = ResponseBody::chained(chunks.into_bytes(), trailers, body);
+                    return Handled::Unstorable(Response::from_parts(parts, body));
+                }
+            },
+        }
+    }
+    Handled::Buffered(parts, chunks.into_bytes())
+}
+
+/// Reads a whole body of at most `limit` bytes. (Not `BodyExt::collect`: a body of one chunk, the
+/// common case, is returned as it came, with no allocation.)
+pub(super) async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut chunks = Chunks::default();
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        if let Ok(data) = frame?.into_data() {
+            chunks.push(data);
+        }
+    }
+    Ok(chunks.into_bytes())
+}
+
+/// Body chunks gathered into one buffer, copied only when there is more than one.
+#[derive(Default)]
+struct Chunks {
+    first: Option<Bytes>,
+    joined: Option<BytesMut>,
+    len: usize,
+}
+
+impl Chunks {
+    fn push(&mut self, data: Bytes) {
+        self.len += data.len();
+        if let Some(joined) = &mut self.joined {
+            joined.extend_from_slice(&data);
+        } else if let Some(first) = self.first.take() {
+            let mut joined = BytesMut::with_capacity(first.len() + data.len());
+            joined.extend_from_slice(&first);
+            joined.extend_from_slice(&data);
+            self.joined = Some(joined);
+        } else {
+            self.first = Some(data);
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match (self.joined, self.first) {
+            (Some(joined), _) => joined.freeze(),
+            (None, first) => first.unwrap_or_default(),
+        }
+    }
+}
+
+/// The headers of a response that a replay repeats: every value in order, minus hop-by-hop
+/// headers, `Date`, and (unless kept) `Set-Cookie`.
+pub(super) fn replayable_headers(headers: &HeaderMap, keep_set_cookie: bool) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let hop_by_hop = matches!(
+            name.as_str(),
+            "connection" | "keep-alive" | "transfer-encoding" | "te" | "trailer" | "upgrade"
+        ) || name.as_str().starts_with("proxy-");
+        if hop_by_hop || name == DATE || (name == SET_COOKIE && !keep_set_cookie) {
+            continue;
+        }
+        out.append(name, value.clone());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderName, HeaderValue};
+
+    use super::*;
+
+    #[test]
+    fn replay_drops_hop_by_hop_date_and_cookies_and_keeps_repeats() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "close"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("trailer", "x"),
+            ("upgrade", "h2c"),
+            ("proxy-authenticate", "Basic"),
+            ("date", "Wed, 02 Dec 2026 10:00:00 GMT"),
+            ("set-cookie", "a=1"),
+            ("x-repeat", "1"),
+            ("x-repeat", "2"),
+            ("content-type", "application/json"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        let kept = replayable_headers(&headers, false);
+        let names: Vec<_> = kept.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-repeat", "content-type"]);
+        assert_eq!(
+            kept.get_all("x-repeat").iter().collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+        assert!(replayable_headers(&headers, true).contains_key(SET_COOKIE));
+    }
+}

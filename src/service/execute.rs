@@ -1,0 +1,211 @@
+//! Execute and persist: a claimed request's handler runs under a renewed lease (detached from its
+//! client if the client goes away), then its result is stored, or its claim released, before the
+//! answer goes out; a failed write is retried in the background.
+
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use http::{Request, Response};
+
+use super::capture::{Handled, capture, replayable_headers};
+use super::{Handler, Shared, StorableBody, finish};
+use crate::body::{RequestBody, ResponseBody};
+use crate::fingerprint::Fingerprint;
+use crate::lease::{self, ErrorChain, panic_message};
+use crate::outcome::Outcome;
+use crate::problem::ProblemKind;
+use crate::record::{ClaimToken, Completed, RecordId, StoredResponse};
+use crate::store::{Store, StoreError};
+
+impl<St: Store> Shared<St> {
+    /// Runs a claimed request to its answer. The handler runs in this request's task; if the
+    /// client goes away first, the rest of the work moves to a task of its own, so the handler
+    /// still runs to completion and its result is stored for the client's retry.
+    pub(super) fn run_claimed<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        inner: S,
+        request: Request<RequestBody<ReqBody>>,
+        id: RecordId,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+    ) -> impl Future<Output = Response<ResponseBody<ResBody>>> + Send + 'static
+    where
+        S: Handler<ReqBody, ResBody>,
+        ReqBody: Send + 'static,
+        ResBody: StorableBody,
+    {
+        // The handler's work and what follows it are boxed apart: each box stays under 1 KiB,
+        // which allocators serve from their fast per-thread caches, where one box of both would
+        // not be.
+        let work = Box::pin(self.clone().run(inner, request));
+        let execute = Box::pin(self.clone().execute(work, id, token, fingerprint));
+        self.background.detachable(execute)
+    }
+
+    /// Calls the handler and reads its response.
+    async fn run<S, ReqBody, ResBody>(
+        self: Arc<Self>,
+        mut inner: S,
+        request: Request<RequestBody<ReqBody>>,
+    ) -> Result<Handled<ResBody>, String>
+    where
+        S: Handler<ReqBody, ResBody>,
+        ResBody: StorableBody,
+    {
+        let response = inner.call(request).await.map_err(|err| err.to_string())?;
+        Ok(capture(&self.config, response).await)
+    }
+
+    /// Runs a claimed request's work to completion, renewing the lease meanwhile, then stores or
+    /// releases.
+    async fn execute<W, ResBody: StorableBody>(
+        self: Arc<Self>,
+        work: Pin<Box<W>>,
+        id: RecordId,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+    ) -> Response<ResponseBody<ResBody>>
+    where
+        W: Future<Output = Result<Handled<ResBody>, String>>,
+    {
+        let config = &self.config;
+        let result = self
+            .held(&id, &token)
+            .renewing(AssertUnwindSafe(work).catch_unwind())
+            .await;
+
+        // What to store (a response, or `None` for a tombstone) and what to answer, or why the
+        // claim is released instead.
+        let (stored, response) = match result {
+            Ok(Ok(Handled::Buffered(parts, body))) => {
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers: replayable_headers(&parts.headers, config.keep_set_cookie),
+                    body: body.clone(),
+                };
+                let response = Response::from_parts(parts, ResponseBody::full(body));
+                (Some(Arc::new(stored)), finish(response, Outcome::Executed))
+            }
+            Ok(Ok(Handled::Unstorable(response))) => (None, finish(response, Outcome::Executed)),
+            Ok(Ok(Handled::BodyFailed(err))) => {
+                // The handler ran: keep a tombstone so a retry does not run it again.
+                tracing::error!(
+                    target: "tower_idempotency",
+                    error = %err,
+                    "the response body failed while it was read; keeping a tombstone"
+                );
+                let detail = String::from(
+                    "the response failed while it was produced; the operation may have completed, \
+                     so a retry with this key will not run it again",
+                );
+                (None, self.problem(ProblemKind::HandlerFailed, detail))
+            }
+            Ok(Ok(Handled::NotStored(response))) => {
+                let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
+                return self.release(&id, &token, response).await;
+            }
+            Ok(Err(err)) => {
+                return self
+                    .fail(&id, &token, format!("the handler failed: {err}"))
+                    .await;
+            }
+            Err(panic) => {
+                let failure = format!("the handler panicked: {}", panic_message(&*panic));
+                return self.fail(&id, &token, failure).await;
+            }
+        };
+        let completed = Completed {
+            fingerprint,
+            response: stored,
+        };
+        self.complete(&id, &token, completed, response).await
+    }
+
+    /// The handler failed or panicked: a 500 problem, and the claim is released.
+    async fn fail<B>(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        failure: String,
+    ) -> Response<ResponseBody<B>> {
+        tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
+        let detail =
+            String::from("the request failed; it was not stored, and a retry runs it again");
+        let response = self.problem(ProblemKind::HandlerFailed, detail);
+        self.release(id, token, response).await
+    }
+
+    /// Stores the result, then answers: after the write, so that a retry that follows the response
+    /// finds it. A failed write answers at once and is retried on a task of its own.
+    async fn complete<B>(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: Completed,
+        response: Response<B>,
+    ) -> Response<B> {
+        let ttl = self.config.dedup_window;
+        let written = self
+            .timed(self.store.complete(id, token, &completed, ttl))
+            .await;
+        self.after_write(id, token, Some(completed), written);
+        response
+    }
+
+    /// Releases the claim, then answers, like [`Shared::complete`].
+    async fn release<B>(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        response: Response<B>,
+    ) -> Response<B> {
+        let released = self.timed(self.store.release(id, token)).await;
+        self.after_write(id, token, None, released);
+        response
+    }
+
+    /// Logs a lost claim, and hands a failed write (a completion, or a release when `completed` is
+    /// `None`) to a task that retries it: a completion for as long as the claim can still be ours
+    /// (up to the dedup window), a release for up to a lease.
+    fn after_write(
+        self: &Arc<Self>,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: Option<Completed>,
+        written: Result<bool, StoreError>,
+    ) {
+        let what = if completed.is_some() {
+            "complete"
+        } else {
+            "release"
+        };
+        match written {
+            Ok(true) => {}
+            Ok(false) => lease::not_written(what),
+            Err(err) => {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    operation = what,
+                    error = %ErrorChain(&err),
+                    "store write failed; answering now and retrying the write"
+                );
+                let (shared, id, token) = (self.clone(), *id, *token);
+                let retry = async move {
+                    let held = shared.held(&id, &token);
+                    let store = &shared.store;
+                    match &completed {
+                        Some(done) => {
+                            let ttl = shared.config.dedup_window;
+                            held.complete_with(ttl, 1, || store.complete(&id, &token, done, ttl))
+                                .await
+                        }
+                        None => held.release_with(1, || store.release(&id, &token)).await,
+                    };
+                };
+                self.background.spawn(retry);
+            }
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! `Idempotency<S, St>`: the service the layer builds, and its call path.
+//!
+//! A request the layer does not cover passes through; a covered one without a valid key, or
+//! refused by the scope, is answered here. The rest is split by step: [`claim`] reads, fingerprints
+//! and claims the request, or answers from an existing record; [`execute`] runs a claimed request
+//! and stores its result; [`capture`] reads a response into a record.
+
+mod capture;
+mod claim;
+mod execute;
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Request, Response};
+use http_body::Body;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::config::Config;
+use crate::detach::Background;
+use crate::future::{Covered, ResponseFuture};
+use crate::hex::Hex;
+use crate::key::IdempotencyKey;
+use crate::lease::{self, Held};
+use crate::outcome::Outcome;
+use crate::problem::{Problem, ProblemKind};
+use crate::record::{ClaimToken, RecordId};
+use crate::scope::Scope;
+use crate::store::{Store, StoreError};
+use crate::throttle::Throttle;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How often a claim-time store failure is logged while it lasts.
+const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The header that marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The inner service as the layer runs it: one name for the bounds every step repeats.
+pub(crate) trait Handler<ReqBody, ResBody>:
+    Service<
+        Request<RequestBody<ReqBody>>,
+        Response = Response<ResBody>,
+        Future: Send + 'static,
+        Error: fmt::Display + Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<T, ReqBody, ResBody> Handler<ReqBody, ResBody> for T
+where
+    T: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    T::Future: Send + 'static,
+    T::Error: fmt::Display + Send + 'static,
+{
+}
+
+/// A request body the layer can read and fingerprint.
+pub(crate) trait ReadableBody:
+    Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> ReadableBody for B where B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+/// A response body the layer can store and deliver.
+pub(crate) trait StorableBody:
+    Body<Data = Bytes, Error: fmt::Display> + Send + 'static
+{
+}
+
+impl<B> StorableBody for B where B: Body<Data = Bytes, Error: fmt::Display> + Send + 'static {}
+
+/// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer): see its documentation.
+pub struct Idempotency<S, St> {
+    inner: S,
+    shared: Arc<Shared<St>>,
+}
+
+pub(crate) struct Shared<St> {
+    store: St,
+    config: Config,
+    background: Background,
+    /// Claim-time store failures repeat with every request: logged once per interval.
+    store_failures: Throttle,
+}
+
+impl<S, St> Idempotency<S, St> {
+    pub(crate) fn new(inner: S, store: St, config: Config, background: Background) -> Self {
+        Self {
+            inner,
+            shared: Arc::new(Shared {
+                store,
+                config,
+                background,
+                store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
+            }),
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone, St> Clone for Idempotency<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for Idempotency<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &self.shared.store)
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: fmt::Display,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = &self.shared.config;
+
+        if !config.methods.contains(req.method()) {
+            return ResponseFuture::passthrough(
+                inner.call(req.map(RequestBody::passthrough)),
+                None,
+            );
+        }
+        let key = match IdempotencyKey::from_headers(req.headers(), &config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !config.key_required => {
+                tracing::debug!(target: "tower_idempotency", outcome = %Outcome::Unprotected, "idempotency outcome");
+                let future = inner.call(req.map(RequestBody::passthrough));
+                return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
+            }
+            Ok(None) => {
+                let detail = format!("this request needs an `{}` header", config.header);
+                return self.shared.reject(ProblemKind::MissingKey, detail);
+            }
+            Err(err) => {
+                return self.shared.reject(ProblemKind::InvalidKey, err.to_string());
+            }
+        };
+        let (parts, body) = req.into_parts();
+        let scope = match &config.scope {
+            None => Scope::default(),
+            Some(scope) => match scope(&parts) {
+                Ok(scope) => scope,
+                Err(rejection) => {
+                    let response = rejection.into_response().map(ResponseBody::full);
+                    return ResponseFuture::ready(finish(response, Outcome::Rejected));
+                }
+            },
+        };
+        let id = RecordId::for_key(scope.as_bytes(), &key);
+        let span = tracing::info_span!(
+            target: "tower_idempotency",
+            "idempotency",
+            key = %id.tag(),
+            scope = %ScopeTag(&scope),
+        );
+        if body.size_hint().lower() > config.request_body_limit as u64 {
+            let _entered = span.enter();
+            return self
+                .shared
+                .reject(ProblemKind::BodyTooLarge, too_large(config));
+        }
+        let shared = self.shared.clone();
+        // Boxed where it is made, then instrumented: the large future is not moved again.
+        let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
+        ResponseFuture::covered(protect.instrument(span))
+    }
+}
+
+pub(super) fn too_large(config: &Config) -> String {
+    format!(
+        "the request body is larger than {} bytes",
+        config.request_body_limit
+    )
+}
+
+impl<St: Store> Shared<St> {
+    fn reject<F, B>(&self, kind: ProblemKind, detail: String) -> ResponseFuture<F, B> {
+        ResponseFuture::ready(self.problem(kind, detail))
+    }
+
+    pub(super) fn problem<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+    ) -> Response<ResponseBody<B>> {
+        self.problem_with(kind, detail, None)
+    }
+
+    pub(super) fn problem_with<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        retry_after: Option<u64>,
+    ) -> Response<ResponseBody<B>> {
+        let mut problem = Problem::new(kind, self.config.status(kind), detail);
+        if let Some(seconds) = retry_after {
+            problem = problem.retry_after(seconds);
+        }
+        let outcome = match kind {
+            ProblemKind::InFlight => Outcome::InFlight,
+            ProblemKind::Mismatch => Outcome::Mismatch,
+            ProblemKind::NotReplayable => Outcome::NotReplayable,
+            ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
+            ProblemKind::HandlerFailed => Outcome::HandlerFailed,
+            _ => Outcome::Rejected,
+        };
+        finish(problem.into_response().map(ResponseBody::full), outcome)
+    }
+
+    pub(super) fn timed<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> impl Future<Output = Result<T, StoreError>> {
+        lease::timed(self.config.store_timeout, call)
+    }
+
+    pub(super) fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
+        Held {
+            store: &self.store,
+            id,
+            token,
+            lease: self.config.lease,
+            timeout: self.config.store_timeout,
+        }
+    }
+}
+
+/// Whole seconds, rounded up, at least 1.
+pub(super) fn whole_seconds(duration: Duration) -> u64 {
+    let seconds = duration.as_secs() + u64::from(duration.subsec_nanos() > 0);
+    seconds.max(1)
+}
+
+/// Marks a response with its outcome and logs it (inside the request's span, which carries the
+/// hashed key and scope).
+pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
+    let status = response.status().as_u16();
+    match outcome {
+        // Store failures are warned of once per interval where they happen, with a count: one
+        // warning per request would flood the log for as long as the store is away or full.
+        Outcome::HandlerFailed => {
+            tracing::warn!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
+        }
+        Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {
+            tracing::info!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
+        }
+        _ => tracing::debug!(target: "tower_idempotency", %outcome, status, "idempotency outcome"),
+    }
+    response.extensions_mut().insert(outcome);
+    response
+}
+
+/// A short, non-reversible tag of a scope for logs.
+struct ScopeTag<'a>(&'a Scope);
+
+impl fmt::Display for ScopeTag<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        Hex(&blake3::hash(self.0.as_bytes()).as_bytes()[..4]).fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_seconds_round_up() {
+        assert_eq!(whole_seconds(Duration::ZERO), 1);
+        assert_eq!(whole_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(whole_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(whole_seconds(Duration::from_millis(2001)), 3);
+    }
+}
