@@ -29,7 +29,6 @@ pub(crate) struct Config {
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) store_policy: PolicyFn,
     pub(crate) keep_set_cookie: bool,
-    pub(crate) store_timeout: Duration,
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
@@ -49,7 +48,6 @@ impl Default for Config {
             scope: None,
             store_policy: Arc::new(default_store_policy),
             keep_set_cookie: false,
-            store_timeout: Duration::from_secs(1),
             fail_open: false,
             retry_after: Duration::from_secs(1),
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
@@ -93,7 +91,6 @@ impl fmt::Debug for Config {
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("scoped", &self.scope.is_some())
             .field("keep_set_cookie", &self.keep_set_cookie)
-            .field("store_timeout", &self.store_timeout)
             .field("fail_open", &self.fail_open)
             .field("retry_after", &self.retry_after)
             .finish_non_exhaustive()

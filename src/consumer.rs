@@ -59,7 +59,7 @@ use futures_util::FutureExt;
 use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
-use crate::lease::{self, Held, panic_message};
+use crate::lease::{Held, panic_message};
 use crate::record::{Completed, Record, RecordId};
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
@@ -71,7 +71,6 @@ pub struct Deduplicator<St> {
     scope: Scope,
     window: Duration,
     lease: Duration,
-    timeout: Duration,
     max_wait: Duration,
 }
 
@@ -113,15 +112,15 @@ impl<St> Deduplicator<St> {
     /// A deduplicator over `store`, whose ids live in their own `scope` (a consumer group's or a
     /// queue's name): ids of other scopes, and the HTTP layer's keys (even in a scope of the same
     /// name), never collide with them.
-    /// Defaults: a 24 h dedup window, a 30 s lease renewed while the work runs, a 1 s store
-    /// timeout, and up to 30 s of waiting for another consumer's run of the same id.
+    /// Defaults: a 24 h dedup window, a 30 s lease renewed while the work runs, and up to 30 s of
+    /// waiting for another consumer's run of the same id. Each store call is bounded by the store
+    /// itself (`RedisStore::with_timeout`).
     pub fn new(store: St, scope: impl Into<Scope>) -> Self {
         Self {
             store,
             scope: scope.into(),
             window: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
-            timeout: Duration::from_secs(1),
             max_wait: Duration::from_secs(30),
         }
     }
@@ -136,12 +135,6 @@ impl<St> Deduplicator<St> {
     /// consumer that dies frees its ids within one lease. Default: 30 seconds.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(3));
-        self
-    }
-
-    /// The bound on each store call. Default: 1 second.
-    pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
         self
     }
 
@@ -187,11 +180,7 @@ impl<St: Store> Deduplicator<St> {
         let started = tokio::time::Instant::now();
         let mut pause = Duration::from_millis(10);
         let token = loop {
-            let claim = lease::timed(
-                self.timeout,
-                self.store.claim(&id, &fingerprint, self.lease),
-            )
-            .await;
+            let claim = self.store.claim(&id, &fingerprint, self.lease).await;
             match claim.map_err(DedupError::Store)? {
                 Claim::Claimed(token) => break token,
                 Claim::Existing(Record::Completed(_)) => return Ok(Processed::Duplicate),
@@ -212,7 +201,6 @@ impl<St: Store> Deduplicator<St> {
             id: &id,
             token: &token,
             lease: self.lease,
-            timeout: self.timeout,
         };
         let result = held.renewing(AssertUnwindSafe(work()).catch_unwind()).await;
         match result {
@@ -251,7 +239,6 @@ impl<St: fmt::Debug> fmt::Debug for Deduplicator<St> {
             .field("scope", &self.scope)
             .field("window", &self.window)
             .field("lease", &self.lease)
-            .field("timeout", &self.timeout)
             .field("max_wait", &self.max_wait)
             .finish()
     }

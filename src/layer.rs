@@ -154,13 +154,6 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// The longest the layer waits for one store call. A claim that takes longer is treated as a
-    /// store failure (503, or fail-open). Default: 1 second.
-    pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.config.store_timeout = timeout;
-        self
-    }
-
     /// What to do when the store fails at claim time: `false` refuses the request with 503 and
     /// `Retry-After` (fail closed: no request ever runs unprotected); `true` runs the handler
     /// without protection and logs a warning (fail open: availability over exactly-once).

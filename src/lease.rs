@@ -1,5 +1,5 @@
-//! Running work under a claim: store calls bounded by a timeout, lease renewal while the work runs,
-//! and fenced writes retried within a bound. Shared by the HTTP layer and the consumer.
+//! Running work under a claim: lease renewal while the work runs, and fenced writes retried
+//! within a bound. Shared by the HTTP layer and the consumer.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,61 +19,12 @@ const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 /// pending write lands within about this long.
 const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// Bounds one store call by `timeout`, counted from its first poll.
-pub(crate) fn timed<F, T>(timeout: Duration, call: F) -> Timed<F>
-where
-    F: Future<Output = Result<T, StoreError>>,
-{
-    Timed {
-        call,
-        timer: None,
-        timeout,
-    }
-}
-
-pin_project! {
-    /// A store call bounded by a timeout. Its timer is made (boxed) only when the call does not
-    /// finish at its first poll: a store that answers at once (the memory store) pays for no timer,
-    /// and every request future that awaits a call stays smaller than with an inline `Sleep`.
-    pub(crate) struct Timed<F> {
-        #[pin]
-        call: F,
-        timer: Option<Pin<Box<Sleep>>>,
-        timeout: Duration,
-    }
-}
-
-impl<F, T> Future for Timed<F>
-where
-    F: Future<Output = Result<T, StoreError>>,
-{
-    type Output = Result<T, StoreError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        if let Poll::Ready(result) = this.call.poll(cx) {
-            return Poll::Ready(result);
-        }
-        let timeout = *this.timeout;
-        match started(this.timer, timeout).as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(StoreError::Timeout(timeout))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-/// The timer in `slot`, started to fire `after` from now if it was not started yet.
-fn started(slot: &mut Option<Pin<Box<Sleep>>>, after: Duration) -> &mut Pin<Box<Sleep>> {
-    slot.get_or_insert_with(|| Box::pin(tokio::time::sleep(after)))
-}
-
 /// A claim held on a record: what renewing and writing it needs.
 pub(crate) struct Held<'a, St> {
     pub(crate) store: &'a St,
     pub(crate) id: &'a RecordId,
     pub(crate) token: &'a ClaimToken,
     pub(crate) lease: Duration,
-    pub(crate) timeout: Duration,
 }
 
 impl<St> Clone for Held<'_, St> {
@@ -109,7 +60,9 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
             return Poll::Ready(output);
         }
         let every = *this.every;
-        let tick = started(this.tick, every);
+        let tick = this
+            .tick
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
         loop {
             if let Some(renewal) = this.renewal.as_mut() {
                 if renewal.as_mut().poll(cx).is_pending() {
@@ -140,12 +93,7 @@ impl<'a, St: Store> Held<'a, St> {
 
     /// One renewal of the lease, logged when it fails.
     async fn renew(self) {
-        match timed(
-            self.timeout,
-            self.store.renew(self.id, self.token, self.lease),
-        )
-        .await
-        {
+        match self.store.renew(self.id, self.token, self.lease).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 target: "tower_idempotency",
@@ -206,7 +154,7 @@ impl<'a, St: Store> Held<'a, St> {
             backoff *= 2;
         }
         loop {
-            match timed(self.timeout, call()).await {
+            match call().await {
                 Ok(true) => {
                     if failures > 0 {
                         tracing::info!(

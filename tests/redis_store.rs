@@ -83,7 +83,7 @@ fn store(server: &RedisServer) -> RedisStore {
 }
 
 fn layer(server: &RedisServer) -> IdempotencyLayer<RedisStore> {
-    IdempotencyLayer::new(store(server)).store_timeout(Duration::from_millis(500))
+    IdempotencyLayer::new(store(server))
 }
 
 fn charge(key: &str, body: &str) -> Request<Body> {
@@ -480,7 +480,7 @@ async fn a_client_that_leaves_during_the_claim_does_not_leave_its_key_claimed() 
     let store = RedisStore::from_url(&server.url())
         .unwrap()
         .with_timeout(Duration::from_secs(10));
-    let app = handler.app(IdempotencyLayer::new(store).store_timeout(Duration::from_secs(10)));
+    let app = handler.app(IdempotencyLayer::new(store));
     assert_eq!(
         send(&app, charge("warm-up", "1")).await.1,
         Some(Outcome::Executed)

@@ -54,9 +54,7 @@ impl<St: Store> Shared<St> {
             &config.fingerprint_headers,
             &body,
         );
-        let claim = self
-            .timed(self.store.claim(&id, &fingerprint, config.lease))
-            .await;
+        let claim = self.store.claim(&id, &fingerprint, config.lease).await;
         parts.extensions.insert(key);
         let request = Request::from_parts(parts, RequestBody::buffered(body));
         match claim {

@@ -147,9 +147,7 @@ impl<St: Store> Shared<St> {
         response: Response<B>,
     ) -> Response<B> {
         let ttl = self.config.dedup_window;
-        let written = self
-            .timed(self.store.complete(id, token, &completed, ttl))
-            .await;
+        let written = self.store.complete(id, token, &completed, ttl).await;
         self.after_write(id, token, Some(completed), written);
         response
     }
@@ -161,7 +159,7 @@ impl<St: Store> Shared<St> {
         token: &ClaimToken,
         response: Response<B>,
     ) -> Response<B> {
-        let released = self.timed(self.store.release(id, token)).await;
+        let released = self.store.release(id, token).await;
         self.after_write(id, token, None, released);
         response
     }

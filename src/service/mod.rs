@@ -26,12 +26,12 @@ use crate::detach::Background;
 use crate::future::{Covered, ResponseFuture};
 use crate::hex::Hex;
 use crate::key::IdempotencyKey;
-use crate::lease::{self, Held};
+use crate::lease::Held;
 use crate::outcome::Outcome;
 use crate::problem::{Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
 use crate::scope::Scope;
-use crate::store::{Store, StoreError};
+use crate::store::Store;
 use crate::throttle::Throttle;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -250,20 +250,12 @@ impl<St: Store> Shared<St> {
         finish(problem.into_response().map(ResponseBody::full), outcome)
     }
 
-    pub(super) fn timed<T>(
-        &self,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> impl Future<Output = Result<T, StoreError>> {
-        lease::timed(self.config.store_timeout, call)
-    }
-
     pub(super) fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
         Held {
             store: &self.store,
             id,
             token,
             lease: self.config.lease,
-            timeout: self.config.store_timeout,
         }
     }
 }

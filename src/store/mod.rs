@@ -62,6 +62,11 @@ pub enum StoreError {
 /// Every method is atomic. Implementations return `impl Future + Send`, so they can be written
 /// with `async fn` and nothing is boxed.
 ///
+/// Every call must finish, or fail with [`StoreError::Timeout`], within a bound of the store's own
+/// (`RedisStore::with_timeout`, 1 s by default; the memory store never waits on anything but its
+/// own locks): the layer and the consumer add no timeout of their own, so that each call has one
+/// bound, set where the transport is known. A store that can hang hangs the requests that use it.
+///
 /// ```
 /// use std::time::Duration;
 /// use tower_idempotency::store::{Claim, MemoryStore, Store};

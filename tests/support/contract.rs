@@ -127,7 +127,7 @@ macro_rules! store_contract {
             concurrent_requests_with_distinct_keys_all_run,
             store_failure_at_claim_fails_closed_with_503,
             store_failure_at_claim_fails_open_when_configured,
-            slow_store_at_claim_gets_503,
+            the_store_alone_bounds_a_claim,
             failed_store_write_still_answers_and_is_retried,
             store_write_failing_past_the_lease_lands_when_the_store_returns,
             retried_write_gives_up_once_another_claim_holds_the_key,
@@ -259,10 +259,12 @@ struct Faults {
     writes: AtomicBool,
     /// Every call waits this long before it reaches the store.
     delay: Mutex<Option<Duration>>,
+    /// Every call fails as a store that gave up waiting does.
+    time_out: AtomicBool,
 }
 
-/// A store whose calls fail with [`StoreError::Unavailable`] while a shared flag is set, or are
-/// slowed down; otherwise it delegates. Clones share the flags.
+/// A store whose calls fail with [`StoreError::Unavailable`] (or time out) while a shared flag is
+/// set, or are slowed down; otherwise it delegates. Clones share the flags.
 #[derive(Debug, Clone)]
 pub struct Faulty<St> {
     inner: St,
@@ -287,6 +289,11 @@ impl<St> Faulty<St> {
         self.faults.writes.store(failing, Ordering::SeqCst);
     }
 
+    /// Makes every call fail with [`StoreError::Timeout`] (`true`) or work (`false`).
+    pub fn time_out(&self, timing_out: bool) {
+        self.faults.time_out.store(timing_out, Ordering::SeqCst);
+    }
+
     /// Makes every call wait `delay` before it reaches the store.
     pub fn delay(&self, delay: Option<Duration>) {
         *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
@@ -296,6 +303,9 @@ impl<St> Faulty<St> {
         let delay = *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(delay) = delay {
             tokio::time::sleep(delay).await;
+        }
+        if self.faults.time_out.load(Ordering::SeqCst) {
+            return Err(StoreError::Timeout(Duration::from_secs(1)));
         }
         if self.faults.all.load(Ordering::SeqCst)
             || (write && self.faults.writes.load(Ordering::SeqCst))
@@ -1895,33 +1905,38 @@ pub async fn store_failure_at_claim_fails_open_when_configured<H: Harness>(h: H)
     assert_eq!(handler.calls(), 3);
 }
 
-/// A claim slower than the store timeout is a store failure: 503, and the handler does not run.
-pub async fn slow_store_at_claim_gets_503<H: Harness>(h: H) {
+/// The store bounds its own calls; the layer adds no timeout of its own. A slow claim that the
+/// store answers is honoured (one bound per call, not two), and a claim the store gives up on
+/// (`StoreError::Timeout`) is a store failure: 503 with `Retry-After`, and the handler does not
+/// run.
+pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
     let store = Faulty::new(h.store());
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
-    let timeout = h.lease() / 4;
-    let svc = service(
-        layer(&h, store.clone()).store_timeout(timeout),
-        handler.clone(),
-    );
+    let svc = service(layer(&h, store.clone()), handler.clone());
 
-    store.delay(Some(timeout * 2));
+    // Slower than any timeout the layer used to add (1 s), but answered.
+    store.delay(Some(Duration::from_millis(1500)));
+    let slow = send(&svc, post("slow", "x")).await;
+    assert_eq!(slow.outcome, Some(Outcome::Executed), "{}", slow.text());
+    store.delay(None);
+
+    store.time_out(true);
     let reply = send(&svc, post("k", "x")).await;
     reply.assert_problem(
         ProblemKind::StoreUnavailable,
         StatusCode::SERVICE_UNAVAILABLE,
     );
     assert!(reply.header(RETRY_AFTER).is_some());
-    assert_eq!(handler.calls(), 0);
-
-    store.delay(None);
-    let first = send(&svc, post("k", "x")).await;
     assert_eq!(
-        first.outcome,
-        Some(Outcome::Executed),
-        "the slow claim was abandoned"
+        handler.calls(),
+        1,
+        "the timed-out claim did not run the handler"
     );
-    assert_eq!(handler.calls(), 1);
+
+    store.time_out(false);
+    let first = send(&svc, post("k", "x")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(handler.calls(), 2);
 }
 
 /// When storing the result fails, the client still gets the handler's response at once, and the
