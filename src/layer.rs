@@ -138,7 +138,7 @@ impl<St> IdempotencyLayer<St> {
     /// Which responses are stored for replay, from the status and headers. A response that is not
     /// stored releases the claim, so a retry runs the handler again. A response with
     /// `Cache-Control: no-store` is never stored, whatever the policy says.
-    /// Default: [`default_store_policy`] (2xx, 3xx and 4xx except 408, 409, 425 and 429).
+    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408, 409, 425 and 429).
     pub fn store_policy<F>(mut self, policy: F) -> Self
     where
         F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
