@@ -1,0 +1,119 @@
+//! The fenced Lua scripts (complete, renew, release) and how they are sent: `EVALSHA`, reloaded
+//! once when Redis has lost them.
+
+use deadpool_redis::redis::{self, Cmd, Script};
+
+use super::RedisStore;
+use crate::record::{ClaimToken, RecordId};
+use crate::store::StoreError;
+
+/// Replaces the in-flight record with the completed one, if the claim's token still matches, or
+/// writes it where the key has no record. KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
+pub(super) const COMPLETE: &str = include_str!("complete.lua");
+/// Extends the lease of the in-flight record, if the claim's token still matches.
+/// KEYS[1] record; ARGV[1] token, ARGV[2] new lease end (8 bytes), ARGV[3] lease in ms.
+pub(super) const RENEW: &str = include_str!("renew.lua");
+/// Deletes the in-flight record, if the claim's token still matches.
+/// KEYS[1] record; ARGV[1] token.
+pub(super) const RELEASE: &str = include_str!("release.lua");
+
+/// A fenced script: its source, and the SHA1 that `EVALSHA` names it by.
+pub(super) struct Lua {
+    pub(super) source: &'static str,
+    pub(super) hash: String,
+}
+
+impl Lua {
+    pub(super) fn new(source: &'static str) -> Self {
+        Self {
+            source,
+            hash: Script::new(source).get_hash().to_owned(),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Runs a fenced script with `EVALSHA`, built straight into one command (no intermediate
+    /// copies of the record), loading the script and retrying once when Redis has lost it (a
+    /// restart or `SCRIPT FLUSH`).
+    pub(super) async fn fenced(
+        &self,
+        script: &Lua,
+        id: &RecordId,
+        token: &ClaimToken,
+        args: &[&[u8]],
+    ) -> Result<bool, StoreError> {
+        let key = self.redis_key(id);
+        let evalsha = || {
+            let size = 40 + key.len() + 16 + args.iter().map(|a| a.len()).sum::<usize>();
+            let mut cmd = Cmd::with_capacity(5 + args.len(), size);
+            cmd.arg("EVALSHA")
+                .arg(&script.hash)
+                .arg(1)
+                .arg(&key)
+                .arg(token.as_bytes().as_slice());
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        self.run(async {
+            match self.send::<i64>(evalsha()).await {
+                Err(err)
+                    if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    let mut load = redis::cmd("SCRIPT");
+                    load.arg("LOAD").arg(script.source);
+                    self.send::<String>(load).await?;
+                    self.send::<i64>(evalsha()).await
+                }
+                answer => answer,
+            }
+        })
+        .await
+        .map(|written| written == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::layout;
+
+    /// The scripts read an in-flight record in place: their offsets must be the encoding's.
+    #[test]
+    fn scripts_fence_on_the_encodings_offsets() {
+        let kind = format!(
+            "string.byte(record, {}) ~= {}",
+            layout::KIND + 1,
+            layout::IN_FLIGHT
+        );
+        let (first, last) = layout::lua(layout::TOKEN);
+        let token = format!("string.sub(record, {first}, {last}) ~= ARGV[1]");
+        for (name, script) in [
+            ("complete", COMPLETE),
+            ("renew", RENEW),
+            ("release", RELEASE),
+        ] {
+            assert!(
+                script.contains(&kind),
+                "{name}.lua reads the kind at {kind}"
+            );
+            assert!(
+                script.contains(&token),
+                "{name}.lua reads the token as {token}"
+            );
+        }
+        let (_, before_lease) = layout::lua(0..layout::LEASE_END.start);
+        let kept = format!("string.sub(record, 1, {before_lease}) .. ARGV[2]");
+        assert!(
+            RENEW.contains(&kept),
+            "renew.lua rewrites the lease end: {kept}"
+        );
+        assert_eq!(
+            layout::LEASE_END.end,
+            layout::IN_FLIGHT_LEN,
+            "the lease end is last"
+        );
+    }
+}
