@@ -54,6 +54,7 @@ fn assert_rejected(reply: &Reply, kind: ProblemKind, status: StatusCode) {
 // ---------------------------------------------------------------------------------------------
 
 /// Every invalid key form gets a 400 problem, never reaches the handler, and claims nothing.
+/// PROTOCOL.md §2.3.
 #[tokio::test(start_paused = true)]
 async fn invalid_keys_get_400_and_never_reach_the_handler() {
     let store = store();
@@ -114,6 +115,7 @@ async fn invalid_keys_get_400_and_never_reach_the_handler() {
 }
 
 /// A 255-character key works (and is replayed); the handler sees it unchanged.
+/// PROTOCOL.md §2.2, §2.4.
 #[tokio::test(start_paused = true)]
 async fn longest_key_is_accepted() {
     let handler = Handler::ok(|call| {
@@ -137,6 +139,7 @@ async fn longest_key_is_accepted() {
 
 /// The quoted sf-string `"k1"` and the bare `k1` are one key, in either order; escapes are
 /// unescaped.
+/// PROTOCOL.md §2.1.
 #[tokio::test(start_paused = true)]
 async fn quoted_and_bare_keys_are_one_key() {
     let handler = echo();
@@ -170,6 +173,7 @@ async fn quoted_and_bare_keys_are_one_key() {
 }
 
 /// A covered request without a key gets 400 by default.
+/// PROTOCOL.md §1.4.
 #[tokio::test(start_paused = true)]
 async fn missing_key_gets_400() {
     let store = store();
@@ -190,6 +194,7 @@ async fn missing_key_gets_400() {
 
 /// With `key_required(false)`, a request without a key passes through, runs every time and makes
 /// no store call; a request with a key is still protected.
+/// PROTOCOL.md §1.4.
 #[tokio::test(start_paused = true)]
 async fn optional_key_passes_through_every_time_without_store_calls() {
     let store = store();
@@ -265,6 +270,7 @@ fn first_chunk_service(
 /// GET, HEAD, OPTIONS, DELETE and PUT pass through untouched by default, even with an invalid key
 /// header: the handler runs every time, no store call, and the body is not buffered (the handler
 /// answers from the first chunk while the client has not finished sending).
+/// PROTOCOL.md §1.1, §1.2.
 #[tokio::test(start_paused = true)]
 async fn unprotected_methods_pass_through_untouched() {
     let store = store();
@@ -303,6 +309,7 @@ async fn unprotected_methods_pass_through_untouched() {
 }
 
 /// `methods` replaces the covered set: PUT is protected, POST passes through.
+/// PROTOCOL.md §1.1.
 #[tokio::test(start_paused = true)]
 async fn configured_methods_are_the_only_ones_protected() {
     let store = store();
@@ -332,6 +339,7 @@ async fn configured_methods_are_the_only_ones_protected() {
 
 /// A body over the limit (with a Content-Length, or streamed without one) gets 413; nothing is
 /// claimed and the handler does not run; the key is not blocked: a small body with it works.
+/// PROTOCOL.md §1.5.
 #[tokio::test(start_paused = true)]
 async fn oversized_request_gets_413_and_claims_nothing() {
     let store = store();
@@ -379,6 +387,7 @@ async fn oversized_request_gets_413_and_claims_nothing() {
 }
 
 /// A request body that fails while it is read gets a 400 problem; nothing is claimed.
+/// PROTOCOL.md §1.5.
 #[tokio::test(start_paused = true)]
 async fn unreadable_request_body_gets_400() {
     let store = store();
@@ -402,6 +411,7 @@ async fn unreadable_request_body_gets_400() {
 /// Every error the layer makes is `application/problem+json` with `Cache-Control: no-store` and a
 /// JSON `type`, `title`, `status` (matching the HTTP status) and `detail`; each kind has its own
 /// stable type URI.
+/// PROTOCOL.md §7.1, §7.2.
 #[tokio::test(start_paused = true)]
 async fn every_layer_error_is_a_problem_json() {
     let mut seen = Vec::new();
@@ -508,6 +518,7 @@ async fn every_layer_error_is_a_problem_json() {
 }
 
 /// `problem_status(ProblemKind::Mismatch, 409)` answers a mismatch with 409 instead of 422.
+/// PROTOCOL.md §7.3.
 #[tokio::test(start_paused = true)]
 async fn mismatch_status_is_configurable() {
     let handler = echo();
@@ -523,6 +534,7 @@ async fn mismatch_status_is_configurable() {
 
 /// `retry_after` sets the `Retry-After` of a 409 in flight and of a 503, rounded up to whole
 /// seconds.
+/// PROTOCOL.md §6.3.
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_configurable_in_whole_seconds() {
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -552,6 +564,7 @@ async fn retry_after_is_configurable_in_whole_seconds() {
 /// Through an `axum::Router`: a handler taking `IdempotencyKey` gets the unquoted key;
 /// `Option<IdempotencyKey>` is `None` on an unprotected GET; a required key on an unprotected route
 /// is a 500 problem (a wiring error).
+/// PROTOCOL.md §2.4, §7.4.
 #[tokio::test(start_paused = true)]
 async fn extractor_gets_the_key() {
     async fn optional(key: Option<IdempotencyKey>) -> String {
@@ -603,6 +616,7 @@ async fn extractor_gets_the_key() {
 }
 
 /// Through `tower::ServiceBuilder`: the key is in the request's extensions.
+/// PROTOCOL.md §2.4.
 #[tokio::test(start_paused = true)]
 async fn handler_gets_the_key_in_its_extensions() {
     let handler = Handler::ok(|call| {
@@ -620,6 +634,7 @@ async fn handler_gets_the_key_in_its_extensions() {
 // ---------------------------------------------------------------------------------------------
 
 /// `header_name` moves the key to another header; the default header is then ignored.
+/// PROTOCOL.md §1.3.
 #[tokio::test(start_paused = true)]
 async fn header_name_is_configurable() {
     let handler = echo();
@@ -640,6 +655,7 @@ async fn header_name_is_configurable() {
 }
 
 /// Request headers are not part of the fingerprint by default; `fingerprint_headers` adds them.
+/// PROTOCOL.md §4.1.
 #[tokio::test(start_paused = true)]
 async fn fingerprint_headers_are_opt_in() {
     let request = |content_type: &str| {
@@ -666,6 +682,7 @@ async fn fingerprint_headers_are_opt_in() {
 }
 
 /// `store_policy` decides what is stored; `Cache-Control: no-store` wins over any policy.
+/// PROTOCOL.md §8.1, §8.2.
 #[tokio::test(start_paused = true)]
 async fn store_policy_is_configurable_and_no_store_wins() {
     let handler = status_handler();
@@ -693,6 +710,7 @@ async fn store_policy_is_configurable_and_no_store_wins() {
 }
 
 /// A scope function's `Rejection` built from a whole response reaches the client as it is.
+/// PROTOCOL.md §3.2.
 #[tokio::test(start_paused = true)]
 async fn scope_rejection_is_the_applications_response() {
     let store = store();
@@ -722,8 +740,8 @@ async fn scope_rejection_is_the_applications_response() {
 // Failures around the handler
 // ---------------------------------------------------------------------------------------------
 
-/// SPEC §5: "A handler that errors or panics: the client gets a 500 problem response", also when
-/// the handler runs unprotected because the store is down and the layer is fail-open.
+/// PROTOCOL.md §9.7: a handler that errors or panics gets a 500 problem response, also when it
+/// runs unprotected because the store is down and the layer is fail-open.
 #[tokio::test(start_paused = true)]
 async fn panicking_handler_under_fail_open_gets_500() {
     let faulty = Faulty::new(MemoryStore::new());
@@ -742,6 +760,7 @@ async fn panicking_handler_under_fail_open_gets_500() {
 /// A response body that fails while the layer reads it: the handler did run (its effects are
 /// done), so the layer answers 500 and keeps a tombstone; a retry gets `not-replayable` and never
 /// runs the handler a second time.
+/// PROTOCOL.md §9.4, §8.4.
 #[tokio::test(start_paused = true)]
 async fn failed_response_body_gets_500_and_the_retry_is_not_run_again() {
     let handler = Handler::ok(|call| {

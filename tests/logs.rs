@@ -1,4 +1,4 @@
-//! The layer's `tracing` events (SPEC section 5: every outcome is visible, with the key and scope
+//! The layer's `tracing` events (PROTOCOL.md §12: every outcome is visible, with the key and scope
 //! hashed). One capturing subscriber is installed as the global default for
 //! this test binary (a thread-local one loses events when tests run in parallel, through tracing's
 //! shared callsite interest cache), and the tests take turns.

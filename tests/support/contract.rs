@@ -1,6 +1,6 @@
 //! The store contract: one suite of cases that every [`Store`] runs, written once.
 //!
-//! A store is done when it passes this suite (SPEC section 6). Each case is a generic
+//! A store is done when it passes this suite (PROTOCOL.md §10.7). Each case is a generic
 //! `pub async fn case<H: Harness>(h: H)`; a test file supplies a [`Harness`] for its store and
 //! invokes [`store_contract!`](crate::store_contract), which expands to one `#[tokio::test]` per
 //! case:
@@ -720,6 +720,7 @@ fn header_pairs(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
 
 /// A claim on a free key succeeds; a second claim, with the same or another fingerprint, gets
 /// the in-flight record unchanged, and the first claimant still owns it.
+/// PROTOCOL.md §10.1, §10.2.
 pub async fn store_claim_is_exclusive<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -756,6 +757,7 @@ pub async fn store_claim_is_exclusive<H: Harness>(h: H) {
 }
 
 /// Records of different ids (the same key in two scopes) are independent.
+/// PROTOCOL.md §5.1, §5.3, §10.2.
 pub async fn store_claims_are_per_record_id<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -777,6 +779,7 @@ pub async fn store_claims_are_per_record_id<H: Harness>(h: H) {
 
 /// A completed record comes back exactly: status, every header value in order (repeated, empty
 /// and non-UTF-8 values), and the body bytes; whatever fingerprint the later claim carries.
+/// PROTOCOL.md §10.1.
 pub async fn store_completed_record_is_returned_intact<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -809,6 +812,7 @@ pub async fn store_completed_record_is_returned_intact<H: Harness>(h: H) {
 }
 
 /// A tombstone (`Completed` without a response) is kept as such.
+/// PROTOCOL.md §5.2, §10.1.
 pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -830,6 +834,7 @@ pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
 
 /// A completed record lives for the TTL given to `complete` (the dedup window), not for the
 /// claim's lease; after it, the key is free.
+/// PROTOCOL.md §5.2, §10.1.
 pub async fn store_completed_record_lives_for_its_ttl_not_the_lease<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window, m) = (h.lease(), h.window(), margin(&h));
@@ -860,6 +865,7 @@ pub async fn store_completed_record_lives_for_its_ttl_not_the_lease<H: Harness>(
 }
 
 /// An in-flight record without renewal lives for its lease, then the key is free.
+/// PROTOCOL.md §5.2, §10.2.
 pub async fn store_lease_expires_without_renewal<H: Harness>(h: H) {
     let store = h.store();
     let (lease, m) = (h.lease(), margin(&h));
@@ -878,6 +884,7 @@ pub async fn store_lease_expires_without_renewal<H: Harness>(h: H) {
 }
 
 /// `renew` extends the lease to a full lease from now.
+/// PROTOCOL.md §10.1 (renew).
 pub async fn store_renew_extends_the_lease<H: Harness>(h: H) {
     let store = h.store();
     let (lease, m) = (h.lease(), margin(&h));
@@ -904,6 +911,7 @@ pub async fn store_renew_extends_the_lease<H: Harness>(h: H) {
 
 /// `release` deletes the owner's in-flight record; the key can be claimed again, and the old token
 /// no longer works.
+/// PROTOCOL.md §5.3, §10.1 (release).
 pub async fn store_release_frees_the_key<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -929,6 +937,7 @@ pub async fn store_release_frees_the_key<H: Harness>(h: H) {
 
 /// An owner whose lease ran out, and whose key was claimed again, can neither complete, renew nor
 /// release the new owner's record.
+/// PROTOCOL.md §5.3, §10.2.
 pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
@@ -968,6 +977,7 @@ pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H)
 
 /// Once completed, a record is final: the claim's token can no longer complete, renew or release
 /// it.
+/// PROTOCOL.md §5.2, §5.3.
 pub async fn store_completed_record_is_final<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
@@ -997,8 +1007,8 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
 }
 
 /// Renew and release on a key without a record do nothing and create nothing; complete writes
-/// the record, since the work it records did run (section 3, "store fails when storing the
-/// result").
+/// the record, since the work it records did run.
+/// PROTOCOL.md §10.1, §9.5.
 pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
@@ -1021,6 +1031,7 @@ pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Har
 
 /// An owner whose lease ran out while nobody claimed the key since still completes it: the record
 /// vanished, but the work ran, and a retry must get its result rather than run it again.
+/// PROTOCOL.md §10.1, §9.6.
 pub async fn store_complete_after_the_lease_ran_out_writes_the_record<H: Harness>(h: H) {
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
@@ -1041,6 +1052,7 @@ pub async fn store_complete_after_the_lease_ran_out_writes_the_record<H: Harness
 }
 
 /// Of many concurrent claims of one key, exactly one wins.
+/// PROTOCOL.md §10.2.
 pub async fn store_concurrent_claims_have_one_winner<H: Harness>(h: H) {
     let store = h.store();
     let lease = h.lease();
@@ -1094,6 +1106,7 @@ fn assert_replay_of(replay: &Reply, first: &Reply) {
 
 /// Through an `axum::Router`: the replay repeats the status, every header value in order and the
 /// body, adds `Idempotent-Replayed: true`, and the handler runs once.
+/// PROTOCOL.md §6.4.
 pub async fn replay_is_byte_identical_through_a_router<H: Harness>(h: H) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
@@ -1144,6 +1157,7 @@ pub async fn replay_is_byte_identical_through_a_router<H: Harness>(h: H) {
 
 /// Through `tower::ServiceBuilder`, with repeated, empty and non-UTF-8 header values and a binary
 /// body.
+/// PROTOCOL.md §6.4, §10.1.
 pub async fn replay_is_byte_identical_through_service_builder<H: Harness>(h: H) {
     let handler = Handler::ok(|call| {
         let mut body = format!("run {} of ", call.n).into_bytes();
@@ -1179,6 +1193,7 @@ pub async fn replay_is_byte_identical_through_service_builder<H: Harness>(h: H) 
 /// While the first request is held in flight (a tower-test mock), the same request gets 409 with
 /// `Retry-After: 1` and a different one 422, and the inner service sees one request; once the
 /// first finishes, a retry gets its replay.
+/// PROTOCOL.md §6.2, §6.3, §4.3.
 pub async fn in_flight_request_gets_409_then_the_replay<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let (mock, mut handle) = mock::pair::<Request<RequestBody<Body>>, Response<Body>>();
@@ -1240,6 +1255,7 @@ pub async fn in_flight_request_gets_409_then_the_replay<H: Harness>(h: H) {
 }
 
 /// A configured `Retry-After` longer than the lease is cut to the lease's end.
+/// PROTOCOL.md §6.3.
 pub async fn retry_after_never_goes_beyond_the_lease<H: Harness>(h: H) {
     let (mock, mut handle) = mock::pair::<Request<RequestBody<Body>>, Response<Body>>();
     let layer = layer(&h, h.store()).retry_after(h.lease() * 100);
@@ -1259,6 +1275,7 @@ pub async fn retry_after_never_goes_beyond_the_lease<H: Harness>(h: H) {
 
 /// The same key with a different body, path, query or method gets 422 and the handler does not
 /// run; the original record is undisturbed. Both POST-then-PATCH and PATCH-then-POST.
+/// PROTOCOL.md §4.1, §4.3.
 pub async fn different_request_with_the_same_key_gets_422<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let handler = Handler::ok(|call| {
@@ -1341,6 +1358,7 @@ pub fn status_request(key: &str, status: u16, cache_control: Option<&str>) -> Re
 
 /// 5xx, 408, 409, 425 and 429 responses, and any with `Cache-Control: no-store`, are not stored:
 /// the claim is released and a retry runs the handler again.
+/// PROTOCOL.md §8.1, §8.2.
 pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let handler = status_handler();
@@ -1387,6 +1405,7 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
 }
 
 /// 2xx, 3xx and 4xx responses (402 included) are stored and replayed.
+/// PROTOCOL.md §8.1.
 pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
     let handler = status_handler();
     let svc = service(layer(&h, h.store()), handler.clone());
@@ -1416,6 +1435,7 @@ pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
 
 /// `Set-Cookie`, hop-by-hop headers and `Date` reach the first client but are not replayed;
 /// repeated headers are. With `keep_set_cookie(true)`, `Set-Cookie` is replayed too.
+/// PROTOCOL.md §8.3.
 pub async fn replay_drops_cookies_hop_by_hop_headers_and_date<H: Harness>(h: H) {
     let handler = Handler::ok(|call| {
         let mut response = created(format!("call {}", call.n));
@@ -1500,6 +1520,7 @@ pub async fn replay_drops_cookies_hop_by_hop_headers_and_date<H: Harness>(h: H) 
 /// A response over the response limit (with a known length, or streamed) reaches the first client
 /// in full and leaves a tombstone: the retry gets a `not-replayable` 409 and the handler does not
 /// run again. A response of exactly the limit is stored.
+/// PROTOCOL.md §8.4, §6.3, §7.2.
 pub async fn oversized_response_is_delivered_and_leaves_a_tombstone<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     // `x-size` bytes, in `x-chunks` chunks (streamed, no length) or at once.
@@ -1572,6 +1593,7 @@ pub async fn oversized_response_is_delivered_and_leaves_a_tombstone<H: Harness>(
 
 /// A panicking handler gives a 500 problem and releases the claim: the retry runs it again and
 /// can succeed, and is replayed after that.
+/// PROTOCOL.md §9.4.
 pub async fn panicking_handler_gets_500_and_a_retry_runs_again<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let handler = Handler::ok(|call| {
@@ -1600,6 +1622,7 @@ pub async fn panicking_handler_gets_500_and_a_retry_runs_again<H: Harness>(h: H)
 }
 
 /// An inner service that returns `Err` gives a 500 problem and releases the claim.
+/// PROTOCOL.md §9.4, §7.1.
 pub async fn failing_handler_gets_500_and_releases_the_claim<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let handler = Handler::new(|call| async move {
@@ -1649,6 +1672,7 @@ pub fn gated_handler(started: Arc<Notify>, gate: Arc<Notify>, body: &'static str
 /// Dropping the response future mid-handler (the client went away) does not cancel the handler:
 /// it runs to completion, its response is stored, and the retry gets it. The shutdown handle's
 /// `wait` returns only after the detached handler finished.
+/// PROTOCOL.md §9.3, §9.8.
 pub async fn dropped_request_runs_to_completion_and_shutdown_waits_for_it<H: Harness>(h: H) {
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = gated_handler(started.clone(), gate.clone(), "late");
@@ -1684,6 +1708,7 @@ pub async fn dropped_request_runs_to_completion_and_shutdown_waits_for_it<H: Har
 
 /// A handler that runs for three leases keeps its claim (the layer renews it): retries meanwhile
 /// get 409, never a second execution.
+/// PROTOCOL.md §9.2.
 pub async fn slow_handler_keeps_its_claim_past_the_lease<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -1716,6 +1741,7 @@ pub async fn slow_handler_keeps_its_claim_past_the_lease<H: Harness>(h: H) {
 }
 
 /// After the dedup window, the key is new: the handler runs again.
+/// PROTOCOL.md §8.6.
 pub async fn key_is_new_again_after_the_dedup_window<H: Harness>(h: H) {
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
     let svc = service(layer(&h, h.store()), handler.clone());
@@ -1737,6 +1763,7 @@ pub async fn key_is_new_again_after_the_dedup_window<H: Harness>(h: H) {
 
 /// The same key in two scopes runs twice, and each scope replays its own response; a scope
 /// function's rejection is the client's answer, with no claim.
+/// PROTOCOL.md §3.1, §3.2, §7.4.
 pub async fn scopes_never_see_each_others_records<H: Harness>(h: H) {
     let store = Counting::new(h.store());
     let handler = Handler::ok(|call| {
@@ -1795,6 +1822,7 @@ pub async fn scopes_never_see_each_others_records<H: Harness>(h: H) {
 
 /// 500 concurrent requests with one key: the handler runs exactly once; every other request gets
 /// the in-flight 409 or the replay.
+/// PROTOCOL.md §6.2, §10.2.
 pub async fn concurrent_requests_with_one_key_run_once<H: Harness>(h: H) {
     let handler = Handler::new(|call| async move {
         tokio::task::yield_now().await;
@@ -1832,6 +1860,7 @@ pub async fn concurrent_requests_with_one_key_run_once<H: Harness>(h: H) {
 }
 
 /// 500 concurrent requests with distinct keys all run, and none gets a 409.
+/// PROTOCOL.md §6.2.
 pub async fn concurrent_requests_with_distinct_keys_all_run<H: Harness>(h: H) {
     let handler = Handler::new(|call| async move {
         tokio::task::yield_now().await;
@@ -1851,6 +1880,7 @@ pub async fn concurrent_requests_with_distinct_keys_all_run<H: Harness>(h: H) {
 
 /// With the store failing at claim time, the default (fail closed) answers 503 with `Retry-After`
 /// and never runs the handler; once the store is back, the key works.
+/// PROTOCOL.md §6.2, §6.3.
 pub async fn store_failure_at_claim_fails_closed_with_503<H: Harness>(h: H) {
     let store = Faulty::new(h.store());
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
@@ -1877,6 +1907,7 @@ pub async fn store_failure_at_claim_fails_closed_with_503<H: Harness>(h: H) {
 
 /// With `fail_open(true)`, a store failure at claim time runs the handler unprotected (outcome
 /// `FailedOpen`, the key still in the extensions), every time.
+/// PROTOCOL.md §9.7.
 pub async fn store_failure_at_claim_fails_open_when_configured<H: Harness>(h: H) {
     let store = Faulty::new(h.store());
     let handler = Handler::ok(|call| {
@@ -1908,7 +1939,7 @@ pub async fn store_failure_at_claim_fails_open_when_configured<H: Harness>(h: H)
 /// The store bounds its own calls; the layer adds no timeout of its own. A slow claim that the
 /// store answers is honoured (one bound per call, not two), and a claim the store gives up on
 /// (`StoreError::Timeout`) is a store failure: 503 with `Retry-After`, and the handler does not
-/// run.
+/// run. PROTOCOL.md §10.4, §6.2.
 pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
     let store = Faulty::new(h.store());
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
@@ -1941,6 +1972,7 @@ pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
 
 /// When storing the result fails, the client still gets the handler's response at once, and the
 /// write is retried: once the store is back, the result is stored and replayed.
+/// PROTOCOL.md §9.5.
 pub async fn failed_store_write_still_answers_and_is_retried<H: Harness>(h: H) {
     let faulty = Faulty::new(h.store());
     let store = Counting::new(faulty.clone());
@@ -1972,6 +2004,7 @@ pub async fn failed_store_write_still_answers_and_is_retried<H: Harness>(h: H) {
 /// When storing the result keeps failing for longer than the lease, the write is still retried:
 /// once the store answers again, the result is written (the claim ran out, but nobody claimed the
 /// key since), and a retry gets the replay. The handler runs once.
+/// PROTOCOL.md §9.5, §9.6.
 pub async fn store_write_failing_past_the_lease_lands_when_the_store_returns<H: Harness>(h: H) {
     let faulty = Faulty::new(h.store());
     let store = Counting::new(faulty.clone());
@@ -1999,6 +2032,7 @@ pub async fn store_write_failing_past_the_lease_lands_when_the_store_returns<H: 
 
 /// A write retried while the store failed gives up once another claim holds the key: the claim
 /// is provably lost, and the new owner's result stands.
+/// PROTOCOL.md §9.5, §9.6.
 pub async fn retried_write_gives_up_once_another_claim_holds_the_key<H: Harness>(h: H) {
     let faulty = Faulty::new(h.store());
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
