@@ -56,6 +56,9 @@
 //! ```
 //!
 //! # The protocol
+//! The complete contract, in numbered sections that the tests cite, is `docs/PROTOCOL.md` in the
+//! crate's repository. In short:
+//!
 //! - **Which requests.** `POST` and `PATCH` by default ([`IdempotencyLayer::methods`]); everything
 //!   else passes through untouched, with no buffering and no store call.
 //! - **The key.** The `Idempotency-Key` header, either the IETF draft's quoted sf-string
