@@ -10,7 +10,7 @@ use futures_util::FutureExt;
 use http::{Request, Response};
 
 use super::capture::{Handled, capture, replayable_headers};
-use super::{Handler, Shared, StorableBody, finish};
+use super::{Handler, Shared, StorableBody, finish, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
 use crate::lease::{self, ErrorChain, panic_message};
@@ -39,6 +39,8 @@ impl<St: Store> Shared<St> {
         // The handler's work and what follows it are boxed apart: each box stays under 1 KiB,
         // which allocators serve from their fast per-thread caches, where one box of both would
         // not be.
+        let mut request = request;
+        self.store.prepare(&id, &token, request.extensions_mut());
         let work = Box::pin(self.clone().run(inner, request));
         let execute = Box::pin(self.clone().execute(work, id, token, fingerprint));
         self.background.detachable(execute)
@@ -138,16 +140,31 @@ impl<St: Store> Shared<St> {
     }
 
     /// Stores the result, then answers: after the write, so that a retry that follows the response
-    /// finds it. A failed write answers at once and is retried on a task of its own.
+    /// finds it. A failed write answers at once and is retried on a task of its own. A completion
+    /// whose transaction did not commit ([`StoreError::Aborted`]) took the handler's effects with
+    /// it: the client is told that nothing was done, and its retry runs the request again.
     async fn complete<B>(
         self: &Arc<Self>,
         id: &RecordId,
         token: &ClaimToken,
         completed: Completed,
-        response: Response<B>,
-    ) -> Response<B> {
+        response: Response<ResponseBody<B>>,
+    ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
         let written = self.store.complete(id, token, &completed, ttl).await;
+        if let Err(StoreError::Aborted(err)) = &written {
+            tracing::error!(
+                target: "tower_idempotency",
+                error = %ErrorChain(&**err),
+                "the handler's transaction did not commit with its record; answering that nothing was done"
+            );
+            let detail = String::from(
+                "the request's effects could not be committed with its idempotency record, so \
+                 nothing was done; retry with the same key",
+            );
+            let retry_after = Some(whole_seconds(self.config.retry_after));
+            return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
+        }
         self.after_write(id, token, Some(completed), written);
         response
     }

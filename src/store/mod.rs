@@ -52,6 +52,12 @@ pub enum StoreError {
     /// The store could not be reached or failed.
     #[error("the store is unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A completion's transaction did not commit, or may not have: the work's own writes, made in
+    /// that transaction, are undone or unknown, so the work must not be reported as done. Nothing
+    /// is retried: the record was released, or is left for its lease to settle. Only a store
+    /// whose completion commits with the work's effects ([`Store::prepare`]) returns it.
+    #[error("the work's transaction did not commit with its record")]
+    Aborted(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The stored bytes could not be read or written.
     #[error("a record could not be encoded or decoded")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -121,6 +127,14 @@ pub trait Store: Send + Sync + 'static {
         token: &ClaimToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Called for a claimed request before its work runs, with the request's extensions: a store
+    /// whose records live beside the work's own data puts there what lets the work join the
+    /// completion's transaction, so that the work's writes and its record commit together (or
+    /// not at all). The default does nothing.
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        let _ = (id, token, extensions);
+    }
 
     /// Deletes the in-flight record claimed with `token`, so the key is free again.
     /// `Ok(false)` when the record no longer carries `token`.

@@ -39,7 +39,7 @@ use axum::response::AppendHeaders;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, LOCATION, RETRY_AFTER};
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http::{Extensions, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
@@ -129,6 +129,7 @@ macro_rules! store_contract {
             store_failure_at_claim_fails_open_when_configured,
             the_store_alone_bounds_a_claim,
             failed_store_write_still_answers_and_is_retried,
+            an_aborted_completion_is_not_reported_as_done,
             store_write_failing_past_the_lease_lands_when_the_store_returns,
             retried_write_gives_up_once_another_claim_holds_the_key,
         );
@@ -245,6 +246,10 @@ impl<St: Store> Store for Counting<St> {
         self.inner.renew(id, token, lease).await
     }
 
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
+        self.inner.prepare(id, token, extensions);
+    }
+
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.counters.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(id, token).await
@@ -261,7 +266,13 @@ struct Faults {
     delay: Mutex<Option<Duration>>,
     /// Every call fails as a store that gave up waiting does.
     time_out: AtomicBool,
+    /// Completions roll back: the claim is released and `complete` answers `Aborted`.
+    abort: AtomicBool,
 }
+
+/// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prepared(pub ClaimToken);
 
 /// A store whose calls fail with [`StoreError::Unavailable`] (or time out) while a shared flag is
 /// set, or are slowed down; otherwise it delegates. Clones share the flags.
@@ -292,6 +303,12 @@ impl<St> Faulty<St> {
     /// Makes every call fail with [`StoreError::Timeout`] (`true`) or work (`false`).
     pub fn time_out(&self, timing_out: bool) {
         self.faults.time_out.store(timing_out, Ordering::SeqCst);
+    }
+
+    /// Makes every completion roll back as a transactional store's does when its commit fails:
+    /// the claim is released and `complete` answers [`StoreError::Aborted`].
+    pub fn abort_completions(&self, aborting: bool) {
+        self.faults.abort.store(aborting, Ordering::SeqCst);
     }
 
     /// Makes every call wait `delay` before it reaches the store.
@@ -337,6 +354,12 @@ impl<St: Store> Store for Faulty<St> {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         self.enter(true).await?;
+        if self.faults.abort.load(Ordering::SeqCst) {
+            self.inner.release(id, token).await?;
+            return Err(StoreError::Aborted(Box::new(std::io::Error::other(
+                "injected failed commit",
+            ))));
+        }
         self.inner.complete(id, token, completed, ttl).await
     }
 
@@ -348,6 +371,11 @@ impl<St: Store> Store for Faulty<St> {
     ) -> Result<bool, StoreError> {
         self.enter(true).await?;
         self.inner.renew(id, token, lease).await
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
+        extensions.insert(Prepared(*token));
+        self.inner.prepare(id, token, extensions);
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
@@ -1967,6 +1995,49 @@ pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
     store.time_out(false);
     let first = send(&svc, post("k", "x")).await;
     assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(handler.calls(), 2);
+}
+
+/// The layer prepares each claimed request with its store before the handler runs. When a
+/// completion that commits with the work does not commit, the handler's response is not
+/// delivered: the client gets 503 with `Retry-After`, the write is not retried, and the retry runs
+/// the request again, cleanly. PROTOCOL.md §9.9.
+pub async fn an_aborted_completion_is_not_reported_as_done<H: Harness>(h: H) {
+    let faulty = Faulty::new(h.store());
+    let store = Counting::new(faulty.clone());
+    let handler = Handler::ok(|call| {
+        let prepared = call.parts.extensions.get::<Prepared>().copied();
+        assert!(prepared.is_some(), "prepare ran before the handler");
+        created(format!("call {}", call.n))
+    });
+    let layer = layer(&h, store.clone());
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, handler.clone());
+
+    faulty.abort_completions(true);
+    let aborted = send(&svc, post("k", "x")).await;
+    aborted.assert_problem(
+        ProblemKind::StoreUnavailable,
+        StatusCode::SERVICE_UNAVAILABLE,
+    );
+    assert!(aborted.header(RETRY_AFTER).is_some());
+    assert_ne!(
+        aborted.text(),
+        "call 1",
+        "the rolled-back response is not delivered"
+    );
+    faulty.abort_completions(false);
+    shutdown.clone().wait().await;
+    assert_eq!(
+        store.calls().complete,
+        1,
+        "an aborted completion is not retried"
+    );
+
+    let retry = send(&svc, post("k", "x")).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    assert_eq!(retry.text(), "call 2");
+    assert_replay_of(&send(&svc, post("k", "x")).await, &retry);
     assert_eq!(handler.calls(), 2);
 }
 
