@@ -195,6 +195,7 @@ fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
     command
         .env("ADDR", "127.0.0.1:0")
         .env_remove("REDIS_URL")
+        .env_remove("LEDGER_REDIS_URL")
         .env_remove("PSP_LATENCY_MS")
         .env_remove("SHUTDOWN_TIMEOUT_MS")
         .env("RUST_LOG", "info")
@@ -387,7 +388,8 @@ fn a_bad_redis_url_fails_clearly() {
     assert!(!stdout.contains("listening"), "{stdout}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
-    assert!(lines[0].contains("REDIS_URL"), "{stderr}");
+    assert!(lines[0].contains("bad REDIS_URL"), "{stderr}");
+    assert!(!lines[0].contains("LEDGER_REDIS_URL"), "{stderr}");
 }
 
 #[test]
@@ -399,8 +401,30 @@ fn an_unreachable_redis_fails_clearly() {
     assert!(!stdout.contains("listening"), "{stdout}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
-    assert!(lines[0].contains("Redis"), "{stderr}");
+    // It names the variable that was set: the ledger's Redis defaults to REDIS_URL's.
+    assert!(
+        lines[0].contains("cannot use Redis at REDIS_URL"),
+        "{stderr}"
+    );
+    assert!(!lines[0].contains("LEDGER_REDIS_URL"), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(10), "it fails fast");
+}
+
+#[test]
+fn an_unreachable_ledger_redis_names_ledger_redis_url() {
+    let redis = RedisServer::start();
+    let (status, stdout, stderr) = run_to_exit(&[
+        ("REDIS_URL", &redis.url()),
+        ("LEDGER_REDIS_URL", "redis://127.0.0.1:1"),
+    ]);
+    assert!(!status.success(), "exit {status:?}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    assert!(
+        lines[0].contains("cannot use Redis at LEDGER_REDIS_URL"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -247,12 +247,15 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let state = AppState::new(latency);
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
-    // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one.
-    let ledger_url = env_url("LEDGER_REDIS_URL").or_else(|| env_url("REDIS_URL"));
+    // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one; its
+    // errors name the variable the URL came from.
+    let ledger_url = ["LEDGER_REDIS_URL", "REDIS_URL"]
+        .into_iter()
+        .find_map(|var| Some((var, env_url(var)?)));
     let (state, consumer_store) = match ledger_url {
         None => (state, ConsumerStore::Memory(MemoryStore::new())),
-        Some(url) => {
-            let (conn, queue, balances, store) = connect_ledger(&url).await?;
+        Some((var, url)) => {
+            let (conn, queue, balances, store) = connect_ledger(var, &url).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
             // The provider stands for one outside service that every instance calls: its keys
             // are shared, beside the ledger's durable data (apart from the idempotency records
@@ -411,13 +414,14 @@ fn consumer_name() -> String {
 }
 
 /// A connection to the Redis at `url` (7.0 or newer), checked now, and the event stream, the
-/// balances and the consumer's records in it.
+/// balances and the consumer's records in it. `var` is the environment variable `url` came from,
+/// for the error messages.
 async fn connect_ledger(
+    var: &str,
     url: &str,
 ) -> Result<(redis_conn::RedisConn, Queue, Balances, RedisStore), String> {
-    let bad_url = |err: &dyn Error| format!("bad LEDGER_REDIS_URL: {}", report(err));
-    let unusable =
-        |err: &dyn Error| format!("cannot use Redis at LEDGER_REDIS_URL: {}", report(err));
+    let bad_url = |err: &dyn Error| format!("bad {var}: {}", report(err));
+    let unusable = |err: &dyn Error| format!("cannot use Redis at {var}: {}", report(err));
     let conn = redis_conn::RedisConn::open(url).map_err(|err| bad_url(&err))?;
     let store = RedisStore::from_url(url)
         .map_err(|err| bad_url(&err))?
