@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
 
+use server::auth::Account;
 use server::balance::{Applied, Available, BalanceError, Fault};
 use server::consumer::{Counts, Handled, LedgerConsumer, deduplicator};
 use server::events::{EventType, PaymentEvent};
@@ -43,8 +44,14 @@ const BLOCK: Duration = Duration::from_millis(50);
 /// How long a test waits for the consumers to get somewhere.
 const PATIENCE: Duration = Duration::from_secs(60);
 
+/// API keys: what a client sends.
 const ALICE: &str = "sk_test_alice";
 const BOB: &str = "sk_test_bob";
+
+/// The account id an API key stands for: what the events, the ledger and Redis know.
+fn account(api_key: &str) -> String {
+    Account::for_api_key(api_key).id().to_owned()
+}
 
 /// A queue, the balances and the consumers' store, on one backend.
 struct Env<St> {
@@ -256,13 +263,13 @@ async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
 }
 
 async fn a_consumer_that_dies_before_acking_is_taken_over<St: Store + Clone>(env: Env<St>) {
-    let event = captured("evt_1", ALICE, 2500, "eur");
+    let event = captured("evt_1", &account(ALICE), 2500, "eur");
     let message = env.publish(&event).await;
     let mut dying = env.consumer("dying").await;
     let batch = dying.queue().receive().await.expect("a receive");
     assert_eq!(batch.len(), 1);
     assert_eq!(dying.handle(&batch[0]).await, Handled::Applied);
-    assert_eq!(env.balance(ALICE).await, eur(2500));
+    assert_eq!(env.balance(&account(ALICE)).await, eur(2500));
     // The process dies here: applied, recorded as done, never acked.
     drop(dying);
     assert_eq!(env.queue.delivery_count(&message).await.unwrap(), Some(1));
@@ -275,8 +282,8 @@ async fn a_consumer_that_dies_before_acking_is_taken_over<St: Store + Clone>(env
         (0, 1),
         "taken over and skipped: {counts:?}"
     );
-    assert_eq!(env.balance(ALICE).await, eur(2500));
-    assert_eq!(env.applied_count(ALICE).await, 1);
+    assert_eq!(env.balance(&account(ALICE)).await, eur(2500));
+    assert_eq!(env.applied_count(&account(ALICE)).await, 1);
 }
 
 async fn a_consumer_that_dies_between_applying_and_recording_is_caught_by_the_ledger<
@@ -284,12 +291,12 @@ async fn a_consumer_that_dies_between_applying_and_recording_is_caught_by_the_le
 >(
     env: Env<St>,
 ) {
-    let event = captured("evt_1", ALICE, 2500, "eur");
+    let event = captured("evt_1", &account(ALICE), 2500, "eur");
     env.balances.inject(&event.id, Fault::HangAfterApplying);
     env.publish(&event).await;
     let dying = env.start("dying").await;
     wait_for("the ledger to apply the event", || async {
-        env.balance(ALICE).await == eur(2500)
+        env.balance(&account(ALICE)).await == eur(2500)
     })
     .await;
     // The process dies with the effect made, before the Deduplicator recorded it: only its claim
@@ -307,8 +314,8 @@ async fn a_consumer_that_dies_between_applying_and_recording_is_caught_by_the_le
         "run again, and the ledger skipped it: {counts:?}"
     );
     assert_eq!(env.balances.attempts(&event.id), 2);
-    assert_eq!(env.balance(ALICE).await, eur(2500));
-    assert_eq!(env.applied_count(ALICE).await, 1);
+    assert_eq!(env.balance(&account(ALICE)).await, eur(2500));
+    assert_eq!(env.applied_count(&account(ALICE)).await, 1);
 }
 
 async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<St>) {
@@ -400,8 +407,8 @@ async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<S
 async fn a_failing_apply_is_retried_on_redelivery_then_applied_once<St: Store + Clone>(
     env: Env<St>,
 ) {
-    let failing = captured("evt_failing", ALICE, 2500, "eur");
-    let fine = captured("evt_fine", ALICE, 700, "eur");
+    let failing = captured("evt_failing", &account(ALICE), 2500, "eur");
+    let fine = captured("evt_fine", &account(ALICE), 700, "eur");
     env.balances.inject(&failing.id, Fault::Fail { times: 2 });
     env.publish(&failing).await;
     env.publish(&fine).await;
@@ -412,16 +419,16 @@ async fn a_failing_apply_is_retried_on_redelivery_then_applied_once<St: Store + 
     // Not acked after a failure: delivered again, twice, and then applied.
     assert_eq!(env.balances.attempts(&failing.id), 3);
     assert_eq!((counts.failed, counts.applied), (2, 2), "{counts:?}");
-    assert_eq!(env.balance(ALICE).await, eur(3200));
-    assert_eq!(env.applied_count(ALICE).await, 2);
+    assert_eq!(env.balance(&account(ALICE)).await, eur(3200));
+    assert_eq!(env.applied_count(&account(ALICE)).await, 2);
 }
 
 async fn a_stop_finishes_the_message_at_hand<St: Store + Clone>(env: Env<St>) {
     let (reached, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let events = [
-        captured("evt_1", ALICE, 100, "eur"),
-        captured("evt_2", ALICE, 20, "eur"),
-        captured("evt_3", ALICE, 3, "eur"),
+        captured("evt_1", &account(ALICE), 100, "eur"),
+        captured("evt_2", &account(ALICE), 20, "eur"),
+        captured("evt_3", &account(ALICE), 3, "eur"),
     ];
     env.balances.inject(
         &events[0].id,
@@ -440,7 +447,7 @@ async fn a_stop_finishes_the_message_at_hand<St: Store + Clone>(env: Env<St>) {
     release.notify_one();
     let counts = consumer.task.await.expect("the consumer stops cleanly");
     assert_eq!(counts.applied, 1, "only the message at hand: {counts:?}");
-    assert_eq!(env.balance(ALICE).await, eur(100));
+    assert_eq!(env.balance(&account(ALICE)).await, eur(100));
     assert_eq!(env.backlog().await, 2, "the rest waits in the queue");
 
     // The next consumer (the service restarted) takes over what was left.
@@ -448,7 +455,7 @@ async fn a_stop_finishes_the_message_at_hand<St: Store + Clone>(env: Env<St>) {
     env.drained().await;
     let counts = next.stop().await;
     assert_eq!(counts.applied, 2, "{counts:?}");
-    assert_eq!(env.balance(ALICE).await, eur(123));
+    assert_eq!(env.balance(&account(ALICE)).await, eur(123));
 }
 
 /// A `charge.refunded` event.
@@ -460,8 +467,8 @@ fn refunded(id: &str, account: &str, amount: i64, currency: &str) -> PaymentEven
 }
 
 async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
-    let max = captured("evt_max", ALICE, i64::MAX, "eur");
-    let one_more = captured("evt_one_more", ALICE, 1, "eur");
+    let max = captured("evt_max", &account(ALICE), i64::MAX, "eur");
+    let one_more = captured("evt_one_more", &account(ALICE), 1, "eur");
     assert!(matches!(env.balances.apply(&max).await, Ok(Applied::New)));
     for _ in 0..2 {
         let overflow = env.balances.apply(&one_more).await;
@@ -469,11 +476,19 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
             matches!(&overflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
             "{overflow:?}"
         );
-        assert_eq!(env.balance(ALICE).await, eur(i64::MAX), "unchanged");
-        assert_eq!(env.applied_count(ALICE).await, 1, "not recorded as applied");
+        assert_eq!(
+            env.balance(&account(ALICE)).await,
+            eur(i64::MAX),
+            "unchanged"
+        );
+        assert_eq!(
+            env.applied_count(&account(ALICE)).await,
+            1,
+            "not recorded as applied"
+        );
     }
     // Once there is room, the same event applies.
-    let refund = refunded("evt_refund", ALICE, 1, "eur");
+    let refund = refunded("evt_refund", &account(ALICE), 1, "eur");
     assert!(matches!(
         env.balances.apply(&refund).await,
         Ok(Applied::New)
@@ -482,11 +497,11 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
         env.balances.apply(&one_more).await,
         Ok(Applied::New)
     ));
-    assert_eq!(env.balance(ALICE).await, eur(i64::MAX));
+    assert_eq!(env.balance(&account(ALICE)).await, eur(i64::MAX));
 
     // Below zero, too.
-    let big_refund = refunded("evt_big_refund", BOB, i64::MAX, "eur");
-    let two_more = refunded("evt_two_more", BOB, 2, "eur");
+    let big_refund = refunded("evt_big_refund", &account(BOB), i64::MAX, "eur");
+    let two_more = refunded("evt_two_more", &account(BOB), 2, "eur");
     assert!(matches!(
         env.balances.apply(&big_refund).await,
         Ok(Applied::New)
@@ -496,27 +511,28 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
         matches!(&underflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
         "{underflow:?}"
     );
-    assert_eq!(env.balance(BOB).await, eur(-i64::MAX));
+    assert_eq!(env.balance(&account(BOB)).await, eur(-i64::MAX));
 
     // An amount that is not positive is refused, even the one whose negation overflows.
     for amount in [0, -5, i64::MIN] {
-        let refund = refunded("evt_not_positive", BOB, amount, "eur");
+        let refund = refunded("evt_not_positive", &account(BOB), amount, "eur");
         let refused = env.balances.apply(&refund).await;
         assert!(
             matches!(refused, Err(BalanceError::InvalidAmount(a)) if a == amount),
             "{refused:?}"
         );
     }
-    assert_eq!(env.balance(BOB).await, eur(-i64::MAX));
-    assert_eq!(env.applied_count(BOB).await, 1);
+    assert_eq!(env.balance(&account(BOB)).await, eur(-i64::MAX));
+    assert_eq!(env.applied_count(&account(BOB)).await, 1);
 }
 
 async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone>(env: Env<St>) {
-    env.publish(&captured("evt_max", ALICE, i64::MAX, "eur"))
+    env.publish(&captured("evt_max", &account(ALICE), i64::MAX, "eur"))
         .await;
-    env.publish(&captured("evt_overflow", ALICE, 1, "eur"))
+    env.publish(&captured("evt_overflow", &account(ALICE), 1, "eur"))
         .await;
-    env.publish(&refunded("evt_refund", ALICE, 3, "eur")).await;
+    env.publish(&refunded("evt_refund", &account(ALICE), 3, "eur"))
+        .await;
 
     let consumer = env.start("consumer").await;
     env.drained().await;
@@ -526,8 +542,8 @@ async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone>(env: Env
         (2, 1, 0),
         "{counts:?}"
     );
-    assert_eq!(env.balance(ALICE).await, eur(i64::MAX - 3));
-    assert_eq!(env.applied_count(ALICE).await, 2);
+    assert_eq!(env.balance(&account(ALICE)).await, eur(i64::MAX - 3));
+    assert_eq!(env.applied_count(&account(ALICE)).await, 2);
 }
 
 /// One HTTP answer.
@@ -729,18 +745,25 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     let counts = consumer.stop().await;
     assert_eq!(counts.applied, 6, "{counts:?}");
     assert_eq!(counts.duplicates, 1, "the republished event: {counts:?}");
-    assert_eq!(env.applied_count(ALICE).await, 5);
+    assert_eq!(env.applied_count(&account(ALICE)).await, 5);
 
     if let Some(redis) = &env.redis {
         // The stream and the balances are kept; idempotency records and applied-event sets expire.
-        assert_eq!(
-            redis.keys_without_ttl(),
-            vec![
-                format!("{}{{{ALICE}}}:available", server::BALANCES_PREFIX),
-                format!("{}{{{BOB}}}:available", server::BALANCES_PREFIX),
-                server::STREAM.to_owned(),
-            ]
-        );
+        let mut durable = vec![
+            format!(
+                "{}{{{}}}:available",
+                server::BALANCES_PREFIX,
+                account(ALICE)
+            ),
+            format!("{}{{{}}}:available", server::BALANCES_PREFIX, account(BOB)),
+            server::STREAM.to_owned(),
+        ];
+        durable.sort();
+        assert_eq!(redis.keys_without_ttl(), durable);
+        // The accounts' ids name their keys, never their API keys.
+        for key in redis.keys() {
+            assert!(!key.contains(ALICE) && !key.contains(BOB), "{key}");
+        }
     }
 }
 
@@ -844,7 +867,7 @@ async fn a_stalled_redis_does_not_serialise_charges() {
 
     // Nothing was lost: the outbox sent the events once Redis was back.
     wait_for("the stalled charges' events", || async {
-        env.balance(ALICE).await == eur(1000 * (CHARGES as i64 + 1))
+        env.balance(&account(ALICE)).await == eur(1000 * (CHARGES as i64 + 1))
     })
     .await;
     relay_stop.cancel();
@@ -868,7 +891,7 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     let before = post(&router, ALICE, "/v1/charges", "before", ten_euros()).await;
     assert_eq!(before.status, StatusCode::CREATED, "{}", before.json);
     env.drained().await;
-    assert_eq!(env.balance(ALICE).await, eur(1000));
+    assert_eq!(env.balance(&account(ALICE)).await, eur(1000));
 
     env.redis.as_mut().expect("a Redis environment").restart();
     let restarted_at = tokio::time::Instant::now();
@@ -876,7 +899,7 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     assert_eq!(after.status, StatusCode::CREATED, "{}", after.json);
     while env
         .balances
-        .get(ALICE)
+        .get(&account(ALICE))
         .await
         .ok()
         .map(|available| available.len())
@@ -889,7 +912,7 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        env.balance(ALICE).await,
+        env.balance(&account(ALICE)).await,
         eur(1000),
         "the charge made after the restart"
     );

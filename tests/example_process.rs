@@ -35,6 +35,8 @@ const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const SLACK: Duration = Duration::from_millis(1500);
 
 const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
+/// The credential the charges are made with.
+const API_KEY: &str = "sk_test_alice";
 
 /// The binary of the example `name`, built on first use.
 fn example_binary(name: &'static str) -> PathBuf {
@@ -271,6 +273,57 @@ fn assert_replay_in_redis(first: &Answer, retry: &Answer, redis: &RedisServer) {
     );
 }
 
+/// Waits until the payments example's balance (its ledger consumer's work) lists `entry`.
+fn wait_for_balance(addr: SocketAddr, entry: &str) {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let auth = format!("Bearer {API_KEY}");
+        let balance = request(addr, "GET", "/v1/balance", &[("Authorization", &auth)], "");
+        if balance.body.contains(entry) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no {entry} in {balance:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every key in `redis`, with what it holds as text (lossy UTF-8; values, fields, members,
+/// stream entries).
+fn redis_contents(redis: &RedisServer) -> Vec<(String, String)> {
+    fn text(value: &RespValue, out: &mut String) {
+        match value {
+            RespValue::Array(items) => items.iter().for_each(|item| text(item, out)),
+            other => {
+                let part = other
+                    .as_string()
+                    .or_else(|| other.as_integer().map(|n| n.to_string()))
+                    .unwrap_or_else(|| panic!("unexpected reply {other:?}"));
+                out.push_str(&part);
+                out.push(' ');
+            }
+        }
+    }
+    let mut contents = Vec::new();
+    for key in redis.keys() {
+        let kind = redis.command(&["TYPE", &key]).as_string();
+        let (read, range): (&str, &[&str]) = match kind.as_deref() {
+            Some("string") => ("GET", &[]),
+            Some("hash") => ("HGETALL", &[]),
+            Some("set") => ("SMEMBERS", &[]),
+            Some("zset") => ("ZRANGE", &["0", "-1", "WITHSCORES"]),
+            Some("list") => ("LRANGE", &["0", "-1"]),
+            Some("stream") => ("XRANGE", &["-", "+"]),
+            other => panic!("{key} is a {other:?}"),
+        };
+        let mut args = vec![read, key.as_str()];
+        args.extend(range);
+        let mut stored = String::new();
+        text(&redis.command(&args), &mut stored);
+        contents.push((key, stored));
+    }
+    contents
+}
+
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`), read to the end.
 fn request(
     addr: SocketAddr,
@@ -320,7 +373,7 @@ fn create_charge(addr: SocketAddr, key: &str) -> Answer {
         "POST",
         "/v1/charges",
         &[
-            ("Authorization", "Bearer sk_test_alice"),
+            ("Authorization", &format!("Bearer {API_KEY}")),
             ("Idempotency-Key", key),
             ("Content-Type", "application/json"),
         ],
@@ -442,6 +495,22 @@ fn redis_end_to_end() {
     assert!(!first.head.contains("idempotent-replayed"), "{first:?}");
     let retry = create_charge(server.addr, "redis-1");
     assert_replay_in_redis(&first, &retry, &redis);
+    wait_for_balance(server.addr, r#"{"amount":1000,"currency":"eur"}"#);
+
+    // Every key and record is there now: the layer's, the provider's, the event stream, the
+    // consumer's and the balances. None holds the credential, in its name or in its contents.
+    let contents = redis_contents(&redis);
+    assert!(contents.len() >= 5, "the records of a charge: {contents:?}");
+    for (key, stored) in &contents {
+        assert!(!key.contains(API_KEY), "{key}");
+        assert!(!stored.contains(API_KEY), "{key} holds {stored}");
+    }
+    assert!(
+        contents
+            .iter()
+            .any(|(key, _)| key.starts_with("payments:balance:{acct_")),
+        "balances under the account's id: {contents:?}"
+    );
     // Only the durable ledger data lives without a TTL: the event stream and the balances.
     for key in redis.keys_without_ttl() {
         assert!(

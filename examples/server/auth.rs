@@ -2,6 +2,10 @@
 //!
 //! The middleware puts the caller's [`Account`] in the request's extensions; the idempotency
 //! layer's scope function reads it there, so two accounts never share an idempotency key.
+//!
+//! The API key is a credential: it stops here. Everything past this module (the handlers, the
+//! layer's scope, the charges, the events, every Redis key and record) sees only the account's
+//! opaque id, so a credential never lands in a store, a log line or a key name.
 
 use axum::extract::Request;
 use axum::http::HeaderMap;
@@ -13,11 +17,22 @@ use tower_idempotency::{Rejection, Scope};
 
 use super::error::ApiError;
 
-/// The caller. Any non-empty API key is an account here; a real service would look it up.
+/// The caller: an opaque account id, `acct_` and 32 hex digits. Any non-empty API key is an
+/// account here; a real service would look the key up and get its account's id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Account(String);
 
 impl Account {
+    /// The account of `api_key`: `acct_` and 128 bits of a blake3 hash of the key, in a context
+    /// of its own. The same key always gives the same id, so balances outlive a restart and every
+    /// instance agrees; the id does not give the key back.
+    pub fn for_api_key(api_key: &str) -> Self {
+        let mut hasher = blake3::Hasher::new_derive_key("tower-idempotency example account id v1");
+        hasher.update(api_key.as_bytes());
+        let hex = hasher.finalize().to_hex();
+        Self(format!("acct_{}", &hex[..32]))
+    }
+
     /// The account's id.
     pub fn id(&self) -> &str {
         &self.0
@@ -29,7 +44,7 @@ pub async fn authenticate(mut request: Request, next: Next) -> Response {
     let Some(api_key) = bearer_token(request.headers()) else {
         return ApiError::unauthorized().into_response();
     };
-    let account = Account(api_key.to_owned());
+    let account = Account::for_api_key(api_key);
     request.extensions_mut().insert(account);
     next.run(request).await
 }

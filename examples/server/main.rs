@@ -6,7 +6,9 @@
 //! - `POST /v1/charges` needs an `Idempotency-Key`; a retry with the same key gets the first
 //!   response back (`Idempotent-Replayed: true`) and the card is charged once.
 //! - Keys are scoped to the account: authentication runs *outside* the idempotency layer and
-//!   puts an `Account` (`auth.rs`) in the request; the layer's scope function reads it.
+//!   puts an `Account` (`auth.rs`) in the request; the layer's scope function reads it. The
+//!   account is an opaque id derived from the API key: the key itself never reaches a handler, a
+//!   store, a Redis key name or a log line.
 //! - A declined card (402) is a decided outcome: stored and replayed. An unavailable provider (503)
 //!   is transient: not stored, so the retry runs again.
 //! - The handler passes the payment provider its own idempotency key, derived from the client's
@@ -107,7 +109,7 @@
 //! {"object":"balance","available":[{"amount":2500,"currency":"eur"}]}
 //! ```
 
-mod auth;
+pub mod auth;
 pub mod balance;
 mod charges;
 pub mod consumer;

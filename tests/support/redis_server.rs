@@ -329,6 +329,18 @@ impl RedisServer {
         assert!(reply.is_ok(), "CONFIG RESETSTAT failed: {reply:?}");
     }
 
+    /// Returns all keys (found with `SCAN`), sorted.
+    ///
+    /// # Panics
+    ///
+    /// On an unexpected reply.
+    pub fn keys(&self) -> Vec<String> {
+        self.scan()
+            .into_iter()
+            .map(|key| String::from_utf8_lossy(&key).into_owned())
+            .collect()
+    }
+
     /// Returns all keys (found with `SCAN`) that have no expiry (`PTTL` is
     /// -1), sorted.
     ///
@@ -336,6 +348,20 @@ impl RedisServer {
     ///
     /// On an unexpected reply.
     pub fn keys_without_ttl(&self) -> Vec<String> {
+        let mut without_ttl = Vec::new();
+        for key in self.scan() {
+            let reply = send_command(self.addr(), &[b"PTTL", &key], COMMAND_TIMEOUT)
+                .unwrap_or_else(|e| panic!("PTTL on port {} failed: {e}", self.port));
+            // -2 means the key expired or was deleted since SCAN saw it.
+            if reply == RespValue::Integer(-1) {
+                without_ttl.push(String::from_utf8_lossy(&key).into_owned());
+            }
+        }
+        without_ttl
+    }
+
+    /// Every key, as bytes, sorted: one full `SCAN`.
+    fn scan(&self) -> BTreeSet<Vec<u8>> {
         let mut keys = BTreeSet::new();
         let mut cursor = String::from("0");
         loop {
@@ -359,16 +385,7 @@ impl RedisServer {
                 break;
             }
         }
-        let mut without_ttl = Vec::new();
-        for key in keys {
-            let reply = send_command(self.addr(), &[b"PTTL", &key], COMMAND_TIMEOUT)
-                .unwrap_or_else(|e| panic!("PTTL on port {} failed: {e}", self.port));
-            // -2 means the key expired or was deleted since SCAN saw it.
-            if reply == RespValue::Integer(-1) {
-                without_ttl.push(String::from_utf8_lossy(&key).into_owned());
-            }
-        }
-        without_ttl
+        keys
     }
 
     /// Deletes all keys of all databases (`FLUSHALL`).
