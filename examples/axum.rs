@@ -1,117 +1,86 @@
-//! `tower-idempotency` in an ordinary axum app: the layer on the one route that needs it, beside
-//! routes that do not, served so that no client can hold the server open.
+//! `tower-idempotency` in an ordinary axum app: the layer on the one route with an effect, beside
+//! routes that need no key. Records in Redis when `REDIS_URL` is set, in memory otherwise.
 //!
 //! ```text
-//! cargo run --example axum                                  # records in memory
-//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example axum  # records in Redis
-//! curl -si localhost:3000/orders -H 'Idempotency-Key: order-1' \
-//!   -H 'Content-Type: application/json' -d '{"item": "book"}'
+//! cargo run --example axum
+//! curl -si localhost:3000/orders -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{"item": "book"}'
 //! ```
 //! Send the `curl` twice: the second answer is the first one, replayed (`idempotent-replayed: true`).
 
+use std::error::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::http::StatusCode;
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
+use axum::{Json, Router, http::StatusCode};
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
 use tokio::time::{Instant, timeout_at};
-use tower::Layer;
+use tokio_util::sync::CancellationToken;
 use tower_http::timeout::RequestBodyDeadlineLayer;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
 
-type BoxError = Box<dyn std::error::Error>;
+/// How long a request's body may take to arrive, and a shutdown to finish.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a client has to send a request's line and headers, then its body: after that its
-/// request fails or its connection is closed (axum::serve has no such timeout).
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a shutdown may take; keep it below your orchestrator's kill timeout.
-const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
-
-fn app<St: Store + Clone>(idempotency: IdempotencyLayer<St>) -> Router {
+/// `route_layer`: only `/orders` needs an `Idempotency-Key`; `/login` and `/health` need none.
+pub fn app<St: Store + Clone>(idempotency: IdempotencyLayer<St>) -> Router {
     Router::new()
-        // Only creating an order has an effect to protect: the layer goes on that route alone.
         .route("/orders", post(create_order).route_layer(idempotency))
+        .route("/login", post(|| async { "signed in" }))
         .route("/health", get(|| async { "ok" }))
-        .route(
-            "/login",
-            post(|| async { Json(json!({ "token": "demo" })) }),
-        )
+        .layer(RequestBodyDeadlineLayer::new(BODY_TIMEOUT))
 }
 
 async fn create_order(Json(order): Json<Value>) -> (StatusCode, Json<Value>) {
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    (
-        StatusCode::CREATED,
-        Json(json!({ "id": id, "order": order })),
-    )
+    let order = json!({ "id": NEXT_ID.fetch_add(1, Ordering::Relaxed), "order": order });
+    (StatusCode::CREATED, Json(order))
 }
 
 #[tokio::main]
-async fn main() -> Result<(), BoxError> {
-    let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let listener = TcpListener::bind(addr).await?;
-    match std::env::var("REDIS_URL") {
-        Ok(url) => {
-            let store = RedisStore::from_url(&url)?;
-            store.check().await?; // a wrong REDIS_URL fails now, not at the first request
-            serve(listener, store).await
+async fn main() -> std::io::Result<()> {
+    let Ok(url) = std::env::var("REDIS_URL") else {
+        return serve(MemoryStore::new()).await;
+    };
+    // Fail now, not at the first request, if Redis is unreachable or older than 7.0.
+    let store = async {
+        let store = RedisStore::from_url(&url)?;
+        store.check().await.map(|()| store)
+    };
+    match store.await {
+        Ok(store) => serve(store).await,
+        Err(err) => {
+            let cause = err
+                .source()
+                .map_or(String::new(), |cause| format!(": {cause}"));
+            eprintln!("error: cannot use Redis at REDIS_URL: {err}{cause}");
+            std::process::exit(1);
         }
-        Err(_) => serve(listener, MemoryStore::new()).await,
     }
 }
 
-/// Serves until SIGTERM or Ctrl-C; then lets requests in flight and the layer's detached work
-/// finish, within [`SHUTDOWN_TIMEOUT`].
-async fn serve<St: Store + Clone>(listener: TcpListener, store: St) -> Result<(), BoxError> {
+/// Serves until SIGTERM or Ctrl-C, then lets the requests in flight and the handlers whose client
+/// went away finish, for up to [`SHUTDOWN_TIMEOUT`]; connections still open then are dropped.
+async fn serve<St: Store + Clone>(store: St) -> std::io::Result<()> {
     let idempotency = IdempotencyLayer::new(store);
     let detached = idempotency.shutdown_handle();
-    let app = RequestBodyDeadlineLayer::new(BODY_READ_TIMEOUT).layer(app(idempotency));
-    // HTTP/1 only: the header read timeout is an HTTP/1 setting.
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
-    let graceful = GracefulShutdown::new();
-    let mut signal = std::pin::pin!(shutdown_signal()?);
+    let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    #[cfg(unix)] // before the address is printed, so that an early SIGTERM is not lost
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     println!("listening on http://{}", listener.local_addr()?);
-    loop {
-        let stream = tokio::select! {
-            () = &mut signal => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                // Out of file descriptors, usually: let some close.
-                Err(_) => { tokio::time::sleep(Duration::from_millis(100)).await; continue; }
-            },
-        };
-        let service = TowerToHyperService::new(app.clone());
-        tokio::spawn(graceful.watch(http.serve_connection(TokioIo::new(stream), service)));
-    }
+    let stop = CancellationToken::new();
+    let server = axum::serve(listener, app(idempotency))
+        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    let server = tokio::spawn(async move { server.await });
+    #[cfg(unix)]
+    tokio::select! { _ = sigterm.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c().await?;
+    stop.cancel();
     let deadline = Instant::now() + SHUTDOWN_TIMEOUT;
-    // Connections still open at the deadline are dropped when `main` returns.
-    let _ = timeout_at(deadline, graceful.shutdown()).await;
+    let _ = timeout_at(deadline, server).await;
     let _ = timeout_at(deadline, detached.wait()).await;
     Ok(())
-}
-
-/// Resolves at SIGTERM (what orchestrators send) or Ctrl-C. SIGTERM's handler is installed now,
-/// before the address is printed, so an early one is not lost.
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
-    #[cfg(unix)]
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    Ok(async move {
-        #[cfg(unix)]
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        #[cfg(not(unix))]
-        let _ = tokio::signal::ctrl_c().await;
-    })
 }

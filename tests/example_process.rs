@@ -28,9 +28,11 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long the payments example's shutdown may take in these tests (`SHUTDOWN_TIMEOUT_MS`).
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
-/// The examples' read timeouts (`examples/server/http_server.rs`, `examples/axum.rs`).
+/// The payments example's read timeouts (`examples/server/http_server.rs`).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// `examples/axum.rs`'s bound on a shutdown.
+const AXUM_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a timing bound allows on top: a signal's delivery, a loaded machine.
 const SLACK: Duration = Duration::from_millis(1500);
 
@@ -234,9 +236,14 @@ fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
     }
 }
 
-/// Runs the example to its exit (it is expected to fail at start-up).
+/// Runs the payments example to its exit (it is expected to fail at start-up).
 fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
-    let mut child = spawn("server", env);
+    run_example_to_exit("server", env)
+}
+
+/// Runs the example `name` to its exit (it is expected to fail at start-up).
+fn run_example_to_exit(name: &'static str, env: &[(&str, &str)]) -> (ExitStatus, String, String) {
+    let mut child = spawn(name, env);
     let stdout = collect(child.stdout.take().expect("piped stdout"));
     let stderr = collect(child.stderr.take().expect("piped stderr"));
     let status = wait_with_timeout(&mut child, EXIT_TIMEOUT);
@@ -682,15 +689,32 @@ fn the_axum_example_protects_its_one_route() {
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
 }
 
-/// `examples/axum.rs` with a half-sent request at SIGTERM: the header read timeout closes it,
-/// and the example exits.
+/// `examples/axum.rs` with a half-sent request at SIGTERM: `axum::serve` would wait for it
+/// forever; the example gives up on it at its shutdown timeout, and exits 0.
 #[test]
 fn the_axum_example_exits_despite_a_half_sent_request() {
     let server = Server::start_example("axum", &[]);
     let _client = send_part(server.addr, b"POST /orders");
     thread::sleep(Duration::from_millis(200));
     server.terminate();
-    let (status, stderr) = server.wait_within(HEADER_READ_TIMEOUT + SLACK);
+    let (status, stderr) = server.wait_within(AXUM_SHUTDOWN_TIMEOUT + SLACK);
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `examples/axum.rs` with an unreachable `REDIS_URL`: it says so, naming the variable, and exits
+/// non-zero before it listens.
+#[test]
+fn the_axum_example_fails_clearly_on_an_unreachable_redis() {
+    let (status, stdout, stderr) =
+        run_example_to_exit("axum", &[("REDIS_URL", "redis://127.0.0.1:1")]);
+    assert!(!status.success(), "exit {status:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    assert!(
+        lines[0].contains("cannot use Redis at REDIS_URL"),
+        "{stderr}"
+    );
 }
