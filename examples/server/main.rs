@@ -61,7 +61,8 @@
 //! (default `info`).
 //!
 //! # Walk through it
-//! Any non-empty bearer token is an account. Create a charge:
+//! With the server running in one terminal, send these from another. Any non-empty bearer token is
+//! an account. Create a charge:
 //! ```text
 //! curl -si http://127.0.0.1:3000/v1/charges \
 //!   -H 'Authorization: Bearer sk_test_alice' \
