@@ -26,8 +26,13 @@ use crate::service::Idempotency;
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
 ///
 /// let app: Router = Router::new()
-///     .route("/v1/charges", post(|| async { "charged" }))
-///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+///     // The layer on the one route with an effect to protect...
+///     .route(
+///         "/v1/charges",
+///         post(|| async { "charged" }).route_layer(IdempotencyLayer::new(MemoryStore::new())),
+///     )
+///     // ...not on routes where a key makes no sense.
+///     .route("/login", post(|| async { "signed in" }));
 /// ```
 #[derive(Clone)]
 pub struct IdempotencyLayer<St> {

@@ -35,7 +35,8 @@
 //!         let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
 //!         (StatusCode::CREATED, format!("charge {n} for {body}"))
 //!     }))
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()));
+//!     // On the routes above only (not `.layer`, which would cover every route: login, webhooks).
+//!     .route_layer(IdempotencyLayer::new(MemoryStore::new()));
 //!
 //! let charge = || Request::post("/v1/charges")
 //!     .header("idempotency-key", "8e03978e-40d5-43e8-bc93-6894a57f9324")
