@@ -440,33 +440,33 @@ fn sigterm_lets_an_in_flight_charge_finish() {
     assert!(TcpStream::connect(addr).is_err(), "the port is closed");
 }
 
-#[test]
-fn a_bad_redis_url_fails_clearly() {
-    let (status, stdout, stderr) = run_to_exit(&[("REDIS_URL", "notaurl")]);
+/// Asserts that a run ended before it listened, with a non-zero exit, no panic and exactly one
+/// line on stderr; returns that line.
+fn the_one_error_line(status: ExitStatus, stdout: &str, stderr: &str) -> String {
     assert!(!status.success(), "exit {status:?}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!stdout.contains("listening"), "{stdout}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
-    assert!(lines[0].contains("bad REDIS_URL"), "{stderr}");
-    assert!(!lines[0].contains("LEDGER_REDIS_URL"), "{stderr}");
+    lines[0].to_owned()
+}
+
+#[test]
+fn a_bad_redis_url_fails_clearly() {
+    let (status, stdout, stderr) = run_to_exit(&[("REDIS_URL", "notaurl")]);
+    let line = the_one_error_line(status, &stdout, &stderr);
+    assert!(line.contains("bad REDIS_URL"), "{line}");
+    assert!(!line.contains("LEDGER_REDIS_URL"), "{line}");
 }
 
 #[test]
 fn an_unreachable_redis_fails_clearly() {
     let started = Instant::now();
     let (status, stdout, stderr) = run_to_exit(&[("REDIS_URL", "redis://127.0.0.1:1")]);
-    assert!(!status.success(), "exit {status:?}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(!stdout.contains("listening"), "{stdout}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    let line = the_one_error_line(status, &stdout, &stderr);
     // It names the variable that was set: the ledger's Redis defaults to REDIS_URL's.
-    assert!(
-        lines[0].contains("cannot use Redis at REDIS_URL"),
-        "{stderr}"
-    );
-    assert!(!lines[0].contains("LEDGER_REDIS_URL"), "{stderr}");
+    assert!(line.contains("cannot use Redis at REDIS_URL"), "{line}");
+    assert!(!line.contains("LEDGER_REDIS_URL"), "{line}");
     assert!(started.elapsed() < Duration::from_secs(10), "it fails fast");
 }
 
@@ -477,13 +477,10 @@ fn an_unreachable_ledger_redis_names_ledger_redis_url() {
         ("REDIS_URL", &redis.url()),
         ("LEDGER_REDIS_URL", "redis://127.0.0.1:1"),
     ]);
-    assert!(!status.success(), "exit {status:?}");
-    assert!(!stdout.contains("listening"), "{stdout}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
+    let line = the_one_error_line(status, &stdout, &stderr);
     assert!(
-        lines[0].contains("cannot use Redis at LEDGER_REDIS_URL"),
-        "{stderr}"
+        line.contains("cannot use Redis at LEDGER_REDIS_URL"),
+        "{line}"
     );
 }
 
@@ -708,13 +705,6 @@ fn the_axum_example_exits_despite_a_half_sent_request() {
 fn the_axum_example_fails_clearly_on_an_unreachable_redis() {
     let (status, stdout, stderr) =
         run_example_to_exit("axum", &[("REDIS_URL", "redis://127.0.0.1:1")]);
-    assert!(!status.success(), "exit {status:?}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(!stdout.contains("listening"), "{stdout}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line on stderr: {stderr}");
-    assert!(
-        lines[0].contains("cannot use Redis at REDIS_URL"),
-        "{stderr}"
-    );
+    let line = the_one_error_line(status, &stdout, &stderr);
+    assert!(line.contains("cannot use Redis at REDIS_URL"), "{line}");
 }
