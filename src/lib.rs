@@ -118,6 +118,7 @@
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
 //! - `redis` (default): `RedisStore` on deadpool-redis.
+//! - `postgres`: `PgStore` on sqlx: records in a PostgreSQL table.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -160,6 +161,8 @@ pub use record::{
 };
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
+#[cfg(feature = "postgres")]
+pub use store::PgStore;
 pub use store::{Claim, MemoryStore, Store, StoreError};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, deadpool_redis};

@@ -10,6 +10,8 @@
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
@@ -20,8 +22,13 @@ use std::time::Duration;
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{PgStore, PgStoreError};
 #[cfg(feature = "redis")]
 pub use redis::{RedisStore, RedisStoreError};
+/// The sqlx crate this store is built on, so users need not match its version.
+#[cfg(feature = "postgres")]
+pub use sqlx;
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};

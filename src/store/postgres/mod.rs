@@ -1,0 +1,686 @@
+//! `PgStore`: records in a PostgreSQL table, shared by every instance.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{PgConnection, PgPool, Postgres, Row};
+use tokio::time::Instant;
+
+use super::{Claim, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{ClaimToken, Completed, DecodeError, InFlight, Record, RecordId};
+pub use sql::DEFAULT_TABLE;
+use sql::Statements;
+use sweep::Sweeper;
+
+mod sql;
+mod sweep;
+
+/// The default bound on one store call, taking a connection included.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often the store deletes expired rows by default.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
+/// The most connections [`PgStore::connect`] opens.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+/// The bound on [`PgStore::migrate`].
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Attempts of one call when the connection it got turns out to be broken (the server restarted,
+/// or ended it): the next attempt takes another.
+const ATTEMPTS: u32 = 3;
+/// Runs of the claim statement when a concurrent transaction keeps writing the key between its
+/// snapshot and its insert (see `sql`).
+const CLAIM_RUNS: u32 = 4;
+/// Durations are stored to the millisecond, capped at a century.
+const MAX_MILLIS: u128 = 100 * 365 * 24 * 60 * 60 * 1000;
+
+/// A store in a PostgreSQL table (PostgreSQL 12 or newer), through a sqlx pool: many server
+/// instances share one truth, and the table's primary key is what lets one claim of a key win.
+///
+/// Each record is one row of `idempotency_records` ([`PgStore::with_table`] names another).
+/// Create it with [`PgStore::migrate`] at start-up, or with this SQL
+/// ([`PgStore::schema_sql`] gives it for another table name):
+///
+/// ```sql
+#[doc = include_str!("schema.sql")]
+/// ```
+///
+/// - **One statement, one round trip per call.** A claim inserts the in-flight row or reads the
+///   live one in one statement (taking over a row whose lease or window has passed); a replay, a
+///   409 or a 422 writes nothing. Complete, renew and release are each one statement fenced by
+///   the claim's token. A new key costs 2 statements (claim, complete), a replay 1, plus 1 per
+///   lease renewal of a long handler. sqlx prepares each statement once per connection and
+///   caches it, and sends a `Sync` (no statement) when a connection goes back to its pool.
+/// - **The database's clock.** Leases and windows are measured with `statement_timestamp()`, so
+///   instances whose clocks disagree still agree on every record.
+/// - **Expiry without a TTL.** Reads and claims ignore a row whose time is up, so correctness
+///   never waits for a delete. The store deletes expired rows in the background, every
+///   [`DEFAULT_SWEEP_INTERVAL`] (60 s; [`PgStore::with_sweep_interval`]), in batches of 500 with
+///   `FOR UPDATE SKIP LOCKED`, so instances sweeping together share the work and nobody waits on
+///   it. The task starts with the first call and stops when the last clone of the store is
+///   dropped; [`PgStore::sweep`] runs one by hand.
+/// - **Bounded calls.** Each call, taking a connection included, gives up after the store's
+///   timeout (1 s, [`PgStore::with_timeout`]) with [`StoreError::Timeout`]; a failed connection
+///   is [`StoreError::Unavailable`] with the sqlx error as its source. A call whose connection
+///   turns out broken (the server restarted, or ended it) is tried again on another, up to three
+///   times within the timeout: every call is safe to send twice. A completion whose first answer
+///   was lost finds the record it wrote and answers `true` (the completed row keeps its token).
+///   A claim whose answer was lost (a timeout, or its request dropped) is released behind it.
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, PgStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::store::PgStoreError> {
+/// let store = PgStore::connect("postgres://app@127.0.0.1/payments")?;
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    statements: Statements,
+    timeout: Duration,
+    sweep_every: Option<Duration>,
+    sweeper: Sweeper,
+    broken: Arc<Broken>,
+}
+
+impl Inner {
+    fn new(
+        pool: PgPool,
+        statements: Statements,
+        timeout: Duration,
+        sweep_every: Option<Duration>,
+        broken: Arc<Broken>,
+    ) -> Self {
+        Self {
+            pool,
+            statements,
+            timeout,
+            sweep_every,
+            sweeper: Sweeper::default(),
+            broken,
+        }
+    }
+}
+
+/// Setting up or administering a [`PgStore`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgStoreError {
+    /// The connection URL is invalid.
+    #[error("invalid PostgreSQL URL")]
+    Url(#[source] sqlx::Error),
+    /// PostgreSQL could not be reached, or failed.
+    #[error("PostgreSQL is unreachable or failed")]
+    Database(#[source] sqlx::Error),
+    /// The call did not finish in time.
+    #[error("PostgreSQL did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The store's table does not exist.
+    #[error(
+        "the table {0} does not exist: run PgStore::migrate, or create it with the SQL of PgStore::schema_sql"
+    )]
+    MissingTable(String),
+    /// Every run of the claim statement found the key rewritten by another transaction.
+    #[error("the key was rewritten under every attempt to claim it")]
+    Contended,
+}
+
+impl PgStore {
+    /// A store on `pool`, with the default table (`idempotency_records`), timeout (1 second) and
+    /// sweep interval (60 seconds).
+    ///
+    /// Each call takes a connection from the pool and gives it back. sqlx's default
+    /// `test_before_acquire(true)` pings every connection it hands out: a second round trip per
+    /// call. [`PgStore::connect`] builds a pool without it, and instead stops reusing the
+    /// connections opened before a connection failure.
+    pub fn new(pool: PgPool) -> Self {
+        let statements = Statements::new(DEFAULT_TABLE).expect("the default table name is valid");
+        Self {
+            inner: Arc::new(Inner::new(
+                pool,
+                statements,
+                DEFAULT_TIMEOUT,
+                Some(DEFAULT_SWEEP_INTERVAL),
+                Arc::default(),
+            )),
+        }
+    }
+
+    /// A store on a new pool for `url` (`postgres://user:password@host:port/database`), of up to
+    /// 10 connections. Nothing is connected until the first call; use [`PgStore::check`] or
+    /// [`PgStore::migrate`] to fail fast at start-up.
+    ///
+    /// The pool does not ping a connection before each call (that would be a second round trip).
+    /// After a connection failure, it opens new connections rather than reuse the ones opened
+    /// before it, so a restarted server is used again at once.
+    ///
+    /// # Errors
+    /// [`PgStoreError::Url`] when the URL is invalid.
+    pub fn connect(url: &str) -> Result<Self, PgStoreError> {
+        let options: PgConnectOptions = url.parse().map_err(PgStoreError::Url)?;
+        let broken = Arc::new(Broken::default());
+        let hook = broken.clone();
+        let pool = PgPoolOptions::new()
+            .max_connections(DEFAULT_MAX_CONNECTIONS)
+            .test_before_acquire(false)
+            .before_acquire(move |_, meta| {
+                let usable = !hook.opened_before_failure(meta.age);
+                Box::pin(async move { Ok(usable) })
+            })
+            .connect_lazy_with(options);
+        let mut store = Self::new(pool);
+        Arc::get_mut(&mut store.inner)
+            .expect("a new store is not shared")
+            .broken = broken;
+        Ok(store)
+    }
+
+    /// Keeps the records in `table` (`name` or `schema.name`: lowercase letters, digits and
+    /// underscores). Default: `idempotency_records`.
+    ///
+    /// # Panics
+    /// When `table` is not such a name: it is written into the store's SQL, so it is checked.
+    pub fn with_table(self, table: &str) -> Self {
+        let statements = Statements::new(table).unwrap_or_else(|err| panic!("{err}"));
+        self.with_inner(|inner| inner.statements = statements)
+    }
+
+    /// Sets the bound on each call, taking a connection included. Default: 1 second.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        self.with_inner(|inner| inner.timeout = timeout)
+    }
+
+    /// Sets how often the store deletes expired rows, or `None` for never (call
+    /// [`PgStore::sweep`] yourself, say from a scheduled job). Default: every 60 seconds. Expired
+    /// rows count as gone whether or not they have been deleted.
+    pub fn with_sweep_interval(self, every: Option<Duration>) -> Self {
+        self.with_inner(|inner| inner.sweep_every = every)
+    }
+
+    fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
+        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| {
+            let statements = Statements::new(&shared.statements.table)
+                .expect("the table name was checked before");
+            Inner::new(
+                shared.pool.clone(),
+                statements,
+                shared.timeout,
+                shared.sweep_every,
+                shared.broken.clone(),
+            )
+        });
+        change(&mut inner);
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The pool the store takes its connections from.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The table the store keeps its records in.
+    pub fn table(&self) -> &str {
+        &self.inner.statements.table
+    }
+
+    /// The SQL that creates the store's table and its index, for teams that manage their schema
+    /// themselves: what [`PgStore::migrate`] runs.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use tower_idempotency::PgStore;
+    /// use tower_idempotency::store::sqlx::PgPool;
+    ///
+    /// let store = PgStore::new(PgPool::connect_lazy("postgres://localhost/app").unwrap())
+    ///     .with_table("billing.idempotency_records");
+    /// assert!(store.schema_sql().contains("CREATE TABLE IF NOT EXISTS \"billing\".\"idempotency_records\""));
+    /// # }
+    /// ```
+    pub fn schema_sql(&self) -> &str {
+        &self.inner.statements.schema
+    }
+
+    /// Creates the table and its index if they do not exist (one round trip, under an advisory
+    /// lock, so instances starting together do not trip over each other). Bounded by 30 seconds.
+    ///
+    /// # Errors
+    /// A [`PgStoreError`] when PostgreSQL is unreachable or refuses (say, the user may not create
+    /// tables).
+    pub async fn migrate(&self) -> Result<(), PgStoreError> {
+        self.admin(MIGRATE_TIMEOUT, async |conn| {
+            sqlx::raw_sql(&self.inner.statements.migrate)
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// Connects and checks that the table exists: call it at start-up to fail fast with a clear
+    /// message. Bounded by the store's timeout.
+    ///
+    /// # Errors
+    /// [`PgStoreError::MissingTable`] when the table does not exist; another [`PgStoreError`]
+    /// when PostgreSQL is unreachable or slow.
+    pub async fn check(&self) -> Result<(), PgStoreError> {
+        let checked = self
+            .admin(self.inner.timeout, async |conn| {
+                sqlx::query(&self.inner.statements.check)
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+            .await;
+        match checked {
+            Err(PgStoreError::Database(err)) if sqlstate(&err).as_deref() == Some("42P01") => Err(
+                PgStoreError::MissingTable(self.inner.statements.table.clone()),
+            ),
+            other => other,
+        }
+    }
+
+    /// Deletes every expired row now, in batches of 500 (each bounded by the store's timeout),
+    /// and returns how many it deleted. The store does this by itself every sweep interval; call
+    /// it when that is off ([`PgStore::with_sweep_interval`]).
+    ///
+    /// # Errors
+    /// A [`PgStoreError`] when a batch fails; the batches before it stay deleted.
+    pub async fn sweep(&self) -> Result<u64, PgStoreError> {
+        sweep::all(self, u32::MAX).await
+    }
+
+    /// One statement on a pooled connection, bounded by `timeout`.
+    async fn admin<T>(
+        &self,
+        timeout: Duration,
+        call: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, PgStoreError> {
+        self.start_sweep();
+        let run = async {
+            let mut conn = self.inner.pool.acquire().await?;
+            call(&mut conn).await
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) => {
+                if is_connection_failure(&err) {
+                    self.inner.broken.mark();
+                }
+                Err(PgStoreError::Database(err))
+            }
+            Err(_) => Err(PgStoreError::Timeout(timeout)),
+        }
+    }
+
+    fn start_sweep(&self) {
+        if let Some(every) = self.inner.sweep_every {
+            self.inner.sweeper.start(&self.inner, every);
+        }
+    }
+
+    /// Runs `attempt` on a pooled connection, within the store's timeout, again on another
+    /// connection when the one it got was broken.
+    async fn run<T, F, Fut>(&self, mut attempt: F) -> Result<T, StoreError>
+    where
+        F: FnMut(PoolConnection<Postgres>) -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        self.start_sweep();
+        let timeout = self.inner.timeout;
+        let deadline = Instant::now() + timeout;
+        let mut failures = 0;
+        loop {
+            let call = async {
+                let conn = self.inner.pool.acquire().await?;
+                attempt(conn).await
+            };
+            let err = match tokio::time::timeout_at(deadline, call).await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+                    return Err(StoreError::Timeout(timeout));
+                }
+                Ok(Err(err)) => err,
+            };
+            if !is_connection_failure(&err) {
+                return Err(unavailable(err));
+            }
+            self.inner.broken.mark();
+            failures += 1;
+            if failures == ATTEMPTS {
+                return Err(unavailable(err));
+            }
+        }
+    }
+
+    /// Runs the completion statement for the claim `token` on `conn`, in whatever transaction
+    /// `conn` is in, so that the record commits or rolls back with the caller's own writes. The
+    /// caller bounds it (a transaction is the caller's to time out). `bytes` is
+    /// [`Completed::encode`]'s output, `fingerprint` the completed record's.
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        id: &RecordId,
+        token: &ClaimToken,
+        fingerprint: &Fingerprint,
+        bytes: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(&self.inner.statements.complete)
+            .bind(id.as_bytes().as_slice())
+            .bind(fingerprint.as_bytes().as_slice())
+            .bind(token.as_bytes().as_slice())
+            .bind(bytes)
+            .bind(millis(ttl))
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// A fenced statement (renew or release): whether it changed the claim's row.
+    async fn fenced(
+        &self,
+        sql: &str,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Option<Duration>,
+    ) -> Result<bool, StoreError> {
+        self.run(move |mut conn| async move {
+            let mut query = sqlx::query(sql)
+                .bind(id.as_bytes().as_slice())
+                .bind(token.as_bytes().as_slice());
+            if let Some(lease) = lease {
+                query = query.bind(millis(lease));
+            }
+            Ok(query.execute(&mut *conn).await?.rows_affected() == 1)
+        })
+        .await
+    }
+
+    /// Releases a claim whose answer never reached its caller, in the background: once, and
+    /// once more a moment later in case the claim's statement had not committed yet.
+    fn release_behind(&self, id: RecordId, token: ClaimToken) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.clone();
+        runtime.spawn(async move {
+            for _ in 0..2 {
+                if let Ok(true) = store.release_call(&id, &token).await {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
+}
+
+// Each call is boxed, as in `RedisStore`: a call's future holds the pool's and the query's, and
+// would otherwise be carried, and copied, inside every request future that awaits it.
+impl Store for PgStore {
+    fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        Box::pin(self.claim_call(id, fingerprint, lease))
+    }
+
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.complete_call(id, token, completed, ttl))
+    }
+
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.fenced(&self.inner.statements.renew, id, token, Some(lease)))
+    }
+
+    fn release(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        Box::pin(self.release_call(id, token))
+    }
+}
+
+/// A claim's row: the claim's own token, or another claim's live record.
+struct ClaimRow {
+    token: Vec<u8>,
+    fingerprint: Option<Vec<u8>>,
+    completed: Option<Vec<u8>>,
+    remaining_ms: Option<i64>,
+}
+
+impl ClaimRow {
+    fn read(row: &PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            token: row.try_get(0)?,
+            fingerprint: row.try_get(1)?,
+            completed: row.try_get(2)?,
+            remaining_ms: row.try_get(3)?,
+        })
+    }
+
+    /// What the claim found. Its own token means it claimed the key (in this run of the
+    /// statement or in an earlier one whose answer was lost).
+    fn into_claim(self, token: ClaimToken) -> Result<Claim, DecodeError> {
+        if let Some(bytes) = self.completed {
+            return match Record::decode(Bytes::from(bytes))? {
+                Record::Completed(completed) => Ok(Claim::Existing(Record::Completed(completed))),
+                Record::InFlight(_) => Err(DecodeError::Malformed("an in-flight completed record")),
+            };
+        }
+        if self.token == token.as_bytes() {
+            return Ok(Claim::Claimed(token));
+        }
+        let fingerprint = self
+            .fingerprint
+            .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
+            .ok_or(DecodeError::Malformed("fingerprint"))?;
+        let remaining = u64::try_from(self.remaining_ms.unwrap_or(0)).unwrap_or(0);
+        Ok(Claim::Existing(Record::InFlight(InFlight {
+            fingerprint: Fingerprint::from_bytes(fingerprint),
+            lease_remaining: Duration::from_millis(remaining),
+        })))
+    }
+}
+
+impl PgStore {
+    async fn claim_call(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let token = ClaimToken::generate();
+        // Armed until an answer arrives: a claim whose answer is lost may still have landed.
+        let mut abandoned = Abandoned {
+            store: self,
+            claim: Some((*id, token)),
+        };
+        let sql = self.inner.statements.claim.as_str();
+        let lease_ms = millis(lease);
+        let row = self
+            .run(move |mut conn| async move {
+                for _ in 0..CLAIM_RUNS {
+                    let row = sqlx::query(sql)
+                        .bind(id.as_bytes().as_slice())
+                        .bind(fingerprint.as_bytes().as_slice())
+                        .bind(token.as_bytes().as_slice())
+                        .bind(lease_ms)
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                    if let Some(row) = row {
+                        return ClaimRow::read(&row).map(Some);
+                    }
+                }
+                Ok(None)
+            })
+            .await?;
+        abandoned.claim = None;
+        row.ok_or_else(|| StoreError::Unavailable(Box::new(PgStoreError::Contended)))?
+            .into_claim(token)
+            .map_err(|err| StoreError::Codec(Box::new(err)))
+    }
+
+    async fn complete_call(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let bytes = completed
+            .encode()
+            .map_err(|err| StoreError::Codec(Box::new(err)))?;
+        let (bytes, fingerprint) = (bytes.as_slice(), &completed.fingerprint);
+        self.run(move |mut conn| async move {
+            self.complete_on(&mut conn, id, token, fingerprint, bytes, ttl)
+                .await
+        })
+        .await
+    }
+
+    async fn release_call(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.fenced(&self.inner.statements.release, id, token, None)
+            .await
+    }
+}
+
+/// A claim in progress: dropped before its answer arrived, it releases the claim behind it.
+struct Abandoned<'a> {
+    store: &'a PgStore,
+    claim: Option<(RecordId, ClaimToken)>,
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some((id, token)) = self.claim.take() {
+            self.store.release_behind(id, token);
+        }
+    }
+}
+
+/// When the store last saw a connection fail. The pool of [`PgStore::connect`] does not reuse
+/// connections opened before then: they most likely went with the server. (On the standard
+/// clock, as sqlx measures a connection's age.)
+#[derive(Debug, Default)]
+struct Broken(Mutex<Option<std::time::Instant>>);
+
+impl Broken {
+    fn mark(&self) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(std::time::Instant::now());
+    }
+
+    /// Whether a connection of `age` was opened before the last failure.
+    fn opened_before_failure(&self, age: Duration) -> bool {
+        let failed = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        failed.is_some_and(|failed| {
+            std::time::Instant::now()
+                .checked_sub(age)
+                .is_some_and(|opened| opened <= failed)
+        })
+    }
+}
+
+/// Whether `err` says the connection, or the server, is gone (rather than that a statement
+/// failed): SQLSTATE class 08 (connection exception) and 57P01-57P03 (the server shutting down,
+/// or ending this connection: `pg_terminate_backend`).
+fn is_connection_failure(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(_) => {
+            sqlstate(err).is_some_and(|code| code.starts_with("08") || code.starts_with("57P"))
+        }
+        _ => false,
+    }
+}
+
+fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
+fn unavailable(err: sqlx::Error) -> StoreError {
+    StoreError::Unavailable(Box::new(PgStoreError::Database(err)))
+}
+
+/// Milliseconds for the SQL: at least 1, at most a century.
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis().clamp(1, MAX_MILLIS)).unwrap_or(i64::MAX)
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.inner.statements.table)
+            .field("timeout", &self.inner.timeout)
+            .field("sweep_every", &self.inner.sweep_every)
+            .field("connections", &self.inner.pool.size())
+            .field("idle", &self.inner.pool.num_idle())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_opened_before_a_failure_are_not_reused() {
+        let broken = Broken::default();
+        assert!(!broken.opened_before_failure(Duration::from_secs(60)));
+        broken.mark();
+        assert!(broken.opened_before_failure(Duration::from_secs(60)));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!broken.opened_before_failure(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn durations_are_clamped_for_the_sql() {
+        assert_eq!(millis(Duration::ZERO), 1);
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::MAX), MAX_MILLIS as i64);
+    }
+
+    #[test]
+    fn only_connection_errors_are_tried_again() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(is_connection_failure(&io));
+        assert!(!is_connection_failure(&sqlx::Error::RowNotFound));
+        assert!(!is_connection_failure(&sqlx::Error::PoolTimedOut));
+    }
+}

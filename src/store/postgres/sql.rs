@@ -1,0 +1,220 @@
+//! The store's SQL: the schema, and one statement per store call, for a given table.
+//!
+//! Every time is the database's: `statement_timestamp()`, the start of the statement (not of its
+//! transaction, so a completion written late in a caller's transaction measures from its own
+//! start), and the same for every instance, whatever their clocks say.
+
+use std::fmt::Write as _;
+
+/// The table the store uses unless told otherwise.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// The schema for [`DEFAULT_TABLE`].
+pub(super) const SCHEMA: &str = include_str!("schema.sql");
+
+/// The name of the expiry index in [`SCHEMA`].
+const DEFAULT_INDEX: &str = "idempotency_records_expires_at";
+
+/// Serialises concurrent migrations (two instances starting at once): `CREATE TABLE IF NOT
+/// EXISTS` alone can fail on a unique violation in the catalogue when two run together.
+const MIGRATION_LOCK: i64 = 0x746f_7765_725f_6964; // "tower_id"
+
+/// The store's statements on one table.
+#[derive(Debug)]
+pub(super) struct Statements {
+    /// The table's name as given (`records` or `schema.records`).
+    pub(super) table: String,
+    /// The schema: `CREATE TABLE IF NOT EXISTS` and `CREATE INDEX IF NOT EXISTS`.
+    pub(super) schema: String,
+    /// The schema under a transaction-scoped advisory lock: one simple query, one round trip.
+    pub(super) migrate: String,
+    /// Reads nothing, but fails when the table is missing.
+    pub(super) check: String,
+    /// $1 id, $2 fingerprint, $3 token, $4 lease (ms). One row: `token`, and for a live record
+    /// that is not this claim's, its `fingerprint`, `completed` bytes and `remaining_ms`. No row
+    /// when a concurrent transaction wrote the key after this statement's snapshot: run it again.
+    pub(super) claim: String,
+    /// $1 id, $2 fingerprint, $3 token, $4 completed bytes, $5 ttl (ms). One row affected when
+    /// written, or when this token already completed the key with these bytes.
+    pub(super) complete: String,
+    /// $1 id, $2 token, $3 lease (ms). One row affected when renewed.
+    pub(super) renew: String,
+    /// $1 id, $2 token. One row affected when released.
+    pub(super) release: String,
+    /// $1 batch size. Deletes up to that many expired rows, skipping rows other transactions
+    /// hold.
+    pub(super) sweep: String,
+}
+
+impl Statements {
+    /// The statements on `table`: a name of lowercase letters, digits and underscores (not
+    /// starting with a digit, at most 63 bytes), optionally qualified by a schema of the same form.
+    pub(super) fn new(table: &str) -> Result<Self, String> {
+        let (schema_name, name) = match table.split_once('.') {
+            Some((schema, name)) => (Some(identifier(schema)?), identifier(name)?),
+            None => (None, identifier(table)?),
+        };
+        let quoted = match schema_name {
+            Some(schema) => format!("\"{schema}\".\"{name}\""),
+            None => format!("\"{name}\""),
+        };
+        let index_name = format!("{name}_expires_at");
+        if index_name.len() > 63 {
+            return Err(format!(
+                "table name {name:?} is too long for its index name {index_name:?} (63 bytes at most)"
+            ));
+        }
+        let schema = if table == DEFAULT_TABLE {
+            SCHEMA.to_owned()
+        } else {
+            // Through a marker, so the table's own name cannot match inside the index's.
+            SCHEMA
+                .replace(DEFAULT_INDEX, "\u{0}")
+                .replace(DEFAULT_TABLE, &quoted)
+                .replace('\u{0}', &format!("\"{index_name}\""))
+        };
+        let t = &quoted;
+        let mut migrate = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n");
+        migrate.push_str(&schema);
+        let mut check = String::new();
+        let _ = write!(check, "SELECT 1 FROM {t} LIMIT 0");
+        Ok(Self {
+            table: table.to_owned(),
+            schema,
+            migrate,
+            check,
+            // A live row is read from the statement's snapshot; only when there is none does
+            // the insert run (so a replay, a 409 or a 422 takes no lock and writes nothing). Its
+            // `ON CONFLICT` takes over a row whose time is up, and leaves a live one alone: a row
+            // another transaction committed after the snapshot makes the insert wait, then do
+            // nothing, while the snapshot still shows no live row. Then no row comes back, and
+            // the caller runs the statement again with a fresh snapshot.
+            claim: format!(
+                "WITH live AS (
+    SELECT token, fingerprint, completed,
+           (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS remaining_ms
+    FROM {t}
+    WHERE id = $1 AND expires_at > statement_timestamp()
+), claimed AS (
+    INSERT INTO {t} AS r (id, fingerprint, token, completed, expires_at)
+    SELECT $1, $2, $3, NULL, statement_timestamp() + $4::int8 * interval '1 millisecond'
+    WHERE NOT EXISTS (SELECT FROM live)
+    ON CONFLICT (id) DO UPDATE
+    SET fingerprint = excluded.fingerprint, token = excluded.token,
+        completed = NULL, expires_at = excluded.expires_at
+    WHERE r.expires_at <= statement_timestamp()
+    RETURNING token
+)
+SELECT token, NULL::bytea AS fingerprint, NULL::bytea AS completed, NULL::int8 AS remaining_ms
+FROM claimed
+UNION ALL
+SELECT token, fingerprint, completed, remaining_ms FROM live"
+            ),
+            // Written over this claim's in-flight row (even past its lease: nobody took the key
+            // since), over a row whose time is up, or where there is none. A completion sent
+            // again (its first answer was lost) finds the row it wrote: same token, same bytes.
+            // It counts as written, and keeps the first one's expiry.
+            complete: format!(
+                "INSERT INTO {t} AS r (id, fingerprint, token, completed, expires_at)
+VALUES ($1, $2, $3, $4, statement_timestamp() + $5::int8 * interval '1 millisecond')
+ON CONFLICT (id) DO UPDATE
+SET fingerprint = excluded.fingerprint, token = excluded.token, completed = excluded.completed,
+    expires_at = CASE WHEN r.completed IS NULL OR r.expires_at <= statement_timestamp()
+                      THEN excluded.expires_at ELSE r.expires_at END
+WHERE r.expires_at <= statement_timestamp()
+   OR (r.token = excluded.token AND (r.completed IS NULL OR r.completed = excluded.completed))"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = statement_timestamp() + $3::int8 * interval '1 millisecond'
+WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
+            ),
+            release: format!(
+                "DELETE FROM {t}
+WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
+            ),
+            // The oldest first, through the index; `FOR UPDATE` re-checks a row another
+            // transaction changed meanwhile (a claim that took it over is live again, and kept).
+            sweep: format!(
+                "DELETE FROM {t} WHERE id IN (
+    SELECT id FROM {t} WHERE expires_at <= statement_timestamp()
+    ORDER BY expires_at LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)"
+            ),
+        })
+    }
+}
+
+/// `part` if it is a lowercase SQL identifier that needs no quoting.
+fn identifier(part: &str) -> Result<&str, String> {
+    let mut chars = part.chars();
+    let valid = part.len() <= 63
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if valid {
+        Ok(part)
+    } else {
+        Err(format!(
+            "{part:?} is not a table or schema name of lowercase letters, digits and underscores \
+             (at most 63 bytes, not starting with a digit)"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_table_uses_the_documented_schema() {
+        let statements = Statements::new(DEFAULT_TABLE).unwrap();
+        assert_eq!(statements.schema, SCHEMA);
+        assert!(
+            statements
+                .claim
+                .contains("INSERT INTO \"idempotency_records\"")
+        );
+    }
+
+    #[test]
+    fn another_table_gets_its_own_names_throughout() {
+        let statements = Statements::new("billing.idempotency_records").unwrap();
+        let schema = &statements.schema;
+        assert!(
+            schema.contains("CREATE TABLE IF NOT EXISTS \"billing\".\"idempotency_records\" ("),
+            "{schema}"
+        );
+        assert!(
+            schema.contains(
+                "CREATE INDEX IF NOT EXISTS \"idempotency_records_expires_at\"\n    ON \"billing\".\"idempotency_records\" (expires_at);"
+            ),
+            "{schema}"
+        );
+        let other = Statements::new("records").unwrap();
+        assert!(other.schema.contains("\"records_expires_at\""));
+        assert!(!other.schema.contains("idempotency_records"));
+        for sql in [&other.claim, &other.complete, &other.sweep, &other.check] {
+            assert!(!sql.contains("idempotency_records"), "{sql}");
+        }
+    }
+
+    #[test]
+    fn names_that_would_need_quoting_are_refused() {
+        for bad in [
+            "",
+            "Records",
+            "1records",
+            "records; DROP TABLE users",
+            "a.b.c",
+            "\"records\"",
+            ".records",
+            &"r".repeat(64),
+            // Its index name would pass 63 bytes.
+            &"r".repeat(60),
+        ] {
+            assert!(Statements::new(bad).is_err(), "{bad:?}");
+        }
+    }
+}

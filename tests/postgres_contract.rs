@@ -1,0 +1,54 @@
+//! The store contract suite on `PgStore`, each case on a PostgreSQL server of its own.
+//!
+//! PostgreSQL keeps its own clock, so these cases run on real time with a short lease and window
+//! (the memory suite runs the same cases on paused time).
+
+mod support;
+
+use std::future::Future;
+use std::time::Duration;
+
+use support::contract::Harness;
+use support::postgres_server::PostgresServer;
+use tower_idempotency::PgStore;
+
+#[derive(Debug)]
+struct PgHarness {
+    store: PgStore,
+    /// Kept for the case, and dropped after the store.
+    _server: PostgresServer,
+}
+
+impl PgHarness {
+    async fn start() -> Self {
+        let server = PostgresServer::start();
+        let store = PgStore::connect(&server.url()).expect("a store");
+        store.migrate().await.expect("the table is created");
+        Self {
+            store,
+            _server: server,
+        }
+    }
+}
+
+impl Harness for PgHarness {
+    type Store = PgStore;
+
+    fn store(&self) -> PgStore {
+        self.store.clone()
+    }
+
+    fn lease(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    fn window(&self) -> Duration {
+        Duration::from_secs(3)
+    }
+
+    fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send {
+        tokio::time::sleep(d)
+    }
+}
+
+store_contract!(PgHarness::start().await, flavor = "multi_thread");
