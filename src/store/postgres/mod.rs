@@ -1,7 +1,8 @@
 //! `PgStore`: records in a PostgreSQL table, shared by every instance.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,10 +14,12 @@ use tokio::time::Instant;
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, DecodeError, InFlight, Record, RecordId};
+use health::Health;
 pub use sql::DEFAULT_TABLE;
 use sql::Statements;
 use sweep::Sweeper;
 
+mod health;
 mod sql;
 mod sweep;
 
@@ -69,6 +72,11 @@ const MAX_MILLIS: u128 = 100 * 365 * 24 * 60 * 60 * 1000;
 ///   times within the timeout: every call is safe to send twice. A completion whose first answer
 ///   was lost finds the record it wrote and answers `true` (the completed row keeps its token).
 ///   A claim whose answer was lost (a timeout, or its request dropped) is released behind it.
+/// - **A server that goes away.** Once a connection has failed, calls check that the server
+///   accepts a connection (one call at a time) before they use the pool: while it refuses, each
+///   call fails at once with the connection error (sqlx's pool alone would wait out the timeout,
+///   taking a refusal for a server still starting); once it accepts, calls use the pool again,
+///   on new connections. Nothing needs restarting.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, PgStore};
@@ -93,7 +101,7 @@ struct Inner {
     timeout: Duration,
     sweep_every: Option<Duration>,
     sweeper: Sweeper,
-    broken: Arc<Broken>,
+    health: Arc<Health>,
 }
 
 impl Inner {
@@ -102,7 +110,7 @@ impl Inner {
         statements: Statements,
         timeout: Duration,
         sweep_every: Option<Duration>,
-        broken: Arc<Broken>,
+        health: Arc<Health>,
     ) -> Self {
         Self {
             pool,
@@ -110,7 +118,7 @@ impl Inner {
             timeout,
             sweep_every,
             sweeper: Sweeper::default(),
-            broken,
+            health,
         }
     }
 }
@@ -171,8 +179,8 @@ impl PgStore {
     /// [`PgStoreError::Url`] when the URL is invalid.
     pub fn connect(url: &str) -> Result<Self, PgStoreError> {
         let options: PgConnectOptions = url.parse().map_err(PgStoreError::Url)?;
-        let broken = Arc::new(Broken::default());
-        let hook = broken.clone();
+        let health = Arc::new(Health::default());
+        let hook = health.clone();
         let pool = PgPoolOptions::new()
             .max_connections(DEFAULT_MAX_CONNECTIONS)
             .test_before_acquire(false)
@@ -184,7 +192,7 @@ impl PgStore {
         let mut store = Self::new(pool);
         Arc::get_mut(&mut store.inner)
             .expect("a new store is not shared")
-            .broken = broken;
+            .health = health;
         Ok(store)
     }
 
@@ -219,9 +227,11 @@ impl PgStore {
                 statements,
                 shared.timeout,
                 shared.sweep_every,
-                shared.broken.clone(),
+                shared.health.clone(),
             )
         });
+        // A sweep already running (with the old settings) stops; the next call starts one.
+        inner.sweeper = Sweeper::default();
         change(&mut inner);
         Self {
             inner: Arc::new(inner),
@@ -263,6 +273,9 @@ impl PgStore {
     /// A [`PgStoreError`] when PostgreSQL is unreachable or refuses (say, the user may not create
     /// tables).
     pub async fn migrate(&self) -> Result<(), PgStoreError> {
+        // A connection of its own first, so that a server refusing connections is reported as
+        // such, not as a timeout.
+        self.inner.health.suspect();
         self.admin(MIGRATE_TIMEOUT, async |conn| {
             sqlx::raw_sql(&self.inner.statements.migrate)
                 .execute(conn)
@@ -279,6 +292,7 @@ impl PgStore {
     /// [`PgStoreError::MissingTable`] when the table does not exist; another [`PgStoreError`]
     /// when PostgreSQL is unreachable or slow.
     pub async fn check(&self) -> Result<(), PgStoreError> {
+        self.inner.health.suspect();
         let checked = self
             .admin(self.inner.timeout, async |conn| {
                 sqlx::query(&self.inner.statements.check)
@@ -313,6 +327,10 @@ impl PgStore {
     ) -> Result<T, PgStoreError> {
         self.start_sweep();
         let run = async {
+            self.inner
+                .health
+                .check(&self.inner.pool.connect_options())
+                .await?;
             let mut conn = self.inner.pool.acquire().await?;
             call(&mut conn).await
         };
@@ -320,7 +338,7 @@ impl PgStore {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) => {
                 if is_connection_failure(&err) {
-                    self.inner.broken.mark();
+                    self.inner.health.failed();
                 }
                 Err(PgStoreError::Database(err))
             }
@@ -346,13 +364,25 @@ impl PgStore {
         let deadline = Instant::now() + timeout;
         let mut failures = 0;
         loop {
+            let connected = AtomicBool::new(false);
             let call = async {
+                let options = self.inner.pool.connect_options();
+                self.inner.health.check(&options).await?;
                 let conn = self.inner.pool.acquire().await?;
+                connected.store(true, Ordering::Relaxed);
                 attempt(conn).await
             };
             let err = match tokio::time::timeout_at(deadline, call).await {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+                    // Still waiting for a connection the pool was free to open: the server may
+                    // be gone. (Not when every connection is busy: that is load, not absence.)
+                    let pool = &self.inner.pool;
+                    if !connected.load(Ordering::Relaxed)
+                        && pool.size() < pool.options().get_max_connections()
+                    {
+                        self.inner.health.suspect();
+                    }
                     return Err(StoreError::Timeout(timeout));
                 }
                 Ok(Err(err)) => err,
@@ -360,7 +390,7 @@ impl PgStore {
             if !is_connection_failure(&err) {
                 return Err(unavailable(err));
             }
-            self.inner.broken.mark();
+            self.inner.health.failed();
             failures += 1;
             if failures == ATTEMPTS {
                 return Err(unavailable(err));
@@ -412,20 +442,31 @@ impl PgStore {
         .await
     }
 
-    /// Releases a claim whose answer never reached its caller, in the background: once, and
-    /// once more a moment later in case the claim's statement had not committed yet.
-    fn release_behind(&self, id: RecordId, token: ClaimToken) {
+    /// Releases a claim whose statement was sent but whose answer never reached its caller (a
+    /// timeout, a broken connection, or the request dropped), in the background. The statement
+    /// may still be waiting in the server (on a lock, say) and commit later, so a release that
+    /// finds nothing is tried again, with backoff, until the claim's lease would have run out
+    /// anyway.
+    fn release_behind(&self, id: RecordId, token: ClaimToken, lease: Duration) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let store = self.clone();
         runtime.spawn(async move {
-            for _ in 0..2 {
-                if let Ok(true) = store.release_call(&id, &token).await {
+            let deadline = Instant::now() + lease;
+            let mut backoff = Duration::from_millis(100);
+            while !matches!(store.release_call(&id, &token).await, Ok(true)) {
+                if Instant::now() + backoff >= deadline {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
+            tracing::debug!(
+                target: "tower_idempotency",
+                record = %id.tag(),
+                "released a claim whose answer was lost"
+            );
         });
     }
 }
@@ -520,15 +561,19 @@ impl PgStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let token = ClaimToken::generate();
-        // Armed until an answer arrives: a claim whose answer is lost may still have landed.
+        // Armed once the statement may have been sent, until its answer arrives: a claim whose
+        // answer is lost may still land.
+        let sent = AtomicBool::new(false);
         let mut abandoned = Abandoned {
             store: self,
-            claim: Some((*id, token)),
+            sent: &sent,
+            claim: Some((*id, token, lease)),
         };
-        let sql = self.inner.statements.claim.as_str();
+        let (sql, sent) = (self.inner.statements.claim.as_str(), &sent);
         let lease_ms = millis(lease);
         let row = self
             .run(move |mut conn| async move {
+                sent.store(true, Ordering::Relaxed);
                 for _ in 0..CLAIM_RUNS {
                     let row = sqlx::query(sql)
                         .bind(id.as_bytes().as_slice())
@@ -536,7 +581,13 @@ impl PgStore {
                         .bind(token.as_bytes().as_slice())
                         .bind(lease_ms)
                         .fetch_optional(&mut *conn)
-                        .await?;
+                        .await
+                        .inspect_err(|err| {
+                            // The server answered with an error: the statement rolled back.
+                            if !is_connection_failure(err) {
+                                sent.store(false, Ordering::Relaxed);
+                            }
+                        })?;
                     if let Some(row) = row {
                         return ClaimRow::read(&row).map(Some);
                     }
@@ -574,39 +625,21 @@ impl PgStore {
     }
 }
 
-/// A claim in progress: dropped before its answer arrived, it releases the claim behind it.
+/// A claim in progress: dropped before its answer arrived, once its statement may have been sent,
+/// it releases the claim behind it.
 struct Abandoned<'a> {
     store: &'a PgStore,
-    claim: Option<(RecordId, ClaimToken)>,
+    sent: &'a AtomicBool,
+    claim: Option<(RecordId, ClaimToken, Duration)>,
 }
 
 impl Drop for Abandoned<'_> {
     fn drop(&mut self) {
-        if let Some((id, token)) = self.claim.take() {
-            self.store.release_behind(id, token);
+        if let Some((id, token, lease)) = self.claim.take()
+            && self.sent.load(Ordering::Relaxed)
+        {
+            self.store.release_behind(id, token, lease);
         }
-    }
-}
-
-/// When the store last saw a connection fail. The pool of [`PgStore::connect`] does not reuse
-/// connections opened before then: they most likely went with the server. (On the standard
-/// clock, as sqlx measures a connection's age.)
-#[derive(Debug, Default)]
-struct Broken(Mutex<Option<std::time::Instant>>);
-
-impl Broken {
-    fn mark(&self) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(std::time::Instant::now());
-    }
-
-    /// Whether a connection of `age` was opened before the last failure.
-    fn opened_before_failure(&self, age: Duration) -> bool {
-        let failed = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        failed.is_some_and(|failed| {
-            std::time::Instant::now()
-                .checked_sub(age)
-                .is_some_and(|opened| opened <= failed)
-        })
     }
 }
 
@@ -658,16 +691,6 @@ impl fmt::Debug for PgStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn connections_opened_before_a_failure_are_not_reused() {
-        let broken = Broken::default();
-        assert!(!broken.opened_before_failure(Duration::from_secs(60)));
-        broken.mark();
-        assert!(broken.opened_before_failure(Duration::from_secs(60)));
-        std::thread::sleep(Duration::from_millis(5));
-        assert!(!broken.opened_before_failure(Duration::from_millis(1)));
-    }
 
     #[test]
     fn durations_are_clamped_for_the_sql() {
