@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{Connection, PgConnection};
+use sqlx::{Connection, PgConnection, PgPool};
 
 #[derive(Debug, Default)]
 pub(super) struct Health {
@@ -56,7 +55,7 @@ impl Health {
 
     /// When suspect, checks that the server accepts a connection (one call at a time; a call
     /// that waited for another's check uses its answer). The error is the connection's.
-    pub(super) async fn check(&self, options: &PgConnectOptions) -> Result<(), sqlx::Error> {
+    pub(super) async fn check(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
         if !self.suspect.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -64,7 +63,7 @@ impl Health {
         if !self.suspect.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let conn = PgConnection::connect_with(options).await?;
+        let conn = PgConnection::connect_with(&pool.connect_options()).await?;
         self.suspect.store(false, Ordering::Relaxed);
         // Closed politely, off the call's path.
         tokio::spawn(async move {

@@ -60,8 +60,8 @@ const MAX_MILLIS: u128 = 100 * 365 * 24 * 60 * 60 * 1000;
 /// - **The database's clock.** Leases and windows are measured with `statement_timestamp()`, so
 ///   instances whose clocks disagree still agree on every record.
 /// - **Expiry without a TTL.** Reads and claims ignore a row whose time is up, so correctness
-///   never waits for a delete. The store deletes expired rows in the background, every
-///   [`DEFAULT_SWEEP_INTERVAL`] (60 s; [`PgStore::with_sweep_interval`]), in batches of 500 with
+///   never waits for a delete. The store deletes expired rows in the background, every 60 s
+///   ([`PgStore::with_sweep_interval`]), in batches of 500 with
 ///   `FOR UPDATE SKIP LOCKED`, so instances sweeping together share the work and nobody waits on
 ///   it. The task starts with the first call and stops when the last clone of the store is
 ///   dropped; [`PgStore::sweep`] runs one by hand.
@@ -327,10 +327,7 @@ impl PgStore {
     ) -> Result<T, PgStoreError> {
         self.start_sweep();
         let run = async {
-            self.inner
-                .health
-                .check(&self.inner.pool.connect_options())
-                .await?;
+            self.inner.health.check(&self.inner.pool).await?;
             let mut conn = self.inner.pool.acquire().await?;
             call(&mut conn).await
         };
@@ -366,8 +363,7 @@ impl PgStore {
         loop {
             let connected = AtomicBool::new(false);
             let call = async {
-                let options = self.inner.pool.connect_options();
-                self.inner.health.check(&options).await?;
+                self.inner.health.check(&self.inner.pool).await?;
                 let conn = self.inner.pool.acquire().await?;
                 connected.store(true, Ordering::Relaxed);
                 attempt(conn).await
