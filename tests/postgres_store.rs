@@ -287,6 +287,49 @@ async fn connections_terminated_mid_handler_leave_one_execution() {
     assert_eq!(handler.calls(), 1, "no second execution");
 }
 
+/// The database killed (every process at once, as in a crash) while the handler runs, and
+/// started again: the handler's completion lands once it is back, and the client, retrying until
+/// the answer is decided, gets the one execution's response.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_killed_mid_handler_and_restarted_leaves_one_execution() {
+    let (mut server, store) = started().await;
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = {
+        let (started, gate) = (started.clone(), gate.clone());
+        Handler::new(move |call| {
+            let (started, gate) = (started.clone(), gate.clone());
+            async move {
+                started.notify_one();
+                gate.notified().await;
+                Ok(created(format!("charge {}", call.n)))
+            }
+        })
+    };
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, handler.clone());
+
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    tokio::task::block_in_place(|| server.kill());
+    gate.notify_one();
+    // The client gets its response; storing it waits for the database.
+    let first = first.await.expect("the first request");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        shutdown.running(),
+        1,
+        "the completion is still being retried"
+    );
+
+    tokio::task::block_in_place(|| server.restart());
+    let decided = until_decided(&svc, "k").await;
+    assert_eq!(decided.outcome, Some(Outcome::Replayed), "{decided:?}");
+    assert_eq!(decided.body, first.body);
+    assert_eq!(handler.calls(), 1, "no second execution");
+}
+
 /// A record past its window is claimable again at once, before any sweep; the sweep deletes
 /// expired rows (completed or in flight) and keeps live ones.
 #[tokio::test(flavor = "multi_thread")]
