@@ -4,8 +4,6 @@
 //! transaction, so a completion written late in a caller's transaction measures from its own
 //! start), and the same for every instance, whatever their clocks say.
 
-use std::fmt::Write as _;
-
 /// The table the store uses unless told otherwise.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
@@ -76,13 +74,11 @@ impl Statements {
         let t = &quoted;
         let mut migrate = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n");
         migrate.push_str(&schema);
-        let mut check = String::new();
-        let _ = write!(check, "SELECT 1 FROM {t} LIMIT 0");
         Ok(Self {
             table: table.to_owned(),
             schema,
             migrate,
-            check,
+            check: format!("SELECT 1 FROM {t} LIMIT 0"),
             // A live row is read from the statement's snapshot; only when there is none does
             // the insert run (so a replay, a 409 or a 422 takes no lock and writes nothing). Its
             // `ON CONFLICT` takes over a row whose time is up, and leaves a live one alone: a row
