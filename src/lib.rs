@@ -161,8 +161,8 @@ pub use record::{
 };
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
-#[cfg(feature = "postgres")]
-pub use store::PgStore;
 pub use store::{Claim, MemoryStore, Store, StoreError};
+#[cfg(feature = "postgres")]
+pub use store::{PgStore, PgTx};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, deadpool_redis};

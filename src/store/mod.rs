@@ -23,7 +23,7 @@ use std::time::Duration;
 pub use deadpool_redis;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres::{PgStore, PgStoreError};
+pub use postgres::{PgStore, PgStoreError, PgTx, PgTxError};
 #[cfg(feature = "redis")]
 pub use redis::{RedisStore, RedisStoreError};
 /// The sqlx crate this store is built on, so users need not match its version.

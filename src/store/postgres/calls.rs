@@ -8,6 +8,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use tokio::time::Instant;
 
+use super::tx::Taken;
 use super::{CLAIM_RUNS, PgStore, PgStoreError, is_connection_failure, millis};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, DecodeError, InFlight, Record, RecordId};
@@ -125,6 +126,10 @@ impl Store for PgStore {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         Box::pin(self.release_call(id, token))
     }
+
+    fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        self.prepare_call(token, extensions);
+    }
 }
 
 /// A claim's row: the claim's own token, or another claim's live record.
@@ -228,6 +233,23 @@ impl PgStore {
             .encode()
             .map_err(|err| StoreError::Codec(Box::new(err)))?;
         let (bytes, fingerprint) = (bytes.as_slice(), &completed.fingerprint);
+        match self.inner.open.take(token) {
+            Some(Taken::Begun(tx)) => {
+                return self
+                    .commit_with(tx, id, token, fingerprint, bytes, ttl)
+                    .await;
+            }
+            Some(Taken::StillHeld) => {
+                let _ = self.release_call(id, token).await;
+                return Err(StoreError::Aborted(
+                    "the handler still held its transaction when it returned, so it could not \
+                     commit; it rolls back when dropped"
+                        .into(),
+                ));
+            }
+            // The handler took no transaction: the record is written on its own.
+            None => {}
+        }
         self.run(move |mut conn| async move {
             self.complete_on(&mut conn, id, token, fingerprint, bytes, ttl)
                 .await
@@ -235,7 +257,15 @@ impl PgStore {
         .await
     }
 
-    async fn release_call(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+    pub(super) async fn release_call(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> Result<bool, StoreError> {
+        if let Some(Taken::Begun(tx)) = self.inner.open.take(token) {
+            // Dropped, it would roll back too, but only once its connection is next used.
+            let _ = tokio::time::timeout(self.inner.timeout, tx.rollback()).await;
+        }
         self.fenced(&self.inner.statements.release, id, token, None)
             .await
     }

@@ -15,11 +15,14 @@ use health::Health;
 pub use sql::DEFAULT_TABLE;
 use sql::Statements;
 use sweep::Sweeper;
+use tx::Open;
+pub use tx::{PgTx, PgTxError};
 
 mod calls;
 mod health;
 mod sql;
 mod sweep;
+mod tx;
 
 /// The default bound on one store call, taking a connection included.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -100,6 +103,8 @@ struct Inner {
     sweep_every: Option<Duration>,
     sweeper: Sweeper,
     health: Arc<Health>,
+    /// The transactions of claimed requests whose work has not ended (see `tx`).
+    open: Open,
 }
 
 impl Inner {
@@ -117,6 +122,7 @@ impl Inner {
             sweep_every,
             sweeper: Sweeper::default(),
             health,
+            open: Open::default(),
         }
     }
 }

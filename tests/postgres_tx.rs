@@ -1,0 +1,342 @@
+//! Transactional completion on `PgStore` (PROTOCOL.md §9.9): a handler writes its rows through
+//! `PgTx`, and those rows commit with the request's idempotency record, or neither does. Each
+//! test on a PostgreSQL server of its own.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use http_body_util::BodyExt;
+use support::postgres_server::PostgresServer;
+use tower::ServiceExt;
+use tower_idempotency::store::sqlx::{self, Connection, PgConnection, Row};
+use tower_idempotency::{IdempotencyLayer, Outcome, PgStore, PgTx, RecordId};
+
+/// What the test handler is told to do, by the request body.
+async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), StatusCode> {
+    sqlx::query("INSERT INTO effects (body) VALUES ($1)")
+        .bind(&body)
+        .execute(&mut *tx)
+        .await
+        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    match body.as_str() {
+        "fail" => Err(StatusCode::INTERNAL_SERVER_ERROR),
+        "unavailable" => Err(StatusCode::SERVICE_UNAVAILABLE),
+        "panic" => panic!("the handler panicked after its write"),
+        "declined" => Ok((StatusCode::PAYMENT_REQUIRED, body)),
+        "cut" => {
+            // The connection dies after the write, before the layer commits.
+            let pid: i32 = sqlx::query("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?
+                .get(0);
+            drop(tx);
+            terminate(pid).await;
+            Ok((StatusCode::CREATED, body))
+        }
+        "held" => {
+            // A task outlives the handler with the transaction.
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                drop(tx);
+            });
+            Ok((StatusCode::CREATED, body))
+        }
+        _ => Ok((StatusCode::CREATED, body)),
+    }
+}
+
+tokio::task_local! {
+    static SERVER_URL: String;
+}
+
+async fn terminate(pid: i32) {
+    let url = SERVER_URL.with(Clone::clone);
+    let mut admin = PgConnection::connect(&url)
+        .await
+        .expect("an admin connection");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&mut admin)
+        .await
+        .expect("terminated");
+}
+
+struct Fixture {
+    server: PostgresServer,
+    store: PgStore,
+    app: Router,
+    calls: Arc<AtomicUsize>,
+}
+
+async fn fixture() -> Fixture {
+    let server = PostgresServer::start();
+    let store = PgStore::connect(&server.url()).expect("a store");
+    store.migrate().await.expect("the table is created");
+    let mut admin = admin(&server).await;
+    sqlx::query("CREATE TABLE effects (body text NOT NULL)")
+        .execute(&mut admin)
+        .await
+        .expect("the effects table");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(move |tx: PgTx, body: String| {
+                counter.fetch_add(1, Ordering::SeqCst);
+                charge(tx, body)
+            }),
+        )
+        .route(
+            "/plain",
+            post(|body: String| async move { (StatusCode::CREATED, body) }),
+        )
+        .route_layer(IdempotencyLayer::new(store.clone()).lease(Duration::from_secs(5)));
+    Fixture {
+        server,
+        store,
+        app,
+        calls,
+    }
+}
+
+async fn admin(server: &PostgresServer) -> PgConnection {
+    PgConnection::connect(&server.url())
+        .await
+        .expect("an admin connection")
+}
+
+struct Answer {
+    status: StatusCode,
+    outcome: Option<Outcome>,
+    body: String,
+}
+
+impl Fixture {
+    async fn send(&self, path: &str, key: &str, body: &str) -> Answer {
+        let request = Request::post(path)
+            .header("idempotency-key", key)
+            .body(Body::from(body.to_owned()))
+            .unwrap();
+        let response = SERVER_URL
+            .scope(self.server.url(), self.app.clone().oneshot(request))
+            .await
+            .unwrap();
+        let status = response.status();
+        let outcome = response.extensions().get::<Outcome>().copied();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Answer {
+            status,
+            outcome,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        }
+    }
+
+    async fn effects(&self, body: &str) -> i64 {
+        let mut admin = admin(&self.server).await;
+        sqlx::query("SELECT count(*) FROM effects WHERE body = $1")
+            .bind(body)
+            .fetch_one(&mut admin)
+            .await
+            .expect("a count")
+            .get(0)
+    }
+
+    /// The key's row: `(completed, live)`, or `None` when there is none.
+    async fn record(&self, key: &str) -> Option<(bool, bool)> {
+        let id = RecordId::new(b"", key);
+        let mut admin = admin(&self.server).await;
+        sqlx::query(
+            "SELECT completed IS NOT NULL, expires_at > statement_timestamp()
+             FROM idempotency_records WHERE id = $1",
+        )
+        .bind(id.as_bytes().as_slice())
+        .fetch_optional(&mut admin)
+        .await
+        .expect("the record")
+        .map(|row| (row.get(0), row.get(1)))
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+/// A stored response commits the handler's rows and the record together; the retry replays and
+/// writes nothing. A stored 4xx (a declined card) commits too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_commits_the_rows_with_the_record() {
+    let f = fixture().await;
+    let first = f.send("/charges", "k", "ok").await;
+    assert_eq!(
+        (first.status, first.outcome),
+        (StatusCode::CREATED, Some(Outcome::Executed))
+    );
+    assert_eq!(f.effects("ok").await, 1);
+    assert_eq!(f.record("k").await, Some((true, true)));
+
+    let replay = f.send("/charges", "k", "ok").await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, "ok");
+    assert_eq!((f.effects("ok").await, f.calls()), (1, 1));
+
+    let declined = f.send("/charges", "d", "declined").await;
+    assert_eq!(declined.status, StatusCode::PAYMENT_REQUIRED);
+    assert_eq!(f.effects("declined").await, 1, "a stored 402 commits");
+    assert_eq!(f.record("d").await, Some((true, true)));
+}
+
+/// A handler that fails, panics or answers with a status that is not stored leaves neither its
+/// rows nor a record, and its retry runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_panics_and_unstored_statuses_roll_the_rows_back_with_the_claim() {
+    let f = fixture().await;
+    for (key, body, status) in [
+        ("f", "fail", StatusCode::INTERNAL_SERVER_ERROR),
+        ("u", "unavailable", StatusCode::SERVICE_UNAVAILABLE),
+        ("p", "panic", StatusCode::INTERNAL_SERVER_ERROR),
+    ] {
+        for attempt in 1..=2 {
+            let answer = f.send("/charges", key, body).await;
+            assert_eq!(answer.status, status, "{body}, attempt {attempt}");
+            assert_eq!(f.effects(body).await, 0, "{body}: nothing committed");
+            assert_eq!(f.record(key).await, None, "{body}: the claim was released");
+        }
+    }
+    assert_eq!(f.calls(), 6, "every retry ran again");
+}
+
+/// The connection dies after the handler's write and before the commit: the client is told that
+/// nothing was done (503), nothing stays, and the retry runs once and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_before_the_commit_leaves_nothing_and_the_retry_runs_once() {
+    let f = fixture().await;
+    let cut = f.send("/charges", "k", "cut").await;
+    assert_eq!(cut.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(cut.outcome, Some(Outcome::StoreUnavailable));
+    assert_ne!(cut.body, "cut", "the rolled-back response is not delivered");
+    assert_eq!(f.effects("cut").await, 0);
+    assert_eq!(f.record("k").await, None, "the claim was released");
+
+    // The retry runs, and this time the connection lives.
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(|tx: PgTx| charge(tx, String::from("cut-retry"))),
+        )
+        .route_layer(IdempotencyLayer::new(f.store.clone()));
+    let retry = SERVER_URL
+        .scope(
+            f.server.url(),
+            app.oneshot(
+                Request::post("/charges")
+                    .header("idempotency-key", "k")
+                    .body(Body::from("cut"))
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(f.effects("cut-retry").await, 1);
+    assert_eq!(f.record("k").await, Some((true, true)));
+}
+
+/// A claim lost while the handler ran (its lease ran out and another request claimed the key):
+/// the completion is fenced out, and the handler's rows roll back with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_fenced_out_rolls_the_rows_back() {
+    let server = PostgresServer::start();
+    let store = PgStore::connect(&server.url()).expect("a store");
+    store.migrate().await.expect("the table");
+    let mut conn = admin(&server).await;
+    sqlx::query("CREATE TABLE effects (body text NOT NULL)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let url = server.url();
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(move |mut tx: PgTx| {
+                let url = url.clone();
+                async move {
+                    sqlx::query("INSERT INTO effects (body) VALUES ('fenced')")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    // Another claim takes the key meanwhile.
+                    let mut other = PgConnection::connect(&url).await.unwrap();
+                    sqlx::query("UPDATE idempotency_records SET token = $1 WHERE id = $2")
+                        .bind(vec![7u8; 16])
+                        .bind(RecordId::new(b"", "k").as_bytes().as_slice())
+                        .execute(&mut other)
+                        .await
+                        .unwrap();
+                    (StatusCode::CREATED, "fenced")
+                }
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(store));
+    let response = app
+        .oneshot(
+            Request::post("/charges")
+                .header("idempotency-key", "k")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let count: i64 = sqlx::query("SELECT count(*) FROM effects")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(count, 0, "the fenced-out completion rolled the rows back");
+}
+
+/// A transaction a task still holds when the handler returns cannot commit: 503, nothing stays,
+/// and the claim is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_held_past_the_handler_is_not_committed() {
+    let f = fixture().await;
+    let held = f.send("/charges", "k", "held").await;
+    assert_eq!(held.status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(f.effects("held").await, 0);
+    assert_eq!(f.record("k").await, None);
+}
+
+/// A handler that takes no transaction works as with any store; `PgTx` on a request the layer did
+/// not claim is refused with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_without_a_transaction_and_unclaimed_requests() {
+    let f = fixture().await;
+    let plain = f.send("/plain", "k", "body").await;
+    assert_eq!(plain.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        f.send("/plain", "k", "body").await.outcome,
+        Some(Outcome::Replayed)
+    );
+
+    let unclaimed = Router::new().route("/charges", post(|tx: PgTx| charge(tx, String::new())));
+    let response = unclaimed
+        .oneshot(Request::post("/charges").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("not claimed through a PgStore"),
+        "{body:?}"
+    );
+}
