@@ -340,3 +340,75 @@ async fn handlers_without_a_transaction_and_unclaimed_requests() {
         "{body:?}"
     );
 }
+
+/// The consumer's own transaction records the message: a redelivery after a commit is skipped, a
+/// rolled-back one runs again, and a concurrent delivery waits for the first one's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_marks_a_message_processed_in_its_own_transaction() {
+    let f = fixture().await;
+    let window = Duration::from_secs(3600);
+    let pool = f.store.pool();
+    let apply = async |message: &str| -> bool {
+        let mut tx = pool.begin().await.unwrap();
+        let first = f
+            .store
+            .mark_processed(&mut tx, "ledger", message, window)
+            .await
+            .unwrap();
+        if first {
+            sqlx::query("INSERT INTO effects (body) VALUES ($1)")
+                .bind(message)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        first
+    };
+    assert!(apply("evt_1").await);
+    assert!(!apply("evt_1").await, "the redelivery is skipped");
+    assert_eq!(f.effects("evt_1").await, 1);
+
+    // Rolled back: the record goes with the work, and the redelivery runs.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(
+        f.store
+            .mark_processed(&mut tx, "ledger", "evt_2", window)
+            .await
+            .unwrap()
+    );
+    tx.rollback().await.unwrap();
+    assert!(apply("evt_2").await);
+    assert_eq!(f.effects("evt_2").await, 1);
+
+    // Concurrent: the second delivery waits for the first one's commit, then skips.
+    let mut first = pool.begin().await.unwrap();
+    assert!(
+        f.store
+            .mark_processed(&mut first, "ledger", "evt_3", window)
+            .await
+            .unwrap()
+    );
+    let store = f.store.clone();
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let again = store
+                .mark_processed(&mut tx, "ledger", "evt_3", window)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            again
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second delivery waits on the first one's row"
+    );
+    first.commit().await.unwrap();
+    assert!(!second.await.unwrap(), "and skips once it committed");
+    // Message ids never meet HTTP keys of the same text.
+    assert_eq!(f.record("evt_3").await, None);
+}

@@ -20,6 +20,7 @@ pub use tx::{PgTx, PgTxError};
 
 mod calls;
 mod health;
+mod processed;
 mod sql;
 mod sweep;
 mod tx;
