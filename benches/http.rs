@@ -43,6 +43,11 @@
 //! or a renew whose fence holds) - that is, all calls - 2 x `EVALSHA` in the common case, and the
 //! `EVAL` releases of claims abandoned when wrk stops (see `RedisStore::claim`) are counted right.
 //!
+//! With the `postgres` feature (`cargo bench --bench http --features postgres`, and the
+//! PostgreSQL server binaries installed), a fourth server, `postgres`, runs behind `PgStore` on a
+//! private PostgreSQL server the bench starts (the test fixture: fsync off, as the Redis server
+//! keeps nothing on disk).
+//!
 //! `BENCH_VARIANTS=bare,memory,redis` (default: all) runs only some servers, e.g. to profile one.
 //! `BENCH_DEDUP_WINDOW` (seconds, default 86400) and `BENCH_MEMORY_CAPACITY` (bytes, default
 //! lifted) check that memory stays flat over a long new-key run, e.g.
@@ -52,6 +57,9 @@
 //!
 //! A run started by `cargo test --benches` (no `--bench` argument) does nothing.
 
+#[cfg(feature = "postgres")]
+#[path = "../tests/support/postgres_server.rs"]
+mod postgres_server;
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 
@@ -109,16 +117,27 @@ enum Variant {
     Bare,
     Memory,
     Redis,
+    /// With the `postgres` feature only.
+    Postgres,
 }
 
 impl Variant {
-    const ALL: [Variant; 3] = [Variant::Bare, Variant::Memory, Variant::Redis];
+    #[cfg(not(feature = "postgres"))]
+    const ALL: &[Variant] = &[Variant::Bare, Variant::Memory, Variant::Redis];
+    #[cfg(feature = "postgres")]
+    const ALL: &[Variant] = &[
+        Variant::Bare,
+        Variant::Memory,
+        Variant::Redis,
+        Variant::Postgres,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Variant::Bare => "bare",
             Variant::Memory => "memory",
             Variant::Redis => "redis",
+            Variant::Postgres => "postgres",
         }
     }
 
@@ -182,7 +201,7 @@ impl Settings {
             threads: env_number("BENCH_THREADS", 1)?,
             server_threads: env_number("BENCH_SERVER_THREADS", nproc)?,
             workloads: env_list("BENCH_WORKLOADS", &Workload::ALL, Workload::name)?,
-            variants: env_list("BENCH_VARIANTS", &Variant::ALL, Variant::name)?,
+            variants: env_list("BENCH_VARIANTS", Variant::ALL, Variant::name)?,
             dedup_window: env_number("BENCH_DEDUP_WINDOW", 24 * 60 * 60)?,
             memory_capacity: env_number("BENCH_MEMORY_CAPACITY", MEMORY_CAPACITY)?,
         };
@@ -458,6 +477,22 @@ fn run() -> Result<bool, String> {
         .block_on(redis_store.check())
         .map_err(|e| format!("RedisStore::check: {e}"))?;
 
+    // The PostgreSQL server of the fixture (fsync off, like the Redis server's lack of
+    // persistence): a private server on a free port, never the shared one.
+    #[cfg(feature = "postgres")]
+    let (_postgres, postgres_store) = {
+        let server = postgres_server::PostgresServer::start();
+        let _runtime = runtime.enter();
+        let store = tower_idempotency::PgStore::connect(&server.url())
+            .map_err(|e| format!("{e}"))?
+            .with_sweep_interval(None);
+        runtime
+            .block_on(store.migrate())
+            .map_err(|e| format!("PgStore::migrate: {e}"))?;
+        println!("postgres on {}", server.url());
+        (server, store)
+    };
+
     let mut servers = Vec::new();
     for &variant in &settings.variants {
         let received = Arc::new(AtomicU64::new(0));
@@ -472,6 +507,12 @@ fn run() -> Result<bool, String> {
             Variant::Redis => {
                 app.layer(IdempotencyLayer::new(redis_store.clone()).dedup_window(window))
             }
+            #[cfg(feature = "postgres")]
+            Variant::Postgres => {
+                app.layer(IdempotencyLayer::new(postgres_store.clone()).dedup_window(window))
+            }
+            #[cfg(not(feature = "postgres"))]
+            Variant::Postgres => unreachable!("not in Variant::ALL without the postgres feature"),
         };
         // Outermost, the same in every variant: one relaxed atomic add per request.
         let count = received.clone();

@@ -587,3 +587,10 @@ async fn check_names_a_missing_table_and_migrate_creates_it() {
         .get(0);
     assert_eq!(rows, 1);
 }
+
+/// Outside a Tokio runtime, `connect` is a clear error, not sqlx's panic.
+#[test]
+fn connect_outside_a_runtime_is_an_error() {
+    let err = PgStore::connect("postgres://127.0.0.1:1/none").expect_err("no runtime");
+    assert!(matches!(err, PgStoreError::NoRuntime), "{err}");
+}

@@ -149,6 +149,9 @@ pub enum PgStoreError {
     /// Every run of the claim statement found the key rewritten by another transaction.
     #[error("the key was rewritten under every attempt to claim it")]
     Contended,
+    /// [`PgStore::connect`] was called outside a Tokio runtime, where sqlx cannot start its pool.
+    #[error("PgStore::connect must be called inside a Tokio runtime")]
+    NoRuntime,
 }
 
 impl PgStore {
@@ -180,9 +183,15 @@ impl PgStore {
     /// After a connection failure, it opens new connections rather than reuse the ones opened
     /// before it, so a restarted server is used again at once.
     ///
+    /// Call it inside a Tokio runtime: sqlx's pool starts its maintenance task at once.
+    ///
     /// # Errors
-    /// [`PgStoreError::Url`] when the URL is invalid.
+    /// [`PgStoreError::Url`] when the URL is invalid; [`PgStoreError::NoRuntime`] outside a Tokio
+    /// runtime.
     pub fn connect(url: &str) -> Result<Self, PgStoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(PgStoreError::NoRuntime);
+        }
         let options: PgConnectOptions = url.parse().map_err(PgStoreError::Url)?;
         let health = Arc::new(Health::default());
         let hook = health.clone();
