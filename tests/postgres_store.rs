@@ -249,12 +249,8 @@ async fn database_down_gets_503_and_the_next_request_after_it_is_back_runs() {
     assert_eq!(handler.calls(), 2);
 }
 
-/// Every connection terminated while the handler runs (its lease renewals and its completion
-/// meet dead connections): the client, retrying until the answer is decided, gets the one
-/// execution's response, and the handler runs once.
-#[tokio::test(flavor = "multi_thread")]
-async fn connections_terminated_mid_handler_leave_one_execution() {
-    let (server, store) = started().await;
+/// A handler that says when it started, then waits for the gate before it answers.
+fn gated_handler() -> (Handler, Arc<Notify>, Arc<Notify>) {
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = {
         let (started, gate) = (started.clone(), gate.clone());
@@ -267,6 +263,16 @@ async fn connections_terminated_mid_handler_leave_one_execution() {
             }
         })
     };
+    (handler, started, gate)
+}
+
+/// Every connection terminated while the handler runs (its lease renewals and its completion
+/// meet dead connections): the client, retrying until the answer is decided, gets the one
+/// execution's response, and the handler runs once.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_terminated_mid_handler_leave_one_execution() {
+    let (server, store) = started().await;
+    let (handler, started, gate) = gated_handler();
     let layer = IdempotencyLayer::new(store).lease(Duration::from_millis(600));
     let svc = service(layer, handler.clone());
     let mut conn = admin(&server).await;
@@ -293,18 +299,7 @@ async fn connections_terminated_mid_handler_leave_one_execution() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_database_killed_mid_handler_and_restarted_leaves_one_execution() {
     let (mut server, store) = started().await;
-    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let handler = {
-        let (started, gate) = (started.clone(), gate.clone());
-        Handler::new(move |call| {
-            let (started, gate) = (started.clone(), gate.clone());
-            async move {
-                started.notify_one();
-                gate.notified().await;
-                Ok(created(format!("charge {}", call.n)))
-            }
-        })
-    };
+    let (handler, started, gate) = gated_handler();
     let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
     let shutdown = layer.shutdown_handle();
     let svc = service(layer, handler.clone());
