@@ -33,6 +33,12 @@ impl Account {
         Self(format!("acct_{}", &hex[..32]))
     }
 
+    /// The account whose id is `id`, as [`Account::id`] gave it (read back from a database).
+    #[allow(dead_code)] // with the postgres feature
+    pub fn from_id(id: String) -> Self {
+        Self(id)
+    }
+
     /// The account's id.
     pub fn id(&self) -> &str {
         &self.0

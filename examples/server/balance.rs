@@ -8,13 +8,17 @@
 //! - In Redis: one Lua script checks and records the event id in the account's set of applied
 //!   events (`ZADD NX`) and, only if it was new, `HINCRBY`s the balance. Both keys carry the
 //!   account as their hash tag, so Redis Cluster keeps them in one slot.
+//! - In PostgreSQL (`pg/balances.rs`): in one transaction, the event id is recorded as processed
+//!   with [`PgStore::mark_processed`](tower_idempotency::PgStore::mark_processed) (a row the
+//!   primary key refuses twice) and, only if it was new, the balance row is changed. The outbox
+//!   consumer (`pg/outbox.rs`) runs both in the transaction that takes the event off the outbox.
 //!
 //! A balance is an `i64` of minor units, changed with checked arithmetic: an event that would take
 //! it past `i64::MAX` or below `i64::MIN` is refused ([`BalanceError::Overflow`]), changes nothing
 //! and is not recorded as applied; so is an event whose amount is not positive
 //! ([`BalanceError::InvalidAmount`]). Both are permanent: the consumer logs and drops such an
 //! event instead of retrying it. In Redis the check is `HINCRBY`'s own, run before the event id
-//! is recorded.
+//! is recorded; in PostgreSQL it is `bigint`'s own, which rolls the id back with it.
 //!
 //! Retention: an applied event id is remembered for [`RETENTION`] (7 days) after it was applied,
 //! then forgotten (in Redis: trimmed from the sorted set by score on the account's next apply, and
@@ -43,6 +47,10 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::redis_conn::{RedisConn, RedisFailure};
+#[cfg(feature = "postgres")]
+use tower_idempotency::PgStore;
+#[cfg(feature = "postgres")]
+use tower_idempotency::store::sqlx::{self, PgConnection};
 
 /// How long an applied event id is remembered.
 pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
@@ -103,6 +111,13 @@ pub enum BalanceError {
     /// A failure injected by a test ([`Fault`]).
     #[error("injected failure ({0})")]
     Injected(&'static str),
+    /// PostgreSQL failed: nothing changed (the transaction rolled back).
+    #[cfg(feature = "postgres")]
+    #[error("the balance ledger is unavailable")]
+    Postgres(#[from] sqlx::Error),
+    /// This backend does not keep what was asked for.
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
 
 impl BalanceError {
@@ -110,7 +125,11 @@ impl BalanceError {
     pub fn is_permanent(&self) -> bool {
         match self {
             BalanceError::Overflow { .. } | BalanceError::InvalidAmount(_) => true,
-            BalanceError::Redis(_) | BalanceError::Injected(_) => false,
+            BalanceError::Redis(_) | BalanceError::Injected(_) | BalanceError::Unsupported(_) => {
+                false
+            }
+            #[cfg(feature = "postgres")]
+            BalanceError::Postgres(_) => false,
         }
     }
 }
@@ -156,6 +175,9 @@ pub struct Balances {
 enum Backend {
     Memory(Arc<Mutex<HashMap<String, Book>>>),
     Redis(RedisBalances),
+    /// The `balances` table, and the store whose table records the applied event ids.
+    #[cfg(feature = "postgres")]
+    Postgres(PgStore),
 }
 
 /// One account's balances and applied events, in memory.
@@ -189,6 +211,13 @@ impl Balances {
         }))
     }
 
+    /// Balances in the `balances` table of `store`'s database; the applied event ids are
+    /// records of `store`.
+    #[cfg(feature = "postgres")]
+    pub fn postgres(store: PgStore) -> Self {
+        Self::with(Backend::Postgres(store))
+    }
+
     fn with(backend: Backend) -> Self {
         Self {
             backend,
@@ -198,6 +227,46 @@ impl Balances {
 
     /// Applies `event` to its account's balance unless it was applied before, in one atomic step.
     pub async fn apply(&self, event: &PaymentEvent) -> Result<Applied, BalanceError> {
+        self.with_faults(event, async {
+            match &self.backend {
+                Backend::Memory(books) => apply_in_memory(books, event),
+                Backend::Redis(redis) => redis.apply(event).await,
+                #[cfg(feature = "postgres")]
+                Backend::Postgres(store) => {
+                    let mut tx = store.pool().begin().await?;
+                    let applied = super::pg::balances::apply(&mut tx, store, event).await?;
+                    tx.commit().await?;
+                    Ok(applied)
+                }
+            }
+        })
+        .await
+    }
+
+    /// Applies `event` in the transaction of `conn`, unless it was applied before: both the
+    /// balance change and the record that the event was applied commit with that transaction.
+    /// For balances in PostgreSQL only.
+    #[cfg(feature = "postgres")]
+    pub async fn apply_in(
+        &self,
+        conn: &mut PgConnection,
+        event: &PaymentEvent,
+    ) -> Result<Applied, BalanceError> {
+        let Backend::Postgres(store) = &self.backend else {
+            return Err(BalanceError::Unsupported(
+                "only balances in PostgreSQL apply in a transaction",
+            ));
+        };
+        self.with_faults(event, super::pg::balances::apply(conn, store, event))
+            .await
+    }
+
+    /// Runs `apply` for `event` as the faults injected for it say.
+    async fn with_faults(
+        &self,
+        event: &PaymentEvent,
+        apply: impl Future<Output = Result<Applied, BalanceError>>,
+    ) -> Result<Applied, BalanceError> {
         let fault = self.faults.attempt(&event.id);
         match &fault {
             Some(Fault::Fail { .. }) => return Err(BalanceError::Injected("before applying")),
@@ -210,10 +279,7 @@ impl Balances {
         if event.amount <= 0 {
             return Err(BalanceError::InvalidAmount(event.amount));
         }
-        let applied = match &self.backend {
-            Backend::Memory(books) => apply_in_memory(books, event),
-            Backend::Redis(redis) => redis.apply(event).await,
-        }?;
+        let applied = apply.await?;
         match fault {
             Some(Fault::FailAfterApplying { .. }) => Err(BalanceError::Injected("after applying")),
             Some(Fault::HangAfterApplying) => std::future::pending().await,
@@ -237,6 +303,8 @@ impl Balances {
                 })
                 .unwrap_or_default(),
             Backend::Redis(redis) => redis.get(account).await?,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(store) => super::pg::balances::get(store.pool(), account).await?,
         };
         available.sort_by(|a, b| a.currency.cmp(&b.currency));
         Ok(available)
@@ -250,6 +318,10 @@ impl Balances {
                 .get(account)
                 .map_or(0, |book| book.applied.len())),
             Backend::Redis(redis) => redis.applied_count(account).await,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => Err(BalanceError::Unsupported(
+                "in PostgreSQL, applied event ids are not kept per account",
+            )),
         }
     }
 

@@ -8,13 +8,17 @@
 //! (`events.rs`) once its state is recorded; the ledger consumer turns the events into balances.
 //! A handler that runs again for the same effect publishes the same event id again, and the
 //! consumer applies it once.
+//!
+//! Each handler commits the `-ing` state that holds a charge before it calls the provider, and
+//! writes the provider's answer and its event through the request's [`Work`] (`work.rs`): with
+//! the charges in PostgreSQL, they commit together with the request's idempotency record.
 
 use std::ops::RangeInclusive;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
+use axum::http::{Extensions, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::IdempotencyKey;
@@ -23,9 +27,10 @@ use super::AppState;
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::ledger::{Charge, ChargeJson};
+use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::provider::{Outcome, Source};
-use super::state_machine::Event;
+use super::state_machine::{Event, Status};
+use super::work::Work;
 
 /// The amounts a charge may have, in minor units (cents): 1 to 99,999,999, as card payment APIs
 /// allow. The bound keeps every sum the example makes (a balance, a refund total) far from
@@ -83,9 +88,63 @@ pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
+    extensions: Extensions,
     body: Bytes,
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
-    let input: CreateCharge = parse_json(&body)?;
+    let request = parse_create(&body)?;
+    let provider_key = provider_key(&key, &account);
+    let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
+        Opened::Authorizing(charge) => charge,
+        // An earlier attempt with this key crashed, and the reconciler settled its charge.
+        Opened::Settled(charge) if charge.status == Status::Failed => {
+            return Err(ApiError::card_declined(&charge.id));
+        }
+        Opened::Settled(charge) => return Ok((StatusCode::CREATED, Json(charge.to_json()))),
+    };
+    let created = state
+        .provider
+        .create_payment(
+            &provider_key,
+            request.source,
+            request.amount,
+            request.capture,
+        )
+        .await;
+    let payment = match created {
+        Ok(payment) => payment,
+        Err(err) => {
+            state.ledger.abandon(&charge).await;
+            return Err(err.into());
+        }
+    };
+    charge.payment = payment.id;
+    match payment.outcome {
+        Outcome::Declined => charge.apply(Event::Declined)?,
+        Outcome::Authorized => charge.apply(Event::Approved)?,
+        // One provider call authorized and captured; the charge still walks every step.
+        Outcome::Captured => {
+            charge.apply(Event::Approved)?;
+            charge.apply(Event::Capture)?;
+            charge.apply(Event::Captured)?;
+        }
+    }
+    let mut work = Work::begin(&state, &extensions).await?;
+    let charge = state.ledger.record(&mut work, charge).await?;
+    tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
+    if payment.outcome == Outcome::Declined {
+        return Err(ApiError::card_declined(&charge.id));
+    }
+    // A repeated run gets the same reply from the provider and finds the same charge: the same
+    // event, id and content.
+    let captured = payment.outcome == Outcome::Captured;
+    work.publish(&state.events, PaymentEvent::succeeded(&charge, captured))
+        .await?;
+    Ok((StatusCode::CREATED, Json(charge.to_json())))
+}
+
+/// The body of `POST /v1/charges`, checked: 400 names the parameter at fault.
+fn parse_create(body: &[u8]) -> Result<NewCharge, ApiError> {
+    let input: CreateCharge = parse_json(body)?;
     let amount = input.amount.ok_or(ApiError::missing_param("amount"))?;
     if !AMOUNTS.contains(&amount) {
         return Err(ApiError::invalid_param(
@@ -120,60 +179,31 @@ pub async fn create(
             format!("`description` must be at most {DESCRIPTION_CHARS} characters"),
         ));
     }
-
-    let mut charge = Charge::new(
-        account.clone(),
+    Ok(NewCharge {
         amount,
-        currency.to_ascii_lowercase(),
-        input.description,
-    );
-    charge.apply(Event::Authorize)?;
-    let payment = state
-        .provider
-        .create_payment(&provider_key(&key, &account), source, amount, capture)
-        .await?;
-    charge.id = format!("ch_{}", payment.id.trim_start_matches("py_"));
-    charge.payment = payment.id;
-    match payment.outcome {
-        Outcome::Declined => charge.apply(Event::Declined)?,
-        Outcome::Authorized => charge.apply(Event::Approved)?,
-        // One provider call authorized and captured; the charge still walks every step.
-        Outcome::Captured => {
-            charge.apply(Event::Approved)?;
-            charge.apply(Event::Capture)?;
-            charge.apply(Event::Captured)?;
-        }
-    }
-    let charge = state.ledger.insert(charge);
-    tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
-    if payment.outcome == Outcome::Declined {
-        return Err(ApiError::card_declined(&charge.id));
-    }
-    // A repeated run gets the same reply from the provider and finds the same charge: the same
-    // event, id and content.
-    let captured = payment.outcome == Outcome::Captured;
-    state
-        .events
-        .publish(PaymentEvent::succeeded(&charge, captured))
-        .await;
-    Ok((StatusCode::CREATED, Json(charge.to_json())))
+        currency: currency.to_ascii_lowercase(),
+        source,
+        capture,
+        description: input.description,
+    })
 }
 
 /// `GET /v1/charges`: the account's charges, newest first.
 pub async fn list(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
-) -> Json<ListJson> {
+) -> Result<Json<ListJson>, ApiError> {
     let data = state
         .ledger
         .list(&account)
+        .await?
         .iter()
         .map(Charge::to_json)
         .collect();
-    Json(ListJson {
+    Ok(Json(ListJson {
         object: "list",
         data,
-    })
+    }))
 }
 
 /// `GET /v1/charges/{id}`: 404 for an unknown charge, and for another account's.
@@ -182,7 +212,7 @@ pub async fn get(
     Extension(account): Extension<Account>,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
-    Ok(Json(state.ledger.get(&account, &id)?.to_json()))
+    Ok(Json(state.ledger.get(&account, &id).await?.to_json()))
 }
 
 /// `POST /v1/charges/{id}/capture`: takes the money of an authorized charge.
@@ -190,23 +220,28 @@ pub async fn capture(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
+    extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
     // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`.
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Capture))?;
+        .update(&account, &id, |c| c.apply(Event::Capture))
+        .await?;
     let captured = state
         .provider
         .capture(&provider_key(&key, &account), &charge.payment)
         .await;
     if let Err(err) = captured {
-        return Err(roll_back(&state, &account, &id, err.into()));
+        return Err(roll_back(&state, &account, &id, err.into()).await);
     }
+    let mut work = Work::begin(&state, &extensions).await?;
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Captured))?;
-    state.events.publish(PaymentEvent::captured(&charge)).await;
+        .settle(&mut work, &account, &id, |c| c.apply(Event::Captured))
+        .await?;
+    work.publish(&state.events, PaymentEvent::captured(&charge))
+        .await?;
     Ok(Json(charge.to_json()))
 }
 
@@ -215,6 +250,7 @@ pub async fn refund(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
+    extensions: Extensions,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
@@ -224,7 +260,7 @@ pub async fn refund(
         parse_json(&body)?
     };
     let mut amount = 0;
-    let charge = state.ledger.update(&account, &id, |c| {
+    let update = state.ledger.update(&account, &id, |c| {
         amount = input.amount.unwrap_or(c.refundable());
         c.apply(Event::Refund)?;
         if amount <= 0 {
@@ -244,16 +280,18 @@ pub async fn refund(
             .with_param("amount"));
         }
         Ok(())
-    })?;
+    });
+    let charge = update.await?;
     let refund_id = match state
         .provider
         .refund(&provider_key(&key, &account), &charge.payment, amount)
         .await
     {
         Ok(refund_id) => refund_id,
-        Err(err) => return Err(roll_back(&state, &account, &id, err.into())),
+        Err(err) => return Err(roll_back(&state, &account, &id, err.into()).await),
     };
-    let charge = state.ledger.update(&account, &id, |c| {
+    let mut work = Work::begin(&state, &extensions).await?;
+    let settle = state.ledger.settle(&mut work, &account, &id, |c| {
         c.amount_refunded += amount;
         let event = if c.refundable() == 0 {
             Event::Refunded
@@ -261,11 +299,13 @@ pub async fn refund(
             Event::PartiallyRefunded
         };
         c.apply(event)
-    })?;
-    state
-        .events
-        .publish(PaymentEvent::refunded(&charge, &refund_id, amount))
-        .await;
+    });
+    let charge = settle.await?;
+    work.publish(
+        &state.events,
+        PaymentEvent::refunded(&charge, &refund_id, amount),
+    )
+    .await?;
     let refund = RefundJson {
         id: refund_id,
         object: "refund",
@@ -281,31 +321,36 @@ pub async fn cancel(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
+    extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Cancel))?;
+        .update(&account, &id, |c| c.apply(Event::Cancel))
+        .await?;
     let canceled = state
         .provider
         .cancel(&provider_key(&key, &account), &charge.payment)
         .await;
     if let Err(err) = canceled {
-        return Err(roll_back(&state, &account, &id, err.into()));
+        return Err(roll_back(&state, &account, &id, err.into()).await);
     }
+    let mut work = Work::begin(&state, &extensions).await?;
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Canceled))?;
+        .settle(&mut work, &account, &id, |c| c.apply(Event::Canceled))
+        .await?;
     Ok(Json(charge.to_json()))
 }
 
 /// The provider did nothing (it was unavailable, or knew the key from another request): back to
 /// the state before the call, and `error`. A 503 is not stored by the idempotency layer, so a
 /// retry with the same key runs again.
-fn roll_back(state: &AppState, account: &Account, id: &str, error: ApiError) -> ApiError {
+async fn roll_back(state: &AppState, account: &Account, id: &str, error: ApiError) -> ApiError {
     let rolled_back = state
         .ledger
-        .update(account, id, |c| c.apply(Event::ProviderDidNothing));
+        .update(account, id, |c| c.apply(Event::ProviderDidNothing))
+        .await;
     if let Err(err) = rolled_back {
         tracing::error!(charge = id, ?err, "could not roll the charge back");
     }

@@ -45,9 +45,10 @@
 //! Not covered: an event the ledger forgot (older than the retention) and delivered again is
 //! applied again; a message whose apply fails for a transient reason every time (a ledger that
 //! stays unreachable) is retried every `min_idle` until it succeeds, and one refused for good is
-//! only logged (no dead-letter stream here); an event that never reached the queue (the publisher's outbox is in
-//! memory, like the charges) is never applied; with the in-memory queue, everything is lost with
-//! the process.
+//! only logged (no dead-letter stream here); an event that never reached the queue (the
+//! publisher's outbox is in memory, like the charges; on PostgreSQL it is a table, read by a
+//! consumer of its own: `pg/outbox.rs`) is never applied; with the in-memory queue, everything is
+//! lost with the process.
 //!
 //! # Stopping
 //! [`LedgerConsumer::run`] stops when its token is cancelled (SIGTERM in `main`), after finishing
@@ -139,7 +140,8 @@ pub struct Counts {
 }
 
 impl Stats {
-    fn record(&self, handled: Handled) {
+    /// Counts one delivery.
+    pub fn record(&self, handled: Handled) {
         let counter = match handled {
             Handled::Applied => &self.applied,
             Handled::AlreadyApplied => &self.already_applied,

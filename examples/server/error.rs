@@ -135,6 +135,17 @@ impl ApiError {
         )
     }
 
+    /// 503: the charges' database failed; whatever the request began is undone or resumed by
+    /// its retry with the same `Idempotency-Key`.
+    pub fn storage_unavailable() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "api_error",
+            "storage_unavailable",
+            "the charges are unavailable; retry with the same Idempotency-Key".into(),
+        )
+    }
+
     /// Names the parameter at fault.
     pub fn with_param(mut self, param: &'static str) -> Self {
         self.param = Some(param);

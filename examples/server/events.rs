@@ -7,8 +7,9 @@
 //!
 //! Publishing goes through a small outbox ([`Publisher`]): an event the queue refuses waits in memory
 //! and is sent again from there, so an unreachable queue delays an event instead of losing it or
-//! failing a request whose money already moved. (The outbox lives in memory, like the charges; a
-//! real service writes it in the same database transaction as the charge.)
+//! failing a request whose money already moved. (This outbox lives in memory, like the charges. On
+//! PostgreSQL the events go to an outbox table instead, written in the same transaction as the
+//! charge: `pg/outbox.rs`.)
 //!
 //! No lock is held across a call to the queue: a stalled Redis costs each request at most one
 //! publish timeout, side by side, instead of queueing every request behind the one that waits. An

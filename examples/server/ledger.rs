@@ -1,7 +1,18 @@
-//! The charges of every account, in memory.
+//! The charges of every account: in memory, or in PostgreSQL (`pg/charges.rs`).
 //!
-//! A charge changes state only through [`Charge::apply`], which asks the state machine; the
-//! ledger's lock is never held across a call to the provider.
+//! A charge changes state only through [`Charge::apply`], which asks the state machine; no lock
+//! and no transaction is held across a call to the provider. A handler writes in two kinds of
+//! steps:
+//!
+//! - before the provider call, the `-ing` state that holds the charge ([`Ledger::open`],
+//!   [`Ledger::update`]): committed at once, so that a crash during the call leaves the charge
+//!   where a retry finds it;
+//! - after it, the provider's answer ([`Ledger::record`], [`Ledger::settle`]) through the
+//!   request's [`Work`]: in PostgreSQL, the transaction that commits with the request's
+//!   idempotency record and its event, or not at all.
+//!
+//! In memory, a new charge is stored only once the provider answered (a crash loses everything
+//! anyway), and its id is the provider's payment id.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -11,7 +22,23 @@ use serde::Serialize;
 
 use super::auth::Account;
 use super::error::ApiError;
+#[cfg(feature = "postgres")]
+use super::pg::PgCharges;
+use super::provider::Source;
 use super::state_machine::{Event, Status, next};
+use super::work::Work;
+
+/// What `POST /v1/charges` asks for, once validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCharge {
+    pub amount: i64,
+    /// Lowercase.
+    pub currency: String,
+    pub source: Source,
+    /// Whether to capture at once, or only authorize.
+    pub capture: bool,
+    pub description: Option<String>,
+}
 
 /// One charge.
 #[derive(Debug, Clone)]
@@ -21,39 +48,52 @@ pub struct Charge {
     pub amount: i64,
     pub currency: String,
     pub description: Option<String>,
+    /// The card token it was made from.
+    pub source: Source,
+    /// Whether it was to be captured at once.
+    pub capture: bool,
     pub status: Status,
     pub amount_refunded: i64,
     /// Seconds since the Unix epoch.
     pub created: u64,
+    /// The provider's idempotency key for creating it.
+    pub provider_key: String,
     /// The provider's payment id.
     pub payment: String,
     /// Orders the charges of the ledger (several may share a `created` second).
-    seq: u64,
+    pub seq: u64,
 }
 
 impl Charge {
-    /// A new charge, in state `created`.
-    pub fn new(
-        account: Account,
-        amount: i64,
-        currency: String,
-        description: Option<String>,
-    ) -> Self {
+    /// A new charge for `request`, in state `created`, without an id yet.
+    pub fn new(account: Account, request: &NewCharge, provider_key: &str) -> Self {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| since.as_secs());
         Self {
             id: String::new(),
             account,
-            amount,
-            currency,
-            description,
+            amount: request.amount,
+            currency: request.currency.clone(),
+            description: request.description.clone(),
+            source: request.source,
+            capture: request.capture,
             status: Status::Created,
             amount_refunded: 0,
             created,
+            provider_key: provider_key.to_owned(),
             payment: String::new(),
             seq: 0,
         }
+    }
+
+    /// Whether the charge was made for `request`.
+    pub fn is_for(&self, request: &NewCharge) -> bool {
+        self.amount == request.amount
+            && self.currency == request.currency
+            && self.source == request.source
+            && self.capture == request.capture
+            && self.description == request.description
     }
 
     /// Moves the charge along `event`, or refuses with `invalid_state` (nothing changes).
@@ -106,10 +146,27 @@ pub struct ChargeJson {
     created: u64,
 }
 
+/// What [`Ledger::open`] found for a new charge's key.
+#[derive(Debug)]
+pub enum Opened {
+    /// The charge is `authorizing`: call the provider. A new one, or (in PostgreSQL) the one an
+    /// earlier attempt with the same key left there when it crashed.
+    Authorizing(Charge),
+    /// An earlier attempt's charge, past `authorizing` (the reconciler settled it): the answer.
+    Settled(Charge),
+}
+
 /// Every account's charges.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Ledger {
-    inner: Mutex<Charges>,
+    backend: Backend,
+}
+
+#[derive(Debug)]
+enum Backend {
+    Memory(Mutex<Charges>),
+    #[cfg(feature = "postgres")]
+    Postgres(PgCharges),
 }
 
 #[derive(Debug, Default)]
@@ -118,59 +175,182 @@ struct Charges {
     next_seq: u64,
 }
 
+impl Default for Ledger {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Memory(Mutex::default()),
+        }
+    }
+}
+
 impl Ledger {
-    /// Records a new charge. A charge with the same id is already there when a request ran twice
-    /// (its idempotency record was lost) and the provider answered the repeated call with the
-    /// same payment: that charge is kept and returned.
-    pub fn insert(&self, mut charge: Charge) -> Charge {
-        let mut charges = self.lock();
-        charges.next_seq += 1;
-        charge.seq = charges.next_seq;
-        charges
-            .by_id
-            .entry(charge.id.clone())
-            .or_insert(charge)
-            .clone()
+    /// The charges in PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub fn postgres(charges: PgCharges) -> Self {
+        Self {
+            backend: Backend::Postgres(charges),
+        }
+    }
+
+    /// Whether the charges are in PostgreSQL: the handlers then write through the request's
+    /// transaction.
+    pub fn is_postgres(&self) -> bool {
+        match &self.backend {
+            Backend::Memory(_) => false,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => true,
+        }
+    }
+
+    /// A charge for `request`, made with the provider's key `provider_key`, moved to
+    /// `authorizing`. In PostgreSQL that state is committed now, before the provider is called;
+    /// a charge an earlier attempt with the same key left is resumed (or answered, once settled),
+    /// and one made for another request is refused (`idempotency_key_reused`).
+    pub async fn open(
+        &self,
+        account: &Account,
+        provider_key: &str,
+        request: &NewCharge,
+    ) -> Result<Opened, ApiError> {
+        match &self.backend {
+            Backend::Memory(_) => {
+                let mut charge = Charge::new(account.clone(), request, provider_key);
+                charge.apply(Event::Authorize)?;
+                Ok(Opened::Authorizing(charge))
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => pg.open(account, provider_key, request).await,
+        }
+    }
+
+    /// The provider did nothing for the `authorizing` charge (it was unavailable, or knew the
+    /// key from another request): the charge was never made, and goes.
+    pub async fn abandon(&self, charge: &Charge) {
+        match &self.backend {
+            Backend::Memory(_) => {
+                let _ = charge;
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => pg.abandon(charge).await,
+        }
+    }
+
+    /// Records the provider's answer for an `authorizing` charge (its state and payment set), in
+    /// `work`, and returns the charge as recorded. A charge with the same id is already there when
+    /// a request ran twice for one payment (in memory: its idempotency record was lost, and the
+    /// provider answered the repeated call with the same payment; in PostgreSQL: the reconciler
+    /// settled it first): that charge is kept and returned.
+    pub async fn record(&self, work: &mut Work, charge: Charge) -> Result<Charge, ApiError> {
+        match &self.backend {
+            Backend::Memory(charges) => {
+                let _ = work;
+                let mut charge = charge;
+                if charge.id.is_empty() {
+                    charge.id = format!("ch_{}", charge.payment.trim_start_matches("py_"));
+                }
+                Ok(insert(charges, charge))
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => PgCharges::record(work.connection()?, charge).await,
+        }
     }
 
     /// The account's charge `id`; another account's charge is not found either.
-    pub fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
-        self.update(account, id, |_| Ok(()))
+    pub async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
+        match &self.backend {
+            Backend::Memory(charges) => change(charges, account, id, |_| Ok(())),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => pg.get(account, id).await,
+        }
     }
 
     /// The account's charges, newest first.
-    pub fn list(&self, account: &Account) -> Vec<Charge> {
-        let charges = self.lock();
-        let mut list: Vec<Charge> = charges
-            .by_id
-            .values()
-            .filter(|charge| &charge.account == account)
-            .cloned()
-            .collect();
-        list.sort_by_key(|charge| std::cmp::Reverse(charge.seq));
-        list
+    pub async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError> {
+        match &self.backend {
+            Backend::Memory(charges) => {
+                let charges = lock(charges);
+                let mut list: Vec<Charge> = charges
+                    .by_id
+                    .values()
+                    .filter(|charge| &charge.account == account)
+                    .cloned()
+                    .collect();
+                list.sort_by_key(|charge| std::cmp::Reverse(charge.seq));
+                Ok(list)
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => pg.list(account).await,
+        }
     }
 
-    /// Changes the account's charge `id` with `change`, all or nothing, and returns the result.
-    pub fn update(
+    /// Changes the account's charge `id` with `change`, all or nothing, committed at once, and
+    /// returns the result.
+    pub async fn update(
         &self,
         account: &Account,
         id: &str,
-        change: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
+        change_with: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
     ) -> Result<Charge, ApiError> {
-        let mut charges = self.lock();
-        let charge = charges
-            .by_id
-            .get_mut(id)
-            .filter(|charge| &charge.account == account)
-            .ok_or_else(|| ApiError::no_such_charge(id))?;
-        let mut changed = charge.clone();
-        change(&mut changed)?;
-        *charge = changed.clone();
-        Ok(changed)
+        match &self.backend {
+            Backend::Memory(charges) => change(charges, account, id, change_with),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pg) => pg.update(account, id, change_with).await,
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Charges> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Changes the account's charge `id` with `change`, all or nothing, in `work`, and returns
+    /// the result: the provider's answer, written with the request's record.
+    pub async fn settle(
+        &self,
+        work: &mut Work,
+        account: &Account,
+        id: &str,
+        change_with: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
+    ) -> Result<Charge, ApiError> {
+        match &self.backend {
+            Backend::Memory(charges) => {
+                let _ = work;
+                change(charges, account, id, change_with)
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => {
+                PgCharges::settle(work.connection()?, account, id, change_with).await
+            }
+        }
     }
+}
+
+/// Stores a new charge in memory, unless one with its id is there: that one is kept.
+fn insert(charges: &Mutex<Charges>, mut charge: Charge) -> Charge {
+    let mut charges = lock(charges);
+    charges.next_seq += 1;
+    charge.seq = charges.next_seq;
+    charges
+        .by_id
+        .entry(charge.id.clone())
+        .or_insert(charge)
+        .clone()
+}
+
+/// Changes the account's charge `id` in memory with `change_with`, all or nothing.
+fn change(
+    charges: &Mutex<Charges>,
+    account: &Account,
+    id: &str,
+    change_with: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
+) -> Result<Charge, ApiError> {
+    let mut charges = lock(charges);
+    let charge = charges
+        .by_id
+        .get_mut(id)
+        .filter(|charge| &charge.account == account)
+        .ok_or_else(|| ApiError::no_such_charge(id))?;
+    let mut changed = charge.clone();
+    change_with(&mut changed)?;
+    *charge = changed.clone();
+    Ok(changed)
+}
+
+fn lock(charges: &Mutex<Charges>) -> std::sync::MutexGuard<'_, Charges> {
+    charges.lock().unwrap_or_else(PoisonError::into_inner)
 }

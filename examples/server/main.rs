@@ -49,13 +49,22 @@
 //! Redis with persistence and no eviction. Every instance on that Redis shares the provider's keys,
 //! as they would share one real provider.
 //!
+//! With `DATABASE_URL` set (and the `postgres` feature), everything is in that PostgreSQL
+//! instead (`pg/`): the idempotency records ([`tower_idempotency::PgStore`]), the charges, the
+//! balances, an outbox of events, the consumer's processed event ids and the provider's keys. A
+//! charge's new state and its event commit with the request's idempotency record, in one
+//! transaction; a retry after a crash resumes the charge it finds. The schema is created at
+//! start-up.
+//!
 //! # Run it
 //! ```text
 //! cargo run --example server                                   # everything in memory
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example server  # in Redis 7 or newer
+//! DATABASE_URL=postgres://app@127.0.0.1/payments cargo run --example server --features postgres
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
-//! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `PSP_LATENCY_MS` (the provider's delay per call,
+//! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `DATABASE_URL` (set: everything in PostgreSQL, the
+//! two Redis variables unused), `PSP_LATENCY_MS` (the provider's delay per call,
 //! default 0), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
 //! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
 //! (default `info`).
@@ -118,10 +127,13 @@ mod error;
 pub mod events;
 mod http_server;
 mod ledger;
+#[cfg(feature = "postgres")]
+pub mod pg;
 pub mod provider;
 pub mod queue;
 pub mod redis_conn;
 mod state_machine;
+mod work;
 
 use std::error::Error;
 use std::future::Future;
@@ -248,6 +260,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let latency = env_millis("PSP_LATENCY_MS")?.unwrap_or_default();
     let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
     let state = AppState::new(latency);
+    if let Some(url) = env_url("DATABASE_URL") {
+        return serve_postgres(&addr, state, &url, shutdown_timeout).await;
+    }
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
     // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one; its
@@ -318,10 +333,85 @@ fn env_url(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|url| !url.is_empty())
 }
 
-/// Where the ledger consumer's Deduplicator keeps its records.
+/// Everything in the PostgreSQL at `url` (`DATABASE_URL`), schema created at start-up.
+#[cfg(feature = "postgres")]
+async fn serve_postgres(
+    addr: &str,
+    state: AppState,
+    url: &str,
+    shutdown_timeout: Duration,
+) -> Result<(), Box<dyn Error>> {
+    if env_url("REDIS_URL").is_some() || env_url("LEDGER_REDIS_URL").is_some() {
+        tracing::warn!("DATABASE_URL is set: REDIS_URL and LEDGER_REDIS_URL are not used");
+    }
+    let db = pg::Database::connect(url).await?;
+    tracing::info!("charges, events, balances and records: PostgreSQL");
+    let state = db.state(state);
+    let store = db.store().clone();
+    let workers = ConsumerStore::Postgres(db);
+    serve(addr, state, store, workers, "postgres", shutdown_timeout).await
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn serve_postgres(
+    _addr: &str,
+    _state: AppState,
+    _url: &str,
+    _shutdown_timeout: Duration,
+) -> Result<(), Box<dyn Error>> {
+    Err(
+        "DATABASE_URL is set, but this build has no PostgreSQL support: \
+         run it with --features postgres"
+            .into(),
+    )
+}
+
+/// Where the ledger consumer's Deduplicator keeps its records; with PostgreSQL, the database
+/// whose outbox the consumer reads.
 enum ConsumerStore {
     Memory(MemoryStore),
     Redis(RedisStore),
+    #[cfg(feature = "postgres")]
+    Postgres(pg::Database),
+}
+
+impl ConsumerStore {
+    /// Starts the ledger consumer until `stop`: it finishes
+    /// the event at hand, then stops.
+    async fn spawn(
+        self,
+        state: &AppState,
+        stop: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>, String> {
+        let config = ConsumerConfig::default();
+        let queue = async || {
+            state
+                .events
+                .queue()
+                .consumer(&consumer_name(), config)
+                .await
+                .map_err(|err| format!("cannot read the event stream: {}", report(&err)))
+        };
+        let balances = state.balances.clone();
+        Ok(match self {
+            ConsumerStore::Memory(store) => {
+                let dedup = consumer::deduplicator(store, config.min_idle);
+                let consumer = LedgerConsumer::new(queue().await?, balances, dedup);
+                tokio::spawn(async move {
+                    consumer.run(stop).await;
+                })
+            }
+            ConsumerStore::Redis(store) => {
+                let dedup = consumer::deduplicator(store, config.min_idle);
+                let consumer = LedgerConsumer::new(queue().await?, balances, dedup);
+                tokio::spawn(async move {
+                    consumer.run(stop).await;
+                })
+            }
+            #[cfg(feature = "postgres")]
+            ConsumerStore::Postgres(db) => db.spawn_workers(state, stop),
+        })
+    }
 }
 
 /// Serves until SIGTERM or Ctrl-C, then lets the requests in flight and the layer's detached work
@@ -350,24 +440,7 @@ async fn serve<St: Store + Clone>(
         }
     });
 
-    let config = ConsumerConfig::default();
-    let queue = state
-        .events
-        .queue()
-        .consumer(&consumer_name(), config)
-        .await
-        .map_err(|err| format!("cannot read the event stream: {}", report(&err)))?;
-    let balances = state.balances.clone();
-    let consumer = match consumer_store {
-        ConsumerStore::Memory(store) => {
-            let dedup = consumer::deduplicator(store, config.min_idle);
-            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
-        }
-        ConsumerStore::Redis(store) => {
-            let dedup = consumer::deduplicator(store, config.min_idle);
-            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
-        }
-    };
+    let consumer = consumer_store.spawn(&state, stop.clone()).await?;
     // The outbox relay runs until the last request has published its events.
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));

@@ -45,7 +45,26 @@ impl Status {
             Status::Failed => "failed",
         }
     }
+
+    /// The status [`Status::as_str`] wrote, read back (from a database row).
+    pub fn parse(text: &str) -> Option<Self> {
+        STATUSES.into_iter().find(|status| status.as_str() == text)
+    }
 }
+
+/// Every status.
+const STATUSES: [Status; 10] = [
+    Status::Created,
+    Status::Authorizing,
+    Status::Authorized,
+    Status::Capturing,
+    Status::Captured,
+    Status::Refunding,
+    Status::Refunded,
+    Status::Canceling,
+    Status::Canceled,
+    Status::Failed,
+];
 
 /// What happens to a charge: a client's request or the provider's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -114,18 +133,6 @@ mod tests {
     use Event as E;
     use Status as S;
 
-    const STATUSES: [Status; 10] = [
-        S::Created,
-        S::Authorizing,
-        S::Authorized,
-        S::Capturing,
-        S::Captured,
-        S::Refunding,
-        S::Refunded,
-        S::Canceling,
-        S::Canceled,
-        S::Failed,
-    ];
     const EVENTS: [Event; 11] = [
         E::Authorize,
         E::Approved,
@@ -208,6 +215,14 @@ mod tests {
                 "{from:?} --{event:?}--> must be refused"
             );
         }
+    }
+
+    #[test]
+    fn every_status_reads_back() {
+        for status in STATUSES {
+            assert_eq!(Status::parse(status.as_str()), Some(status));
+        }
+        assert_eq!(Status::parse("paid"), None);
     }
 
     #[test]

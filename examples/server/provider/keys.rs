@@ -6,6 +6,11 @@
 //! - In Redis: one key per idempotency key, `<prefix><key>`, holding the JSON of [`Used`], written
 //!   with `SET NX PX <window> GET`: one command claims a vacant key or returns what it holds, so
 //!   every instance on that Redis shares one table and two of them never both win a key.
+//! - In PostgreSQL: one row per idempotency key in `provider_keys` (`pg/schema.sql`), written
+//!   with one `INSERT ... ON CONFLICT` that claims a vacant or expired key or returns the live row;
+//!   the primary key lets only one of two instances win a key. (A real provider keeps its keys in
+//!   its own database: the table stands for that outside service, so that every instance of the
+//!   example, and a restarted one, calls one provider.)
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -15,6 +20,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower_idempotency::deadpool_redis::redis;
+#[cfg(feature = "postgres")]
+use tower_idempotency::store::sqlx::{self, PgPool, Row};
 
 use super::super::redis_conn::{RedisConn, RedisFailure};
 
@@ -37,6 +44,10 @@ pub enum KeyTableError {
     /// A key holds something that is not a [`Used`].
     #[error("the provider's key table holds an unreadable record")]
     Unreadable(#[from] serde_json::Error),
+    /// PostgreSQL failed.
+    #[cfg(feature = "postgres")]
+    #[error("the provider's key table is unavailable")]
+    Postgres(#[from] sqlx::Error),
 }
 
 /// The idempotency keys, in memory or in Redis; clones share them.
@@ -49,7 +60,12 @@ pub struct KeyTable {
 #[derive(Clone)]
 enum Backend {
     Memory(Arc<Mutex<MemoryKeys>>),
-    Redis { conn: RedisConn, prefix: Arc<str> },
+    Redis {
+        conn: RedisConn,
+        prefix: Arc<str>,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres(PgPool),
 }
 
 #[derive(Debug, Default)]
@@ -80,6 +96,15 @@ impl KeyTable {
         }
     }
 
+    /// Keys in the `provider_keys` table of `pool`'s database, each remembered for `window`.
+    #[cfg(feature = "postgres")]
+    pub fn postgres(pool: PgPool, window: Duration) -> Self {
+        Self {
+            window,
+            backend: Backend::Postgres(pool),
+        }
+    }
+
     /// How long a key is remembered after its first use.
     pub fn window(&self) -> Duration {
         self.window
@@ -96,6 +121,20 @@ impl KeyTable {
                     .run(move |mut c| async move { get.query_async(&mut c).await })
                     .await?;
                 Ok(held.as_deref().map(serde_json::from_str).transpose()?)
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pool) => {
+                let row = sqlx::query(
+                    "SELECT request, id FROM provider_keys
+                     WHERE key = $1 AND expires_at > statement_timestamp()",
+                )
+                .bind(key)
+                .fetch_optional(pool)
+                .await?;
+                Ok(row.map(|row| Used {
+                    request: row.get(0),
+                    id: row.get(1),
+                }))
             }
         }
     }
@@ -129,6 +168,36 @@ impl KeyTable {
                     .run(move |mut c| async move { set.query_async(&mut c).await })
                     .await?;
                 Ok(held.as_deref().map(serde_json::from_str).transpose()?)
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pool) => {
+                let window = i64::try_from(self.window.as_millis()).unwrap_or(i64::MAX);
+                // A live row is left as it is (the update rewrites it with its own values, which
+                // takes its lock and returns it); an expired one is taken over. The new id is
+                // unique, so getting it back means this call won the key.
+                let row = sqlx::query(
+                    "INSERT INTO provider_keys AS k (key, request, id, expires_at)
+                     VALUES ($1, $2, $3, statement_timestamp() + $4::int8 * interval '1 millisecond')
+                     ON CONFLICT (key) DO UPDATE SET
+                         request = CASE WHEN k.expires_at > statement_timestamp()
+                                        THEN k.request ELSE excluded.request END,
+                         id = CASE WHEN k.expires_at > statement_timestamp()
+                                   THEN k.id ELSE excluded.id END,
+                         expires_at = CASE WHEN k.expires_at > statement_timestamp()
+                                           THEN k.expires_at ELSE excluded.expires_at END
+                     RETURNING request, id",
+                )
+                .bind(key)
+                .bind(&used.request)
+                .bind(&used.id)
+                .bind(window.max(1))
+                .fetch_one(pool)
+                .await?;
+                let held = Used {
+                    request: row.get(0),
+                    id: row.get(1),
+                };
+                Ok((held.id != used.id).then_some(held))
             }
         }
     }
@@ -171,6 +240,8 @@ impl fmt::Debug for Backend {
                 .field("conn", conn)
                 .field("prefix", prefix)
                 .finish(),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => f.debug_struct("Postgres").finish_non_exhaustive(),
         }
     }
 }

@@ -10,7 +10,8 @@
 //! [`ProviderError::KeyReused`], and nothing happens: a reused key never returns another
 //! request's payment or refund. A key is remembered for the provider's dedup window ([`WINDOW`],
 //! 24 h, as the idempotency layer's), then it is new again. The keys live in a [`KeyTable`]: in
-//! memory, or in Redis, where every instance of the service shares them.
+//! memory, or in Redis or PostgreSQL, where every instance of the service shares them, as they
+//! would share one real provider.
 //!
 //! Test tokens: `tok_visa` is approved, `tok_chargeDeclined` is declined, and
 //! `tok_pspUnavailable` finds the provider down (a transient failure: nothing happened, retry).
@@ -204,12 +205,10 @@ impl Provider {
         let id = self
             .call(key, request, unavailable, || self.new_id("py"))
             .await?;
-        let outcome = match (source, capture) {
-            (Source::ChargeDeclined, _) => Outcome::Declined,
-            (_, false) => Outcome::Authorized,
-            (_, true) => Outcome::Captured,
-        };
-        Ok(Payment { id, outcome })
+        Ok(Payment {
+            id,
+            outcome: outcome(source, capture),
+        })
     }
 
     /// Captures an authorized payment.
@@ -263,8 +262,14 @@ impl Provider {
         self.inner.outage.store(down, Ordering::SeqCst);
     }
 
+    /// How long the provider takes to answer each call.
+    #[allow(dead_code)] // with the postgres feature
+    pub fn latency(&self) -> Duration {
+        self.inner.latency
+    }
+
     /// How long the provider remembers a key.
-    #[allow(dead_code)] // for tests
+    #[allow(dead_code)] // for tests, and with the postgres feature
     pub fn window(&self) -> Duration {
         self.inner.keys.window()
     }
@@ -315,6 +320,15 @@ impl Provider {
     fn new_id(&self, prefix: &str) -> String {
         let n = self.inner.next_id.fetch_add(1, Ordering::SeqCst);
         format!("{prefix}_{:016x}", self.inner.ids.hash_one(n))
+    }
+}
+
+/// What a new payment from `source` comes to: the simulated issuer decides from the token alone.
+fn outcome(source: Source, capture: bool) -> Outcome {
+    match (source, capture) {
+        (Source::ChargeDeclined, _) => Outcome::Declined,
+        (_, false) => Outcome::Authorized,
+        (_, true) => Outcome::Captured,
     }
 }
 
