@@ -6,7 +6,7 @@
 //!
 //! - before the provider call, the `-ing` state that holds the charge ([`Ledger::open`],
 //!   [`Ledger::update`]): committed at once, so that a crash during the call leaves the charge
-//!   where a retry finds it;
+//!   where a retry, or the reconciler, finds it;
 //! - after it, the provider's answer ([`Ledger::record`], [`Ledger::settle`]) through the
 //!   request's [`Work`]: in PostgreSQL, the transaction that commits with the request's
 //!   idempotency record and its event, or not at all.

@@ -53,8 +53,8 @@
 //! instead (`pg/`): the idempotency records ([`tower_idempotency::PgStore`]), the charges, the
 //! balances, an outbox of events, the consumer's processed event ids and the provider's keys. A
 //! charge's new state and its event commit with the request's idempotency record, in one
-//! transaction; a retry after a crash resumes the charge it finds. The schema is created at
-//! start-up.
+//! transaction; a retry after a crash resumes the charge it finds, and a reconciler settles the
+//! charges a crash left `authorizing`. The schema is created at start-up.
 //!
 //! # Run it
 //! ```text
@@ -64,7 +64,8 @@
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
 //! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `DATABASE_URL` (set: everything in PostgreSQL, the
-//! two Redis variables unused), `PSP_LATENCY_MS` (the provider's delay per call,
+//! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays `authorizing`
+//! before the reconciler settles it, default 120000), `PSP_LATENCY_MS` (the provider's delay per call,
 //! default 0), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
 //! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
 //! (default `info`).
@@ -344,11 +345,12 @@ async fn serve_postgres(
     if env_url("REDIS_URL").is_some() || env_url("LEDGER_REDIS_URL").is_some() {
         tracing::warn!("DATABASE_URL is set: REDIS_URL and LEDGER_REDIS_URL are not used");
     }
+    let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(pg::RECONCILE_AFTER);
     let db = pg::Database::connect(url).await?;
     tracing::info!("charges, events, balances and records: PostgreSQL");
     let state = db.state(state);
     let store = db.store().clone();
-    let workers = ConsumerStore::Postgres(db);
+    let workers = ConsumerStore::Postgres(db, reconcile_after);
     serve(addr, state, store, workers, "postgres", shutdown_timeout).await
 }
 
@@ -367,16 +369,16 @@ async fn serve_postgres(
 }
 
 /// Where the ledger consumer's Deduplicator keeps its records; with PostgreSQL, the database
-/// whose outbox the consumer reads.
+/// whose outbox the consumer reads, and when the reconciler settles a charge.
 enum ConsumerStore {
     Memory(MemoryStore),
     Redis(RedisStore),
     #[cfg(feature = "postgres")]
-    Postgres(pg::Database),
+    Postgres(pg::Database, Duration),
 }
 
 impl ConsumerStore {
-    /// Starts the ledger consumer until `stop`: it finishes
+    /// Starts the ledger consumer (and with PostgreSQL the reconciler) until `stop`: it finishes
     /// the event at hand, then stops.
     async fn spawn(
         self,
@@ -409,7 +411,9 @@ impl ConsumerStore {
                 })
             }
             #[cfg(feature = "postgres")]
-            ConsumerStore::Postgres(db) => db.spawn_workers(state, stop),
+            ConsumerStore::Postgres(db, reconcile_after) => {
+                db.spawn_workers(state, reconcile_after, stop)
+            }
         })
     }
 }

@@ -28,7 +28,8 @@
 //! A crash during the provider call leaves the charge `authorizing` and the key's claim in flight
 //! until its lease runs out. Then the client's retry claims the key again, finds the charge by its
 //! key and resumes it: the provider, called with the same key, answers with the same payment and
-//! moves no money twice.
+//! moves no money twice. Without a retry, the reconciler (`reconciler.rs`) settles the charge once
+//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did.
 //!
 //! The ledger consumer (`outbox.rs`) takes each event off the outbox and applies it to its balance
 //! in one transaction, where the event's id is recorded as processed: each event changes a
@@ -37,6 +38,7 @@
 pub mod balances;
 pub mod charges;
 pub mod outbox;
+pub mod reconciler;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,12 +53,17 @@ use super::provider::{KeyTable, Provider};
 use super::{AppState, Balances, Ledger};
 pub use charges::PgCharges;
 pub use outbox::OutboxConsumer;
+pub use reconciler::Reconciler;
 
 /// The environment variable that names the database.
 pub const DATABASE_URL: &str = "DATABASE_URL";
 
 /// The example's own tables: `CREATE TABLE IF NOT EXISTS`, run at start-up.
 pub const SCHEMA: &str = include_str!("schema.sql");
+
+/// How long a charge stays `authorizing` before the reconciler settles it, by default: four
+/// lease lengths of the idempotency layer (30 s each), far above any provider call.
+pub const RECONCILE_AFTER: Duration = Duration::from_secs(120);
 
 /// How often the ledger consumer looks at an empty outbox.
 pub const OUTBOX_POLL: Duration = Duration::from_millis(200);
@@ -130,12 +137,20 @@ impl Database {
         state
     }
 
-    /// Starts the ledger consumer of the outbox, until `stop`.
-    pub fn spawn_workers(&self, state: &AppState, stop: CancellationToken) -> JoinHandle<()> {
+    /// Starts the ledger consumer of the outbox and the reconciler, for charges `authorizing`
+    /// longer than `reconcile_after`, until `stop`.
+    pub fn spawn_workers(
+        &self,
+        state: &AppState,
+        reconcile_after: Duration,
+        stop: CancellationToken,
+    ) -> JoinHandle<()> {
         let consumer =
             OutboxConsumer::new(self.pool().clone(), state.balances.clone(), OUTBOX_POLL);
+        let reconciler =
+            Reconciler::new(self.pool().clone(), state.provider.clone(), reconcile_after);
         tokio::spawn(async move {
-            consumer.run(stop).await;
+            tokio::join!(consumer.run(stop.clone()), reconciler.run(stop));
         })
     }
 }

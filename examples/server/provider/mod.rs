@@ -13,6 +13,9 @@
 //! memory, or in Redis or PostgreSQL, where every instance of the service shares them, as they
 //! would share one real provider.
 //!
+//! [`Provider::find_payment`] looks a payment up by the key it was created with, as a real
+//! provider's API lets a reconciler find out what became of a call whose answer was lost.
+//!
 //! Test tokens: `tok_visa` is approved, `tok_chargeDeclined` is declined, and
 //! `tok_pspUnavailable` finds the provider down (a transient failure: nothing happened, retry).
 //! The simulated issuer decides from the token alone, so a payment's outcome follows from its
@@ -209,6 +212,40 @@ impl Provider {
             id,
             outcome: outcome(source, capture),
         })
+    }
+
+    /// The payment a [`Provider::create_payment`] call with `key` made for this request (`source`,
+    /// `amount`, `capture`), within the provider's window; `None` when there is none: no such
+    /// call reached the provider, or it failed, or the key was used for another request. Moves no
+    /// money.
+    pub async fn find_payment(
+        &self,
+        key: &str,
+        source: Source,
+        amount: i64,
+        capture: bool,
+    ) -> Result<Option<Payment>, ProviderError> {
+        let inner = &self.inner;
+        inner.calls.fetch_add(1, Ordering::SeqCst);
+        if !inner.latency.is_zero() {
+            tokio::time::sleep(inner.latency).await;
+        }
+        if inner.outage.load(Ordering::SeqCst) {
+            return Err(ProviderError::Unavailable);
+        }
+        let request = Request::CreatePayment {
+            source,
+            amount,
+            capture,
+        }
+        .describe();
+        let used = inner.keys.get(key).await.map_err(table_unavailable)?;
+        Ok(used
+            .filter(|used| used.request == request)
+            .map(|used| Payment {
+                id: used.id,
+                outcome: outcome(source, capture),
+            }))
     }
 
     /// Captures an authorized payment.
@@ -442,6 +479,34 @@ mod tests {
             Err(ProviderError::KeyReused)
         );
         assert_eq!((provider.calls(), provider.effects()), (11, 2));
+    }
+
+    #[tokio::test]
+    async fn a_payment_is_found_by_its_key_and_request_only() {
+        let provider = Provider::default();
+        assert_eq!(
+            provider.find_payment("k", Source::Visa, 100, false).await,
+            Ok(None)
+        );
+        let payment = provider
+            .create_payment("k", Source::Visa, 100, false)
+            .await
+            .unwrap();
+        assert_eq!(
+            provider.find_payment("k", Source::Visa, 100, false).await,
+            Ok(Some(payment))
+        );
+        assert_eq!(
+            provider.find_payment("k", Source::Visa, 101, false).await,
+            Ok(None),
+            "the key was used for another request"
+        );
+        provider.refund("r", "py_1", 100).await.unwrap();
+        assert_eq!(
+            provider.find_payment("r", Source::Visa, 100, true).await,
+            Ok(None)
+        );
+        assert_eq!(provider.effects(), 2, "a lookup moves no money");
     }
 
     #[tokio::test(start_paused = true)]
