@@ -26,7 +26,7 @@ mod keys;
 use std::fmt::Write as _;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 pub use keys::{KeyTable, KeyTableError, Used};
@@ -97,6 +97,27 @@ pub enum ProviderError {
     KeyReused,
 }
 
+/// Where every call stops for good, as a process that dies there would ([`Provider::hang`],
+/// for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(dead_code)] // for tests
+pub enum Hang {
+    /// Before the provider does anything.
+    BeforeEffect,
+    /// Once the provider did it (money moved, the key recorded), before it answers.
+    AfterEffect,
+}
+
+impl Hang {
+    fn code(at: Option<Hang>) -> u8 {
+        match at {
+            None => 0,
+            Some(Hang::BeforeEffect) => 1,
+            Some(Hang::AfterEffect) => 2,
+        }
+    }
+}
+
 /// One call, as its key is bound to it.
 #[derive(Debug, Clone, Copy)]
 enum Request<'a> {
@@ -157,6 +178,8 @@ struct Inner {
     effects: AtomicUsize,
     /// The provider is down for every call (tests switch it on and off).
     outage: AtomicBool,
+    /// Where every call hangs ([`Hang::code`]; tests).
+    hang: AtomicU8,
     keys: KeyTable,
     ids: RandomState,
     next_id: AtomicUsize,
@@ -183,6 +206,7 @@ impl Provider {
                 calls: AtomicUsize::new(0),
                 effects: AtomicUsize::new(0),
                 outage: AtomicBool::new(false),
+                hang: AtomicU8::new(0),
                 keys,
                 ids: RandomState::new(),
                 next_id: AtomicUsize::new(0),
@@ -299,6 +323,13 @@ impl Provider {
         self.inner.outage.store(down, Ordering::SeqCst);
     }
 
+    /// Makes every call from now on stop for good `at` that point (`None`: none does), as a
+    /// process that dies there would.
+    #[allow(dead_code)] // for tests
+    pub fn hang(&self, at: Option<Hang>) {
+        self.inner.hang.store(Hang::code(at), Ordering::SeqCst);
+    }
+
     /// How long the provider takes to answer each call.
     #[allow(dead_code)] // with the postgres feature
     pub fn latency(&self) -> Duration {
@@ -326,6 +357,7 @@ impl Provider {
             tokio::time::sleep(inner.latency).await;
         }
         let request = request.describe();
+        self.hang_at(Hang::BeforeEffect).await;
         // A provider that is down does nothing new, but still answers a key it knows.
         let earlier = if unavailable || inner.outage.load(Ordering::SeqCst) {
             let known = inner.keys.get(key).await.map_err(table_unavailable)?;
@@ -342,6 +374,7 @@ impl Provider {
                 .map_err(table_unavailable)?;
             let Some(earlier) = earlier else {
                 inner.effects.fetch_add(1, Ordering::SeqCst);
+                self.hang_at(Hang::AfterEffect).await;
                 return Ok(used.id);
             };
             earlier
@@ -351,6 +384,14 @@ impl Provider {
             return Err(ProviderError::KeyReused);
         }
         Ok(earlier.id)
+    }
+
+    /// Never returns when calls hang `at` this point.
+    async fn hang_at(&self, at: Hang) {
+        if self.inner.hang.load(Ordering::SeqCst) == Hang::code(Some(at)) {
+            tracing::debug!(?at, "provider: hanging");
+            std::future::pending::<()>().await;
+        }
     }
 
     /// A fresh, unguessable id such as `py_3f9a0c1b7e2d4a68`.
