@@ -719,50 +719,49 @@ async fn every_outbox_event_is_applied_once_across_consumer_restarts() {
 
 // The server binary, on PostgreSQL.
 
-/// The payments example's binary, built with the `postgres` feature on first use.
+/// The payments example's binary, built with the `postgres` feature on first use (over the one
+/// another feature set left in the target directory).
 fn server_binary() -> PathBuf {
-    static BINARY: Mutex<Option<PathBuf>> = Mutex::new(None);
-    let mut binary = BINARY.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(path) = binary.as_ref() {
-        return path.clone();
-    }
+    static BUILT: Mutex<bool> = Mutex::new(false);
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
     // This test runs as <target dir>/<profile>/deps/example_postgres-<hash>.
     let exe = std::env::current_exe().expect("the test's own path");
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("the test runs from <target>/<profile>/deps");
-    let target_dir = profile_dir.parent().expect("a target directory");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .args(["build", "--quiet", "--message-format=json"])
-        .args(["--example", "server", "--features", "postgres"])
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(target_dir)
-        .stderr(Stdio::inherit());
-    match profile_dir.file_name().and_then(|name| name.to_str()) {
-        Some("debug") | None => {}
-        Some(profile) => {
-            build.args(["--profile", profile]);
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("server{}", std::env::consts::EXE_SUFFIX));
+    if !*built {
+        let target_dir = profile_dir.parent().expect("a target directory");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut build = Command::new(cargo);
+        build
+            .args([
+                "build",
+                "--quiet",
+                "--example",
+                "server",
+                "--features",
+                "postgres",
+            ])
+            .arg("--manifest-path")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(target_dir);
+        match profile_dir.file_name().and_then(|name| name.to_str()) {
+            Some("debug") | None => {}
+            Some(profile) => {
+                build.args(["--profile", profile]);
+            }
         }
+        let status = build.status().expect("cargo runs");
+        assert!(status.success(), "cargo build --example server failed");
+        assert!(binary.exists(), "no example binary at {}", binary.display());
+        *built = true;
     }
-    let output = build.output().expect("cargo runs");
-    assert!(
-        output.status.success(),
-        "cargo build --example server failed"
-    );
-    // The artifact cargo reports, not the uplifted copy another feature set may have replaced.
-    let path = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|message| message["target"]["name"] == "server")
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reports the example's executable");
-    *binary = Some(path.clone());
-    path
+    binary
 }
 
 fn spawn_server(env: &[(&str, &str)]) -> Child {
