@@ -589,3 +589,18 @@ fn connect_outside_a_runtime_is_an_error() {
     let err = PgStore::connect("postgres://127.0.0.1:1/none").expect_err("no runtime");
     assert!(matches!(err, PgStoreError::NoRuntime), "{err}");
 }
+
+/// The start-up and administration calls can run on a spawned task: their futures are `Send`.
+#[tokio::test]
+async fn administration_futures_are_send() {
+    let (server, store) = started().await;
+    let task = tokio::spawn(async move {
+        store.migrate().await?;
+        store.check().await?;
+        store.sweep().await.map(drop)
+    });
+    task.await
+        .expect("the task")
+        .expect("migrate, check and sweep");
+    drop(server);
+}

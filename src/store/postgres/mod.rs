@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{Executor as _, PgPool, Postgres};
 use tokio::time::Instant;
 
 use super::StoreError;
@@ -290,13 +290,12 @@ impl PgStore {
         // A connection of its own first, so that a server refusing connections is reported as
         // such, not as a timeout.
         self.inner.health.suspect();
-        self.admin(MIGRATE_TIMEOUT, async |conn| {
-            sqlx::raw_sql(&self.inner.statements.migrate)
-                .execute(conn)
-                .await
-                .map(drop)
-        })
+        self.admin(
+            MIGRATE_TIMEOUT,
+            Admin::Script(&self.inner.statements.migrate),
+        )
         .await
+        .map(drop)
     }
 
     /// Connects and checks that the table exists: call it at start-up to fail fast with a clear
@@ -308,13 +307,12 @@ impl PgStore {
     pub async fn check(&self) -> Result<(), PgStoreError> {
         self.inner.health.suspect();
         let checked = self
-            .admin(self.inner.timeout, async |conn| {
-                sqlx::query(&self.inner.statements.check)
-                    .execute(conn)
-                    .await
-                    .map(drop)
-            })
-            .await;
+            .admin(
+                self.inner.timeout,
+                Admin::Query(&self.inner.statements.check, None),
+            )
+            .await
+            .map(drop);
         match checked {
             Err(PgStoreError::Database(err)) if sqlstate(&err).as_deref() == Some("42P01") => Err(
                 PgStoreError::MissingTable(self.inner.statements.table.clone()),
@@ -334,16 +332,22 @@ impl PgStore {
     }
 
     /// One statement on a pooled connection, bounded by `timeout`.
-    async fn admin<T>(
-        &self,
-        timeout: Duration,
-        call: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
-    ) -> Result<T, PgStoreError> {
+    ///
+    /// A statement rather than a closure, and no `sqlx::raw_sql`, so that the futures of
+    /// `migrate`, `check` and `sweep` are `Send` (the compiler cannot prove either `Send` for
+    /// every lifetime of the connection).
+    async fn admin(&self, timeout: Duration, statement: Admin<'_>) -> Result<u64, PgStoreError> {
         self.start_sweep();
         let run = async {
             self.inner.health.check(&self.inner.pool).await?;
             let mut conn = self.inner.pool.acquire().await?;
-            call(&mut conn).await
+            let done = match statement {
+                // A bare `&str` runs as a simple query: several statements, one round trip.
+                Admin::Script(sql) => conn.execute(sql).await?,
+                Admin::Query(sql, None) => sqlx::query(sql).execute(&mut *conn).await?,
+                Admin::Query(sql, Some(n)) => sqlx::query(sql).bind(n).execute(&mut *conn).await?,
+            };
+            Ok::<_, sqlx::Error>(done.rows_affected())
         };
         match tokio::time::timeout(timeout, run).await {
             Ok(Ok(value)) => Ok(value),
@@ -440,6 +444,14 @@ fn unavailable(err: sqlx::Error) -> StoreError {
 /// Milliseconds for the SQL: at least 1, at most a century.
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis().clamp(1, MAX_MILLIS)).unwrap_or(i64::MAX)
+}
+
+/// An administrative statement: [`PgStore::admin`] runs it and answers the rows it affected.
+pub(super) enum Admin<'a> {
+    /// Several statements, sent as one simple query.
+    Script(&'a str),
+    /// One statement, with an optional integer parameter.
+    Query(&'a str, Option<i64>),
 }
 
 impl fmt::Debug for PgStore {

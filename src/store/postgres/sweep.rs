@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Inner, PgStore, PgStoreError};
+use super::{Admin, Inner, PgStore, PgStoreError};
 use crate::lease::ErrorChain;
 
 /// Rows deleted by one statement: small, so a batch holds its row locks only for a moment.
@@ -88,14 +88,11 @@ pub(super) async fn all(store: &PgStore, max_batches: u32) -> Result<u64, PgStor
     let mut deleted = 0;
     for _ in 0..max_batches {
         let batch = store
-            .admin(store.inner.timeout, async |conn| {
-                sqlx::query(&store.inner.statements.sweep)
-                    .bind(i64::from(BATCH))
-                    .execute(conn)
-                    .await
-            })
-            .await?
-            .rows_affected();
+            .admin(
+                store.inner.timeout,
+                Admin::Query(&store.inner.statements.sweep, Some(i64::from(BATCH))),
+            )
+            .await?;
         deleted += batch;
         if batch < u64::from(BATCH) {
             break;
