@@ -118,6 +118,8 @@
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
 //! - `redis` (default): `RedisStore` on deadpool-redis.
+//! - `test-util`: the store contract suite ([`testing`](crate::testing) and `store_contract!`),
+//!   for stores written outside the crate.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -141,6 +143,9 @@ pub mod record;
 mod scope;
 mod service;
 pub mod store;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod testing;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};

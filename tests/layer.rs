@@ -2,8 +2,6 @@
 //! header through HTTP, which methods are covered, request limits, problem responses, the key in
 //! extensions and the axum extractor, and the builder's settings.
 
-mod support;
-
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,11 +14,11 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use support::contract::{
+use tokio::sync::Notify;
+use tower_idempotency::testing::{
     Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
     service, spawn_send, status_handler, status_request, streamed,
 };
-use tokio::sync::Notify;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
 };
