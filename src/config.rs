@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
-use crate::problem::ProblemKind;
+use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::scope::{Rejection, Scope};
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
@@ -32,6 +32,7 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
+    pub(crate) render: Arc<dyn RenderProblem>,
 }
 
 impl Default for Config {
@@ -51,6 +52,7 @@ impl Default for Config {
             fail_open: false,
             retry_after: Duration::from_secs(1),
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
+            render: Arc::new(ProblemJson),
         }
     }
 }

@@ -10,7 +10,7 @@ use tower_layer::Layer;
 
 use crate::config::Config;
 use crate::detach::{Background, Shutdown};
-use crate::problem::ProblemKind;
+use crate::problem::{ProblemKind, RenderProblem};
 use crate::scope::{Rejection, Scope};
 use crate::service::Idempotency;
 
@@ -190,6 +190,38 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub fn problem_status(mut self, kind: ProblemKind, status: StatusCode) -> Self {
         self.config.statuses[kind.index()] = status;
+        self
+    }
+
+    /// How the layer's own responses (its [`Problem`](crate::problem::Problem)s: 400, 409, 413,
+    /// 422, 500, 503) are written: the body and its headers, per problem, in the API's own error
+    /// format. The layer keeps the status, `Cache-Control: no-store`, `Retry-After`, and the
+    /// [`ProblemKind`] and [`Outcome`](crate::Outcome) in the extensions. A scope function's
+    /// [`Rejection`] is the application's own response and is not rendered.
+    /// Default: [`ProblemJson`](crate::problem::ProblemJson), RFC 9457
+    /// `application/problem+json`.
+    ///
+    /// ```
+    /// use http::HeaderValue;
+    /// use tower_idempotency::problem::{Problem, RenderedProblem};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+    ///
+    /// // `{"error": {"code", "message"}}`, as the rest of the API answers.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).render_problems(|problem: &Problem| {
+    ///     let code = match problem.kind() {
+    ///         ProblemKind::InFlight => "request_in_progress",
+    ///         ProblemKind::Mismatch => "idempotency_key_reused",
+    ///         _ => "idempotency_error",
+    ///     };
+    ///     let body = serde_json::json!({"error": {"code": code, "message": problem.detail()}});
+    ///     RenderedProblem::new(HeaderValue::from_static("application/json"), body.to_string())
+    /// });
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// [`RenderProblem`] has a complete example.
+    pub fn render_problems(mut self, renderer: impl RenderProblem) -> Self {
+        self.config.render = Arc::new(renderer);
         self
     }
 

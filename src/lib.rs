@@ -15,7 +15,8 @@
 //! | a body over the limit | 413 | no |
 //! | the store unreachable | 503 with `Retry-After` (or run unprotected, if fail-open) | no |
 //!
-//! Errors the layer makes are RFC 9457 `application/problem+json` ([`problem`]).
+//! Errors the layer makes are RFC 9457 `application/problem+json` by default, or in the API's own
+//! format ([`problem`], [`IdempotencyLayer::render_problems`]).
 //!
 //! ```
 //! use axum::{Router, body::Body, routing::post};

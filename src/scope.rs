@@ -8,7 +8,7 @@
 use bytes::Bytes;
 use http::{Response, StatusCode};
 
-use crate::problem::Problem;
+use crate::problem;
 
 /// The scope of a request's key: any bytes, usually an account or tenant id.
 ///
@@ -82,7 +82,7 @@ impl Rejection {
 
 impl From<StatusCode> for Rejection {
     fn from(status: StatusCode) -> Self {
-        Self(Box::new(Problem::status(status).into_response()))
+        Self(Box::new(problem::about_blank(status)))
     }
 }
 

@@ -28,7 +28,7 @@ use crate::hex::Hex;
 use crate::key::IdempotencyKey;
 use crate::lease::Held;
 use crate::outcome::Outcome;
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
 use crate::scope::Scope;
 use crate::store::Store;
@@ -235,10 +235,9 @@ impl<St: Store> Shared<St> {
         detail: String,
         retry_after: Option<u64>,
     ) -> Response<ResponseBody<B>> {
-        let mut problem = Problem::new(kind, self.config.status(kind), detail);
-        if let Some(seconds) = retry_after {
-            problem = problem.retry_after(seconds);
-        }
+        let problem =
+            Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
+        let response = problem::respond(&problem, &*self.config.render);
         let outcome = match kind {
             ProblemKind::InFlight => Outcome::InFlight,
             ProblemKind::Mismatch => Outcome::Mismatch,
@@ -247,7 +246,7 @@ impl<St: Store> Shared<St> {
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             _ => Outcome::Rejected,
         };
-        finish(problem.into_response().map(ResponseBody::full), outcome)
+        finish(response.map(ResponseBody::full), outcome)
     }
 
     pub(super) fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {

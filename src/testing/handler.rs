@@ -156,6 +156,8 @@ pub struct Reply {
     pub body: Bytes,
     /// The layer's [`Outcome`], from the response's extensions.
     pub outcome: Option<Outcome>,
+    /// The [`ProblemKind`] of a response the layer made itself, from its extensions.
+    pub problem: Option<ProblemKind>,
 }
 
 impl Reply {
@@ -198,11 +200,13 @@ impl Reply {
         self.header(IDEMPOTENT_REPLAYED) == Some("true")
     }
 
-    /// Asserts an RFC 9457 problem of `kind` with `status`: the content type, `Cache-Control:
-    /// no-store`, and a JSON body whose `type`, `title` and `status` match.
+    /// Asserts an RFC 9457 problem of `kind` with `status`: the kind in the extensions, the
+    /// content type, `Cache-Control: no-store`, and a JSON body whose `type`, `title` and `status`
+    /// match.
     #[track_caller]
     pub fn assert_problem(&self, kind: ProblemKind, status: StatusCode) {
         assert_eq!(self.status, status, "status of {self:?}");
+        assert_eq!(self.problem, Some(kind), "problem kind of {self:?}");
         assert_eq!(
             self.header(CONTENT_TYPE),
             Some("application/problem+json"),
@@ -266,6 +270,7 @@ where
         headers: parts.headers,
         body,
         outcome: parts.extensions.get::<Outcome>().copied(),
+        problem: parts.extensions.get::<ProblemKind>().copied(),
     }
 }
 

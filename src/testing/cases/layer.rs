@@ -31,6 +31,10 @@ fn assert_replay_of(replay: &Reply, first: &Reply) {
     );
     assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
     assert_eq!(
+        replay.problem, None,
+        "a replay is not the layer's own: {replay:?}"
+    );
+    assert_eq!(
         replay.headers.get_all(IDEMPOTENT_REPLAYED).iter().count(),
         1
     );
