@@ -734,6 +734,101 @@ async fn scope_rejection_is_the_applications_response() {
     assert_eq!(send(&svc, get).await.status, StatusCode::CREATED);
 }
 
+/// A scope function may reject with anything axum turns into a response: its own error type,
+/// `(StatusCode, Json)`, a response with a streamed body. The client gets it as it is, and nothing
+/// is claimed. PROTOCOL.md §3.2.
+#[tokio::test(start_paused = true)]
+async fn scope_rejection_from_into_response_and_streamed_bodies() {
+    /// An API's own error type, as axum handlers return it.
+    struct Unauthorized;
+    impl axum::response::IntoResponse for Unauthorized {
+        fn into_response(self) -> axum::response::Response {
+            let body = serde_json::json!({"error": {"code": "missing_api_key"}});
+            (
+                StatusCode::UNAUTHORIZED,
+                [("www-authenticate", "Bearer")],
+                axum::Json(body),
+            )
+                .into_response()
+        }
+    }
+    let store = store();
+    let handler = echo();
+    let layer = IdempotencyLayer::new(store.clone()).scope(|parts| {
+        match parts.headers.get("x-case").map(|v| v.as_bytes()) {
+            Some(b"into-response") => Err(Rejection::new(Unauthorized)),
+            Some(b"tuple") => Err(Rejection::new((StatusCode::FORBIDDEN, "suspended"))),
+            Some(b"streamed") => {
+                let chunks: Vec<Result<Bytes, Infallible>> =
+                    vec![Ok(Bytes::from("too ")), Ok(Bytes::from("many"))];
+                let body = Body::from_stream(futures_util::stream::iter(chunks));
+                let response = Response::builder().status(429).body(body);
+                Err(Rejection::new(response.expect("a response")))
+            }
+            _ => Ok(tower_idempotency::Scope::from("acct")),
+        }
+    });
+    let svc = service(layer, handler.clone());
+    let request = |case: &str| {
+        keyed(Method::POST, "/", "k")
+            .header("x-case", case)
+            .body(Body::from("x"))
+            .expect("a request")
+    };
+
+    let reply = send(&svc, request("into-response")).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(reply.header("www-authenticate"), Some("Bearer"));
+    assert_eq!(reply.header(CONTENT_TYPE), Some("application/json"));
+    assert_eq!(reply.json()["error"]["code"], "missing_api_key");
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+    assert_eq!(
+        reply.problem, None,
+        "the application's response, not the layer's"
+    );
+
+    let reply = send(&svc, request("tuple")).await;
+    assert_eq!(
+        (reply.status, reply.text()),
+        (StatusCode::FORBIDDEN, "suspended".into())
+    );
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+
+    let reply = send(&svc, request("streamed")).await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(reply.text(), "too many");
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+
+    assert_eq!(store.calls().total(), 0, "nothing claimed");
+    assert_eq!(handler.calls(), 0);
+    let accepted = send(&svc, request("none")).await;
+    assert_eq!(accepted.outcome, Some(Outcome::Executed));
+}
+
+/// A rejection whose body fails while the layer reads it is sent with its status and headers
+/// and an empty body (and no stale `Content-Length`).
+#[tokio::test(start_paused = true)]
+async fn scope_rejection_with_a_failing_body_is_sent_empty() {
+    let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|_| {
+        let chunks: Vec<Result<Bytes, std::io::Error>> =
+            vec![Ok(Bytes::from("par")), Err(std::io::Error::other("cut"))];
+        let body = Body::from_stream(futures_util::stream::iter(chunks));
+        let response = Response::builder()
+            .status(StatusCode::FORBIDDEN)
+            .header("x-reason", "suspended")
+            .header(CONTENT_LENGTH, "9")
+            .body(body);
+        Err(Rejection::new(response.expect("a response")))
+    });
+    let svc = service(layer, echo());
+    let reply = send(&svc, post_request("k", "x")).await;
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert_eq!(reply.header("x-reason"), Some("suspended"));
+    assert_eq!(reply.header(CONTENT_LENGTH), None);
+    assert!(reply.body.is_empty());
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Failures around the handler
 // ---------------------------------------------------------------------------------------------

@@ -4,9 +4,7 @@
 //! RFC 9457 `application/problem+json` documents instead.)
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::http::header::CONTENT_TYPE;
-use axum::http::{self, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -151,19 +149,6 @@ impl ApiError {
                 charge: self.charge.as_deref(),
             },
         }
-    }
-
-    /// The error as a plain `http` response, for the idempotency layer's scope [`Rejection`].
-    ///
-    /// [`Rejection`]: tower_idempotency::Rejection
-    pub fn into_http(self) -> http::Response<Bytes> {
-        let body = serde_json::to_vec(&self.body()).unwrap_or_default();
-        let mut response = http::Response::new(Bytes::from(body));
-        *response.status_mut() = self.status;
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        response
     }
 }
 

@@ -30,7 +30,7 @@ use crate::lease::Held;
 use crate::outcome::Outcome;
 use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
-use crate::scope::Scope;
+use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
 use crate::throttle::Throttle;
 
@@ -183,10 +183,7 @@ where
             None => Scope::default(),
             Some(scope) => match scope(&parts) {
                 Ok(scope) => scope,
-                Err(rejection) => {
-                    let response = rejection.into_response().map(ResponseBody::full);
-                    return ResponseFuture::ready(finish(response, Outcome::Rejected));
-                }
+                Err(rejection) => return reject_with(rejection),
             },
         };
         let id = RecordId::for_key(scope.as_bytes(), &key);
@@ -207,6 +204,47 @@ where
         let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
         ResponseFuture::covered(protect.instrument(span))
     }
+}
+
+/// Answers with a scope function's rejection: at once when its body is whole, or once it is read.
+fn reject_with<F, B>(rejection: Rejection) -> ResponseFuture<F, B>
+where
+    B: Send + 'static,
+{
+    let (parts, body) = rejection.into_response().into_parts();
+    let body = match body {
+        RejectionBody::Full(bytes) => bytes,
+        #[cfg(feature = "axum")]
+        RejectionBody::Stream(body) => {
+            let read: Covered<B> = Box::pin(read_rejection(parts, body));
+            return ResponseFuture::covered(read.instrument(tracing::Span::none()));
+        }
+    };
+    let response = Response::from_parts(parts, ResponseBody::full(body));
+    ResponseFuture::ready(finish(response, Outcome::Rejected))
+}
+
+/// Reads a rejection's body, then answers with it: empty if it fails.
+#[cfg(feature = "axum")]
+async fn read_rejection<B>(
+    mut parts: http::response::Parts,
+    body: http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>,
+) -> Response<ResponseBody<B>> {
+    use http_body_util::BodyExt;
+    let body = match body.collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(err) => {
+            tracing::error!(
+                target: "tower_idempotency",
+                error = %crate::lease::ErrorChain(&*err),
+                "the scope function's rejection body failed; sending it empty"
+            );
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            Bytes::new()
+        }
+    };
+    let response = Response::from_parts(parts, ResponseBody::full(body));
+    finish(response, Outcome::Rejected)
 }
 
 pub(super) fn too_large(config: &Config) -> String {
