@@ -166,6 +166,6 @@ pub use record::{
 };
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
-pub use store::{Claim, MemoryStore, Store, StoreError};
+pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
 #[cfg(feature = "redis")]
 pub use store::{RedisStore, deadpool_redis};
