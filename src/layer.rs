@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderMap, HeaderName, Method, StatusCode};
+use http::response::Parts as ResponseParts;
+use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::config::Config;
@@ -140,13 +141,40 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// Which responses are stored for replay, from the status and headers. A response that is not
-    /// stored releases the claim, so a retry runs the handler again. A response with
-    /// `Cache-Control: no-store` is never stored, whatever the policy says.
-    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408, 409, 425 and 429).
+    /// Which responses are stored for replay, from the response's head: its status, headers and
+    /// extensions, before the body is read. A response that is not stored releases the claim, so a
+    /// retry runs the handler again. A response with `Cache-Control: no-store` is never stored,
+    /// whatever the policy says.
+    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408,
+    /// 409, 425 and 429).
+    ///
+    /// The extensions let a handler mark one response by type, without a header that would reach
+    /// the client:
+    ///
+    /// ```
+    /// use axum::{Router, http::StatusCode, response::IntoResponse, routing::post};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, default_store_policy};
+    ///
+    /// /// Put in a response's extensions: a retry should run the handler again.
+    /// #[derive(Clone)]
+    /// struct DoNotStore;
+    ///
+    /// async fn create() -> axum::response::Response {
+    ///     // A quote that is only valid for a minute: never replayed.
+    ///     let mut response = (StatusCode::CREATED, "quote: 42 EUR").into_response();
+    ///     response.extensions_mut().insert(DoNotStore);
+    ///     response
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
+    ///     default_store_policy(head.status, &head.headers)
+    ///         && head.extensions.get::<DoNotStore>().is_none()
+    /// });
+    /// let app: Router = Router::new().route("/v1/quotes", post(create)).route_layer(layer);
+    /// ```
     pub fn store_policy<F>(mut self, policy: F) -> Self
     where
-        F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+        F: Fn(&ResponseParts) -> bool + Send + Sync + 'static,
     {
         self.config.store_policy = Arc::new(policy);
         self

@@ -89,7 +89,8 @@
 //!   than the store outages you mean to ride out, and give downstream effects a key derived from
 //!   the request's ([`IdempotencyKey::derive`]), so that a second run repeats none of them.
 //! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
-//!   response says `Cache-Control: no-store` ([`IdempotencyLayer::store_policy`]); headers minus
+//!   response says `Cache-Control: no-store` or the policy, which sees the response's status,
+//!   headers and extensions, says otherwise ([`IdempotencyLayer::store_policy`]); headers minus
 //!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
 //!   response over the response limit is delivered and leaves a tombstone: never a second run.
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).

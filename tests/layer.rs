@@ -685,7 +685,7 @@ async fn fingerprint_headers_are_opt_in() {
 async fn store_policy_is_configurable_and_no_store_wins() {
     let handler = status_handler();
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .store_policy(|status, _| status == StatusCode::CREATED || status.is_server_error());
+        .store_policy(|head| head.status == StatusCode::CREATED || head.status.is_server_error());
     let svc = service(layer, handler.clone());
 
     for _ in 0..2 {
@@ -705,6 +705,53 @@ async fn store_policy_is_configurable_and_no_store_wins() {
         assert_eq!(reply.outcome, Some(Outcome::NotStored));
     }
     assert_eq!(handler.calls(), 6);
+}
+
+/// The policy sees the response's extensions: a handler marks one response "do not store" by
+/// type, with nothing the client sees, and only that response runs again on a retry.
+/// PROTOCOL.md §8.1.
+#[tokio::test(start_paused = true)]
+async fn store_policy_reads_a_marker_in_the_response_extensions() {
+    #[derive(Debug, Clone)]
+    struct DoNotStore;
+    let handler = Handler::ok(|call| {
+        let mut response = created(format!("call {}", call.n));
+        if call.header("x-volatile").is_some() {
+            response.extensions_mut().insert(DoNotStore);
+        }
+        response
+    });
+    let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
+        tower_idempotency::default_store_policy(head.status, &head.headers)
+            && head.extensions.get::<DoNotStore>().is_none()
+    });
+    let svc = service(layer, handler.clone());
+    let request = |key: &str, volatile: bool| {
+        let builder = keyed(Method::POST, "/", key);
+        let builder = if volatile {
+            builder.header("x-volatile", "1")
+        } else {
+            builder
+        };
+        builder.body(Body::from("x")).expect("a request")
+    };
+
+    for n in 1..=2 {
+        let reply = send(&svc, request("volatile", true)).await;
+        assert_eq!(reply.outcome, Some(Outcome::NotStored));
+        assert_eq!(reply.text(), format!("call {n}"));
+        assert_eq!(
+            reply.headers.len(),
+            0,
+            "no marker reaches the client: {reply:?}"
+        );
+    }
+    let first = send(&svc, request("kept", false)).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let replay = send(&svc, request("kept", false)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.text(), "call 3");
+    assert_eq!(handler.calls(), 3);
 }
 
 /// A scope function's `Rejection` built from a whole response reaches the client as it is.
