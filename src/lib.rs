@@ -112,6 +112,20 @@
 //! record encoding in [`Record::decode`] and [`Completed::encode`] is there for stores that keep
 //! bytes.
 //!
+//! # Metrics
+//! With the `metrics` feature (on by default), the layer and the consumer record through the
+//! [`metrics`](https://docs.rs/metrics) facade, into whatever recorder the application installs
+//! (`metrics-exporter-prometheus`, StatsD, ...); with none installed, nothing is recorded.
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `rejected`, `unprotected`) |
+//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted` or `codec` |
+//!
+//! One count per covered request (a passthrough of an uncovered method is not counted), one
+//! sample per store call, the layer's and the consumer's. Labels take only the values listed: no
+//! key, scope or other part of a request is ever a label.
+//!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
 //! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
@@ -120,6 +134,7 @@
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
 //! - `redis` (default): `RedisStore` on deadpool-redis.
+//! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
 //! - `test-util`: the store contract suite ([`testing`](crate::testing) and `store_contract!`),
 //!   for stores written outside the crate.
 
@@ -139,6 +154,7 @@ mod hex;
 mod key;
 mod layer;
 mod lease;
+mod meter;
 mod outcome;
 pub mod problem;
 pub mod record;

@@ -27,6 +27,7 @@ use crate::future::{Covered, ResponseFuture};
 use crate::hex::Hex;
 use crate::key::IdempotencyKey;
 use crate::lease::Held;
+use crate::meter::{self, Metered};
 use crate::outcome::Outcome;
 use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
@@ -85,7 +86,8 @@ pub struct Idempotency<S, St> {
 }
 
 pub(crate) struct Shared<St> {
-    store: St,
+    /// The store, its calls timed (`meter`).
+    store: Metered<St>,
     config: Config,
     background: Background,
     /// Claim-time store failures repeat with every request: logged once per interval.
@@ -94,10 +96,11 @@ pub(crate) struct Shared<St> {
 
 impl<S, St> Idempotency<S, St> {
     pub(crate) fn new(inner: S, store: St, config: Config, background: Background) -> Self {
+        meter::describe();
         Self {
             inner,
             shared: Arc::new(Shared {
-                store,
+                store: Metered(store),
                 config,
                 background,
                 store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
@@ -167,6 +170,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if !config.key_required => {
                 tracing::debug!(target: "tower_idempotency", outcome = %Outcome::Unprotected, "idempotency outcome");
+                meter::outcome(Outcome::Unprotected);
                 let future = inner.call(req.map(RequestBody::passthrough));
                 return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
             }
@@ -212,6 +216,8 @@ where
     B: Send + 'static,
 {
     let (parts, body) = rejection.into_response().into_parts();
+    // Without the `axum` feature, a rejection's body is always whole.
+    #[cfg_attr(not(feature = "axum"), allow(clippy::infallible_destructuring_match))]
     let body = match body {
         RejectionBody::Full(bytes) => bytes,
         #[cfg(feature = "axum")]
@@ -287,7 +293,11 @@ impl<St: Store> Shared<St> {
         finish(response.map(ResponseBody::full), outcome)
     }
 
-    pub(super) fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
+    pub(super) fn held<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+    ) -> Held<'a, Metered<St>> {
         Held {
             store: &self.store,
             id,
@@ -303,8 +313,8 @@ pub(super) fn whole_seconds(duration: Duration) -> u64 {
     seconds.max(1)
 }
 
-/// Marks a response with its outcome and logs it (inside the request's span, which carries the
-/// hashed key and scope).
+/// Marks a response with its outcome, logs it (inside the request's span, which carries the
+/// hashed key and scope) and counts it.
 pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
     let status = response.status().as_u16();
     match outcome {
@@ -318,6 +328,7 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
         }
         _ => tracing::debug!(target: "tower_idempotency", %outcome, status, "idempotency outcome"),
     }
+    meter::outcome(outcome);
     response.extensions_mut().insert(outcome);
     response
 }
