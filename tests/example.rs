@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use redis_server::RedisServer;
 use serde_json::{Value, json};
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
 
 use server::provider::{self, KeyTable};
 use server::redis_conn::RedisConn;
@@ -88,10 +88,11 @@ impl Harness {
     }
 
     fn app(state: &AppState, records: &Records) -> Router {
-        match records {
-            Records::Memory(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
-            Records::Redis(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
-        }
+        let store = match records {
+            Records::Memory(store) => BoxStore::new(store.clone()),
+            Records::Redis(store) => BoxStore::new(store.clone()),
+        };
+        app(state.clone(), IdempotencyLayer::new(store))
     }
 
     /// A new provider that remembers its keys for `window`, beside the layer's records.

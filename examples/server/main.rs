@@ -134,7 +134,7 @@ use axum::middleware;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
 use tracing_subscriber::EnvFilter;
 
 pub use balance::Balances;
@@ -208,7 +208,7 @@ impl AppState {
 /// The API. `idempotency` is scoped to the authenticated account here, and given the API's body
 /// limits ([`REQUEST_LIMIT`], [`RESPONSE_LIMIT`]); keep its
 /// [`shutdown_handle`](IdempotencyLayer::shutdown_handle) to drain its work at shutdown.
-pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>) -> Router {
+pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
     let idempotency = idempotency
         .request_body_limit(REQUEST_LIMIT)
         .response_body_limit(RESPONSE_LIMIT)
@@ -256,7 +256,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         .into_iter()
         .find_map(|var| Some((var, env_url(var)?)));
     let (state, consumer_store) = match ledger_url {
-        None => (state, ConsumerStore::Memory(MemoryStore::new())),
+        None => (state, BoxStore::new(MemoryStore::new())),
         Some((var, url)) => {
             let (conn, queue, balances, store) = connect_ledger(var, &url).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
@@ -268,36 +268,24 @@ async fn run() -> Result<(), Box<dyn Error>> {
                 state
                     .with_events(queue, balances)
                     .with_provider(Provider::with_keys(latency, keys)),
-                ConsumerStore::Redis(store),
+                BoxStore::new(store),
             )
         }
     };
-    match env_url("REDIS_URL") {
-        None => {
-            let store = MemoryStore::new();
-            serve(
-                &addr,
-                state,
-                store,
-                consumer_store,
-                "memory",
-                shutdown_timeout,
-            )
-            .await
-        }
-        Some(url) => {
-            let store = connect_redis(&url).await?;
-            serve(
-                &addr,
-                state,
-                store,
-                consumer_store,
-                "redis",
-                shutdown_timeout,
-            )
-            .await
-        }
-    }
+    // The idempotency records' store, chosen here at run time: the server is the same whichever.
+    let (store, store_name) = match env_url("REDIS_URL") {
+        None => (BoxStore::new(MemoryStore::new()), "memory"),
+        Some(url) => (BoxStore::new(connect_redis(&url).await?), "redis"),
+    };
+    serve(
+        &addr,
+        state,
+        store,
+        consumer_store,
+        store_name,
+        shutdown_timeout,
+    )
+    .await
 }
 
 /// The environment variable `name`, a number of milliseconds, unless it is unset.
@@ -318,20 +306,14 @@ fn env_url(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|url| !url.is_empty())
 }
 
-/// Where the ledger consumer's Deduplicator keeps its records.
-enum ConsumerStore {
-    Memory(MemoryStore),
-    Redis(RedisStore),
-}
-
 /// Serves until SIGTERM or Ctrl-C, then lets the requests in flight and the layer's detached work
 /// finish, within `shutdown_timeout`. The ledger consumer runs beside the server and stops at the
-/// same signal, after the event at hand.
-async fn serve<St: Store + Clone>(
+/// same signal, after the event at hand; `consumer_store` keeps its Deduplicator's records.
+async fn serve(
     addr: &str,
     state: AppState,
-    store: St,
-    consumer_store: ConsumerStore,
+    store: BoxStore,
+    consumer_store: BoxStore,
     store_name: &str,
     shutdown_timeout: Duration,
 ) -> Result<(), Box<dyn Error>> {
@@ -358,16 +340,8 @@ async fn serve<St: Store + Clone>(
         .await
         .map_err(|err| format!("cannot read the event stream: {}", report(&err)))?;
     let balances = state.balances.clone();
-    let consumer = match consumer_store {
-        ConsumerStore::Memory(store) => {
-            let dedup = consumer::deduplicator(store, config.min_idle);
-            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
-        }
-        ConsumerStore::Redis(store) => {
-            let dedup = consumer::deduplicator(store, config.min_idle);
-            tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()))
-        }
-    };
+    let dedup = consumer::deduplicator(consumer_store, config.min_idle);
+    let consumer = tokio::spawn(LedgerConsumer::new(queue, balances, dedup).run(stop.clone()));
     // The outbox relay runs until the last request has published its events.
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
