@@ -9,12 +9,13 @@
 //! A handler that runs again for the same effect publishes the same event id again, and the
 //! consumer applies it once.
 
+use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::IdempotencyKey;
@@ -24,6 +25,7 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson};
+use super::params::{self, Form};
 use super::provider::{Outcome, Source};
 use super::state_machine::Event;
 
@@ -37,7 +39,7 @@ pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 /// far within the response limit the idempotency layer stores: see [`super::RESPONSE_LIMIT`].
 pub const DESCRIPTION_CHARS: usize = 1000;
 
-/// The body of `POST /v1/charges`.
+/// The body of `POST /v1/charges`, as JSON or as a form (`params.rs`).
 #[derive(Debug, Deserialize)]
 struct CreateCharge {
     amount: Option<i64>,
@@ -45,12 +47,38 @@ struct CreateCharge {
     source: Option<String>,
     capture: Option<bool>,
     description: Option<String>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+impl CreateCharge {
+    fn from_form(mut form: Form) -> Result<Self, ApiError> {
+        let input = Self {
+            amount: form.integer("amount")?,
+            currency: form.text("currency"),
+            source: form.text("source"),
+            capture: form.boolean("capture")?,
+            description: form.text("description"),
+            metadata: form.metadata(),
+        };
+        form.finish()?;
+        Ok(input)
+    }
 }
 
 /// The body of `POST /v1/charges/{id}/refunds`; empty means "refund the rest".
 #[derive(Debug, Default, Deserialize)]
 struct CreateRefund {
     amount: Option<i64>,
+}
+
+impl CreateRefund {
+    fn from_form(mut form: Form) -> Result<Self, ApiError> {
+        let input = Self {
+            amount: form.integer("amount")?,
+        };
+        form.finish()?;
+        Ok(input)
+    }
 }
 
 /// A page of charges, as the API shows it.
@@ -77,15 +105,21 @@ fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
 }
 
 /// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
-/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 422 when the
-/// provider knows the key from another request (nothing is recorded).
+/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 400
+/// `idempotency_error` when the provider knows the key from another request (nothing is
+/// recorded). The body is JSON, or a form as Stripe's SDKs send it (`params.rs`).
 pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
-    let input: CreateCharge = parse_json(&body)?;
+    let input = if params::is_form(&headers) {
+        CreateCharge::from_form(Form::parse(&body))?
+    } else {
+        parse_json(&body)?
+    };
     let amount = input.amount.ok_or(ApiError::missing_param("amount"))?;
     if !AMOUNTS.contains(&amount) {
         return Err(ApiError::invalid_param(
@@ -121,11 +155,15 @@ pub async fn create(
         ));
     }
 
+    let metadata = input.metadata.unwrap_or_default();
+    params::check_metadata(&metadata)?;
+
     let mut charge = Charge::new(
         account.clone(),
         amount,
         currency.to_ascii_lowercase(),
         input.description,
+        metadata,
     );
     charge.apply(Event::Authorize)?;
     let payment = state
@@ -216,9 +254,12 @@ pub async fn refund(
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
     Path(id): Path<String>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
-    let input: CreateRefund = if body.is_empty() {
+    let input = if params::is_form(&headers) {
+        CreateRefund::from_form(Form::parse(&body))?
+    } else if body.is_empty() {
         CreateRefund::default()
     } else {
         parse_json(&body)?

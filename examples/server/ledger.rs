@@ -3,7 +3,7 @@
 //! A charge changes state only through [`Charge::apply`], which asks the state machine; the
 //! ledger's lock is never held across a call to the provider.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -21,6 +21,8 @@ pub struct Charge {
     pub amount: i64,
     pub currency: String,
     pub description: Option<String>,
+    /// The client's own key-value pairs, as Stripe keeps them (`metadata[key]=value`).
+    pub metadata: BTreeMap<String, String>,
     pub status: Status,
     pub amount_refunded: i64,
     /// Seconds since the Unix epoch.
@@ -38,6 +40,7 @@ impl Charge {
         amount: i64,
         currency: String,
         description: Option<String>,
+        metadata: BTreeMap<String, String>,
     ) -> Self {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -48,6 +51,7 @@ impl Charge {
             amount,
             currency,
             description,
+            metadata,
             status: Status::Created,
             amount_refunded: 0,
             created,
@@ -80,6 +84,7 @@ impl Charge {
             amount: self.amount,
             currency: self.currency.clone(),
             description: self.description.clone(),
+            metadata: self.metadata.clone(),
             status: self.status.as_str(),
             captured: matches!(
                 self.status,
@@ -99,6 +104,7 @@ pub struct ChargeJson {
     amount: i64,
     currency: String,
     description: Option<String>,
+    metadata: BTreeMap<String, String>,
     status: &'static str,
     captured: bool,
     amount_refunded: i64,

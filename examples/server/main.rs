@@ -16,9 +16,21 @@
 //!   idempotency record was lost cannot charge twice. The provider binds each key to the request
 //!   it was first used for (operation, amount, source, capture flag, payment) for its own 24 h
 //!   window (`provider/`): the same key with another request, which only reaches it once the
-//!   layer has forgotten the key, is refused with `422` and `{"error": {"type":
+//!   layer has forgotten the key, is refused with `400` and `{"error": {"type":
 //!   "idempotency_error", "code": "idempotency_key_reused", ...}}`, and nothing happens; after
 //!   the window the key is new again.
+//! - It speaks Stripe's wire format where a Stripe SDK notices, so the official SDKs work against
+//!   it (`api_base` pointed here): bodies are forms (`application/x-www-form-urlencoded`, with
+//!   Stripe's nested `metadata[key]=value`) or JSON (`params.rs`); errors are `{"error": {"type",
+//!   "code", "message", ...}}`, the idempotency layer's too (rendered by `error::render_problem`
+//!   as RFC 9457 documents that carry the same `error` member); a key reused for another request
+//!   is `400` `idempotency_error` (the SDKs' `IdempotencyError`); and `Stripe-Should-Retry: true`
+//!   marks the answers a retry fixes (`409` while the key's first request runs, `503`).
+//!   The layer fingerprints the body's raw bytes: an SDK's retry sends the same bytes and is
+//!   recognised; the same charge written another way under the same key (JSON instead of a
+//!   form, its parameters in another order) is another request, and refused.
+//! - The idempotency records' store is chosen at start-up, from the environment, behind one
+//!   type ([`tower_idempotency::BoxStore`]): one server, whichever store.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
 //! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
 //!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
@@ -62,19 +74,22 @@
 //!
 //! # Walk through it
 //! With the server running in one terminal, send these from another. Any non-empty bearer token is
-//! an account. Create a charge:
+//! an account. Create a charge, with a form body as Stripe's SDKs send it (or JSON, with
+//! `-H 'Content-Type: application/json' -d '{"amount": 2500, ...}'`):
 //! ```text
 //! curl -si http://127.0.0.1:3000/v1/charges \
 //!   -H 'Authorization: Bearer sk_test_alice' \
 //!   -H 'Idempotency-Key: order-1001' \
-//!   -d '{"amount": 2500, "currency": "eur", "source": "tok_visa"}'
+//!   -d amount=2500 -d currency=eur -d source=tok_visa -d 'metadata[order_id]=1001'
 //!
 //! HTTP/1.1 201 Created
-//! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "status":"captured", ...}
+//! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "metadata":{"order_id":"1001"},"status":"captured", ...}
 //! ```
 //! `amount` is in minor units (cents), from 1 to 99,999,999; any other is `400` with
 //! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`. `description` is optional,
-//! at most 1,000 characters (`400` otherwise, `"param": "description"`).
+//! at most 1,000 characters (`400` otherwise, `"param": "description"`); `metadata` at most 50
+//! keys of up to 40 characters, with values of up to 500. A parameter the API does not know is
+//! `400` `parameter_unknown`.
 //!
 //! Every response the layer stores fits its limit: the API reads at most 64 KiB of request body
 //! (`413` beyond, [`REQUEST_LIMIT`]) and the layer stores responses up to 1 MiB
@@ -85,8 +100,9 @@
 //! Send the same command again, as a client that timed out would: the same response comes back,
 //! byte for byte, marked `idempotent-replayed: true`, and nothing is charged again.
 //!
-//! Change the amount but keep the key: the layer refuses with `422 Unprocessable Entity` (an
-//! `application/problem+json` document), because a key names one request.
+//! Change the amount but keep the key: the layer refuses with `400 Bad Request`, an
+//! `application/problem+json` document with `"error": {"type": "idempotency_error", ...}`,
+//! because a key names one request.
 //!
 //! A declined card, with a new key, twice: `402 Payment Required` with
 //! `{"error":{"type":"card_error","code":"card_declined",...}}`, the second time replayed. The
@@ -95,12 +111,22 @@
 //! curl -si http://127.0.0.1:3000/v1/charges \
 //!   -H 'Authorization: Bearer sk_test_alice' \
 //!   -H 'Idempotency-Key: order-1002' \
-//!   -d '{"amount": 2500, "currency": "eur", "source": "tok_chargeDeclined"}'
+//!   -d amount=2500 -d currency=eur -d source=tok_chargeDeclined
 //! curl -s http://127.0.0.1:3000/v1/charges -H 'Authorization: Bearer sk_test_alice'
 //! ```
-//! Then: `"capture": false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
-//! (`{"amount": ...}`, default the rest) and `/cancel` move it on, each with its own
+//! Then: `capture=false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
+//! (`amount=...`, default the rest) and `/cancel` move it on, each with its own
 //! `Idempotency-Key`. `tok_pspUnavailable` answers 503, and retrying it runs again.
+//!
+//! With Stripe's Python SDK (`pip install stripe`), pointed here:
+//! ```text
+//! import stripe
+//! stripe.api_base = "http://127.0.0.1:3000"
+//! stripe.api_key = "sk_test_alice"
+//! stripe.max_network_retries = 2
+//! charge = stripe.Charge.create(amount=2000, currency="usd", source="tok_visa",
+//!                               idempotency_key="order-2001")
+//! ```
 //!
 //! The balance, once the consumer has applied the events (the first charge above, captured; the
 //! declined one is not an event):
@@ -118,6 +144,7 @@ mod error;
 pub mod events;
 mod http_server;
 mod ledger;
+mod params;
 pub mod provider;
 pub mod queue;
 pub mod redis_conn;
@@ -130,11 +157,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind, RedisStore};
 use tracing_subscriber::EnvFilter;
 
 pub use balance::Balances;
@@ -157,15 +185,17 @@ pub const PROVIDER_PREFIX: &str = "payments:provider:";
 /// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
 pub const CONSUMER_PREFIX: &str = "payments:consumer:";
 
-/// The largest request body the API reads: 64 KiB, far above the largest valid request (a
-/// charge with a [`charges::DESCRIPTION_CHARS`]-character description is under 7 KB); a larger
-/// one gets `413` from the idempotency layer and nothing runs.
+/// The largest request body the API reads: 64 KiB, above the charges clients send (one with a
+/// [`charges::DESCRIPTION_CHARS`]-character description and Stripe's largest metadata, 50 keys
+/// of 40 characters with values of 500, in ASCII, is under 40 KB as a form); a larger one gets
+/// `413` from the idempotency layer and nothing runs.
 pub const REQUEST_LIMIT: usize = 64 * 1024;
 
 /// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every response
-/// of the API fits, so a client that lost one can always get it back: a charge is at most about
-/// 7 KB, and an error quotes at most the request's bad value, at most 7 bytes for each of its
-/// [`REQUEST_LIMIT`] bytes once escaped twice (the value's `Debug` form in JSON).
+/// of the API fits, so a client that lost one can always get it back: a charge echoes at most its
+/// request's description and metadata (at most 6 bytes for each of its [`REQUEST_LIMIT`] bytes
+/// once escaped in JSON), and an error quotes at most the request's bad value, at most 7 bytes for
+/// each of its bytes once escaped twice (the value's `Debug` form in JSON).
 pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 
 /// What the handlers share.
@@ -212,7 +242,11 @@ pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
     let idempotency = idempotency
         .request_body_limit(REQUEST_LIMIT)
         .response_body_limit(RESPONSE_LIMIT)
-        .scope(auth::account_scope);
+        .scope(auth::account_scope)
+        // Stripe answers a key reused for another request with 400, which its SDKs raise as their
+        // `IdempotencyError`; and its SDKs read errors from `{"error": {...}}`.
+        .problem_status(ProblemKind::Mismatch, StatusCode::BAD_REQUEST)
+        .render_problems(error::render_problem);
     Router::new()
         .route("/v1/charges", post(charges::create).get(charges::list))
         .route("/v1/charges/{id}", get(charges::get))
