@@ -1419,3 +1419,52 @@ async fn two_instances_on_one_redis_share_the_providers_keys() {
     assert_eq!(second.provider_counts(), (2, 0));
     first.finish();
 }
+
+/// `GET /metrics`: the layer's counters and store latencies in Prometheus' text format, with no
+/// API key, and nothing of a request (key, account) in a label.
+#[tokio::test]
+async fn metrics_are_served_in_prometheus_text() {
+    let (recorder, handle) = server::prometheus::recorder();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let state = AppState::new(Duration::ZERO).with_metrics(handle);
+    let h = Harness::on(state, Records::Memory(MemoryStore::new()), None);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-metrics")
+            .json(visa(500))
+    };
+    assert_eq!(create().send().await.status, StatusCode::CREATED);
+    assert!(create().send().await.replayed());
+    let other = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-metrics")
+        .json(visa(600))
+        .send()
+        .await;
+    assert_eq!(other.status, StatusCode::BAD_REQUEST);
+
+    let reply = h.get("/metrics").send().await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(reply.content_type().starts_with("text/plain"));
+    let text = reply.text();
+    for line in [
+        "idempotency_requests_total{outcome=\"executed\"} 1",
+        "idempotency_requests_total{outcome=\"replayed\"} 1",
+        "idempotency_requests_total{outcome=\"mismatch\"} 1",
+        "idempotency_store_call_duration_seconds_count{operation=\"claim\",result=\"ok\"} 3",
+        "idempotency_store_call_duration_seconds_count{operation=\"complete\",result=\"ok\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("idempotency_store_call_duration_seconds_bucket{operation=\"claim\",result=\"ok\",le=\"0.001\"}"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("order-metrics") && !text.contains("acct_"),
+        "{text}"
+    );
+    h.finish();
+}

@@ -29,6 +29,7 @@
 //!   The layer fingerprints the body's raw bytes: an SDK's retry sends the same bytes and is
 //!   recognised; the same charge written another way under the same key (JSON instead of a
 //!   form, its parameters in another order) is another request, and refused.
+//! - `GET /metrics` serves the layer's metrics in Prometheus' text format (`prometheus.rs`).
 //! - The idempotency records' store is chosen at start-up, from the environment, behind one
 //!   type ([`tower_idempotency::BoxStore`]): one server, whichever store.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
@@ -145,6 +146,7 @@ pub mod events;
 mod http_server;
 mod ledger;
 mod params;
+pub mod prometheus;
 pub mod provider;
 pub mod queue;
 pub mod redis_conn;
@@ -207,6 +209,8 @@ pub struct AppState {
     pub events: Publisher,
     /// What the ledger consumer made of the events.
     pub balances: Balances,
+    /// What `GET /metrics` renders, if the process records metrics (`prometheus.rs`).
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl AppState {
@@ -218,7 +222,14 @@ impl AppState {
             provider: Provider::new(provider_latency),
             events: Publisher::new(Queue::memory()),
             balances: Balances::memory(),
+            metrics: None,
         }
+    }
+
+    /// Serves what `handle` renders at `GET /metrics`.
+    pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
+        self
     }
 
     /// Calls `provider` instead of the one in memory.
@@ -258,6 +269,8 @@ pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
         // in the request, then the idempotency layer keys its records by that account.
         .layer(idempotency)
         .layer(middleware::from_fn(auth::authenticate))
+        // After the layers: the scraper needs no API key, and reads nothing idempotent.
+        .route("/metrics", get(prometheus::show))
         .with_state(state)
 }
 
@@ -281,7 +294,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let latency = env_millis("PSP_LATENCY_MS")?.unwrap_or_default();
     let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
-    let state = AppState::new(latency);
+    let state = AppState::new(latency).with_metrics(prometheus::install()?);
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
     // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one; its
