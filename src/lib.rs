@@ -108,9 +108,10 @@
 //!
 //! # Stores
 //! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`, Redis 7.0 or
-//! newer) for many instances behind a load balancer. Write your own by implementing [`Store`]; the
-//! record encoding in [`Record::decode`] and [`Completed::encode`] is there for stores that keep
-//! bytes.
+//! newer) for many instances behind a load balancer; [`BoxStore`] for a store chosen at run time,
+//! behind one type. Write your own by implementing [`Store`], and run the crate's contract suite on
+//! it (feature `test-util`: `testing` and `store_contract!`); the record encoding in
+//! [`Record::decode`] and [`Completed::encode`] is there for stores that keep bytes.
 //!
 //! # Metrics
 //! With the `metrics` feature (on by default), the layer and the consumer record through the
@@ -135,7 +136,7 @@
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
 //! - `redis` (default): `RedisStore` on deadpool-redis.
 //! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
-//! - `test-util`: the store contract suite ([`testing`](crate::testing) and `store_contract!`),
+//! - `test-util`: the store contract suite (`testing` and `store_contract!`),
 //!   for stores written outside the crate.
 
 #![forbid(unsafe_code)]
