@@ -8,8 +8,11 @@
 //! One axum `Router` with the same trivial handler as `benches/http.rs` (reads the body, answers
 //! 201 with a ~200-byte JSON charge), called with `oneshot` on a current-thread tokio runtime, the
 //! response body collected; `bare` without the layer, `memory` behind
-//! `IdempotencyLayer::new(MemoryStore::new())`. Building the request is inside the timed loop for
-//! both, so the difference between them is the layer. Workloads:
+//! `IdempotencyLayer::new(MemoryStore::new())`, `boxed` behind the same store chosen at run time
+//! (`BoxStore`). Building the request is inside the timed loop for all, so the difference between
+//! them is the layer. With the `metrics` feature (the default) and no recorder installed, the
+//! layer's metrics calls are measured too; `--no-default-features --features axum` leaves them
+//! out. Workloads:
 //!
 //! - `replay`: one fixed key, primed once: every call is a replay;
 //! - `new-key`: a unique key per call (a counter). Each sample starts from a fresh store: one store
@@ -34,7 +37,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use http_body_util::BodyExt;
 use tokio::runtime::Runtime;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 
 const PATH: &str = "/v1/charges";
 /// The handler's response: a fixed charge object (203 bytes), as in `benches/http.rs`.
@@ -53,15 +56,18 @@ static NEXT_KEY: AtomicU64 = AtomicU64::new(0);
 enum Variant {
     Bare,
     Memory,
+    /// The memory store chosen at run time: behind `BoxStore`, each store call's future boxed.
+    Boxed,
 }
 
 impl Variant {
-    const ALL: [Variant; 2] = [Variant::Bare, Variant::Memory];
+    const ALL: [Variant; 3] = [Variant::Bare, Variant::Memory, Variant::Boxed];
 
     fn name(self) -> &'static str {
         match self {
             Variant::Bare => "bare",
             Variant::Memory => "memory",
+            Variant::Boxed => "boxed",
         }
     }
 }
@@ -84,6 +90,7 @@ fn app(variant: Variant) -> Router {
     let router = match variant {
         Variant::Bare => router,
         Variant::Memory => router.layer(IdempotencyLayer::new(MemoryStore::new())),
+        Variant::Boxed => router.layer(IdempotencyLayer::new(BoxStore::new(MemoryStore::new()))),
     };
     // Turn the handlers into services once, as `axum::serve` does per connection. A `Router` called
     // before that builds its handler's service, and applies its layers, on every request: the
@@ -189,7 +196,7 @@ fn conflict(c: &mut Criterion) {
         let expected = match variant {
             // Without the layer there is no 409: the same requests, answered by the handler.
             Variant::Bare => StatusCode::CREATED,
-            Variant::Memory => {
+            Variant::Memory | Variant::Boxed => {
                 hold(&rt, &app);
                 StatusCode::CONFLICT
             }

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
+use http::response::Parts as ResponseParts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
-use crate::problem::ProblemKind;
+use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::scope::{Rejection, Scope};
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
-pub(crate) type PolicyFn = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync>;
+pub(crate) type PolicyFn = Arc<dyn Fn(&ResponseParts) -> bool + Send + Sync>;
 
 /// The layer's settings; see each builder method of [`IdempotencyLayer`](crate::IdempotencyLayer)
 /// for its default.
@@ -32,6 +33,7 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
+    pub(crate) render: Arc<dyn RenderProblem>,
 }
 
 impl Default for Config {
@@ -46,11 +48,14 @@ impl Default for Config {
             response_body_limit: 1024 * 1024,
             fingerprint_headers: Vec::new(),
             scope: None,
-            store_policy: Arc::new(default_store_policy),
+            store_policy: Arc::new(|head: &ResponseParts| {
+                default_store_policy(head.status, &head.headers)
+            }),
             keep_set_cookie: false,
             fail_open: false,
             retry_after: Duration::from_secs(1),
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
+            render: Arc::new(ProblemJson),
         }
     }
 }
@@ -62,7 +67,8 @@ impl Config {
 }
 
 /// The default store policy: every 2xx, 3xx and 4xx response is stored except 408, 409, 425 and
-/// 429 (which a retry may well change); 1xx and 5xx are not.
+/// 429 (which a retry may well change); 1xx and 5xx are not. A policy of your own
+/// ([`IdempotencyLayer::store_policy`](crate::IdempotencyLayer::store_policy)) can start from it.
 ///
 /// ```
 /// use http::{HeaderMap, StatusCode};

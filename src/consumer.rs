@@ -60,6 +60,7 @@ use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
 use crate::lease::{Held, panic_message};
+use crate::meter::Metered;
 use crate::record::{Completed, Record, RecordId};
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
@@ -67,7 +68,8 @@ use crate::store::{Claim, Store, StoreError};
 /// Runs a message's work once per message id, on any [`Store`].
 #[derive(Clone)]
 pub struct Deduplicator<St> {
-    store: St,
+    /// The store, its calls timed (`meter`).
+    store: Metered<St>,
     scope: Scope,
     window: Duration,
     lease: Duration,
@@ -116,8 +118,9 @@ impl<St> Deduplicator<St> {
     /// waiting for another consumer's run of the same id. Each store call is bounded by the store
     /// itself (`RedisStore::with_timeout`).
     pub fn new(store: St, scope: impl Into<Scope>) -> Self {
+        crate::meter::describe();
         Self {
-            store,
+            store: Metered(store),
             scope: scope.into(),
             window: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),

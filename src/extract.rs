@@ -5,7 +5,7 @@ use axum_core::response::{IntoResponse, Response};
 use http::request::Parts;
 
 use crate::key::IdempotencyKey;
-use crate::problem::Problem;
+use crate::problem;
 
 /// The request has no [`IdempotencyKey`]: the route is not behind an
 /// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request was not protected (a method the
@@ -17,8 +17,7 @@ pub struct MissingKeyExtension;
 
 impl IntoResponse for MissingKeyExtension {
     fn into_response(self) -> Response {
-        Problem::status(http::StatusCode::INTERNAL_SERVER_ERROR)
-            .into_response()
+        problem::about_blank(http::StatusCode::INTERNAL_SERVER_ERROR)
             .map(axum_core::body::Body::from)
     }
 }

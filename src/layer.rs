@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderMap, HeaderName, Method, StatusCode};
+use http::response::Parts as ResponseParts;
+use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::config::Config;
 use crate::detach::{Background, Shutdown};
-use crate::problem::ProblemKind;
+use crate::problem::{ProblemKind, RenderProblem};
 use crate::scope::{Rejection, Scope};
 use crate::service::Idempotency;
 
@@ -140,13 +141,40 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// Which responses are stored for replay, from the status and headers. A response that is not
-    /// stored releases the claim, so a retry runs the handler again. A response with
-    /// `Cache-Control: no-store` is never stored, whatever the policy says.
-    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408, 409, 425 and 429).
+    /// Which responses are stored for replay, from the response's head: its status, headers and
+    /// extensions, before the body is read. A response that is not stored releases the claim, so a
+    /// retry runs the handler again. A response with `Cache-Control: no-store` is never stored,
+    /// whatever the policy says.
+    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408,
+    /// 409, 425 and 429).
+    ///
+    /// The extensions let a handler mark one response by type, without a header that would reach
+    /// the client:
+    ///
+    /// ```
+    /// use axum::{Router, http::StatusCode, response::IntoResponse, routing::post};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, default_store_policy};
+    ///
+    /// /// Put in a response's extensions: a retry should run the handler again.
+    /// #[derive(Clone)]
+    /// struct DoNotStore;
+    ///
+    /// async fn create() -> axum::response::Response {
+    ///     // A quote that is only valid for a minute: never replayed.
+    ///     let mut response = (StatusCode::CREATED, "quote: 42 EUR").into_response();
+    ///     response.extensions_mut().insert(DoNotStore);
+    ///     response
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
+    ///     default_store_policy(head.status, &head.headers)
+    ///         && head.extensions.get::<DoNotStore>().is_none()
+    /// });
+    /// let app: Router = Router::new().route("/v1/quotes", post(create)).route_layer(layer);
+    /// ```
     pub fn store_policy<F>(mut self, policy: F) -> Self
     where
-        F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+        F: Fn(&ResponseParts) -> bool + Send + Sync + 'static,
     {
         self.config.store_policy = Arc::new(policy);
         self
@@ -190,6 +218,38 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub fn problem_status(mut self, kind: ProblemKind, status: StatusCode) -> Self {
         self.config.statuses[kind.index()] = status;
+        self
+    }
+
+    /// How the layer's own responses (its [`Problem`](crate::problem::Problem)s: 400, 409, 413,
+    /// 422, 500, 503) are written: the body and its headers, per problem, in the API's own error
+    /// format. The layer keeps the status, `Cache-Control: no-store`, `Retry-After`, and the
+    /// [`ProblemKind`] and [`Outcome`](crate::Outcome) in the extensions. A scope function's
+    /// [`Rejection`] is the application's own response and is not rendered.
+    /// Default: [`ProblemJson`](crate::problem::ProblemJson), RFC 9457
+    /// `application/problem+json`.
+    ///
+    /// ```
+    /// use http::HeaderValue;
+    /// use tower_idempotency::problem::{Problem, RenderedProblem};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+    ///
+    /// // `{"error": {"code", "message"}}`, as the rest of the API answers.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).render_problems(|problem: &Problem| {
+    ///     let code = match problem.kind() {
+    ///         ProblemKind::InFlight => "request_in_progress",
+    ///         ProblemKind::Mismatch => "idempotency_key_reused",
+    ///         _ => "idempotency_error",
+    ///     };
+    ///     let body = serde_json::json!({"error": {"code": code, "message": problem.detail()}});
+    ///     RenderedProblem::new(HeaderValue::from_static("application/json"), body.to_string())
+    /// });
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// [`RenderProblem`] has a complete example.
+    pub fn render_problems(mut self, renderer: impl RenderProblem) -> Self {
+        self.config.render = Arc::new(renderer);
         self
     }
 

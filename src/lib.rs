@@ -15,7 +15,8 @@
 //! | a body over the limit | 413 | no |
 //! | the store unreachable | 503 with `Retry-After` (or run unprotected, if fail-open) | no |
 //!
-//! Errors the layer makes are RFC 9457 `application/problem+json` ([`problem`]).
+//! Errors the layer makes are RFC 9457 `application/problem+json` by default, or in the API's own
+//! format ([`problem`], [`IdempotencyLayer::render_problems`]).
 //!
 //! ```
 //! use axum::{Router, body::Body, routing::post};
@@ -88,7 +89,8 @@
 //!   than the store outages you mean to ride out, and give downstream effects a key derived from
 //!   the request's ([`IdempotencyKey::derive`]), so that a second run repeats none of them.
 //! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
-//!   response says `Cache-Control: no-store` ([`IdempotencyLayer::store_policy`]); headers minus
+//!   response says `Cache-Control: no-store` or the policy, which sees the response's status,
+//!   headers and extensions, says otherwise ([`IdempotencyLayer::store_policy`]); headers minus
 //!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
 //!   response over the response limit is delivered and leaves a tombstone: never a second run.
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
@@ -106,9 +108,24 @@
 //!
 //! # Stores
 //! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`, Redis 7.0 or
-//! newer) for many instances behind a load balancer. Write your own by implementing [`Store`]; the
-//! record encoding in [`Record::decode`] and [`Completed::encode`] is there for stores that keep
-//! bytes.
+//! newer) for many instances behind a load balancer; [`BoxStore`] for a store chosen at run time,
+//! behind one type. Write your own by implementing [`Store`], and run the crate's contract suite on
+//! it (feature `test-util`: `testing` and `store_contract!`); the record encoding in
+//! [`Record::decode`] and [`Completed::encode`] is there for stores that keep bytes.
+//!
+//! # Metrics
+//! With the `metrics` feature (on by default), the layer and the consumer record through the
+//! [`metrics`](https://docs.rs/metrics) facade, into whatever recorder the application installs
+//! (`metrics-exporter-prometheus`, StatsD, ...); with none installed, nothing is recorded.
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `rejected`, `unprotected`) |
+//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted` or `codec` |
+//!
+//! One count per covered request (a passthrough of an uncovered method is not counted), one
+//! sample per store call, the layer's and the consumer's. Labels take only the values listed: no
+//! key, scope or other part of a request is ever a label.
 //!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
@@ -118,6 +135,9 @@
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] extractor.
 //! - `redis` (default): `RedisStore` on deadpool-redis.
+//! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
+//! - `test-util`: the store contract suite (`testing` and `store_contract!`),
+//!   for stores written outside the crate.
 //! - `postgres`: `PgStore` on sqlx: records in a PostgreSQL table.
 
 #![forbid(unsafe_code)]
@@ -136,12 +156,16 @@ mod hex;
 mod key;
 mod layer;
 mod lease;
+mod meter;
 mod outcome;
 pub mod problem;
 pub mod record;
 mod scope;
 mod service;
 pub mod store;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod testing;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
@@ -161,7 +185,7 @@ pub use record::{
 };
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
-pub use store::{Claim, MemoryStore, Store, StoreError};
+pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{PgStore, PgTx};
 #[cfg(feature = "redis")]

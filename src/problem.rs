@@ -1,8 +1,12 @@
-//! The responses the layer makes itself: RFC 9457 `application/problem+json`.
+//! The responses the layer makes itself: RFC 9457 `application/problem+json` by default, or the
+//! API's own error format through a [`RenderProblem`]
+//! ([`IdempotencyLayer::render_problems`](crate::IdempotencyLayer::render_problems)).
 //!
 //! Each kind has a stable `type` URI (this page, with the kind's anchor), a `title`, a `detail`,
-//! the `status`, and `Cache-Control: no-store`. Statuses are the IETF draft's by default and can be
-//! changed with [`IdempotencyLayer::problem_status`](crate::IdempotencyLayer::problem_status).
+//! the `status`, and `Cache-Control: no-store`; every such response carries its [`ProblemKind`]
+//! (and its [`Outcome`](crate::Outcome)) in its extensions, whatever renders it. Statuses are the
+//! IETF draft's by default and can be changed with
+//! [`IdempotencyLayer::problem_status`](crate::IdempotencyLayer::problem_status).
 //!
 //! ### missing-key
 //! 400: the request needs an `Idempotency-Key` header and has none.
@@ -40,7 +44,7 @@
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 macro_rules! type_uri {
     ($anchor:literal) => {
@@ -139,66 +143,230 @@ impl ProblemKind {
     }
 }
 
-/// A problem response, ready to send.
+/// A problem the layer answers with, before it is rendered: what a [`RenderProblem`] has in hand.
+///
+/// The status is the one the layer sends (the kind's default, or the one set with
+/// [`IdempotencyLayer::problem_status`](crate::IdempotencyLayer::problem_status)); `detail` is a
+/// human sentence whose wording is not stable; `retry_after` is the `Retry-After` the layer sends
+/// with it, in whole seconds, when there is one (`in-flight` and `store-unavailable`).
 #[derive(Debug, Clone)]
-pub(crate) struct Problem {
-    pub(crate) type_uri: &'static str,
-    pub(crate) title: &'static str,
-    pub(crate) status: StatusCode,
-    pub(crate) detail: String,
-    pub(crate) retry_after: Option<u64>,
+pub struct Problem {
+    kind: ProblemKind,
+    status: StatusCode,
+    detail: String,
+    retry_after: Option<u64>,
 }
 
 impl Problem {
-    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: String) -> Self {
         Self {
-            type_uri: kind.type_uri(),
-            title: kind.title(),
+            kind,
             status,
-            detail: detail.into(),
+            detail,
             retry_after: None,
         }
     }
 
-    /// A problem with only a status (an application's scope rejection).
-    pub(crate) fn status(status: StatusCode) -> Self {
-        Self {
-            type_uri: "about:blank",
-            title: status.canonical_reason().unwrap_or("Error"),
-            status,
-            detail: String::new(),
-            retry_after: None,
-        }
-    }
-
-    pub(crate) fn retry_after(mut self, seconds: u64) -> Self {
-        self.retry_after = Some(seconds);
+    pub(crate) fn with_retry_after(mut self, seconds: Option<u64>) -> Self {
+        self.retry_after = seconds;
         self
     }
 
-    pub(crate) fn into_response(self) -> Response<Bytes> {
-        let mut body = serde_json::json!({
-            "type": self.type_uri,
-            "title": self.title,
-            "status": self.status.as_u16(),
-        });
-        if !self.detail.is_empty() {
-            body["detail"] = self.detail.into();
-        }
-        let body = serde_json::to_vec(&body).unwrap_or_default();
-        let mut response = Response::new(Bytes::from(body));
-        *response.status_mut() = self.status;
-        let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(seconds) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        response
+    /// What went wrong.
+    pub fn kind(&self) -> ProblemKind {
+        self.kind
     }
+
+    /// The status the response has.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// A human sentence saying what happened and what to do; never the key, the request body or a
+    /// handler's error. Its wording is not stable: match on [`Problem::kind`].
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The `Retry-After` the response carries, in whole seconds: on `in-flight` and
+    /// `store-unavailable`, `None` on every other kind.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.retry_after
+    }
+
+    /// The kind's stable `type` URI ([`ProblemKind::type_uri`]).
+    pub fn type_uri(&self) -> &'static str {
+        self.kind.type_uri()
+    }
+
+    /// The kind's title ([`ProblemKind::title`]).
+    pub fn title(&self) -> &'static str {
+        self.kind.title()
+    }
+}
+
+/// Renders the layer's own responses (its [`Problem`]s) in an API's error format: the body and
+/// the headers that go with it, per problem.
+///
+/// The layer sets the rest, whatever the renderer does: the status ([`Problem::status`]),
+/// `Cache-Control: no-store`, the `Retry-After` of [`Problem::retry_after`], and the
+/// [`ProblemKind`] and [`Outcome`](crate::Outcome) in the response's extensions. The default is
+/// [`ProblemJson`], RFC 9457 `application/problem+json`.
+///
+/// Implemented for every `Fn(&Problem) -> RenderedProblem + Send + Sync + 'static`, and for types
+/// of your own. A plain-text renderer:
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use http::{HeaderValue, Request, StatusCode, header::CONTENT_TYPE};
+/// use http_body_util::BodyExt;
+/// use tower::ServiceExt;
+/// use tower_idempotency::problem::{Problem, RenderedProblem};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let plain_text = |problem: &Problem| {
+///     let text = format!("{}: {}\n", problem.title(), problem.detail());
+///     RenderedProblem::new(HeaderValue::from_static("text/plain; charset=utf-8"), text)
+/// };
+/// let app = Router::new()
+///     .route("/v1/charges", post(|| async { "charged" }))
+///     .route_layer(IdempotencyLayer::new(MemoryStore::new()).render_problems(plain_text));
+///
+/// // No key: the layer's 400, in the API's format.
+/// let request = Request::post("/v1/charges").body(Body::empty()).unwrap();
+/// let response = app.oneshot(request).await.unwrap();
+/// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+/// assert_eq!(response.headers()[CONTENT_TYPE], "text/plain; charset=utf-8");
+/// assert_eq!(response.extensions().get::<ProblemKind>(), Some(&ProblemKind::MissingKey));
+/// let body = response.into_body().collect().await.unwrap().to_bytes();
+/// assert!(body.starts_with(b"Idempotency-Key is missing: "));
+/// # }
+/// ```
+///
+/// A renderer for an API whose errors are `{"error": {"type", "code", "message"}}` can keep the
+/// RFC 9457 members beside its own (a problem document may carry extension members), so that
+/// clients of either format understand it; the payments example (`examples/server/error.rs`) does
+/// so for Stripe's SDKs.
+pub trait RenderProblem: Send + Sync + 'static {
+    /// The body and headers of `problem`'s response.
+    fn render(&self, problem: &Problem) -> RenderedProblem;
+}
+
+impl<F> RenderProblem for F
+where
+    F: Fn(&Problem) -> RenderedProblem + Send + Sync + 'static,
+{
+    fn render(&self, problem: &Problem) -> RenderedProblem {
+        self(problem)
+    }
+}
+
+/// The body and headers a [`RenderProblem`] made for one [`Problem`].
+///
+/// ```
+/// use http::{HeaderName, HeaderValue};
+/// use tower_idempotency::problem::RenderedProblem;
+///
+/// let rendered = RenderedProblem::new(HeaderValue::from_static("application/json"), "{}")
+///     .header(HeaderName::from_static("x-error-code"), HeaderValue::from_static("in_flight"));
+/// assert_eq!(rendered.headers()["content-type"], "application/json");
+/// assert_eq!(rendered.body(), "{}");
+/// ```
+#[derive(Debug, Clone)]
+pub struct RenderedProblem {
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl RenderedProblem {
+    /// A body of the given `Content-Type`.
+    pub fn new(content_type: HeaderValue, body: impl Into<Bytes>) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, content_type);
+        Self {
+            headers,
+            body: body.into(),
+        }
+    }
+
+    /// Adds a header value (after those of the same name). `Cache-Control` and `Retry-After` are
+    /// the layer's: it replaces them.
+    pub fn header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.headers.append(name, value);
+        self
+    }
+
+    /// The headers so far.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The body.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+}
+
+/// The default [`RenderProblem`]: an RFC 9457 `application/problem+json` document with `type`,
+/// `title`, `status` and `detail` (the [module documentation](self) lists the kinds).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProblemJson;
+
+impl RenderProblem for ProblemJson {
+    fn render(&self, problem: &Problem) -> RenderedProblem {
+        let body = problem_document(
+            problem.type_uri(),
+            problem.title(),
+            problem.status(),
+            problem.detail(),
+        );
+        RenderedProblem::new(HeaderValue::from_static(PROBLEM_JSON), body)
+    }
+}
+
+const PROBLEM_JSON: &str = "application/problem+json";
+
+fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: &str) -> Vec<u8> {
+    let mut body = serde_json::json!({
+        "type": type_uri,
+        "title": title,
+        "status": status.as_u16(),
+    });
+    if !detail.is_empty() {
+        body["detail"] = detail.into();
+    }
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// The response of `problem`, rendered by `renderer`, with what the layer always sets.
+pub(crate) fn respond(problem: &Problem, renderer: &dyn RenderProblem) -> Response<Bytes> {
+    let RenderedProblem { headers, body } = renderer.render(problem);
+    let mut response = Response::new(body);
+    *response.status_mut() = problem.status;
+    *response.headers_mut() = headers;
+    let headers = response.headers_mut();
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    match problem.retry_after {
+        Some(seconds) => headers.insert(RETRY_AFTER, HeaderValue::from(seconds)),
+        None => headers.remove(RETRY_AFTER),
+    };
+    response.extensions_mut().insert(problem.kind);
+    response
+}
+
+/// A problem with only a status, `about:blank` (a scope function's bare-status rejection, the key
+/// extractor's wiring error): always `application/problem+json`.
+pub(crate) fn about_blank(status: StatusCode) -> Response<Bytes> {
+    let title = status.canonical_reason().unwrap_or("Error");
+    let body = problem_document("about:blank", title, status, "");
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 #[cfg(test)]
@@ -207,18 +375,67 @@ mod tests {
 
     #[test]
     fn problem_json_has_the_rfc_9457_members() {
-        let response = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "wait")
-            .retry_after(1)
-            .into_response();
+        let problem = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "wait".into())
+            .with_retry_after(Some(1));
+        let response = respond(&problem, &ProblemJson);
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
         assert_eq!(response.headers()[RETRY_AFTER], "1");
-        let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
-        assert_eq!(body["type"], ProblemKind::InFlight.type_uri());
-        assert_eq!(body["status"], 409);
-        assert_eq!(body["detail"], "wait");
-        assert!(body["title"].as_str().is_some_and(|t| !t.is_empty()));
+        assert_eq!(response.headers().len(), 3);
+        assert_eq!(
+            response.extensions().get::<ProblemKind>(),
+            Some(&ProblemKind::InFlight)
+        );
+        // The exact bytes: the members in this order, nothing else.
+        assert_eq!(
+            std::str::from_utf8(response.body()).unwrap(),
+            concat!(
+                r#"{"detail":"wait","status":409,"#,
+                r#""title":"A request with this Idempotency-Key is in progress","#,
+                r#""type":"https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/index.html#in-flight"}"#
+            )
+        );
+    }
+
+    #[test]
+    fn the_layer_owns_cache_control_and_retry_after() {
+        let render = |_: &Problem| {
+            RenderedProblem::new(HeaderValue::from_static("text/plain"), "x")
+                .header(CACHE_CONTROL, HeaderValue::from_static("max-age=60"))
+                .header(RETRY_AFTER, HeaderValue::from_static("600"))
+                .header(
+                    HeaderName::from_static("x-extra"),
+                    HeaderValue::from_static("kept"),
+                )
+        };
+        let mismatch = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "d".into());
+        let response = respond(&mismatch, &render);
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
+        assert!(!response.headers().contains_key(RETRY_AFTER));
+        assert_eq!(response.headers()["x-extra"], "kept");
+        let in_flight = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "d".into())
+            .with_retry_after(Some(2));
+        let response = respond(&in_flight, &render);
+        assert_eq!(
+            response
+                .headers()
+                .get_all(RETRY_AFTER)
+                .iter()
+                .collect::<Vec<_>>(),
+            ["2"]
+        );
+    }
+
+    #[test]
+    fn about_blank_has_no_detail() {
+        let response = about_blank(StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            std::str::from_utf8(response.body()).unwrap(),
+            r#"{"status":401,"title":"Unauthorized","type":"about:blank"}"#
+        );
+        assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use redis_server::RedisServer;
 use serde_json::{Value, json};
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
 
 use server::provider::{self, KeyTable};
 use server::redis_conn::RedisConn;
@@ -88,10 +88,11 @@ impl Harness {
     }
 
     fn app(state: &AppState, records: &Records) -> Router {
-        match records {
-            Records::Memory(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
-            Records::Redis(store) => app(state.clone(), IdempotencyLayer::new(store.clone())),
-        }
+        let store = match records {
+            Records::Memory(store) => BoxStore::new(store.clone()),
+            Records::Redis(store) => BoxStore::new(store.clone()),
+        };
+        app(state.clone(), IdempotencyLayer::new(store))
     }
 
     /// A new provider that remembers its keys for `window`, beside the layer's records.
@@ -241,6 +242,15 @@ impl<'a> Call<'a> {
         self
     }
 
+    /// A form body, as Stripe's SDKs send it.
+    fn form(mut self, body: &str) -> Self {
+        self.request = self
+            .request
+            .header("content-type", "application/x-www-form-urlencoded");
+        self.body = Body::from(body.to_owned());
+        self
+    }
+
     fn raw(mut self, body: &'static str) -> Self {
         self.body = Body::from(body);
         self
@@ -295,6 +305,10 @@ impl Reply {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
     fn content_type(&self) -> &str {
@@ -431,7 +445,10 @@ async fn a_retry_replays_the_charge(h: &mut Harness) {
     assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
 }
 
-async fn the_same_key_with_another_amount_is_422(h: &mut Harness) {
+/// The layer's refusal of a reused key, as Stripe answers it: 400 `idempotency_error` (which a
+/// Stripe SDK raises as its `IdempotencyError`), in a problem+json document that carries the
+/// `error` member, and `Stripe-Should-Retry: false`.
+async fn the_same_key_with_another_amount_is_400_idempotency_error(h: &mut Harness) {
     h.post("/v1/charges")
         .auth(ALICE)
         .key("order-3")
@@ -445,14 +462,149 @@ async fn the_same_key_with_another_amount_is_422(h: &mut Harness) {
         .json(visa(600))
         .send()
         .await;
-    assert_eq!(
-        reply.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(reply.json["error"]["type"], "idempotency_error");
+    assert_eq!(reply.error_code(), "idempotency_key_reused");
+    assert_eq!(reply.json["error"]["message"], reply.json["detail"]);
+    assert!(
+        reply.json["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("#mismatch")),
         "{}",
         reply.text()
     );
-    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(reply.json["status"], 400);
+    assert_eq!(reply.header("stripe-should-retry"), Some("false"));
     assert_eq!(h.provider_counts(), (1, 1));
+}
+
+/// Form bodies, as Stripe's SDKs send them: a charge with Stripe's nested metadata, replayed for
+/// the same bytes. The layer fingerprints the raw bytes, so the same charge written another way
+/// (its parameters in another order, or as JSON) under the same key is another request: 400.
+async fn form_bodies_charge_and_replay_by_their_bytes(h: &mut Harness) {
+    let body = "amount=2000&currency=usd&source=tok_visa&description=a+red+bicycle\
+                &metadata[order_id]=6735&metadata%5Bgift%5D=yes";
+    let create = |body: &str| h.post("/v1/charges").auth(ALICE).key("form-1").form(body);
+    let first = create(body).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json["object"], "charge");
+    assert_eq!(first.json["amount"], 2000);
+    assert_eq!(first.json["currency"], "usd");
+    assert_eq!(first.json["description"], "a red bicycle");
+    assert_eq!(
+        first.json["metadata"],
+        json!({ "order_id": "6735", "gift": "yes" })
+    );
+    let retry = create(body).send().await;
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes);
+
+    let reordered = "currency=usd&amount=2000&source=tok_visa&description=a+red+bicycle\
+                     &metadata[order_id]=6735&metadata%5Bgift%5D=yes";
+    let as_json = json!({
+        "amount": 2000, "currency": "usd", "source": "tok_visa", "description": "a red bicycle",
+        "metadata": { "order_id": "6735", "gift": "yes" },
+    });
+    for other in [
+        create(reordered).send().await,
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("form-1")
+            .json(as_json.clone())
+            .send()
+            .await,
+    ] {
+        assert_eq!(other.status, StatusCode::BAD_REQUEST, "{}", other.text());
+        assert_eq!(other.json["error"]["type"], "idempotency_error");
+    }
+    assert_eq!(h.provider_counts(), (1, 1), "charged once");
+
+    // JSON, with a key of its own, makes the same charge.
+    let json_charge = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("json-1")
+        .json(as_json)
+        .send()
+        .await;
+    assert_eq!(json_charge.status, StatusCode::CREATED);
+    assert_eq!(json_charge.json["metadata"], first.json["metadata"]);
+
+    // `capture=false` authorizes; a form refund takes part of a captured charge.
+    let authorized = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("form-2")
+        .form("amount=500&currency=eur&source=tok_visa&capture=false")
+        .send()
+        .await;
+    assert_eq!(
+        authorized.json["status"],
+        "authorized",
+        "{}",
+        authorized.text()
+    );
+    let id = first.json["id"].as_str().expect("an id");
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("form-refund")
+        .form("amount=500")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+    assert_eq!(refund.json["amount"], 500);
+}
+
+/// A form's values are checked as JSON's are, and a parameter the API does not know is refused, as
+/// Stripe refuses it.
+async fn form_parameters_are_checked(h: &mut Harness) {
+    let create = |key: &str, body: &str| h.post("/v1/charges").auth(ALICE).key(key).form(body);
+    let reply = create("bad-1", "amount=ten&currency=eur&source=tok_visa")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert_eq!(reply.json["error"]["param"], "amount");
+    let reply = create(
+        "bad-2",
+        "amount=100&currency=eur&source=tok_visa&customer=cus_1",
+    )
+    .send()
+    .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_unknown",
+    );
+    let reply = create(
+        "bad-3",
+        "amount=100&currency=eur&source=tok_visa&capture=maybe",
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "capture", "{}", reply.text());
+    let many: String = (0..51).map(|i| format!("&metadata[k{i}]=v")).collect();
+    let reply = create(
+        "bad-4",
+        &format!("amount=100&currency=eur&source=tok_visa{many}"),
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "metadata", "{}", reply.text());
+    let long = "x".repeat(501);
+    let reply = create(
+        "bad-5",
+        &format!("amount=100&currency=eur&source=tok_visa&metadata[k]={long}"),
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "metadata", "{}", reply.text());
+    assert_eq!(h.provider_counts(), (0, 0));
 }
 
 async fn a_decline_is_402_and_replayed(h: &mut Harness) {
@@ -976,7 +1128,7 @@ async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(
     h.lose_idempotency_records();
     let reused = create(h, 1200).send().await;
     reused.assert_error(
-        StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::BAD_REQUEST,
         "idempotency_error",
         "idempotency_key_reused",
     );
@@ -1018,7 +1170,7 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
         .send()
         .await;
     refund.assert_error(
-        StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::BAD_REQUEST,
         "idempotency_error",
         "idempotency_key_reused",
     );
@@ -1034,7 +1186,7 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
         .send()
         .await;
     create.assert_error(
-        StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::BAD_REQUEST,
         "idempotency_error",
         "idempotency_key_reused",
     );
@@ -1197,7 +1349,9 @@ on_both_stores!(
     a_charge_without_idempotency_key_is_400,
     create_is_201_with_the_charge,
     a_retry_replays_the_charge,
-    the_same_key_with_another_amount_is_422,
+    the_same_key_with_another_amount_is_400_idempotency_error,
+    form_bodies_charge_and_replay_by_their_bytes,
+    form_parameters_are_checked,
     a_decline_is_402_and_replayed,
     provider_unavailable_is_503_and_a_retry_runs_again,
     two_accounts_with_one_key_get_two_charges,
@@ -1258,10 +1412,59 @@ async fn two_instances_on_one_redis_share_the_providers_keys() {
     first.lose_idempotency_records();
     let other = create(&second, 1200).send().await;
     other.assert_error(
-        StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::BAD_REQUEST,
         "idempotency_error",
         "idempotency_key_reused",
     );
     assert_eq!(second.provider_counts(), (2, 0));
     first.finish();
+}
+
+/// `GET /metrics`: the layer's counters and store latencies in Prometheus' text format, with no
+/// API key, and nothing of a request (key, account) in a label.
+#[tokio::test]
+async fn metrics_are_served_in_prometheus_text() {
+    let (recorder, handle) = server::prometheus::recorder();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let state = AppState::new(Duration::ZERO).with_metrics(handle);
+    let h = Harness::on(state, Records::Memory(MemoryStore::new()), None);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-metrics")
+            .json(visa(500))
+    };
+    assert_eq!(create().send().await.status, StatusCode::CREATED);
+    assert!(create().send().await.replayed());
+    let other = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-metrics")
+        .json(visa(600))
+        .send()
+        .await;
+    assert_eq!(other.status, StatusCode::BAD_REQUEST);
+
+    let reply = h.get("/metrics").send().await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(reply.content_type().starts_with("text/plain"));
+    let text = reply.text();
+    for line in [
+        "idempotency_requests_total{outcome=\"executed\"} 1",
+        "idempotency_requests_total{outcome=\"replayed\"} 1",
+        "idempotency_requests_total{outcome=\"mismatch\"} 1",
+        "idempotency_store_call_duration_seconds_count{operation=\"claim\",result=\"ok\"} 3",
+        "idempotency_store_call_duration_seconds_count{operation=\"complete\",result=\"ok\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("idempotency_store_call_duration_seconds_bucket{operation=\"claim\",result=\"ok\",le=\"0.001\"}"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("order-metrics") && !text.contains("acct_"),
+        "{text}"
+    );
+    h.finish();
 }

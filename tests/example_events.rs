@@ -27,7 +27,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore, Store};
 
 use server::auth::Account;
 use server::balance::{Applied, Available, BalanceError, Fault};
@@ -625,7 +625,7 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
     let router = app(
         state.clone(),
-        IdempotencyLayer::new((env.http_store)("http")),
+        IdempotencyLayer::new(BoxStore::new((env.http_store)("http"))),
     );
     let consumer = env.start("ledger").await;
 
@@ -709,7 +709,10 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
 
     // The idempotency records are lost: the create runs again, the provider answers with the same
     // payment, and the same event is published again.
-    let forgetful = app(state, IdempotencyLayer::new((env.http_store)("lost")));
+    let forgetful = app(
+        state,
+        IdempotencyLayer::new(BoxStore::new((env.http_store)("lost"))),
+    );
     let again = post(
         &forgetful,
         ALICE,
@@ -818,7 +821,10 @@ async fn a_stalled_redis_does_not_serialise_charges() {
     let env = Env::redis().await;
     let redis = env.redis.as_ref().expect("a Redis environment");
     let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
-    let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
+    let router = app(
+        state.clone(),
+        IdempotencyLayer::new(BoxStore::new(MemoryStore::new())),
+    );
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
@@ -884,7 +890,10 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     const RESUME_BOUND: Duration = Duration::from_secs(8);
     let mut env = Env::redis().await;
     let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
-    let router = app(state.clone(), IdempotencyLayer::new(MemoryStore::new()));
+    let router = app(
+        state.clone(),
+        IdempotencyLayer::new(BoxStore::new(MemoryStore::new())),
+    );
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));

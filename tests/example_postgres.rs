@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tower_idempotency::store::sqlx::{self, Connection, PgConnection, Row};
-use tower_idempotency::{IdempotencyLayer, Outcome, RecordId};
+use tower_idempotency::{BoxStore, IdempotencyLayer, Outcome, RecordId};
 
 use server::auth::Account;
 use server::balance::Fault;
@@ -90,7 +90,7 @@ impl Instance {
                     .expect("the database is usable");
                 let state = db.state(AppState::new(Duration::ZERO));
                 drop(db.spawn_workers(&state, reconcile_after, workers));
-                let layer = IdempotencyLayer::new(db.store().clone()).lease(LEASE);
+                let layer = IdempotencyLayer::new(BoxStore::new(db.store().clone())).lease(LEASE);
                 (app(state.clone(), layer), state.provider)
             });
             (runtime, router, provider)
@@ -501,15 +501,11 @@ async fn captures_refunds_and_cancellations_on_postgres() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
     assert!(!retry.replayed);
     assert_eq!(retry.json["id"], third.json["id"]);
-    // Another request under that key, the layer's record gone again: the charge's own refusal.
+    // Another request under that key, the layer's record gone again: the charge's own refusal,
+    // in Stripe's form (400 `idempotency_error`, which its SDKs raise as IdempotencyError).
     assert!(count(&server, forget).await > 0);
     let reused = h.charge("visa-3", &visa(2100)).await;
-    assert_eq!(
-        reused.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        reused.text
-    );
+    assert_eq!(reused.status, StatusCode::BAD_REQUEST, "{}", reused.text);
     assert_eq!(reused.json["error"]["code"], "idempotency_key_reused");
     assert_eq!(h.provider.calls(), calls);
     assert_eq!(h.charges().await.len(), 3);

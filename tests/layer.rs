@@ -2,8 +2,6 @@
 //! header through HTTP, which methods are covered, request limits, problem responses, the key in
 //! extensions and the axum extractor, and the builder's settings.
 
-mod support;
-
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,11 +14,11 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use support::contract::{
+use tokio::sync::Notify;
+use tower_idempotency::testing::{
     Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
     service, spawn_send, status_handler, status_request, streamed,
 };
-use tokio::sync::Notify;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
 };
@@ -687,7 +685,7 @@ async fn fingerprint_headers_are_opt_in() {
 async fn store_policy_is_configurable_and_no_store_wins() {
     let handler = status_handler();
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .store_policy(|status, _| status == StatusCode::CREATED || status.is_server_error());
+        .store_policy(|head| head.status == StatusCode::CREATED || head.status.is_server_error());
     let svc = service(layer, handler.clone());
 
     for _ in 0..2 {
@@ -707,6 +705,53 @@ async fn store_policy_is_configurable_and_no_store_wins() {
         assert_eq!(reply.outcome, Some(Outcome::NotStored));
     }
     assert_eq!(handler.calls(), 6);
+}
+
+/// The policy sees the response's extensions: a handler marks one response "do not store" by
+/// type, with nothing the client sees, and only that response runs again on a retry.
+/// PROTOCOL.md §8.1.
+#[tokio::test(start_paused = true)]
+async fn store_policy_reads_a_marker_in_the_response_extensions() {
+    #[derive(Debug, Clone)]
+    struct DoNotStore;
+    let handler = Handler::ok(|call| {
+        let mut response = created(format!("call {}", call.n));
+        if call.header("x-volatile").is_some() {
+            response.extensions_mut().insert(DoNotStore);
+        }
+        response
+    });
+    let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
+        tower_idempotency::default_store_policy(head.status, &head.headers)
+            && head.extensions.get::<DoNotStore>().is_none()
+    });
+    let svc = service(layer, handler.clone());
+    let request = |key: &str, volatile: bool| {
+        let builder = keyed(Method::POST, "/", key);
+        let builder = if volatile {
+            builder.header("x-volatile", "1")
+        } else {
+            builder
+        };
+        builder.body(Body::from("x")).expect("a request")
+    };
+
+    for n in 1..=2 {
+        let reply = send(&svc, request("volatile", true)).await;
+        assert_eq!(reply.outcome, Some(Outcome::NotStored));
+        assert_eq!(reply.text(), format!("call {n}"));
+        assert_eq!(
+            reply.headers.len(),
+            0,
+            "no marker reaches the client: {reply:?}"
+        );
+    }
+    let first = send(&svc, request("kept", false)).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed));
+    let replay = send(&svc, request("kept", false)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.text(), "call 3");
+    assert_eq!(handler.calls(), 3);
 }
 
 /// A scope function's `Rejection` built from a whole response reaches the client as it is.
@@ -734,6 +779,101 @@ async fn scope_rejection_is_the_applications_response() {
     // Unprotected requests never meet the scope function.
     let get = Request::get("/").body(Body::empty()).expect("a request");
     assert_eq!(send(&svc, get).await.status, StatusCode::CREATED);
+}
+
+/// A scope function may reject with anything axum turns into a response: its own error type,
+/// `(StatusCode, Json)`, a response with a streamed body. The client gets it as it is, and nothing
+/// is claimed. PROTOCOL.md §3.2.
+#[tokio::test(start_paused = true)]
+async fn scope_rejection_from_into_response_and_streamed_bodies() {
+    /// An API's own error type, as axum handlers return it.
+    struct Unauthorized;
+    impl axum::response::IntoResponse for Unauthorized {
+        fn into_response(self) -> axum::response::Response {
+            let body = serde_json::json!({"error": {"code": "missing_api_key"}});
+            (
+                StatusCode::UNAUTHORIZED,
+                [("www-authenticate", "Bearer")],
+                axum::Json(body),
+            )
+                .into_response()
+        }
+    }
+    let store = store();
+    let handler = echo();
+    let layer = IdempotencyLayer::new(store.clone()).scope(|parts| {
+        match parts.headers.get("x-case").map(|v| v.as_bytes()) {
+            Some(b"into-response") => Err(Rejection::new(Unauthorized)),
+            Some(b"tuple") => Err(Rejection::new((StatusCode::FORBIDDEN, "suspended"))),
+            Some(b"streamed") => {
+                let chunks: Vec<Result<Bytes, Infallible>> =
+                    vec![Ok(Bytes::from("too ")), Ok(Bytes::from("many"))];
+                let body = Body::from_stream(futures_util::stream::iter(chunks));
+                let response = Response::builder().status(429).body(body);
+                Err(Rejection::new(response.expect("a response")))
+            }
+            _ => Ok(tower_idempotency::Scope::from("acct")),
+        }
+    });
+    let svc = service(layer, handler.clone());
+    let request = |case: &str| {
+        keyed(Method::POST, "/", "k")
+            .header("x-case", case)
+            .body(Body::from("x"))
+            .expect("a request")
+    };
+
+    let reply = send(&svc, request("into-response")).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(reply.header("www-authenticate"), Some("Bearer"));
+    assert_eq!(reply.header(CONTENT_TYPE), Some("application/json"));
+    assert_eq!(reply.json()["error"]["code"], "missing_api_key");
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+    assert_eq!(
+        reply.problem, None,
+        "the application's response, not the layer's"
+    );
+
+    let reply = send(&svc, request("tuple")).await;
+    assert_eq!(
+        (reply.status, reply.text()),
+        (StatusCode::FORBIDDEN, "suspended".into())
+    );
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+
+    let reply = send(&svc, request("streamed")).await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(reply.text(), "too many");
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
+
+    assert_eq!(store.calls().total(), 0, "nothing claimed");
+    assert_eq!(handler.calls(), 0);
+    let accepted = send(&svc, request("none")).await;
+    assert_eq!(accepted.outcome, Some(Outcome::Executed));
+}
+
+/// A rejection whose body fails while the layer reads it is sent with its status and headers
+/// and an empty body (and no stale `Content-Length`).
+#[tokio::test(start_paused = true)]
+async fn scope_rejection_with_a_failing_body_is_sent_empty() {
+    let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|_| {
+        let chunks: Vec<Result<Bytes, std::io::Error>> =
+            vec![Ok(Bytes::from("par")), Err(std::io::Error::other("cut"))];
+        let body = Body::from_stream(futures_util::stream::iter(chunks));
+        let response = Response::builder()
+            .status(StatusCode::FORBIDDEN)
+            .header("x-reason", "suspended")
+            .header(CONTENT_LENGTH, "9")
+            .body(body);
+        Err(Rejection::new(response.expect("a response")))
+    });
+    let svc = service(layer, echo());
+    let reply = send(&svc, post_request("k", "x")).await;
+    assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    assert_eq!(reply.header("x-reason"), Some("suspended"));
+    assert_eq!(reply.header(CONTENT_LENGTH), None);
+    assert!(reply.body.is_empty());
+    assert_eq!(reply.outcome, Some(Outcome::Rejected));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,13 +3,11 @@
 //! this test binary (a thread-local one loses events when tests run in parallel, through tracing's
 //! shared callsite interest cache), and the tests take turns.
 
-mod support;
-
 use std::sync::{Arc, Mutex, OnceLock};
 
 use http::HeaderValue;
 use http::Method;
-use support::contract::{Faulty, Handler, created, keyed, post, send, service};
+use tower_idempotency::testing::{Faulty, Handler, created, keyed, post, send, service};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
 
 /// One captured event: its target, and every field (its spans' and its own) as text.

@@ -1,13 +1,13 @@
-//! The store contract on [`MemoryStore`], on paused tokio time, plus what only the memory store
-//! does (it refuses new claims when full).
+//! The store contract on [`MemoryStore`], on paused tokio time, run as any store runs it (the
+//! exported suite, `tower_idempotency::testing`), plus what only the memory store does (it refuses
+//! new claims when full).
 
-mod support;
-
-use std::future::Future;
 use std::time::Duration;
 
 use http::Method;
-use support::contract::{Counting, Handler, Harness, Reply, created, keyed, post, send, service};
+use tower_idempotency::testing::{
+    Counting, Handler, Harness, Reply, created, keyed, post, send, service,
+};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
 
 /// The memory store on paused tokio time: a 30 s lease and a 24 h dedup window.
@@ -39,14 +39,10 @@ impl Harness for MemoryHarness {
         Duration::from_secs(24 * 60 * 60)
     }
 
-    /// A sleep on paused time: instant, and (unlike one `tokio::time::advance` step) it lets every
-    /// timer in between fire in order, so lease renewals happen when they are due.
-    fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send {
-        tokio::time::sleep(d)
-    }
+    // `advance` is the default: a sleep, instant on paused time.
 }
 
-store_contract!(MemoryHarness::new(), start_paused = true);
+tower_idempotency::store_contract!(MemoryHarness::new(), start_paused = true);
 
 /// A full memory store refuses new claims with 503 rather than evict a live record: earlier keys
 /// still replay. Once records expire, new claims work again.

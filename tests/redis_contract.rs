@@ -2,6 +2,10 @@
 //!
 //! Redis keeps its own clock, so these cases run on real time with a short lease and window
 //! (the memory suite runs the same cases on paused time).
+//!
+//! The suite is the exported one (`tower_idempotency::testing`, feature `test-util`);
+//! `support::contract` names it beside the `redis-server` fixture, as a store test of this
+//! repository does.
 
 mod support;
 

@@ -60,7 +60,7 @@ pub fn account_scope(parts: &Parts) -> Result<Scope, Rejection> {
     match parts.extensions.get::<Account>() {
         Some(account) => Ok(Scope::from(account.id())),
         // Only if the layer were mounted outside `authenticate`.
-        None => Err(Rejection::from(ApiError::unauthorized().into_http())),
+        None => Err(Rejection::new(ApiError::unauthorized())),
     }
 }
 

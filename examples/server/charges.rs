@@ -13,12 +13,13 @@
 //! writes the provider's answer and its event through the request's [`Work`] (`work.rs`): with
 //! the charges in PostgreSQL, they commit together with the request's idempotency record.
 
+use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, State};
-use axum::http::{Extensions, StatusCode};
+use axum::http::{Extensions, HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::IdempotencyKey;
@@ -28,6 +29,7 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
+use super::params::{self, Form};
 use super::provider::{Outcome, Source};
 use super::state_machine::{Event, Status};
 use super::work::Work;
@@ -42,7 +44,7 @@ pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 /// far within the response limit the idempotency layer stores: see [`super::RESPONSE_LIMIT`].
 pub const DESCRIPTION_CHARS: usize = 1000;
 
-/// The body of `POST /v1/charges`.
+/// The body of `POST /v1/charges`, as JSON or as a form (`params.rs`).
 #[derive(Debug, Deserialize)]
 struct CreateCharge {
     amount: Option<i64>,
@@ -50,12 +52,38 @@ struct CreateCharge {
     source: Option<String>,
     capture: Option<bool>,
     description: Option<String>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+impl CreateCharge {
+    fn from_form(mut form: Form) -> Result<Self, ApiError> {
+        let input = Self {
+            amount: form.integer("amount")?,
+            currency: form.text("currency"),
+            source: form.text("source"),
+            capture: form.boolean("capture")?,
+            description: form.text("description"),
+            metadata: form.metadata(),
+        };
+        form.finish()?;
+        Ok(input)
+    }
 }
 
 /// The body of `POST /v1/charges/{id}/refunds`; empty means "refund the rest".
 #[derive(Debug, Default, Deserialize)]
 struct CreateRefund {
     amount: Option<i64>,
+}
+
+impl CreateRefund {
+    fn from_form(mut form: Form) -> Result<Self, ApiError> {
+        let input = Self {
+            amount: form.integer("amount")?,
+        };
+        form.finish()?;
+        Ok(input)
+    }
 }
 
 /// A page of charges, as the API shows it.
@@ -82,16 +110,18 @@ fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
 }
 
 /// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
-/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 422 when the
-/// provider knows the key from another request (nothing is recorded).
+/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 400
+/// `idempotency_error` when the provider knows the key from another request (nothing is
+/// recorded). The body is JSON, or a form as Stripe's SDKs send it (`params.rs`).
 pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
     extensions: Extensions,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
-    let request = parse_create(&body)?;
+    let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
     let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
         Opened::Authorizing(charge) => charge,
@@ -143,8 +173,12 @@ pub async fn create(
 }
 
 /// The body of `POST /v1/charges`, checked: 400 names the parameter at fault.
-fn parse_create(body: &[u8]) -> Result<NewCharge, ApiError> {
-    let input: CreateCharge = parse_json(body)?;
+fn parse_create(headers: &HeaderMap, body: &[u8]) -> Result<NewCharge, ApiError> {
+    let input = if params::is_form(headers) {
+        CreateCharge::from_form(Form::parse(body))?
+    } else {
+        parse_json(body)?
+    };
     let amount = input.amount.ok_or(ApiError::missing_param("amount"))?;
     if !AMOUNTS.contains(&amount) {
         return Err(ApiError::invalid_param(
@@ -179,12 +213,15 @@ fn parse_create(body: &[u8]) -> Result<NewCharge, ApiError> {
             format!("`description` must be at most {DESCRIPTION_CHARS} characters"),
         ));
     }
+    let metadata = input.metadata.unwrap_or_default();
+    params::check_metadata(&metadata)?;
     Ok(NewCharge {
         amount,
         currency: currency.to_ascii_lowercase(),
         source,
         capture,
         description: input.description,
+        metadata,
     })
 }
 
@@ -252,9 +289,12 @@ pub async fn refund(
     key: IdempotencyKey,
     extensions: Extensions,
     Path(id): Path<String>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
-    let input: CreateRefund = if body.is_empty() {
+    let input = if params::is_form(&headers) {
+        CreateRefund::from_form(Form::parse(&body))?
+    } else if body.is_empty() {
         CreateRefund::default()
     } else {
         parse_json(&body)?

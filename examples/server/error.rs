@@ -1,14 +1,17 @@
-//! The API's errors: `{"error": {"type", "code", "message", ...}}`, as payment APIs write them.
+//! The API's errors, as Stripe writes them and its SDKs read them: `{"error": {"type", "code",
+//! "message", ...}}`, with `Stripe-Should-Retry: true` where a retry helps.
 //!
-//! (The idempotency layer's own answers, such as 400 for a missing key or 422 for a reused one, are
-//! RFC 9457 `application/problem+json` documents instead.)
+//! The idempotency layer's own answers (a missing key, a key reused for another request, a key
+//! whose request is still running, a store away) go through [`render_problem`]: RFC 9457
+//! `application/problem+json` documents that carry the same `error` member, so that a Stripe SDK
+//! raises its own error types for them and a problem+json client reads them as before.
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::http::header::CONTENT_TYPE;
-use axum::http::{self, HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
+use tower_idempotency::ProblemKind;
+use tower_idempotency::problem::{Problem, RenderedProblem};
 
 use super::provider::ProviderError;
 use super::state_machine::Status;
@@ -22,7 +25,12 @@ pub struct ApiError {
     message: String,
     param: Option<&'static str>,
     charge: Option<String>,
+    decline_code: Option<&'static str>,
 }
+
+/// Stripe's header that tells its SDKs whether to retry a request (they retry a 409 or a 5xx
+/// without it).
+pub const SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
@@ -33,6 +41,7 @@ impl ApiError {
             message,
             param: None,
             charge: None,
+            decline_code: None,
         }
     }
 
@@ -87,6 +96,7 @@ impl ApiError {
             "the card was declined".into(),
         );
         error.charge = Some(charge.to_owned());
+        error.decline_code = Some("generic_decline");
         error
     }
 
@@ -112,12 +122,14 @@ impl ApiError {
         )
     }
 
-    /// 422: the provider knows the request's key from another request: the idempotency layer's
-    /// record of the key is gone (its window ran out, its store was flushed) but the provider's
-    /// is not. Nothing was done; the client sent another request under a used key.
+    /// 400 `idempotency_error` (Stripe's status for it, which its SDKs raise as their
+    /// `IdempotencyError`): the provider knows the request's key from another request: the
+    /// idempotency layer's record of the key is gone (its window ran out, its store was flushed)
+    /// but the provider's is not. Nothing was done; the client sent another request under a used
+    /// key.
     pub fn idempotency_key_reused() -> Self {
         Self::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+            StatusCode::BAD_REQUEST,
             "idempotency_error",
             "idempotency_key_reused",
             "this Idempotency-Key was used for a different request; nothing was done: send a new key"
@@ -160,21 +172,9 @@ impl ApiError {
                 message: &self.message,
                 param: self.param,
                 charge: self.charge.as_deref(),
+                decline_code: self.decline_code,
             },
         }
-    }
-
-    /// The error as a plain `http` response, for the idempotency layer's scope [`Rejection`].
-    ///
-    /// [`Rejection`]: tower_idempotency::Rejection
-    pub fn into_http(self) -> http::Response<Bytes> {
-        let body = serde_json::to_vec(&self.body()).unwrap_or_default();
-        let mut response = http::Response::new(Bytes::from(body));
-        *response.status_mut() = self.status;
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        response
     }
 }
 
@@ -204,10 +204,62 @@ struct ErrorDetail<'a> {
     /// The failed charge, when a card is declined.
     #[serde(skip_serializing_if = "Option::is_none")]
     charge: Option<&'a str>,
+    /// Why the card was declined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decline_code: Option<&'static str>,
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        // A 503 means nothing was done: the same request, with the same key, is safe to send again.
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(SHOULD_RETRY, HeaderValue::from_static("true"));
+        }
+        response
     }
+}
+
+/// The idempotency layer's answers in the API's format (`IdempotencyLayer::render_problems`): the
+/// RFC 9457 document the layer writes by default (`type`, `title`, `status`, `detail`), plus the
+/// `error` member a Stripe SDK reads, and `Stripe-Should-Retry`: `true` while the key's first
+/// request runs (409) and while the store is away (503), `false` elsewhere (a Stripe SDK would
+/// otherwise retry the 409 of a response that cannot be replayed, or a 500, in vain).
+pub fn render_problem(problem: &Problem) -> RenderedProblem {
+    let (kind, code) = match problem.kind() {
+        ProblemKind::MissingKey => ("invalid_request_error", "idempotency_key_missing"),
+        ProblemKind::InvalidKey => ("invalid_request_error", "idempotency_key_invalid"),
+        ProblemKind::BodyTooLarge => ("invalid_request_error", "request_too_large"),
+        ProblemKind::BodyUnreadable => ("invalid_request_error", "request_unreadable"),
+        ProblemKind::InFlight => ("idempotency_error", "idempotency_key_in_use"),
+        ProblemKind::Mismatch => ("idempotency_error", "idempotency_key_reused"),
+        ProblemKind::NotReplayable => ("idempotency_error", "idempotency_response_unavailable"),
+        ProblemKind::StoreUnavailable => ("api_error", "idempotency_store_unavailable"),
+        _ => ("api_error", "internal_error"),
+    };
+    let document = serde_json::json!({
+        "type": problem.type_uri(),
+        "title": problem.title(),
+        "status": problem.status().as_u16(),
+        "detail": problem.detail(),
+        "error": {
+            "type": kind,
+            "code": code,
+            "message": problem.detail(),
+        },
+    });
+    let retry = matches!(
+        problem.kind(),
+        ProblemKind::InFlight | ProblemKind::StoreUnavailable
+    );
+    RenderedProblem::new(
+        HeaderValue::from_static("application/problem+json"),
+        document.to_string(),
+    )
+    .header(
+        SHOULD_RETRY,
+        HeaderValue::from_static(if retry { "true" } else { "false" }),
+    )
 }

@@ -14,7 +14,7 @@
 //! In memory, a new charge is stored only once the provider answered (a crash loses everything
 //! anyway), and its id is the provider's payment id.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -38,6 +38,8 @@ pub struct NewCharge {
     /// Whether to capture at once, or only authorize.
     pub capture: bool,
     pub description: Option<String>,
+    /// The client's own key-value pairs (`metadata[key]=value`).
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// One charge.
@@ -52,6 +54,8 @@ pub struct Charge {
     pub source: Source,
     /// Whether it was to be captured at once.
     pub capture: bool,
+    /// The client's own key-value pairs, as Stripe keeps them (`metadata[key]=value`).
+    pub metadata: BTreeMap<String, String>,
     pub status: Status,
     pub amount_refunded: i64,
     /// Seconds since the Unix epoch.
@@ -78,6 +82,7 @@ impl Charge {
             description: request.description.clone(),
             source: request.source,
             capture: request.capture,
+            metadata: request.metadata.clone(),
             status: Status::Created,
             amount_refunded: 0,
             created,
@@ -120,6 +125,7 @@ impl Charge {
             amount: self.amount,
             currency: self.currency.clone(),
             description: self.description.clone(),
+            metadata: self.metadata.clone(),
             status: self.status.as_str(),
             captured: matches!(
                 self.status,
@@ -139,6 +145,7 @@ pub struct ChargeJson {
     amount: i64,
     currency: String,
     description: Option<String>,
+    metadata: BTreeMap<String, String>,
     status: &'static str,
     captured: bool,
     amount_refunded: i64,

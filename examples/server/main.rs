@@ -16,9 +16,22 @@
 //!   idempotency record was lost cannot charge twice. The provider binds each key to the request
 //!   it was first used for (operation, amount, source, capture flag, payment) for its own 24 h
 //!   window (`provider/`): the same key with another request, which only reaches it once the
-//!   layer has forgotten the key, is refused with `422` and `{"error": {"type":
+//!   layer has forgotten the key, is refused with `400` and `{"error": {"type":
 //!   "idempotency_error", "code": "idempotency_key_reused", ...}}`, and nothing happens; after
 //!   the window the key is new again.
+//! - It speaks Stripe's wire format where a Stripe SDK notices, so the official SDKs work against
+//!   it (`api_base` pointed here): bodies are forms (`application/x-www-form-urlencoded`, with
+//!   Stripe's nested `metadata[key]=value`) or JSON (`params.rs`); errors are `{"error": {"type",
+//!   "code", "message", ...}}`, the idempotency layer's too (rendered by `error::render_problem`
+//!   as RFC 9457 documents that carry the same `error` member); a key reused for another request
+//!   is `400` `idempotency_error` (the SDKs' `IdempotencyError`); and `Stripe-Should-Retry: true`
+//!   marks the answers a retry fixes (`409` while the key's first request runs, `503`).
+//!   The layer fingerprints the body's raw bytes: an SDK's retry sends the same bytes and is
+//!   recognised; the same charge written another way under the same key (JSON instead of a
+//!   form, its parameters in another order) is another request, and refused.
+//! - `GET /metrics` serves the layer's metrics in Prometheus' text format (`prometheus.rs`).
+//! - The idempotency records' store is chosen at start-up, from the environment, behind one
+//!   type ([`tower_idempotency::BoxStore`]): one server, whichever store.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
 //! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
 //!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
@@ -72,19 +85,22 @@
 //!
 //! # Walk through it
 //! With the server running in one terminal, send these from another. Any non-empty bearer token is
-//! an account. Create a charge:
+//! an account. Create a charge, with a form body as Stripe's SDKs send it (or JSON, with
+//! `-H 'Content-Type: application/json' -d '{"amount": 2500, ...}'`):
 //! ```text
 //! curl -si http://127.0.0.1:3000/v1/charges \
 //!   -H 'Authorization: Bearer sk_test_alice' \
 //!   -H 'Idempotency-Key: order-1001' \
-//!   -d '{"amount": 2500, "currency": "eur", "source": "tok_visa"}'
+//!   -d amount=2500 -d currency=eur -d source=tok_visa -d 'metadata[order_id]=1001'
 //!
 //! HTTP/1.1 201 Created
-//! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "status":"captured", ...}
+//! {"id":"ch_204c358b65c143f8","object":"charge","amount":2500,"currency":"eur", ... "metadata":{"order_id":"1001"},"status":"captured", ...}
 //! ```
 //! `amount` is in minor units (cents), from 1 to 99,999,999; any other is `400` with
 //! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`. `description` is optional,
-//! at most 1,000 characters (`400` otherwise, `"param": "description"`).
+//! at most 1,000 characters (`400` otherwise, `"param": "description"`); `metadata` at most 50
+//! keys of up to 40 characters, with values of up to 500. A parameter the API does not know is
+//! `400` `parameter_unknown`.
 //!
 //! Every response the layer stores fits its limit: the API reads at most 64 KiB of request body
 //! (`413` beyond, [`REQUEST_LIMIT`]) and the layer stores responses up to 1 MiB
@@ -95,8 +111,9 @@
 //! Send the same command again, as a client that timed out would: the same response comes back,
 //! byte for byte, marked `idempotent-replayed: true`, and nothing is charged again.
 //!
-//! Change the amount but keep the key: the layer refuses with `422 Unprocessable Entity` (an
-//! `application/problem+json` document), because a key names one request.
+//! Change the amount but keep the key: the layer refuses with `400 Bad Request`, an
+//! `application/problem+json` document with `"error": {"type": "idempotency_error", ...}`,
+//! because a key names one request.
 //!
 //! A declined card, with a new key, twice: `402 Payment Required` with
 //! `{"error":{"type":"card_error","code":"card_declined",...}}`, the second time replayed. The
@@ -105,12 +122,22 @@
 //! curl -si http://127.0.0.1:3000/v1/charges \
 //!   -H 'Authorization: Bearer sk_test_alice' \
 //!   -H 'Idempotency-Key: order-1002' \
-//!   -d '{"amount": 2500, "currency": "eur", "source": "tok_chargeDeclined"}'
+//!   -d amount=2500 -d currency=eur -d source=tok_chargeDeclined
 //! curl -s http://127.0.0.1:3000/v1/charges -H 'Authorization: Bearer sk_test_alice'
 //! ```
-//! Then: `"capture": false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
-//! (`{"amount": ...}`, default the rest) and `/cancel` move it on, each with its own
+//! Then: `capture=false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
+//! (`amount=...`, default the rest) and `/cancel` move it on, each with its own
 //! `Idempotency-Key`. `tok_pspUnavailable` answers 503, and retrying it runs again.
+//!
+//! With Stripe's Python SDK (`pip install stripe`), pointed here:
+//! ```text
+//! import stripe
+//! stripe.api_base = "http://127.0.0.1:3000"
+//! stripe.api_key = "sk_test_alice"
+//! stripe.max_network_retries = 2
+//! charge = stripe.Charge.create(amount=2000, currency="usd", source="tok_visa",
+//!                               idempotency_key="order-2001")
+//! ```
 //!
 //! The balance, once the consumer has applied the events (the first charge above, captured; the
 //! declined one is not an event):
@@ -128,8 +155,10 @@ mod error;
 pub mod events;
 mod http_server;
 mod ledger;
+mod params;
 #[cfg(feature = "postgres")]
 pub mod pg;
+pub mod prometheus;
 pub mod provider;
 pub mod queue;
 pub mod redis_conn;
@@ -143,11 +172,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind, RedisStore};
 use tracing_subscriber::EnvFilter;
 
 pub use balance::Balances;
@@ -170,15 +200,17 @@ pub const PROVIDER_PREFIX: &str = "payments:provider:";
 /// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
 pub const CONSUMER_PREFIX: &str = "payments:consumer:";
 
-/// The largest request body the API reads: 64 KiB, far above the largest valid request (a
-/// charge with a [`charges::DESCRIPTION_CHARS`]-character description is under 7 KB); a larger
-/// one gets `413` from the idempotency layer and nothing runs.
+/// The largest request body the API reads: 64 KiB, above the charges clients send (one with a
+/// [`charges::DESCRIPTION_CHARS`]-character description and Stripe's largest metadata, 50 keys
+/// of 40 characters with values of 500, in ASCII, is under 40 KB as a form); a larger one gets
+/// `413` from the idempotency layer and nothing runs.
 pub const REQUEST_LIMIT: usize = 64 * 1024;
 
 /// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every response
-/// of the API fits, so a client that lost one can always get it back: a charge is at most about
-/// 7 KB, and an error quotes at most the request's bad value, at most 7 bytes for each of its
-/// [`REQUEST_LIMIT`] bytes once escaped twice (the value's `Debug` form in JSON).
+/// of the API fits, so a client that lost one can always get it back: a charge echoes at most its
+/// request's description and metadata (at most 6 bytes for each of its [`REQUEST_LIMIT`] bytes
+/// once escaped in JSON), and an error quotes at most the request's bad value, at most 7 bytes for
+/// each of its bytes once escaped twice (the value's `Debug` form in JSON).
 pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 
 /// What the handlers share.
@@ -190,6 +222,8 @@ pub struct AppState {
     pub events: Publisher,
     /// What the ledger consumer made of the events.
     pub balances: Balances,
+    /// What `GET /metrics` renders, if the process records metrics (`prometheus.rs`).
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl AppState {
@@ -201,7 +235,14 @@ impl AppState {
             provider: Provider::new(provider_latency),
             events: Publisher::new(Queue::memory()),
             balances: Balances::memory(),
+            metrics: None,
         }
+    }
+
+    /// Serves what `handle` renders at `GET /metrics`.
+    pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
+        self
     }
 
     /// Calls `provider` instead of the one in memory.
@@ -221,11 +262,15 @@ impl AppState {
 /// The API. `idempotency` is scoped to the authenticated account here, and given the API's body
 /// limits ([`REQUEST_LIMIT`], [`RESPONSE_LIMIT`]); keep its
 /// [`shutdown_handle`](IdempotencyLayer::shutdown_handle) to drain its work at shutdown.
-pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>) -> Router {
+pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
     let idempotency = idempotency
         .request_body_limit(REQUEST_LIMIT)
         .response_body_limit(RESPONSE_LIMIT)
-        .scope(auth::account_scope);
+        .scope(auth::account_scope)
+        // Stripe answers a key reused for another request with 400, which its SDKs raise as their
+        // `IdempotencyError`; and its SDKs read errors from `{"error": {...}}`.
+        .problem_status(ProblemKind::Mismatch, StatusCode::BAD_REQUEST)
+        .render_problems(error::render_problem);
     Router::new()
         .route("/v1/charges", post(charges::create).get(charges::list))
         .route("/v1/charges/{id}", get(charges::get))
@@ -237,6 +282,8 @@ pub fn app<St: Store + Clone>(state: AppState, idempotency: IdempotencyLayer<St>
         // in the request, then the idempotency layer keys its records by that account.
         .layer(idempotency)
         .layer(middleware::from_fn(auth::authenticate))
+        // After the layers: the scraper needs no API key, and reads nothing idempotent.
+        .route("/metrics", get(prometheus::show))
         .with_state(state)
 }
 
@@ -260,7 +307,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let latency = env_millis("PSP_LATENCY_MS")?.unwrap_or_default();
     let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
-    let state = AppState::new(latency);
+    let state = AppState::new(latency).with_metrics(prometheus::install()?);
     if let Some(url) = env_url("DATABASE_URL") {
         return serve_postgres(&addr, state, &url, shutdown_timeout).await;
     }
@@ -272,7 +319,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         .into_iter()
         .find_map(|var| Some((var, env_url(var)?)));
     let (state, consumer_store) = match ledger_url {
-        None => (state, ConsumerStore::Memory(MemoryStore::new())),
+        None => (state, BoxStore::new(MemoryStore::new())),
         Some((var, url)) => {
             let (conn, queue, balances, store) = connect_ledger(var, &url).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
@@ -284,36 +331,24 @@ async fn run() -> Result<(), Box<dyn Error>> {
                 state
                     .with_events(queue, balances)
                     .with_provider(Provider::with_keys(latency, keys)),
-                ConsumerStore::Redis(store),
+                BoxStore::new(store),
             )
         }
     };
-    match env_url("REDIS_URL") {
-        None => {
-            let store = MemoryStore::new();
-            serve(
-                &addr,
-                state,
-                store,
-                consumer_store,
-                "memory",
-                shutdown_timeout,
-            )
-            .await
-        }
-        Some(url) => {
-            let store = connect_redis(&url).await?;
-            serve(
-                &addr,
-                state,
-                store,
-                consumer_store,
-                "redis",
-                shutdown_timeout,
-            )
-            .await
-        }
-    }
+    // The idempotency records' store, chosen here at run time: the server is the same whichever.
+    let (store, store_name) = match env_url("REDIS_URL") {
+        None => (BoxStore::new(MemoryStore::new()), "memory"),
+        Some(url) => (BoxStore::new(connect_redis(&url).await?), "redis"),
+    };
+    serve(
+        &addr,
+        state,
+        store,
+        ConsumerStore::Dedup(consumer_store),
+        store_name,
+        shutdown_timeout,
+    )
+    .await
 }
 
 /// The environment variable `name`, a number of milliseconds, unless it is unset.
@@ -349,7 +384,7 @@ async fn serve_postgres(
     let db = pg::Database::connect(url).await?;
     tracing::info!("charges, events, balances and records: PostgreSQL");
     let state = db.state(state);
-    let store = db.store().clone();
+    let store = BoxStore::new(db.store().clone());
     let workers = ConsumerStore::Postgres(db, reconcile_after);
     serve(addr, state, store, workers, "postgres", shutdown_timeout).await
 }
@@ -371,8 +406,8 @@ async fn serve_postgres(
 /// Where the ledger consumer's Deduplicator keeps its records; with PostgreSQL, the database
 /// whose outbox the consumer reads, and when the reconciler settles a charge.
 enum ConsumerStore {
-    Memory(MemoryStore),
-    Redis(RedisStore),
+    /// The Deduplicator's store, beside the queue: memory or Redis.
+    Dedup(BoxStore),
     #[cfg(feature = "postgres")]
     Postgres(pg::Database, Duration),
 }
@@ -396,14 +431,7 @@ impl ConsumerStore {
         };
         let balances = state.balances.clone();
         Ok(match self {
-            ConsumerStore::Memory(store) => {
-                let dedup = consumer::deduplicator(store, config.min_idle);
-                let consumer = LedgerConsumer::new(queue().await?, balances, dedup);
-                tokio::spawn(async move {
-                    consumer.run(stop).await;
-                })
-            }
-            ConsumerStore::Redis(store) => {
+            ConsumerStore::Dedup(store) => {
                 let dedup = consumer::deduplicator(store, config.min_idle);
                 let consumer = LedgerConsumer::new(queue().await?, balances, dedup);
                 tokio::spawn(async move {
@@ -420,11 +448,11 @@ impl ConsumerStore {
 
 /// Serves until SIGTERM or Ctrl-C, then lets the requests in flight and the layer's detached work
 /// finish, within `shutdown_timeout`. The ledger consumer runs beside the server and stops at the
-/// same signal, after the event at hand.
-async fn serve<St: Store + Clone>(
+/// same signal, after the event at hand; `consumer_store` keeps its Deduplicator's records.
+async fn serve(
     addr: &str,
     state: AppState,
-    store: St,
+    store: BoxStore,
     consumer_store: ConsumerStore,
     store_name: &str,
     shutdown_timeout: Duration,

@@ -26,16 +26,16 @@ pub(super) enum Handled<B> {
 
 /// Reads the response body up to the response limit, or decides it is not to be stored.
 pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response<B>) -> Handled<B> {
-    let no_store = response.headers().get_all(CACHE_CONTROL).iter().any(|v| {
+    let (parts, body) = response.into_parts();
+    let no_store = parts.headers.get_all(CACHE_CONTROL).iter().any(|v| {
         v.to_str().is_ok_and(|v| {
             v.split(',')
                 .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
         })
     });
-    if no_store || !(config.store_policy)(response.status(), response.headers()) {
-        return Handled::NotStored(response);
+    if no_store || !(config.store_policy)(&parts) {
+        return Handled::NotStored(Response::from_parts(parts, body));
     }
-    let (parts, body) = response.into_parts();
     let limit = config.response_body_limit;
     let mut body = Box::pin(body);
     if body.size_hint().lower() > limit as u64 {

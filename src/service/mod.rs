@@ -27,10 +27,11 @@ use crate::future::{Covered, ResponseFuture};
 use crate::hex::Hex;
 use crate::key::IdempotencyKey;
 use crate::lease::Held;
+use crate::meter::{self, Metered};
 use crate::outcome::Outcome;
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
-use crate::scope::Scope;
+use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
 use crate::throttle::Throttle;
 
@@ -85,7 +86,8 @@ pub struct Idempotency<S, St> {
 }
 
 pub(crate) struct Shared<St> {
-    store: St,
+    /// The store, its calls timed (`meter`).
+    store: Metered<St>,
     config: Config,
     background: Background,
     /// Claim-time store failures repeat with every request: logged once per interval.
@@ -94,10 +96,11 @@ pub(crate) struct Shared<St> {
 
 impl<S, St> Idempotency<S, St> {
     pub(crate) fn new(inner: S, store: St, config: Config, background: Background) -> Self {
+        meter::describe();
         Self {
             inner,
             shared: Arc::new(Shared {
-                store,
+                store: Metered(store),
                 config,
                 background,
                 store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
@@ -167,6 +170,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if !config.key_required => {
                 tracing::debug!(target: "tower_idempotency", outcome = %Outcome::Unprotected, "idempotency outcome");
+                meter::outcome(Outcome::Unprotected);
                 let future = inner.call(req.map(RequestBody::passthrough));
                 return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
             }
@@ -183,10 +187,7 @@ where
             None => Scope::default(),
             Some(scope) => match scope(&parts) {
                 Ok(scope) => scope,
-                Err(rejection) => {
-                    let response = rejection.into_response().map(ResponseBody::full);
-                    return ResponseFuture::ready(finish(response, Outcome::Rejected));
-                }
+                Err(rejection) => return reject_with(rejection),
             },
         };
         let id = RecordId::for_key(scope.as_bytes(), &key);
@@ -207,6 +208,49 @@ where
         let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
         ResponseFuture::covered(protect.instrument(span))
     }
+}
+
+/// Answers with a scope function's rejection: at once when its body is whole, or once it is read.
+fn reject_with<F, B>(rejection: Rejection) -> ResponseFuture<F, B>
+where
+    B: Send + 'static,
+{
+    let (parts, body) = rejection.into_response().into_parts();
+    // Without the `axum` feature, a rejection's body is always whole.
+    #[cfg_attr(not(feature = "axum"), allow(clippy::infallible_destructuring_match))]
+    let body = match body {
+        RejectionBody::Full(bytes) => bytes,
+        #[cfg(feature = "axum")]
+        RejectionBody::Stream(body) => {
+            let read: Covered<B> = Box::pin(read_rejection(parts, body));
+            return ResponseFuture::covered(read.instrument(tracing::Span::none()));
+        }
+    };
+    let response = Response::from_parts(parts, ResponseBody::full(body));
+    ResponseFuture::ready(finish(response, Outcome::Rejected))
+}
+
+/// Reads a rejection's body, then answers with it: empty if it fails.
+#[cfg(feature = "axum")]
+async fn read_rejection<B>(
+    mut parts: http::response::Parts,
+    body: http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>,
+) -> Response<ResponseBody<B>> {
+    use http_body_util::BodyExt;
+    let body = match body.collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(err) => {
+            tracing::error!(
+                target: "tower_idempotency",
+                error = %crate::lease::ErrorChain(&*err),
+                "the scope function's rejection body failed; sending it empty"
+            );
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            Bytes::new()
+        }
+    };
+    let response = Response::from_parts(parts, ResponseBody::full(body));
+    finish(response, Outcome::Rejected)
 }
 
 pub(super) fn too_large(config: &Config) -> String {
@@ -235,10 +279,9 @@ impl<St: Store> Shared<St> {
         detail: String,
         retry_after: Option<u64>,
     ) -> Response<ResponseBody<B>> {
-        let mut problem = Problem::new(kind, self.config.status(kind), detail);
-        if let Some(seconds) = retry_after {
-            problem = problem.retry_after(seconds);
-        }
+        let problem =
+            Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
+        let response = problem::respond(&problem, &*self.config.render);
         let outcome = match kind {
             ProblemKind::InFlight => Outcome::InFlight,
             ProblemKind::Mismatch => Outcome::Mismatch,
@@ -247,10 +290,14 @@ impl<St: Store> Shared<St> {
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             _ => Outcome::Rejected,
         };
-        finish(problem.into_response().map(ResponseBody::full), outcome)
+        finish(response.map(ResponseBody::full), outcome)
     }
 
-    pub(super) fn held<'a>(&'a self, id: &'a RecordId, token: &'a ClaimToken) -> Held<'a, St> {
+    pub(super) fn held<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+    ) -> Held<'a, Metered<St>> {
         Held {
             store: &self.store,
             id,
@@ -266,8 +313,8 @@ pub(super) fn whole_seconds(duration: Duration) -> u64 {
     seconds.max(1)
 }
 
-/// Marks a response with its outcome and logs it (inside the request's span, which carries the
-/// hashed key and scope).
+/// Marks a response with its outcome, logs it (inside the request's span, which carries the
+/// hashed key and scope) and counts it.
 pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
     let status = response.status().as_u16();
     match outcome {
@@ -281,6 +328,7 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
         }
         _ => tracing::debug!(target: "tower_idempotency", %outcome, status, "idempotency outcome"),
     }
+    meter::outcome(outcome);
     response.extensions_mut().insert(outcome);
     response
 }

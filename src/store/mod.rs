@@ -8,7 +8,11 @@
 //! `complete` also writes where the key has no record left: the work ran, so its result is kept.
 //!
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
+//!
+//! A store chosen at run time goes behind [`BoxStore`], so that the layer's type does not depend
+//! on it; `Arc<S>` is a store wherever `S` is.
 
+mod boxed;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -18,6 +22,7 @@ mod redis;
 use std::future::Future;
 use std::time::Duration;
 
+pub use boxed::BoxStore;
 /// The deadpool-redis crate this store is built on, so users need not match its version.
 #[cfg(feature = "redis")]
 pub use deadpool_redis;

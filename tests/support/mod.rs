@@ -1,4 +1,5 @@
-//! Shared test code: the store contract suite, and the `redis-server` and PostgreSQL fixtures.
+//! Shared test code: the `redis-server` and PostgreSQL fixtures, and the store contract suite
+//! under the path test files name it by (`support::contract`).
 //!
 //! Every test binary that says `mod support;` compiles all of it, and none uses every item: the
 //! modules allow dead code.

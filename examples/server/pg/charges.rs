@@ -23,8 +23,8 @@ use super::super::state_machine::{Event, Status};
 use super::unavailable;
 
 /// The columns [`read`] reads, in its order.
-pub(super) const COLUMNS: &str = "id, account, amount, currency, description, source, capture, \
-                                  status, amount_refunded, created, provider_key, payment, seq";
+pub(super) const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, \
+                                  capture, status, amount_refunded, created, provider_key, payment, seq";
 
 /// The charges in PostgreSQL.
 #[derive(Debug)]
@@ -240,9 +240,9 @@ impl PgCharges {
 /// Inserts `charge`; returns its `seq`.
 async fn insert<'c>(conn: impl sqlx::PgExecutor<'c>, charge: &Charge) -> Result<u64, sqlx::Error> {
     let seq: i64 = sqlx::query(
-        "INSERT INTO charges (id, account, provider_key, amount, currency, description, source,
-                              capture, status, amount_refunded, payment, created)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+        "INSERT INTO charges (id, account, provider_key, amount, currency, description, metadata,
+                              source, capture, status, amount_refunded, payment, created)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
          RETURNING seq",
     )
     .bind(&charge.id)
@@ -251,6 +251,8 @@ async fn insert<'c>(conn: impl sqlx::PgExecutor<'c>, charge: &Charge) -> Result<
     .bind(charge.amount)
     .bind(&charge.currency)
     .bind(&charge.description)
+    // As JSON text: the metadata is only ever read back whole.
+    .bind(serde_json::to_string(&charge.metadata).unwrap_or_else(|_| String::from("{}")))
     .bind(charge.source.token())
     .bind(charge.capture)
     .bind(charge.status.as_str())
@@ -286,12 +288,16 @@ pub(super) fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
     let status: String = row.try_get("status")?;
     let created: i64 = row.try_get("created")?;
     let seq: i64 = row.try_get("seq")?;
+    let metadata: String = row.try_get("metadata")?;
+    let metadata = serde_json::from_str(&metadata)
+        .map_err(|err| sqlx::Error::Decode(format!("a charge's metadata: {err}").into()))?;
     Ok(Charge {
         id: row.try_get("id")?,
         account: Account::from_id(row.try_get("account")?),
         amount: row.try_get("amount")?,
         currency: row.try_get("currency")?,
         description: row.try_get("description")?,
+        metadata,
         source: Source::parse(&source).ok_or_else(|| bad("source", source.clone()))?,
         capture: row.try_get("capture")?,
         status: Status::parse(&status).ok_or_else(|| bad("status", status.clone()))?,

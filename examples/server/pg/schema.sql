@@ -12,6 +12,8 @@ CREATE TABLE IF NOT EXISTS charges (
     amount          bigint      NOT NULL,
     currency        text        NOT NULL,
     description     text,
+    -- The client's key-value pairs, as a JSON object.
+    metadata        text        NOT NULL DEFAULT '{}',
     source          text        NOT NULL,
     capture         boolean     NOT NULL,
     status          text        NOT NULL,

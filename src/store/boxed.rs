@@ -1,0 +1,214 @@
+//! [`BoxStore`]: a store chosen at run time, behind one type.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Claim, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{ClaimToken, Completed, RecordId};
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// [`Store`] in a form that can be a trait object: each call's future boxed.
+trait DynStore: Send + Sync + 'static {
+    fn claim<'a>(
+        &'a self,
+        id: &'a RecordId,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+        completed: &'a Completed,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    fn renew<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions);
+
+    fn release<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+}
+
+impl<S: Store> DynStore for S {
+    fn claim<'a>(
+        &'a self,
+        id: &'a RecordId,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(Store::claim(self, id, fingerprint, lease))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+        completed: &'a Completed,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Store::complete(self, id, token, completed, ttl))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Store::renew(self, id, token, lease))
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        Store::prepare(self, id, token, extensions);
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Store::release(self, id, token))
+    }
+}
+
+/// Any [`Store`], behind one type: for a store chosen at run time (from configuration, say), so
+/// that the layer, the services it builds and the code around them exist once, as
+/// `IdempotencyLayer<BoxStore>`, whatever the store.
+///
+/// Every method is forwarded, [`Store::prepare`] included. A call's future is boxed, one small
+/// allocation per store call; clones share the store.
+///
+/// ```
+/// use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
+///
+/// fn store(redis_url: Option<&str>) -> Result<BoxStore, Box<dyn std::error::Error>> {
+///     Ok(match redis_url {
+///         Some(url) => BoxStore::new(RedisStore::from_url(url)?),
+///         None => BoxStore::new(MemoryStore::new()),
+///     })
+/// }
+///
+/// // One layer type, whichever store the configuration names.
+/// let layer: IdempotencyLayer<BoxStore> = IdempotencyLayer::new(store(None)?);
+/// # let _ = layer;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct BoxStore {
+    inner: Arc<dyn DynStore>,
+    /// The boxed store's type, for `Debug`.
+    name: &'static str,
+}
+
+impl BoxStore {
+    /// Boxes `store`.
+    pub fn new<S: Store>(store: S) -> Self {
+        Self {
+            inner: Arc::new(store),
+            name: std::any::type_name::<S>(),
+        }
+    }
+}
+
+impl fmt::Debug for BoxStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("BoxStore").field(&self.name).finish()
+    }
+}
+
+impl Store for BoxStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.inner.claim(id, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(id, token, completed, ttl).await
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(id, token, lease).await
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        self.inner.prepare(id, token, extensions);
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.inner.release(id, token).await
+    }
+}
+
+/// A shared store is a store: every method is forwarded, [`Store::prepare`] included.
+impl<S: Store> Store for Arc<S> {
+    fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        S::claim(self, id, fingerprint, lease)
+    }
+
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        S::complete(self, id, token, completed, ttl)
+    }
+
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        S::renew(self, id, token, lease)
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        S::prepare(self, id, token, extensions);
+    }
+
+    fn release(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        S::release(self, id, token)
+    }
+}

@@ -1,0 +1,13 @@
+//! The cases of the contract, each a `pub async fn case<H: Harness>(h: H)` that panics when the
+//! store breaks a rule: [`store_contract!`](crate::store_contract) runs them all, one test each.
+//! Each names the rules it checks as `PROTOCOL.md §N.M` (`docs/PROTOCOL.md` in the crate's
+//! repository).
+//!
+//! Store-level cases (`store_*`) call the [`Store`](crate::Store) methods directly; the others
+//! drive an [`IdempotencyLayer`](crate::IdempotencyLayer) over the store.
+
+mod layer;
+mod store;
+
+pub use layer::*;
+pub use store::*;

@@ -1,0 +1,450 @@
+//! Store-level cases: the rules of PROTOCOL.md §10.1 and §10.2, through the [`Store`] methods.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, LOCATION};
+use http::{HeaderMap, HeaderValue, StatusCode};
+
+use crate::store::{Claim, Store};
+use crate::testing::{Harness, margin, pattern};
+use crate::{ClaimToken, Completed, Fingerprint, InFlight, Record, RecordId, StoredResponse};
+
+fn fingerprint(n: u8) -> Fingerprint {
+    Fingerprint::from_bytes([n; 32])
+}
+
+fn record_id(key: &str) -> RecordId {
+    RecordId::new(b"contract", key)
+}
+
+async fn claimed<St: Store>(
+    store: &St,
+    id: &RecordId,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> ClaimToken {
+    match store.claim(id, fp, lease).await {
+        Ok(Claim::Claimed(token)) => token,
+        other => panic!("expected a new claim of {id:?}, got {other:?}"),
+    }
+}
+
+async fn existing<St: Store>(
+    store: &St,
+    id: &RecordId,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> Record {
+    match store.claim(id, fp, lease).await {
+        Ok(Claim::Existing(record)) => record,
+        other => panic!("expected the existing record of {id:?}, got {other:?}"),
+    }
+}
+
+async fn existing_in_flight<St: Store>(store: &St, id: &RecordId, lease: Duration) -> InFlight {
+    match existing(store, id, &fingerprint(0xee), lease).await {
+        Record::InFlight(in_flight) => in_flight,
+        other => panic!("expected an in-flight record, got {other:?}"),
+    }
+}
+
+async fn existing_completed<St: Store>(store: &St, id: &RecordId, lease: Duration) -> Completed {
+    match existing(store, id, &fingerprint(0xee), lease).await {
+        Record::Completed(completed) => completed,
+        other => panic!("expected a completed record, got {other:?}"),
+    }
+}
+
+/// A completed record whose response has repeated, empty and non-UTF-8 header values and a
+/// binary body.
+fn completed_with_response(fp: Fingerprint) -> Completed {
+    let mut headers = HeaderMap::new();
+    headers.append(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.append("x-multi", HeaderValue::from_static("first"));
+    headers.append("x-multi", HeaderValue::from_static("second"));
+    headers.append("x-empty", HeaderValue::from_static(""));
+    headers.append(
+        "x-bytes",
+        HeaderValue::from_bytes(b"caf\xe9 \xff").expect("obs-text is a valid header value"),
+    );
+    headers.append("x-multi", HeaderValue::from_static("third"));
+    headers.append(LOCATION, HeaderValue::from_static("/v1/charges/ch_1"));
+    let mut body = b"{\"id\":\"ch_1\"}\x00\xff\r\n".to_vec();
+    body.extend(pattern(1000));
+    Completed {
+        fingerprint: fp,
+        response: Some(Arc::new(StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from(body),
+        })),
+    }
+}
+
+fn header_pairs(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+/// A claim on a free key succeeds; a second claim, with the same or another fingerprint, gets
+/// the in-flight record unchanged, and the first claimant still owns it.
+/// PROTOCOL.md §10.1, §10.2.
+pub async fn store_claim_is_exclusive<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let id = record_id("exclusive");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+
+    for fp in [fingerprint(1), fingerprint(2)] {
+        match existing(&store, &id, &fp, lease).await {
+            Record::InFlight(in_flight) => {
+                assert_eq!(
+                    in_flight.fingerprint,
+                    fingerprint(1),
+                    "the claimant's fingerprint"
+                );
+                assert!(
+                    in_flight.lease_remaining > Duration::ZERO
+                        && in_flight.lease_remaining <= lease,
+                    "lease remaining {:?} of {lease:?}",
+                    in_flight.lease_remaining
+                );
+            }
+            other => panic!("expected in flight, got {other:?}"),
+        }
+    }
+    assert!(store.renew(&id, &token, lease).await.expect("renew"));
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&id, &token, &done, h.window())
+            .await
+            .expect("complete"),
+        "the first claimant still owns the record"
+    );
+}
+
+/// Records of different ids (the same key in two scopes) are independent.
+/// PROTOCOL.md §5.1, §5.3, §10.2.
+pub async fn store_claims_are_per_record_id<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let a = RecordId::new(b"acct_a", "same-key");
+    let b = RecordId::new(b"acct_b", "same-key");
+    assert_ne!(a, b);
+    let token_a = claimed(&store, &a, &fingerprint(1), lease).await;
+    let token_b = claimed(&store, &b, &fingerprint(2), lease).await;
+    assert_ne!(token_a, token_b, "tokens are unique per claim");
+    // A token fences only its own record.
+    assert!(!store.release(&b, &token_a).await.expect("release"));
+    assert!(!store.renew(&a, &token_b, lease).await.expect("renew"));
+    assert!(store.release(&a, &token_a).await.expect("release"));
+    assert_eq!(
+        existing_in_flight(&store, &b, lease).await.fingerprint,
+        fingerprint(2)
+    );
+}
+
+/// A completed record comes back exactly: status, every header value in order (repeated, empty
+/// and non-UTF-8 values), and the body bytes; whatever fingerprint the later claim carries.
+/// PROTOCOL.md §10.1.
+pub async fn store_completed_record_is_returned_intact<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let id = record_id("intact");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&id, &token, &done, h.window())
+            .await
+            .expect("complete")
+    );
+
+    for fp in [fingerprint(1), fingerprint(9)] {
+        let Record::Completed(got) = existing(&store, &id, &fp, lease).await else {
+            panic!("expected a completed record");
+        };
+        assert_eq!(got, done);
+        let (got, want) = (
+            got.response.expect("a stored response"),
+            done.response.clone().expect("a response"),
+        );
+        assert_eq!(
+            header_pairs(&got.headers),
+            header_pairs(&want.headers),
+            "header order"
+        );
+        assert_eq!(got.body, want.body);
+    }
+}
+
+/// A tombstone (`Completed` without a response) is kept as such.
+/// PROTOCOL.md §5.2, §10.1.
+pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let id = record_id("tombstone");
+    let token = claimed(&store, &id, &fingerprint(3), lease).await;
+    let tombstone = Completed {
+        fingerprint: fingerprint(3),
+        response: None,
+    };
+    assert!(
+        store
+            .complete(&id, &token, &tombstone, h.window())
+            .await
+            .expect("complete")
+    );
+    h.advance(h.lease() + margin(&h)).await;
+    assert_eq!(existing_completed(&store, &id, lease).await, tombstone);
+}
+
+/// A completed record lives for the TTL given to `complete` (the dedup window), not for the
+/// claim's lease; after it, the key is free.
+/// PROTOCOL.md §5.2, §10.1.
+pub async fn store_completed_record_lives_for_its_ttl_not_the_lease<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window, m) = (h.lease(), h.window(), margin(&h));
+    let id = record_id("ttl");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&id, &token, &done, window)
+            .await
+            .expect("complete")
+    );
+
+    h.advance(lease + m).await;
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "past the lease"
+    );
+    h.advance(window - lease - m - m).await;
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "just inside the window"
+    );
+    h.advance(m + m).await;
+    claimed(&store, &id, &fingerprint(2), lease).await;
+}
+
+/// An in-flight record without renewal lives for its lease, then the key is free.
+/// PROTOCOL.md §5.2, §10.2.
+pub async fn store_lease_expires_without_renewal<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, m) = (h.lease(), margin(&h));
+    let id = record_id("lease");
+    claimed(&store, &id, &fingerprint(1), lease).await;
+    h.advance(lease - m).await;
+    let in_flight = existing_in_flight(&store, &id, lease).await;
+    assert!(
+        in_flight.lease_remaining <= m + m / 2,
+        "lease remaining {:?} after {:?} of a {lease:?} lease",
+        in_flight.lease_remaining,
+        lease - m
+    );
+    h.advance(m + m).await;
+    claimed(&store, &id, &fingerprint(2), lease).await;
+}
+
+/// `renew` extends the lease to a full lease from now.
+/// PROTOCOL.md §10.1 (renew).
+pub async fn store_renew_extends_the_lease<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, m) = (h.lease(), margin(&h));
+    let id = record_id("renew");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    h.advance(lease - m).await;
+    assert!(store.renew(&id, &token, lease).await.expect("renew"));
+    let in_flight = existing_in_flight(&store, &id, lease).await;
+    assert!(
+        in_flight.lease_remaining > lease - m,
+        "a renewed lease has {:?} left",
+        in_flight.lease_remaining
+    );
+    // Past the first lease's end, the claim holds.
+    h.advance(m + m).await;
+    assert_eq!(
+        existing_in_flight(&store, &id, lease).await.fingerprint,
+        fingerprint(1)
+    );
+    // Past the renewed lease's end, the key is free.
+    h.advance(lease).await;
+    claimed(&store, &id, &fingerprint(2), lease).await;
+}
+
+/// `release` deletes the owner's in-flight record; the key can be claimed again, and the old token
+/// no longer works.
+/// PROTOCOL.md §5.3, §10.1 (release).
+pub async fn store_release_frees_the_key<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let id = record_id("release");
+    let first = claimed(&store, &id, &fingerprint(1), lease).await;
+    assert!(store.release(&id, &first).await.expect("release"));
+    let second = claimed(&store, &id, &fingerprint(2), lease).await;
+    assert_ne!(first, second);
+    assert!(!store.release(&id, &first).await.expect("release"));
+    assert!(!store.renew(&id, &first, lease).await.expect("renew"));
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        !store
+            .complete(&id, &first, &done, h.window())
+            .await
+            .expect("complete")
+    );
+    assert_eq!(
+        existing_in_flight(&store, &id, lease).await.fingerprint,
+        fingerprint(2)
+    );
+}
+
+/// An owner whose lease ran out, and whose key was claimed again, can neither complete, renew nor
+/// release the new owner's record.
+/// PROTOCOL.md §5.3, §10.2.
+pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("fencing");
+    let old = claimed(&store, &id, &fingerprint(1), lease).await;
+    h.advance(lease + margin(&h)).await;
+    let new = claimed(&store, &id, &fingerprint(2), lease).await;
+    assert_ne!(old, new);
+
+    let stale = completed_with_response(fingerprint(1));
+    assert!(
+        !store
+            .complete(&id, &old, &stale, window)
+            .await
+            .expect("complete")
+    );
+    assert!(!store.release(&id, &old).await.expect("release"));
+    assert!(!store.renew(&id, &old, lease).await.expect("renew"));
+    assert_eq!(
+        existing_in_flight(&store, &id, lease).await.fingerprint,
+        fingerprint(2),
+        "the record is still the new owner's claim"
+    );
+
+    let done = Completed {
+        fingerprint: fingerprint(2),
+        response: completed_with_response(fingerprint(2)).response,
+    };
+    assert!(
+        store
+            .complete(&id, &new, &done, window)
+            .await
+            .expect("complete")
+    );
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+}
+
+/// Once completed, a record is final: the claim's token can no longer complete, renew or release
+/// it.
+/// PROTOCOL.md §5.2, §5.3.
+pub async fn store_completed_record_is_final<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("final");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&id, &token, &done, window)
+            .await
+            .expect("complete")
+    );
+
+    let other = Completed {
+        fingerprint: fingerprint(1),
+        response: None,
+    };
+    assert!(
+        !store
+            .complete(&id, &token, &other, window)
+            .await
+            .expect("complete")
+    );
+    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
+    assert!(!store.release(&id, &token).await.expect("release"));
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+}
+
+/// Renew and release on a key without a record do nothing and create nothing; complete writes
+/// the record, since the work it records did run.
+/// PROTOCOL.md §10.1, §9.5.
+pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("missing");
+    let token = ClaimToken::generate();
+    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
+    assert!(!store.release(&id, &token).await.expect("release"));
+    claimed(&store, &id, &fingerprint(1), lease).await;
+
+    let other = record_id("missing-then-completed");
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&other, &token, &done, window)
+            .await
+            .expect("complete")
+    );
+    assert_eq!(existing_completed(&store, &other, lease).await, done);
+}
+
+/// An owner whose lease ran out while nobody claimed the key since still completes it: the record
+/// vanished, but the work ran, and a retry must get its result rather than run it again.
+/// PROTOCOL.md §10.1, §9.6.
+pub async fn store_complete_after_the_lease_ran_out_writes_the_record<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("late");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    h.advance(lease + margin(&h)).await;
+    let done = completed_with_response(fingerprint(1));
+    assert!(
+        store
+            .complete(&id, &token, &done, window)
+            .await
+            .expect("complete")
+    );
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    // Kept for the window, like any completion.
+    h.advance(lease + margin(&h)).await;
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+}
+
+/// Of many concurrent claims of one key, exactly one wins.
+/// PROTOCOL.md §10.2.
+pub async fn store_concurrent_claims_have_one_winner<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let id = record_id("race");
+    let tasks: Vec<_> = (0..100u8)
+        .map(|n| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&id, &fingerprint(n), lease).await })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut in_flight = 0;
+    for task in tasks {
+        match task.await.expect("the task").expect("claim") {
+            Claim::Claimed(token) => winners.push(token),
+            Claim::Existing(Record::InFlight(_)) => in_flight += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one claim wins");
+    assert_eq!(in_flight, 99);
+    assert!(store.release(&id, &winners[0]).await.expect("release"));
+}

@@ -1,0 +1,144 @@
+//! A store written as a user outside the crate writes one, with nothing but the public API, runs
+//! the exported contract suite (`tower_idempotency::testing`, feature `test-util`) in one line.
+//!
+//! `TinyStore` is a `HashMap` behind a `Mutex`, expiring on tokio time: the smallest store that
+//! keeps the contract (PROTOCOL.md §10.1, §10.2).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::testing::Harness;
+use tower_idempotency::{ClaimToken, Completed, Fingerprint, InFlight, Record, RecordId};
+
+/// What one key holds, and until when.
+#[derive(Debug)]
+enum Entry {
+    InFlight {
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+    },
+    Completed(Completed),
+}
+
+#[derive(Debug, Clone, Default)]
+struct TinyStore {
+    records: Arc<Mutex<HashMap<RecordId, (Entry, Instant)>>>,
+}
+
+impl TinyStore {
+    /// Runs `f` on the live records: an expired record is gone for every operation (§10.2).
+    fn with_live<T>(&self, f: impl FnOnce(&mut HashMap<RecordId, (Entry, Instant)>) -> T) -> T {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        records.retain(|_, (_, expires)| *expires > now);
+        f(&mut records)
+    }
+
+    /// Whether `id` is in flight under `token`.
+    fn owned(
+        records: &HashMap<RecordId, (Entry, Instant)>,
+        id: &RecordId,
+        token: &ClaimToken,
+    ) -> bool {
+        matches!(records.get(id), Some((Entry::InFlight { token: t, .. }, _)) if t == token)
+    }
+}
+
+impl Store for TinyStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        Ok(self.with_live(|records| match records.get(id) {
+            Some((Entry::InFlight { fingerprint, .. }, expires)) => {
+                Claim::Existing(Record::InFlight(InFlight {
+                    fingerprint: *fingerprint,
+                    lease_remaining: expires.saturating_duration_since(Instant::now()),
+                }))
+            }
+            Some((Entry::Completed(completed), _)) => {
+                Claim::Existing(Record::Completed(completed.clone()))
+            }
+            None => {
+                let token = ClaimToken::generate();
+                let entry = Entry::InFlight {
+                    token,
+                    fingerprint: *fingerprint,
+                };
+                records.insert(*id, (entry, Instant::now() + lease));
+                Claim::Claimed(token)
+            }
+        }))
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.with_live(|records| {
+            if !records.contains_key(id) || Self::owned(records, id, token) {
+                let entry = Entry::Completed(completed.clone());
+                records.insert(*id, (entry, Instant::now() + ttl));
+                true
+            } else {
+                false
+            }
+        }))
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.with_live(|records| {
+            let owned = Self::owned(records, id, token);
+            if let (true, Some((_, expires))) = (owned, records.get_mut(id)) {
+                *expires = Instant::now() + lease;
+            }
+            owned
+        }))
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        Ok(self.with_live(|records| {
+            let owned = Self::owned(records, id, token);
+            if owned {
+                records.remove(id);
+            }
+            owned
+        }))
+    }
+}
+
+#[derive(Debug, Default)]
+struct TinyHarness {
+    store: TinyStore,
+}
+
+impl Harness for TinyHarness {
+    type Store = TinyStore;
+
+    fn store(&self) -> TinyStore {
+        self.store.clone()
+    }
+
+    fn lease(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
+    fn window(&self) -> Duration {
+        Duration::from_secs(24 * 60 * 60)
+    }
+}
+
+tower_idempotency::store_contract!(TinyHarness::default(), start_paused = true);
