@@ -13,14 +13,14 @@
 #[path = "../examples/server/main.rs"]
 mod server;
 
+#[path = "support/examples.rs"]
+mod examples;
 #[path = "support/postgres_server.rs"]
 mod postgres_server;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -715,53 +715,8 @@ async fn every_outbox_event_is_applied_once_across_consumer_restarts() {
 
 // The server binary, on PostgreSQL.
 
-/// The payments example's binary, built with the `postgres` feature on first use (over the one
-/// another feature set left in the target directory).
-fn server_binary() -> PathBuf {
-    static BUILT: Mutex<bool> = Mutex::new(false);
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    // This test runs as <target dir>/<profile>/deps/example_postgres-<hash>.
-    let exe = std::env::current_exe().expect("the test's own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("the test runs from <target>/<profile>/deps");
-    let binary = profile_dir
-        .join("examples")
-        .join(format!("server{}", std::env::consts::EXE_SUFFIX));
-    if !*built {
-        let target_dir = profile_dir.parent().expect("a target directory");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .args([
-                "build",
-                "--quiet",
-                "--example",
-                "server",
-                "--features",
-                "postgres",
-            ])
-            .arg("--manifest-path")
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-            .arg("--target-dir")
-            .arg(target_dir);
-        match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") | None => {}
-            Some(profile) => {
-                build.args(["--profile", profile]);
-            }
-        }
-        let status = build.status().expect("cargo runs");
-        assert!(status.success(), "cargo build --example server failed");
-        assert!(binary.exists(), "no example binary at {}", binary.display());
-        *built = true;
-    }
-    binary
-}
-
 fn spawn_server(env: &[(&str, &str)]) -> Child {
-    let mut command = Command::new(server_binary());
+    let mut command = Command::new(examples::example_binary("server"));
     command
         .env("ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "info")

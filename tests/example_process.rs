@@ -6,13 +6,13 @@
 
 #![cfg(unix)]
 
+#[path = "support/examples.rs"]
+mod examples;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,42 +39,6 @@ const SLACK: Duration = Duration::from_millis(1500);
 const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
 /// The credential the charges are made with.
 const API_KEY: &str = "sk_test_alice";
-
-/// The binary of the example `name`, built on first use.
-fn example_binary(name: &'static str) -> PathBuf {
-    static BINARIES: Mutex<BTreeMap<&str, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut binaries = BINARIES.lock().unwrap_or_else(PoisonError::into_inner);
-    let binary = binaries.entry(name).or_insert_with(|| {
-        // This test runs as <target dir>/<profile>/deps/example_process-<hash>.
-        let exe = std::env::current_exe().expect("the test's own path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test runs from <target>/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("a target directory");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .args(["build", "--quiet", "--example", name, "--manifest-path"])
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-            .arg("--target-dir")
-            .arg(target_dir);
-        match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") | None => {}
-            Some(profile) => {
-                build.args(["--profile", profile]);
-            }
-        }
-        let status = build.status().expect("cargo runs");
-        assert!(status.success(), "cargo build --example {name} failed");
-        let binary = profile_dir
-            .join("examples")
-            .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-        assert!(binary.exists(), "no example binary at {}", binary.display());
-        binary
-    });
-    binary.clone()
-}
 
 /// A running example process.
 struct Server {
@@ -195,7 +159,7 @@ impl Drop for Server {
 }
 
 fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
-    let mut command = Command::new(example_binary(example));
+    let mut command = Command::new(examples::example_binary(example));
     command
         .env("ADDR", "127.0.0.1:0")
         .env_remove("REDIS_URL")
