@@ -198,15 +198,18 @@ async fn database_down_gets_503_and_the_next_request_after_it_is_back_runs() {
     assert_eq!(before.outcome, Some(Outcome::Executed));
 
     tokio::task::block_in_place(|| server.stop());
-    for _ in 0..3 {
+    for attempt in 0..3 {
         let sent = Instant::now();
         let reply = send(&svc, post("k", "x")).await;
-        // A refused connection is reported at once, not after the store's timeout.
-        assert!(
-            sent.elapsed() < Duration::from_millis(500),
-            "{:?}",
-            sent.elapsed()
-        );
+        // The first call may be the one that finds the server gone: when the pool had already
+        // dropped its dead connections, sqlx retries the refused connect until the store's
+        // timeout (1 s). From then on the store knows, and a refusal is reported at once.
+        let bound = if attempt == 0 {
+            Duration::from_millis(1500)
+        } else {
+            Duration::from_millis(500)
+        };
+        assert!(sent.elapsed() < bound, "{:?}", sent.elapsed());
         reply.assert_problem(
             ProblemKind::StoreUnavailable,
             StatusCode::SERVICE_UNAVAILABLE,
