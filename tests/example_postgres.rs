@@ -733,22 +733,6 @@ fn spawn_server(env: &[(&str, &str)]) -> Child {
     command.spawn().expect("the example starts")
 }
 
-/// Waits for `child` to exit, killing it after `bound`.
-fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
-    let deadline = Instant::now() + bound;
-    loop {
-        if let Some(status) = child.try_wait().expect("the child can be waited on") {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the example did not exit within {bound:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// A running server process, killed when dropped.
 struct Process {
     child: Child,
@@ -848,7 +832,7 @@ impl Process {
             .status()
             .expect("kill runs");
         assert!(status.success());
-        let status = wait_within(&mut self.child, PATIENCE);
+        let status = examples::wait_within(&mut self.child, PATIENCE);
         let stderr = self.stderr.take().map(|t| t.join().unwrap_or_default());
         (status, stderr.unwrap_or_default())
     }
@@ -929,7 +913,7 @@ fn an_unreachable_database_url_exits_naming_it() {
         .expect("piped")
         .read_to_string(&mut stderr)
         .expect("stderr");
-    let status = wait_within(&mut child, PATIENCE);
+    let status = examples::wait_within(&mut child, PATIENCE);
     assert!(!status.success(), "exit {status:?}");
     assert!(!stdout.contains("listening"), "{stdout}");
     assert!(!stderr.contains("panicked"), "{stderr}");

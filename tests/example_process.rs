@@ -141,7 +141,7 @@ impl Server {
 
     /// Waits up to `bound` for the process to exit; returns its status and its stderr.
     fn wait_within(mut self, bound: Duration) -> (ExitStatus, String) {
-        let status = wait_with_timeout(&mut self.child, bound);
+        let status = examples::wait_within(&mut self.child, bound);
         if let Some(reader) = self.stderr_reader.take() {
             let _ = reader.join();
         }
@@ -185,21 +185,6 @@ fn collect(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
     })
 }
 
-fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().expect("the child can be waited on") {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the example did not exit within {timeout:?}");
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Runs the payments example to its exit (it is expected to fail at start-up).
 fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
     run_example_to_exit("server", env)
@@ -210,7 +195,7 @@ fn run_example_to_exit(name: &'static str, env: &[(&str, &str)]) -> (ExitStatus,
     let mut child = spawn(name, env);
     let stdout = collect(child.stdout.take().expect("piped stdout"));
     let stderr = collect(child.stderr.take().expect("piped stderr"));
-    let status = wait_with_timeout(&mut child, EXIT_TIMEOUT);
+    let status = examples::wait_within(&mut child, EXIT_TIMEOUT);
     (
         status,
         stdout.join().unwrap_or_default(),

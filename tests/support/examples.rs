@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, ExitStatus};
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 /// The binary of the example `name`, built on first use with every feature (as
 /// `cargo test --all-features` builds it already, so that this is usually a no-op), shared by every
@@ -49,4 +50,20 @@ pub fn example_binary(name: &'static str) -> PathBuf {
         binary
     });
     binary.clone()
+}
+
+/// Waits for `child` to exit, killing it after `bound`.
+pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(status) = child.try_wait().expect("the child can be waited on") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example did not exit within {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
