@@ -20,7 +20,6 @@ mod codec;
 mod id;
 mod model;
 
-#[cfg(test)]
 pub(crate) use codec::layout;
 pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};
 pub use id::{ClaimToken, RecordId};

@@ -1,23 +1,27 @@
-//! `RedisStore`: records in Redis (7.0 or newer), shared by every instance.
+//! `RedisStore`: records in Redis (7.0 or newer), on one server or a Redis Cluster, shared by
+//! every instance.
 
 use std::fmt::{self, Write as _};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 
-use bytes::Bytes;
 use deadpool_redis::redis::AsyncConnectionConfig;
-use deadpool_redis::redis::aio::MultiplexedConnection;
-use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, Value};
+use deadpool_redis::redis::cluster::{ClusterClient, ClusterClientBuilder};
+use deadpool_redis::redis::{self, RedisError, Value};
 use deadpool_redis::{Manager, Pool, Runtime};
 
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::hex::Hex;
-use crate::record::{ClaimToken, Completed, Record, RecordId, encode_in_flight, unix_millis};
-use batch::{Batch, ClaimRef};
+use crate::record::{ClaimToken, Completed, RecordId};
+use connection::{Backend, Cluster, Single};
+use replication::Replication;
 use scripts::{COMPLETE, Lua, RELEASE, RENEW};
 
 mod batch;
+mod calls;
+mod connection;
+mod replication;
 mod scripts;
 
 /// The default key prefix.
@@ -25,20 +29,26 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// The default bound on one Redis call, including taking a connection from the pool.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// A store in Redis, through a deadpool-redis pool: many server instances share one truth.
+/// A store in Redis: many server instances share one truth. One server (through a
+/// deadpool-redis pool) or a Redis Cluster ([`RedisStore::cluster`]).
 ///
 /// Requires Redis 7.0 or newer (for `SET ... NX GET`); an older server fails every claim with a
-/// clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that Redis
-/// Cluster keeps it in one slot; values use the compact binary encoding of [`crate::record`].
+/// clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that a
+/// cluster keeps it in one slot; values use the compact binary encoding of [`crate::record`].
 ///
-/// Round trips per request: a new key 2 (`SET NX PX GET`, then `EVALSHA` to complete), a replay, a
-/// 409 or a 422 1 (the `SET` returns the existing record), plus one `EVALSHA` per lease renewal of
-/// a long handler. The store keeps one multiplexed connection from the pool and shares it between
+/// Round trips per request, on one server or a cluster: a new key 2 (`SET NX PX GET`, then
+/// `EVALSHA` to complete), a replay, a 409 or a 422 1 (the `SET` returns the existing record),
+/// plus one `EVALSHA` per lease renewal of a long handler. With
+/// [`with_replication_wait`](RedisStore::with_replication_wait), the claim and the completion
+/// each carry a `WAIT` in the same round trip.
+///
+/// On one server the store keeps one multiplexed connection from the pool and shares it between
 /// requests, so it does not pay the pool's `UNWATCH` + `PING` recycle check per request; it goes
 /// back to the pool for a fresh, checked connection after a connection error or timeout, so it
 /// recovers by itself when Redis comes back. The commands of requests that arrive together are
 /// sent as one pipeline (one write, one read on each side) rather than one write each; each
-/// still gets its own answer and its own error.
+/// still gets its own answer and its own error. On a cluster, redis-rs's cluster connection
+/// routes each command to its slot's master and follows redirections and failovers.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, RedisStore};
@@ -56,24 +66,22 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    pool: Pool,
+    backend: Arc<Backend>,
     prefix: String,
     timeout: Duration,
-    connection: Mutex<Option<MultiplexedConnection>>,
-    batch: Batch,
+    replication: Option<Replication>,
     complete: Lua,
     renew: Lua,
     release: Lua,
 }
 
 impl Inner {
-    fn new(pool: Pool, prefix: String, timeout: Duration) -> Self {
+    fn new(backend: Arc<Backend>) -> Self {
         Self {
-            pool,
-            prefix,
-            timeout,
-            connection: Mutex::new(None),
-            batch: Batch::default(),
+            backend,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            timeout: DEFAULT_TIMEOUT,
+            replication: None,
             complete: Lua::new(COMPLETE),
             renew: Lua::new(RENEW),
             release: Lua::new(RELEASE),
@@ -81,7 +89,7 @@ impl Inner {
     }
 }
 
-/// Setting up a [`RedisStore`] failed.
+/// Setting up a [`RedisStore`] failed, or Redis did not do what a call needs.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RedisStoreError {
@@ -105,13 +113,27 @@ pub enum RedisStoreError {
         "Redis {0} is too old: tower-idempotency needs Redis 7.0 or newer (SET with NX and GET)"
     )]
     ServerTooOld(String),
+    /// Fewer replicas than [`RedisStore::with_replication_wait`] asks for acknowledged a write in
+    /// time. A claim is released (its handler does not run); a completion is kept and retried.
+    #[error("{acked} of {wanted} replicas acknowledged the write in time")]
+    NotReplicated {
+        /// How many replicas acknowledged.
+        acked: u32,
+        /// How many were asked for.
+        wanted: u32,
+    },
 }
 
 impl RedisStore {
-    /// A store on `pool`, with the default prefix (`idempotency:`) and timeout (1 second).
+    /// A store on `pool` (one Redis server), with the default prefix (`idempotency:`) and
+    /// timeout (1 second).
     pub fn new(pool: Pool) -> Self {
+        Self::on(Backend::Single(Single::new(pool)))
+    }
+
+    fn on(backend: Backend) -> Self {
         Self {
-            inner: Arc::new(Inner::new(pool, DEFAULT_PREFIX.to_owned(), DEFAULT_TIMEOUT)),
+            inner: Arc::new(Inner::new(Arc::new(backend))),
         }
     }
 
@@ -132,6 +154,49 @@ impl RedisStore {
         Ok(Self::new(pool))
     }
 
+    /// A store on a Redis Cluster, found through any of its nodes (`redis://host:port` each; one
+    /// reachable node is enough, the client learns the rest). Commands go to their slot's master;
+    /// redirections (`MOVED`, `ASK`) and failovers are followed. Nothing is connected until the
+    /// first call; use [`RedisStore::check`] to fail fast at start-up.
+    ///
+    /// A master's writes reach its replicas asynchronously: a claim acknowledged by a master that
+    /// fails before replicating it is lost, and a retry on the promoted replica runs again. See
+    /// [`with_replication_wait`](RedisStore::with_replication_wait) for what narrows that window.
+    ///
+    /// ```no_run
+    /// use tower_idempotency::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// let store = RedisStore::cluster(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"])?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`RedisStoreError::Url`] when a URL is invalid or none is given.
+    pub fn cluster<I, U>(urls: I) -> Result<Self, RedisStoreError>
+    where
+        I: IntoIterator<Item = U>,
+        U: AsRef<str>,
+    {
+        let urls: Vec<String> = urls.into_iter().map(|u| u.as_ref().to_owned()).collect();
+        let client = ClusterClientBuilder::new(urls)
+            // Each call is bounded by the store's own timeout; these keep a dead node from
+            // holding the client's own retries past it.
+            .connection_timeout(DEFAULT_TIMEOUT)
+            .response_timeout(DEFAULT_TIMEOUT)
+            .build()
+            .map_err(RedisStoreError::Url)?;
+        Ok(Self::from_cluster_client(client))
+    }
+
+    /// A store on a Redis Cluster through a client you built (TLS, credentials, retries, read
+    /// routing: see redis-rs's `ClusterClientBuilder`).
+    pub fn from_cluster_client(client: ClusterClient) -> Self {
+        Self::on(Backend::Cluster(Box::new(Cluster::new(client))))
+    }
+
     /// Sets the prefix of every key the store writes. Default: `idempotency:`.
     pub fn with_prefix(self, prefix: impl Into<String>) -> Self {
         self.with_inner(|inner| inner.prefix = prefix.into())
@@ -142,9 +207,51 @@ impl RedisStore {
         self.with_inner(|inner| inner.timeout = timeout)
     }
 
+    /// After each claim and each completion, waits until at least `replicas` replicas of the
+    /// key's master acknowledged the write, for at most `timeout` (`WAIT`, sent in the same round
+    /// trip as the write, to the same node). Default: off.
+    ///
+    /// Replication in Redis is asynchronous: a master acknowledges a write before any replica
+    /// has it. If the master then fails and a replica that never received a claim is promoted,
+    /// the claim is gone, and a retry of the same request claims the key again and runs its
+    /// handler a second time. With the wait, a claim that fewer than `replicas` replicas
+    /// acknowledged is released and the request answered 503 (retry later): the handler never
+    /// runs on a claim that only the master holds. A completion that too few replicas
+    /// acknowledged is answered to the client and its write retried in the background.
+    ///
+    /// What it cannot promise: `WAIT` does not make Redis strongly consistent. A replica that
+    /// acknowledged may still lose the write (it restarts without persistence) or not be the one
+    /// promoted, and a master cut off from its replicas keeps accepting writes until
+    /// `cluster-node-timeout` passes. Server settings narrow this further: `min-replicas-to-write`
+    /// (a master refuses writes when fewer replicas are connected) and `appendonly yes` with
+    /// `appendfsync everysec` or `always` on the replicas.
+    ///
+    /// Off by default because it costs a replica round trip on every claim and completion
+    /// (latency and throughput figures are in the README), and because a single server without
+    /// replicas, the most common set-up, would refuse every request with it on. Each call may take
+    /// up to the store's timeout plus `timeout`.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// let store = RedisStore::cluster(["redis://10.0.0.1:6379"])?
+    ///     .with_replication_wait(1, Duration::from_millis(100));
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_replication_wait(self, replicas: u32, timeout: Duration) -> Self {
+        self.with_inner(|inner| inner.replication = Some(Replication { replicas, timeout }))
+    }
+
     fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
-        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| {
-            Inner::new(shared.pool.clone(), shared.prefix.clone(), shared.timeout)
+        let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+            prefix: shared.prefix.clone(),
+            timeout: shared.timeout,
+            replication: shared.replication,
+            ..Inner::new(Arc::clone(&shared.backend))
         });
         change(&mut inner);
         Self {
@@ -152,9 +259,17 @@ impl RedisStore {
         }
     }
 
-    /// The pool the store takes its connection from.
-    pub fn pool(&self) -> &Pool {
-        &self.inner.pool
+    /// The pool the store takes its connection from; `None` on a cluster.
+    pub fn pool(&self) -> Option<&Pool> {
+        match &*self.inner.backend {
+            Backend::Single(single) => Some(&single.pool),
+            Backend::Cluster(_) => None,
+        }
+    }
+
+    /// Whether the store is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(&*self.inner.backend, Backend::Cluster(_))
     }
 
     /// The Redis key of a record.
@@ -166,33 +281,38 @@ impl RedisStore {
         key
     }
 
-    /// Connects and checks that the server is Redis 7.0 or newer: call it at start-up to fail fast
-    /// with a clear message.
+    /// Connects and checks that the server (on a cluster: every node) is Redis 7.0 or newer:
+    /// call it at start-up to fail fast with a clear message.
     ///
     /// # Errors
     /// A [`RedisStoreError`] when Redis is unreachable, slow or too old.
     pub async fn check(&self) -> Result<(), RedisStoreError> {
         let timeout = self.inner.timeout;
         let check = async {
-            let mut connection = self.inner.pool.get().await.map_err(RedisStoreError::Pool)?;
-            let info: String = redis::cmd("INFO")
+            let mut connection = self.connection().await.map_err(RedisStoreError::Redis)?;
+            let info: Value = redis::cmd("INFO")
                 .arg("server")
-                .query_async(&mut *connection)
+                .query_async(&mut connection)
                 .await
                 .map_err(RedisStoreError::Redis)?;
-            let version = info
-                .lines()
-                .find_map(|line| line.strip_prefix("redis_version:"))
-                .unwrap_or("unknown")
-                .trim()
-                .to_owned();
-            let major: u32 = version
-                .split('.')
-                .next()
-                .and_then(|m| m.parse().ok())
-                .unwrap_or(0);
-            if major < 7 {
-                return Err(RedisStoreError::ServerTooOld(version));
+            // One server answers with its text; a cluster with one text per node.
+            let mut texts = Vec::new();
+            collect_text(&info, &mut texts);
+            for text in texts {
+                let version = text
+                    .lines()
+                    .find_map(|line| line.strip_prefix("redis_version:"))
+                    .unwrap_or("unknown")
+                    .trim()
+                    .to_owned();
+                let major: u32 = version
+                    .split('.')
+                    .next()
+                    .and_then(|m| m.parse().ok())
+                    .unwrap_or(0);
+                if major < 7 {
+                    return Err(RedisStoreError::ServerTooOld(version));
+                }
             }
             Ok(())
         };
@@ -200,99 +320,18 @@ impl RedisStore {
             .await
             .unwrap_or(Err(RedisStoreError::Timeout(timeout)))
     }
+}
 
-    /// The shared multiplexed connection, taken from the pool the first time and after a failure.
-    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
-        if let Some(connection) = self.cached().clone() {
-            return Ok(connection);
+/// Every text in a reply, nested ones included.
+fn collect_text(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::BulkString(bytes) => out.push(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => out.push(text.clone()),
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|item| collect_text(item, out));
         }
-        // Boxed: the pool's future is large (about 7 KiB, as it may connect), and every request
-        // future that awaits a store call would otherwise carry it, and copy it, for this rare path.
-        Box::pin(self.connect()).await
-    }
-
-    /// Takes a connection from the pool and shares it.
-    async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
-        let pooled = self
-            .inner
-            .pool
-            .get()
-            .await
-            .map_err(|err| StoreError::Unavailable(Box::new(RedisStoreError::Pool(err))))?;
-        let connection = MultiplexedConnection::clone(&pooled);
-        *self.cached() = Some(connection.clone());
-        Ok(connection)
-    }
-
-    fn cached(&self) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
-        self.inner
-            .connection
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Runs one call; its pipeline bounds it by the timeout (see [`RedisStore::queue`]).
-    async fn run<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Result<T, StoreError> {
-        call.await.map_err(|err| {
-            if err.is_timeout() {
-                StoreError::Timeout(self.inner.timeout)
-            } else {
-                self.redis_error(err)
-            }
-        })
-    }
-
-    fn redis_error(&self, err: RedisError) -> StoreError {
-        if err.is_io_error()
-            || err.is_connection_dropped()
-            || err.is_connection_refusal()
-            || err.is_timeout()
-            || err.is_unrecoverable_error()
-        {
-            self.cached().take();
-        }
-        StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
-    }
-
-    /// Sends `cmd` with the commands of the other requests queued now, as one pipeline (see
-    /// `batch`), and returns its own answer.
-    async fn send<T: FromRedisValue>(&self, cmd: Cmd) -> RedisResult<T> {
-        let answer = self
-            .queue(cmd, None)
-            .await
-            .unwrap_or_else(|_| Err(dropped()))?;
-        T::from_redis_value(answer).map_err(RedisError::from)
-    }
-
-    /// Queues `cmd` for the next pipeline; `claim` names the claim a `SET ... NX` makes, for the
-    /// pipeline to release if its caller stops waiting. The first command of a batch starts the
-    /// task that sends it, once the requests that are ready now have queued theirs.
-    fn queue(
-        &self,
-        cmd: Cmd,
-        claim: Option<ClaimRef>,
-    ) -> tokio::sync::oneshot::Receiver<RedisResult<Value>> {
-        let (answer, first) = self.inner.batch.push(cmd, claim);
-        if first {
-            let store = self.clone();
-            tokio::spawn(async move {
-                tokio::task::yield_now().await;
-                let pipeline = store.inner.batch.take();
-                // One bound for taking a connection and the round trip: every caller gets its
-                // answer, or an error, within the store's timeout.
-                let deadline = tokio::time::Instant::now() + store.inner.timeout;
-                let failure = match tokio::time::timeout_at(deadline, store.connection()).await {
-                    Ok(Ok(connection)) => pipeline.send(connection, deadline, RELEASE).await,
-                    Ok(Err(err)) => Some(pipeline.fail(&err)),
-                    Err(_) => Some(pipeline.fail(&io_timeout())),
-                };
-                if let Some(err) = failure {
-                    // Drops the shared connection when the error says it is broken.
-                    store.redis_error(err);
-                }
-            });
-        }
-        answer
+        Value::Map(pairs) => pairs.iter().for_each(|(_, item)| collect_text(item, out)),
+        _ => {}
     }
 }
 
@@ -337,158 +376,17 @@ impl Store for RedisStore {
     }
 }
 
-impl RedisStore {
-    async fn claim_call(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        let token = ClaimToken::generate();
-        let value = encode_in_flight(&token, fingerprint, SystemTime::now() + lease);
-        let key = self.redis_key(id);
-        // Sized up front: grown argument by argument, the command would be reallocated each time.
-        let mut set = Cmd::with_capacity(7, 3 + key.len() + value.len() + 2 + 2 + 20 + 3);
-        set.arg("SET")
-            .arg(&key)
-            .arg(value)
-            .arg("NX")
-            .arg("PX")
-            .arg(millis(lease))
-            .arg("GET");
-        let timeout = self.inner.timeout;
-        // If this caller stops waiting (a timeout, or this future is dropped because its client
-        // went away), the SET may still claim the key for a request that will never run: the
-        // pipeline then releases that claim behind the SET.
-        let answer = self.queue(set, Some((key, token)));
-        // The pipeline answers within the timeout, or fails.
-        let existing = match answer.await {
-            Ok(Ok(existing)) => Option::<Vec<u8>>::from_redis_value(existing)
-                .map_err(|err| self.redis_error(RedisError::from(err)))?,
-            Ok(Err(err)) if !err.is_timeout() => return Err(too_old(self.redis_error(err))),
-            Ok(Err(_)) | Err(_) => return Err(StoreError::Timeout(timeout)),
-        };
-        match existing {
-            None => Ok(Claim::Claimed(token)),
-            Some(bytes) => Record::decode(Bytes::from(bytes))
-                .map(Claim::Existing)
-                .map_err(|err| StoreError::Codec(Box::new(err))),
-        }
-    }
-
-    async fn complete_call(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        completed: &Completed,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let value = completed
-            .encode()
-            .map_err(|err| StoreError::Codec(Box::new(err)))?;
-        let ttl = millis(ttl).to_string();
-        self.fenced(&self.inner.complete, id, token, &[&value, ttl.as_bytes()])
-            .await
-    }
-
-    async fn renew_call(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let lease_end = unix_millis(SystemTime::now() + lease).to_le_bytes();
-        let lease = millis(lease).to_string();
-        self.fenced(
-            &self.inner.renew,
-            id,
-            token,
-            &[&lease_end, lease.as_bytes()],
-        )
-        .await
-    }
-
-    async fn release_call(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        self.fenced(&self.inner.release, id, token, &[]).await
-    }
-}
-
-/// The error of a pipeline that did not get a connection or an answer in time.
-fn io_timeout() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        "Redis did not answer within the store's timeout",
-    )
-}
-
-/// The error of a command whose pipeline went away without answering it.
-fn dropped() -> RedisError {
-    RedisError::from((
-        redis::ErrorKind::Io,
-        "Redis did not answer the pipeline carrying this command",
-    ))
-}
-
-/// Milliseconds for `PX`: at least 1 (Redis refuses 0).
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis())
-        .unwrap_or(u64::MAX)
-        .max(1)
-}
-
-/// A server older than 7.0 rejects `SET` with both `NX` and `GET` as a syntax error.
-fn too_old(err: StoreError) -> StoreError {
-    if let StoreError::Unavailable(source) = &err
-        && let Some(RedisStoreError::Redis(redis)) = source.downcast_ref::<RedisStoreError>()
-        && redis
-            .to_string()
-            .to_ascii_lowercase()
-            .contains("syntax error")
-    {
-        return StoreError::Unavailable(Box::new(RedisStoreError::ServerTooOld(String::from(
-            "< 7.0",
-        ))));
-    }
-    err
-}
-
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStore")
+        let mut debug = f.debug_struct("RedisStore");
+        debug
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
-            .field("pool", &self.inner.pool.status())
-            .finish_non_exhaustive()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_server_older_than_7_gets_a_clear_error() {
-        // Redis 6.2 answers `SET key value NX PX 1000 GET` with "ERR syntax error".
-        let reply = redis::make_extension_error("ERR".into(), Some("syntax error".into()));
-        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
-            reply,
-        ))));
-        let StoreError::Unavailable(source) = err else {
-            panic!("still a store failure")
+            .field("replication", &self.inner.replication);
+        match &*self.inner.backend {
+            Backend::Single(single) => debug.field("pool", &single.pool.status()),
+            Backend::Cluster(_) => debug.field("cluster", &true),
         };
-        let message = source.to_string();
-        assert!(message.contains("7.0 or newer"), "{message}");
-    }
-
-    #[test]
-    fn other_errors_are_left_alone() {
-        let reply = redis::make_extension_error("OOM".into(), Some("out of memory".into()));
-        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
-            reply,
-        ))));
-        let StoreError::Unavailable(source) = err else {
-            panic!("still a store failure")
-        };
-        assert!(!source.to_string().contains("7.0"), "{source}");
+        debug.finish_non_exhaustive()
     }
 }

@@ -182,7 +182,7 @@ impl Pipeline {
                 format!("{} commands, {} answers", replies.len(), answers.len()),
             )),
             Ok(Err(err)) => err,
-            Err(_) => RedisError::from(super::io_timeout()),
+            Err(_) => RedisError::from(super::calls::io_timeout()),
         };
         // Nobody will run these claims (their callers answer 503): release them behind the SETs.
         for (reply, claim) in replies.into_iter().zip(claims) {

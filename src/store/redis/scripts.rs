@@ -1,9 +1,10 @@
 //! The fenced Lua scripts (complete, renew, release) and how they are sent: `EVALSHA`, reloaded
 //! once when Redis has lost them.
 
-use deadpool_redis::redis::{self, Cmd, Script};
+use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisResult, Script};
 
-use super::RedisStore;
+use super::replication::Replication;
+use super::{RedisStore, RedisStoreError};
 use crate::record::{ClaimToken, RecordId};
 use crate::store::StoreError;
 
@@ -35,13 +36,15 @@ impl Lua {
 impl RedisStore {
     /// Runs a fenced script with `EVALSHA`, built straight into one command (no intermediate
     /// copies of the record), loading the script and retrying once when Redis has lost it (a
-    /// restart or `SCRIPT FLUSH`).
+    /// restart or `SCRIPT FLUSH`). With `replication`, a write that too few replicas acknowledged
+    /// is an error.
     pub(super) async fn fenced(
         &self,
         script: &Lua,
         id: &RecordId,
         token: &ClaimToken,
         args: &[&[u8]],
+        replication: Option<&Replication>,
     ) -> Result<bool, StoreError> {
         let key = self.redis_key(id);
         let evalsha = || {
@@ -57,22 +60,62 @@ impl RedisStore {
             }
             cmd
         };
-        self.run(async {
-            match self.send::<i64>(evalsha()).await {
-                Err(err)
-                    if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
-                    let mut load = redis::cmd("SCRIPT");
-                    load.arg("LOAD").arg(script.source);
-                    self.send::<String>(load).await?;
-                    self.send::<i64>(evalsha()).await
+        let run = |cmd: Cmd| async move {
+            match replication {
+                None => self.send::<i64>(cmd).await.map(|written| (written, None)),
+                Some(replication) => {
+                    let (written, acked) = self.replicated(replication, cmd).await?;
+                    let written = i64::from_redis_value(written)?;
+                    Ok((written, Some((acked, replication.replicas))))
                 }
-                answer => answer,
             }
-        })
-        .await
-        .map(|written| written == 1)
+        };
+        let (written, acks) = self
+            .run(async {
+                match run(evalsha()).await {
+                    Err(err)
+                        if err.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                    {
+                        let mut load = redis::cmd("SCRIPT");
+                        load.arg("LOAD").arg(script.source);
+                        // To the key's node: on a cluster, each node has its own script cache.
+                        load_on(self, load, &key).await?;
+                        run(evalsha()).await
+                    }
+                    answer => answer,
+                }
+            })
+            .await?;
+        if written == 1
+            && let Some((acked, wanted)) = acks
+            && acked < wanted
+        {
+            return Err(StoreError::Unavailable(Box::new(
+                RedisStoreError::NotReplicated { acked, wanted },
+            )));
+        }
+        Ok(written == 1)
     }
+}
+
+/// Loads a script where `key` lives: on one server, that server; on a cluster, the key's master
+/// (`SCRIPT LOAD` carries no key, so it is routed with a keyed command in one pipeline).
+async fn load_on(store: &RedisStore, load: Cmd, key: &str) -> RedisResult<()> {
+    if !store.is_cluster() {
+        return store.send::<String>(load).await.map(drop);
+    }
+    let mut pipe = redis::Pipeline::with_capacity(2);
+    pipe.cmd("EXISTS").arg(key).ignore();
+    pipe.add_command(load);
+    let call = async {
+        let mut connection = store.connection().await?;
+        pipe.query_async::<(String,)>(&mut connection).await
+    };
+    tokio::time::timeout(store.inner.timeout, call)
+        .await
+        .unwrap_or_else(|_| Err(redis::RedisError::from(super::calls::io_timeout())))
+        .map(drop)
 }
 
 #[cfg(test)]
