@@ -255,6 +255,10 @@ impl MemoryStore {
             hash_map::Entry::Occupied(entry) if entry.get().is_owned_by(token, now) => {
                 entry.into_mut()
             }
+            // This completion, sent again: already written.
+            hash_map::Entry::Occupied(entry) if entry.get().holds(completed, now) => {
+                return Ok(true);
+            }
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => return Ok(false),
             // The claim ran out (due, not collected yet) and nobody claimed the key since: the
             // work did run, so its result takes the place of the stale claim.
@@ -408,6 +412,11 @@ impl Entry {
     /// Whether the entry is live and in flight under `token`'s claim.
     fn is_owned_by(&self, token: &ClaimToken, now: Instant) -> bool {
         self.is_live(now) && matches!(&self.state, State::InFlight { token: t, .. } if t == token)
+    }
+
+    /// Whether the entry is live and holds exactly `completed`.
+    fn holds(&self, completed: &Completed, now: Instant) -> bool {
+        self.is_live(now) && matches!(&self.state, State::Completed(c) if c == completed)
     }
 
     /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a

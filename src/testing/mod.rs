@@ -142,6 +142,7 @@ macro_rules! store_contract {
             store_release_frees_the_key,
             store_fencing_stops_an_owner_whose_lease_was_lost,
             store_completed_record_is_final,
+            store_complete_sent_again_by_its_claim_is_written,
             store_complete_writes_a_missing_record_and_nothing_else_does,
             store_complete_after_the_lease_ran_out_writes_the_record,
             store_concurrent_claims_have_one_winner,

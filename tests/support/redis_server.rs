@@ -111,6 +111,8 @@ pub struct RedisServer {
     dir: PathBuf,
     log_path: PathBuf,
     child: Option<Child>,
+    /// Arguments beyond the fixture's own (cluster mode, say).
+    extra_args: Vec<String>,
 }
 
 impl RedisServer {
@@ -122,6 +124,14 @@ impl RedisServer {
     /// If `redis-server` is not on `PATH`, or it does not become ready within
     /// about 10 seconds (the panic message includes the server log).
     pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// Like [`start`](Self::start), with more `redis-server` arguments. With
+    /// `--cluster-enabled yes`, the port is below 55536 and the cluster bus
+    /// port (the port + 10000) is free too.
+    pub fn start_with(extra_args: &[&str]) -> RedisServer {
+        let cluster = extra_args.contains(&"--cluster-enabled");
         let binary = find_redis_server();
         let dir = create_temp_dir();
         let log_path = dir.join("redis-server.log");
@@ -131,9 +141,14 @@ impl RedisServer {
             dir,
             log_path,
             child: None,
+            extra_args: extra_args.iter().map(|arg| arg.to_string()).collect(),
         };
         for _ in 0..START_ATTEMPTS {
-            server.port = free_port();
+            server.port = if cluster {
+                free_port_with_bus()
+            } else {
+                free_port()
+            };
             let log_offset = server.log_len();
             server.spawn();
             match server.wait_ready() {
@@ -412,6 +427,7 @@ impl RedisServer {
         let child = Command::new(&self.binary)
             .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
             .args(["--port", &port, "--daemonize", "no"])
+            .args(&self.extra_args)
             .arg("--dir")
             .arg(&self.dir)
             .current_dir(&self.dir)
@@ -573,6 +589,23 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap_or_else(|e| panic!("cannot read local address: {e}"))
         .port()
+}
+
+/// A free port below 55536 whose cluster bus port (the port + 10000) is free
+/// too. Candidates come from a per-process sequence in 20000..45000, away from
+/// the kernel's ephemeral range, where `free_port` finds its ports.
+fn free_port_with_bus() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let start = u64::from(std::process::id()) * 7919;
+    for _ in 0..2000 {
+        let step = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20000 + ((start + step * 13) % 25000) as u16;
+        let free = |p: u16| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
+        if free(port) && free(port + 10000) {
+            return port;
+        }
+    }
+    panic!("no free port with a free cluster bus port in 20000..45000")
 }
 
 /// Sends `SIGNAL` (a name such as `STOP`) to `pid` with the `kill` command.

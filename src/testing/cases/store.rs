@@ -378,6 +378,28 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
     assert_eq!(existing_completed(&store, &id, lease).await, done);
 }
 
+/// A completion sent again by its claim (its first answer was lost with a dropped connection,
+/// and the client sent it again) finds its own record and succeeds: the caller must not retry it
+/// for ever, nor report the work as lost. The record is unchanged.
+/// PROTOCOL.md §10.1.
+pub async fn store_complete_sent_again_by_its_claim_is_written<H: Harness>(h: H) {
+    let store = h.store();
+    let (lease, window) = (h.lease(), h.window());
+    let id = record_id("sent-again");
+    let token = claimed(&store, &id, &fingerprint(1), lease).await;
+    let done = completed_with_response(fingerprint(1));
+    for sending in ["first", "second"] {
+        assert!(
+            store
+                .complete(&id, &token, &done, window)
+                .await
+                .expect("complete"),
+            "the {sending} sending of the completion is written"
+        );
+    }
+    assert_eq!(existing_completed(&store, &id, lease).await, done);
+}
+
 /// Renew and release on a key without a record do nothing and create nothing; complete writes
 /// the record, since the work it records did run.
 /// PROTOCOL.md §10.1, §9.5.
