@@ -89,7 +89,8 @@ impl Store for TinyStore {
                 records.insert(*id, (entry, Instant::now() + ttl));
                 true
             } else {
-                false
+                // This completion, sent again: already written.
+                matches!(records.get(id), Some((Entry::Completed(c), _)) if c == completed)
             }
         }))
     }
