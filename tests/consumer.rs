@@ -1,6 +1,8 @@
 //! The idempotent consumer on every store: the memory store on paused time, Redis on a
 //! `redis-server` of its own.
 
+#[path = "support/redis_cluster.rs"]
+mod redis_cluster;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
@@ -10,7 +12,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use tower_idempotency::consumer::{DedupError, Deduplicator, Processed};
-use tower_idempotency::{MemoryStore, RedisStore, Store};
+use tower_idempotency::store::Claim;
+use tower_idempotency::{Fingerprint, MemoryStore, RecordId, RedisStore, Store};
 
 /// Applies an event's amount to a balance and counts the applications.
 #[derive(Clone, Default)]
@@ -138,6 +141,40 @@ async fn long_work_keeps_its_claim<St: Store + Clone>(store: St, lease: Duration
     assert_eq!(ledger.balance(), 100);
 }
 
+/// A consumer that died holding a message's claim (it never completes nor releases it) holds it
+/// only for its lease: the next consumer takes the message over, and its effect happens once.
+async fn a_dead_consumers_message_is_taken_over<St: Store + Clone>(store: St, lease: Duration) {
+    // What a consumer that crashed after claiming leaves behind: the claim, and nothing else.
+    let id = RecordId::for_message(b"ledger", "evt_1");
+    let fingerprint = Fingerprint::from_bytes([0; 32]);
+    let claim = store.claim(&id, &fingerprint, lease).await.unwrap();
+    assert!(matches!(claim, Claim::Claimed(_)), "{claim:?}");
+
+    let ledger = Ledger::default();
+    let impatient = Deduplicator::new(store.clone(), "ledger").max_wait(Duration::ZERO);
+    assert_eq!(
+        impatient
+            .process("evt_1", || ledger.apply(100))
+            .await
+            .unwrap(),
+        Processed::InProgress,
+        "while the dead consumer's lease lasts, the message is in progress"
+    );
+    let next = Deduplicator::new(store, "ledger")
+        .lease(lease)
+        .max_wait(lease * 4);
+    assert_eq!(
+        next.process("evt_1", || ledger.apply(100)).await.unwrap(),
+        Processed::Done(()),
+        "taken over once the lease ran out"
+    );
+    assert_eq!(
+        next.process("evt_1", || ledger.apply(100)).await.unwrap(),
+        Processed::Duplicate
+    );
+    assert_eq!(ledger.balance(), 100);
+}
+
 async fn many_events_with_redeliveries_across_two_consumers<St: Store + Clone>(store: St) {
     let ledger = Ledger::default();
     let consumers = [
@@ -200,6 +237,12 @@ mod memory {
     #[tokio::test(start_paused = true)]
     async fn long_work_keeps_its_claim() {
         super::long_work_keeps_its_claim(MemoryStore::new(), Duration::from_secs(30)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_consumers_message_is_taken_over() {
+        let lease = Duration::from_secs(5);
+        super::a_dead_consumers_message_is_taken_over(MemoryStore::new(), lease).await;
     }
 
     #[tokio::test(start_paused = true)]
@@ -292,9 +335,46 @@ mod redis {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_consumers_message_is_taken_over() {
+        let server = RedisServer::start();
+        super::a_dead_consumers_message_is_taken_over(store(&server), Duration::from_millis(300))
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn many_events_with_redeliveries_across_two_consumers() {
         let server = RedisServer::start();
         super::many_events_with_redeliveries_across_two_consumers(store(&server)).await;
         assert!(server.keys_without_ttl().is_empty());
+    }
+}
+
+/// The consumer on a Redis Cluster of three masters and three replicas: the message ids of one
+/// consumer spread over every master.
+mod cluster {
+    use super::redis_cluster::RedisCluster;
+    use super::*;
+
+    fn store(prefix: &str) -> RedisStore {
+        RedisStore::cluster(RedisCluster::shared().urls())
+            .unwrap()
+            .with_prefix(prefix)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redeliveries_change_the_balance_once() {
+        super::redeliveries_change_the_balance_once(store("redeliveries:")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_events_with_redeliveries_across_two_consumers() {
+        super::many_events_with_redeliveries_across_two_consumers(store("many:")).await;
+        assert!(RedisCluster::shared().keys_without_ttl().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_consumers_message_is_taken_over() {
+        let lease = Duration::from_millis(300);
+        super::a_dead_consumers_message_is_taken_over(store("dead:"), lease).await;
     }
 }
