@@ -722,6 +722,7 @@ fn spawn_server(env: &[(&str, &str)]) -> Child {
         .env("RUST_LOG", "info")
         .env_remove("REDIS_URL")
         .env_remove("LEDGER_REDIS_URL")
+        .env_remove("REDIS_CLUSTER_URLS")
         .env_remove("DATABASE_URL")
         .env_remove("RECONCILE_AFTER_MS")
         .stdin(Stdio::null())

@@ -8,6 +8,8 @@
 
 #[path = "support/examples.rs"]
 mod examples;
+#[path = "support/redis_cluster.rs"]
+mod redis_cluster;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
@@ -19,6 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use redis_cluster::RedisCluster;
 use redis_server::{RedisServer, RespValue};
 
 /// How long the example may take to print its address.
@@ -164,6 +167,7 @@ fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
         .env("ADDR", "127.0.0.1:0")
         .env_remove("REDIS_URL")
         .env_remove("LEDGER_REDIS_URL")
+        .env_remove("REDIS_CLUSTER_URLS")
         .env_remove("PSP_LATENCY_MS")
         .env_remove("SHUTDOWN_TIMEOUT_MS")
         .env("RUST_LOG", "info")
@@ -467,7 +471,7 @@ fn redis_end_to_end() {
     // Only the durable ledger data lives without a TTL: the event stream and the balances.
     for key in redis.keys_without_ttl() {
         assert!(
-            key == "payments:events"
+            key == "payments:{events}"
                 || key.starts_with("payments:balance:") && key.ends_with(":available"),
             "{key} has no TTL"
         );
@@ -476,6 +480,65 @@ fn redis_end_to_end() {
     server.terminate();
     let (status, stderr) = server.wait();
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// The payments example on a Redis Cluster (`REDIS_CLUSTER_URLS`): a charge runs once and
+/// replays, its event goes through the stream and its consumer to the balance, and the records,
+/// the stream and the balances spread over the masters.
+#[test]
+fn redis_cluster_end_to_end() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls().join(",");
+    let server = Server::start(&[("REDIS_CLUSTER_URLS", &urls)]);
+    assert!(
+        server.banner.ends_with("(store: redis cluster)"),
+        "{}",
+        server.banner
+    );
+
+    let first = create_charge(server.addr, "cluster-1");
+    let retry = create_charge(server.addr, "cluster-1");
+    assert_eq!(
+        (first.status, retry.status),
+        (201, 201),
+        "{first:?} {retry:?}"
+    );
+    assert!(
+        retry.head.contains("idempotent-replayed: true"),
+        "{retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    wait_for_balance(server.addr, r#"{"amount":1000,"currency":"eur"}"#);
+    let second = create_charge(server.addr, "cluster-2");
+    assert_ne!(second.body, first.body, "another key, another charge");
+    wait_for_balance(server.addr, r#"{"amount":2000,"currency":"eur"}"#);
+
+    let keys = cluster.keys();
+    let records: Vec<&String> = keys
+        .iter()
+        .filter(|k| k.starts_with("idempotency:"))
+        .collect();
+    assert_eq!(records.len(), 2, "one record per key: {keys:?}");
+    assert!(keys.iter().any(|k| k == "payments:{events}"), "{keys:?}");
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// Both `REDIS_URL` and `REDIS_CLUSTER_URLS`: which one is meant is unclear, so the example
+/// refuses to start and says why.
+#[test]
+fn redis_url_and_cluster_urls_together_are_refused() {
+    let (status, stdout, stderr) = run_to_exit(&[
+        ("REDIS_URL", "redis://127.0.0.1:1"),
+        ("REDIS_CLUSTER_URLS", "redis://127.0.0.1:2"),
+    ]);
+    assert!(!status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("set REDIS_URL or REDIS_CLUSTER_URLS, not both"),
+        "{stderr}"
+    );
 }
 
 /// Opens a connection to `addr` and sends `part` of a request, no more.

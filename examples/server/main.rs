@@ -73,10 +73,13 @@
 //! ```text
 //! cargo run --example server                                   # everything in memory
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example server  # in Redis 7 or newer
+//! REDIS_CLUSTER_URLS=redis://10.0.0.1:6379,redis://10.0.0.2:6379 cargo run --example server
 //! DATABASE_URL=postgres://app@127.0.0.1/payments cargo run --example server --features postgres
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
-//! `LEDGER_REDIS_URL` (default: `REDIS_URL`), `DATABASE_URL` (set: everything in PostgreSQL, the
+//! `REDIS_CLUSTER_URLS` (instead of `REDIS_URL`: a Redis Cluster, comma-separated seed node URLs;
+//! everything `REDIS_URL` would put in Redis goes to the cluster),
+//! `LEDGER_REDIS_URL` (default: `REDIS_URL`, or the cluster), `DATABASE_URL` (set: everything in PostgreSQL, the
 //! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays `authorizing`
 //! before the reconciler settles it, default 120000), `PSP_LATENCY_MS` (the provider's delay per call,
 //! default 0), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
@@ -190,8 +193,9 @@ pub use queue::{ConsumerConfig, Queue};
 /// How long a shutdown may take by default: requests in flight and detached work.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The stream the events go to, when they go to Redis.
-pub const STREAM: &str = "payments:events";
+/// The stream the events go to, when they go to Redis. Hash-tagged: on a cluster, the stream and
+/// its consumer group live in one slot.
+pub const STREAM: &str = "payments:{events}";
 /// The prefix of the balance keys in Redis.
 pub const BALANCES_PREFIX: &str = "payments:balance:";
 /// The prefix of the provider's idempotency keys in Redis (see [`provider::KeyTable`]).
@@ -311,17 +315,26 @@ async fn run() -> Result<(), Box<dyn Error>> {
     if let Some(url) = env_url("DATABASE_URL") {
         return serve_postgres(&addr, state, &url, shutdown_timeout).await;
     }
+    let records = match (env_url("REDIS_URL"), env_urls("REDIS_CLUSTER_URLS")) {
+        (Some(_), Some(_)) => {
+            return Err("set REDIS_URL or REDIS_CLUSTER_URLS, not both".into());
+        }
+        (Some(url), None) => Some(RedisAt::Server("REDIS_URL", url)),
+        (None, Some(urls)) => Some(RedisAt::Cluster(urls)),
+        (None, None) => None,
+    };
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
-    // The ledger's Redis is `REDIS_URL`'s unless `LEDGER_REDIS_URL` names another one; its
+    // The ledger's Redis is the records' unless `LEDGER_REDIS_URL` names another one; its
     // errors name the variable the URL came from.
-    let ledger_url = ["LEDGER_REDIS_URL", "REDIS_URL"]
-        .into_iter()
-        .find_map(|var| Some((var, env_url(var)?)));
-    let (state, consumer_store) = match ledger_url {
+    let ledger = match env_url("LEDGER_REDIS_URL") {
+        Some(url) => Some(RedisAt::Server("LEDGER_REDIS_URL", url)),
+        None => records.clone(),
+    };
+    let (state, consumer_store) = match ledger {
         None => (state, BoxStore::new(MemoryStore::new())),
-        Some((var, url)) => {
-            let (conn, queue, balances, store) = connect_ledger(var, &url).await?;
+        Some(at) => {
+            let (conn, queue, balances, store) = connect_ledger(&at).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
             // The provider stands for one outside service that every instance calls: its keys
             // are shared, beside the ledger's durable data (apart from the idempotency records
@@ -336,9 +349,9 @@ async fn run() -> Result<(), Box<dyn Error>> {
         }
     };
     // The idempotency records' store, chosen here at run time: the server is the same whichever.
-    let (store, store_name) = match env_url("REDIS_URL") {
+    let (store, store_name) = match &records {
         None => (BoxStore::new(MemoryStore::new()), "memory"),
-        Some(url) => (BoxStore::new(connect_redis(&url).await?), "redis"),
+        Some(at) => (BoxStore::new(connect_redis(at).await?), at.kind()),
     };
     serve(
         &addr,
@@ -369,6 +382,57 @@ fn env_url(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|url| !url.is_empty())
 }
 
+/// The comma-separated URLs of the environment variable `name`, unless it names none.
+fn env_urls(name: &str) -> Option<Vec<String>> {
+    let urls: Vec<String> = env_url(name)?
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .map(str::to_owned)
+        .collect();
+    (!urls.is_empty()).then_some(urls)
+}
+
+/// Where a Redis is: one server (and the variable its URL came from, for error messages), or a
+/// cluster (`REDIS_CLUSTER_URLS`).
+#[derive(Clone)]
+enum RedisAt {
+    Server(&'static str, String),
+    Cluster(Vec<String>),
+}
+
+impl RedisAt {
+    /// The environment variable it came from.
+    fn var(&self) -> &'static str {
+        match self {
+            RedisAt::Server(var, _) => var,
+            RedisAt::Cluster(_) => "REDIS_CLUSTER_URLS",
+        }
+    }
+
+    /// The store's name in logs.
+    fn kind(&self) -> &'static str {
+        match self {
+            RedisAt::Server(..) => "redis",
+            RedisAt::Cluster(_) => "redis cluster",
+        }
+    }
+
+    fn store(&self) -> Result<RedisStore, tower_idempotency::store::RedisStoreError> {
+        match self {
+            RedisAt::Server(_, url) => RedisStore::from_url(url),
+            RedisAt::Cluster(urls) => RedisStore::cluster(urls),
+        }
+    }
+
+    fn conn(&self) -> Result<redis_conn::RedisConn, redis_conn::RedisFailure> {
+        match self {
+            RedisAt::Server(_, url) => redis_conn::RedisConn::open(url),
+            RedisAt::Cluster(urls) => redis_conn::RedisConn::cluster(urls),
+        }
+    }
+}
+
 /// Everything in the PostgreSQL at `url` (`DATABASE_URL`), schema created at start-up.
 #[cfg(feature = "postgres")]
 async fn serve_postgres(
@@ -377,8 +441,11 @@ async fn serve_postgres(
     url: &str,
     shutdown_timeout: Duration,
 ) -> Result<(), Box<dyn Error>> {
-    if env_url("REDIS_URL").is_some() || env_url("LEDGER_REDIS_URL").is_some() {
-        tracing::warn!("DATABASE_URL is set: REDIS_URL and LEDGER_REDIS_URL are not used");
+    if ["REDIS_URL", "REDIS_CLUSTER_URLS", "LEDGER_REDIS_URL"]
+        .into_iter()
+        .any(|var| env_url(var).is_some())
+    {
+        tracing::warn!("DATABASE_URL is set: the Redis variables are not used");
     }
     let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(pg::RECONCILE_AFTER);
     let db = pg::Database::connect(url).await?;
@@ -521,17 +588,17 @@ fn consumer_name() -> String {
     format!("ledger-{}-{nonce:08x}", std::process::id())
 }
 
-/// A connection to the Redis at `url` (7.0 or newer), checked now, and the event stream, the
-/// balances and the consumer's records in it. `var` is the environment variable `url` came from,
-/// for the error messages.
+/// A connection to the Redis `at` (7.0 or newer), checked now, and the event stream, the
+/// balances and the consumer's records in it. Errors name the environment variable it came from.
 async fn connect_ledger(
-    var: &str,
-    url: &str,
+    at: &RedisAt,
 ) -> Result<(redis_conn::RedisConn, Queue, Balances, RedisStore), String> {
+    let var = at.var();
     let bad_url = |err: &dyn Error| format!("bad {var}: {}", report(err));
     let unusable = |err: &dyn Error| format!("cannot use Redis at {var}: {}", report(err));
-    let conn = redis_conn::RedisConn::open(url).map_err(|err| bad_url(&err))?;
-    let store = RedisStore::from_url(url)
+    let conn = at.conn().map_err(|err| bad_url(&err))?;
+    let store = at
+        .store()
         .map_err(|err| bad_url(&err))?
         .with_prefix(CONSUMER_PREFIX);
     store.check().await.map_err(|err| unusable(&err))?;
@@ -546,15 +613,17 @@ async fn connect_ledger(
     ))
 }
 
-/// A Redis store, checked now so that a wrong `REDIS_URL` fails at start-up, not at the first
-/// request.
-async fn connect_redis(url: &str) -> Result<RedisStore, String> {
-    let store =
-        RedisStore::from_url(url).map_err(|err| format!("bad REDIS_URL: {}", report(&err)))?;
+/// A Redis store, checked now so that a wrong `REDIS_URL` or `REDIS_CLUSTER_URLS` fails at
+/// start-up, not at the first request.
+async fn connect_redis(at: &RedisAt) -> Result<RedisStore, String> {
+    let var = at.var();
+    let store = at
+        .store()
+        .map_err(|err| format!("bad {var}: {}", report(&err)))?;
     store
         .check()
         .await
-        .map_err(|err| format!("cannot use Redis at REDIS_URL: {}", report(&err)))?;
+        .map_err(|err| format!("cannot use Redis at {var}: {}", report(&err)))?;
     Ok(store)
 }
 

@@ -1,4 +1,6 @@
-//! Connections to the Redis that holds the event stream and the balances.
+//! Connections to the Redis that holds the event stream and the balances: one server, or a Redis
+//! Cluster (every key the example writes is hash-tagged, so that a script's keys and a stream's
+//! group commands stay in one slot).
 //!
 //! Short commands (`XADD`, the balance script, `HGETALL`) share one multiplexed connection, as the
 //! idempotency store does. A consumer's blocking read (`XREADGROUP ... BLOCK`) would hold up every
@@ -9,8 +11,12 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tower_idempotency::deadpool_redis::redis::aio::MultiplexedConnection;
-use tower_idempotency::deadpool_redis::redis::{AsyncConnectionConfig, Client, RedisError};
+use tower_idempotency::deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
+use tower_idempotency::deadpool_redis::redis::cluster::{ClusterClient, ClusterClientBuilder};
+use tower_idempotency::deadpool_redis::redis::cluster_async::ClusterConnection;
+use tower_idempotency::deadpool_redis::redis::{
+    AsyncConnectionConfig, Client, Cmd, Pipeline, RedisError, RedisFuture, Value,
+};
 
 /// The bound on one command on the shared connection, and on connecting.
 pub const TIMEOUT: Duration = Duration::from_secs(1);
@@ -30,15 +36,42 @@ pub enum RedisFailure {
 /// A client and the shared connection; clones share them.
 #[derive(Clone)]
 pub struct RedisConn {
-    client: Client,
-    shared: Arc<Mutex<Option<MultiplexedConnection>>>,
+    client: Link,
+    shared: Arc<Mutex<Option<Conn>>>,
+}
+
+/// Where the commands go.
+#[derive(Clone)]
+enum Link {
+    Server(Client),
+    /// The seed URLs: a dedicated connection needs a client with its own response timeout.
+    Cluster(Vec<String>),
+}
+
+/// A connection to one server or to a cluster; commands run on either alike.
+#[derive(Clone)]
+pub enum Conn {
+    /// To one server.
+    Server(MultiplexedConnection),
+    /// To a cluster: each command goes to its key's slot.
+    Cluster(ClusterConnection),
 }
 
 impl RedisConn {
     /// A client for `url`; nothing is connected until the first command.
     pub fn open(url: &str) -> Result<Self, RedisFailure> {
         Ok(Self {
-            client: Client::open(url)?,
+            client: Link::Server(Client::open(url)?),
+            shared: Arc::default(),
+        })
+    }
+
+    /// A client for the Redis Cluster reached through `urls`; nothing is connected until the
+    /// first command.
+    pub fn cluster(urls: &[String]) -> Result<Self, RedisFailure> {
+        cluster_client(urls, TIMEOUT)?;
+        Ok(Self {
+            client: Link::Cluster(urls.to_vec()),
             shared: Arc::default(),
         })
     }
@@ -47,7 +80,7 @@ impl RedisConn {
     /// timed out is dropped, and the next command connects again.
     pub async fn run<T, F, Fut>(&self, command: F) -> Result<T, RedisFailure>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: FnOnce(Conn) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
         let attempt = async {
@@ -69,30 +102,83 @@ impl RedisConn {
 
     /// A new connection of its own, whose commands may take up to `response_timeout` (a blocking
     /// read's `BLOCK` plus a margin).
-    pub async fn dedicated(
-        &self,
-        response_timeout: Duration,
-    ) -> Result<MultiplexedConnection, RedisFailure> {
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(TIMEOUT))
-            .set_response_timeout(Some(response_timeout));
-        Ok(self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?)
+    pub async fn dedicated(&self, response_timeout: Duration) -> Result<Conn, RedisFailure> {
+        Ok(match &self.client {
+            Link::Server(client) => {
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(TIMEOUT))
+                    .set_response_timeout(Some(response_timeout));
+                Conn::Server(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?,
+                )
+            }
+            Link::Cluster(urls) => Conn::Cluster(
+                cluster_client(urls, response_timeout)?
+                    .get_async_connection()
+                    .await?,
+            ),
+        })
     }
 
-    async fn shared_connection(&self) -> Result<MultiplexedConnection, RedisError> {
+    async fn shared_connection(&self) -> Result<Conn, RedisError> {
         if let Some(connection) = self.cached().clone() {
             return Ok(connection);
         }
-        let connection = self.client.get_multiplexed_async_connection().await?;
+        let connection = match &self.client {
+            Link::Server(client) => Conn::Server(client.get_multiplexed_async_connection().await?),
+            Link::Cluster(urls) => Conn::Cluster(
+                cluster_client(urls, TIMEOUT)?
+                    .get_async_connection()
+                    .await?,
+            ),
+        };
         *self.cached() = Some(connection.clone());
         Ok(connection)
     }
 
-    fn cached(&self) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
+    fn cached(&self) -> std::sync::MutexGuard<'_, Option<Conn>> {
         self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A cluster client whose commands may take up to `response_timeout`.
+fn cluster_client(
+    urls: &[String],
+    response_timeout: Duration,
+) -> Result<ClusterClient, RedisError> {
+    ClusterClientBuilder::new(urls.to_vec())
+        .connection_timeout(TIMEOUT)
+        .response_timeout(response_timeout)
+        .build()
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Server(connection) => connection.req_packed_command(cmd),
+            Conn::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Server(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Server(connection) => connection.get_db(),
+            Conn::Cluster(connection) => connection.get_db(),
+        }
     }
 }
 
@@ -107,8 +193,11 @@ pub fn broken(err: &RedisError) -> bool {
 
 impl fmt::Debug for RedisConn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisConn")
-            .field("server", &self.client.get_connection_info().addr())
-            .finish_non_exhaustive()
+        let mut debug = f.debug_struct("RedisConn");
+        match &self.client {
+            Link::Server(client) => debug.field("server", client.get_connection_info().addr()),
+            Link::Cluster(urls) => debug.field("cluster", urls),
+        };
+        debug.finish_non_exhaustive()
     }
 }

@@ -20,10 +20,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use tower_idempotency::deadpool_redis::redis::aio::MultiplexedConnection;
 use tower_idempotency::deadpool_redis::redis::{self, Cmd, FromRedisValue, Value};
 
-use super::super::redis_conn::{RedisConn, RedisFailure, TIMEOUT, broken};
+use super::super::redis_conn::{Conn, RedisConn, RedisFailure, TIMEOUT, broken};
 use super::{ConsumerConfig, Delivery, QueueError};
 
 /// About how many entries the stream keeps.
@@ -170,7 +169,7 @@ pub struct RedisConsumer {
     name: String,
     config: ConsumerConfig,
     /// Dedicated: only this consumer's commands, one at a time.
-    connection: Option<MultiplexedConnection>,
+    connection: Option<Conn>,
     /// Where the next `XAUTOCLAIM` goes on scanning the group's pending entries.
     cursor: String,
 }
@@ -289,7 +288,7 @@ impl RedisConsumer {
         }
     }
 
-    async fn connection(&mut self) -> Result<&mut MultiplexedConnection, RedisFailure> {
+    async fn connection(&mut self) -> Result<&mut Conn, RedisFailure> {
         let connection = match self.connection.take() {
             Some(connection) => connection,
             None => {
