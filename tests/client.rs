@@ -1,6 +1,6 @@
 //! The client layer against the server layer in process, through a link that loses answers or
 //! refuses connections, on paused time: what is retried, when, with which key and bytes, and
-//! what the caller is told.
+//! what the caller is told (PROTOCOL.md §14).
 
 #[path = "client/link.rs"]
 mod link;

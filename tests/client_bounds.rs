@@ -1,6 +1,6 @@
 //! The client layer's bounds, against the server layer in process on paused time: the attempts,
 //! the per-attempt timeout, the deadline, the retry budget, the backoff and the body limit, and
-//! what the caller gets when they end the retries.
+//! what the caller gets when they end the retries (PROTOCOL.md §14.4, §14.5).
 
 #[path = "client/link.rs"]
 mod link;
