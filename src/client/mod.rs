@@ -45,7 +45,7 @@
 //! });
 //!
 //! let client = ServiceBuilder::new().layer(IdempotentRetryLayer::new()).service(link);
-//! let pay = Request::post("/v1/charges").body(Full::from("amount=100")).unwrap();
+//! let pay = Request::post("/v1/charges").body(Full::<bytes::Bytes>::from("amount=100")).unwrap();
 //! let response = client.oneshot(pay).await.unwrap();
 //!
 //! assert_eq!(response.status(), StatusCode::CREATED);

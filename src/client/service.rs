@@ -47,7 +47,7 @@ const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 /// }));
 /// let client = ServiceBuilder::new().layer(IdempotentRetryLayer::new()).service(api);
 ///
-/// let request = Request::post("/v1/charges").body(Full::from("amount=100")).unwrap();
+/// let request = Request::post("/v1/charges").body(Full::<bytes::Bytes>::from("amount=100")).unwrap();
 /// let response = client.oneshot(request).await.unwrap();
 /// assert_eq!(response.status(), StatusCode::CREATED);
 /// let attempts = response.extensions().get::<Attempts>().unwrap();
