@@ -12,9 +12,12 @@ use http::HeaderMap;
 use link::{Fault, Link, always, charge, layer, server};
 use tower::{ServiceBuilder, ServiceExt};
 
-/// Every event of target `tower_idempotency`, its fields as text.
+/// One event's fields (its level first), as text.
+type Event = Vec<(String, String)>;
+
+/// Every event of target `tower_idempotency`.
 #[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+struct Captured(Arc<Mutex<Vec<Event>>>);
 
 struct Fields<'a>(&'a mut Vec<(String, String)>);
 
@@ -54,7 +57,7 @@ async fn each_retry_is_an_event_and_giving_up_a_warning() {
     client.oneshot(request).await.unwrap();
 
     let events = captured.0.lock().unwrap().clone();
-    let field = |event: &Vec<(String, String)>, name: &str| {
+    let field = |event: &Event, name: &str| {
         event
             .iter()
             .find(|(n, _)| n == name)

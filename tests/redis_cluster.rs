@@ -72,7 +72,11 @@ async fn keys_spread_over_every_master_and_replay_from_it() {
             .collect();
         for (key, task) in keys.iter().zip(tasks) {
             let reply = task.await.expect("task");
-            assert_eq!(reply.status, StatusCode::CREATED, "{round} {key}: {reply:?}");
+            assert_eq!(
+                reply.status,
+                StatusCode::CREATED,
+                "{round} {key}: {reply:?}"
+            );
             assert_eq!(reply.text(), format!("body of {key}"));
             assert_eq!(reply.is_replay(), round == "retry", "{round} {key}");
         }
@@ -90,9 +94,16 @@ async fn keys_spread_over_every_master_and_replay_from_it() {
 /// `check` reaches every node and accepts Redis 7; an unreachable cluster fails it, in time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_accepts_the_cluster_and_refuses_a_dead_one() {
-    store("check:").check().await.expect("the cluster passes its check");
+    store("check:")
+        .check()
+        .await
+        .expect("the cluster passes its check");
     let dead = RedisStore::cluster(["redis://127.0.0.1:1"]).expect("a valid URL");
     let started = std::time::Instant::now();
     assert!(dead.check().await.is_err());
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
 }
