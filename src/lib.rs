@@ -127,6 +127,12 @@
 //! sample per store call, the layer's and the consumer's. Labels take only the values listed: no
 //! key, scope or other part of a request is ever a label.
 //!
+//! # The client's half
+//! With the `client` feature, `client::IdempotentRetryLayer` wraps an HTTP client (hyper-util's,
+//! or any tower service): it names each operation with one key, sends the same bytes on every
+//! attempt, and retries connection failures, timeouts, `409`, `429`, `503` and other transient
+//! `5xx`, after the server's `Retry-After` or a backoff with full jitter, within a deadline.
+//!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
 //! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
@@ -139,12 +145,17 @@
 //! - `test-util`: the store contract suite (`testing` and `store_contract!`),
 //!   for stores written outside the crate.
 //! - `postgres`: `PgStore` on sqlx: records in a PostgreSQL table.
+//! - `client`: the client's half, `client::IdempotentRetryLayer`: one key per operation, the same
+//!   key and body on every attempt, retries of what may not have happened, honouring `Retry-After`.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod config;
 pub mod consumer;
 mod detach;
