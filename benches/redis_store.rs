@@ -16,8 +16,8 @@
 //! - throughput: new keys per second with `BENCH_CONCURRENCY` requests in flight, over
 //!   `BENCH_SECONDS`, as a range over `BENCH_ROUNDS` rounds;
 //! - commands per request, from `INFO commandstats` on every master (scripts' inner `GET`/`SET`
-//!   left out): the round trips, since the `WAIT` of the replication wait travels in the same
-//!   pipeline as its write.
+//!   and replicas' `REPLCONF` left out). Without the wait, each command is one round trip; with
+//!   it, each write and its `WAIT` travel in one pipeline, so round trips are half the commands.
 //!
 //! A run started by `cargo test --benches` (no `--bench` argument) does nothing.
 
@@ -69,14 +69,16 @@ impl Counted<'_> {
     }
 
     /// Commands sent by the client, not run by scripts: every call but the scripts' `GET`s and
-    /// their `SET`s (each `EVALSHA` here is a completion whose fence holds: one `GET`, one `SET`).
+    /// their `SET`s (each `EVALSHA` here is a completion whose fence holds: one `GET`, one `SET`)
+    /// and the replicas' own `REPLCONF ACK`s.
     fn sent(&self) -> u64 {
         let mut total = 0;
         for master in self.masters() {
             let stats = master.info_commandstats();
             let all: u64 = stats.values().sum();
             let scripts = stats.get("evalsha").copied().unwrap_or(0);
-            total += all - 2 * scripts;
+            let replicas = stats.get("replconf").copied().unwrap_or(0);
+            total += all - 2 * scripts - replicas;
         }
         total
     }
