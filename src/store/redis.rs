@@ -128,7 +128,7 @@ impl RedisStore {
     /// A store on `pool` (one Redis server), with the default prefix (`idempotency:`) and
     /// timeout (1 second).
     pub fn new(pool: Pool) -> Self {
-        Self::on(Backend::Single(Single::new(pool)))
+        Self::on(Backend::Single(Box::new(Single::new(pool))))
     }
 
     fn on(backend: Backend) -> Self {

@@ -158,18 +158,39 @@ impl RedisStore {
         }
     }
 
-    /// A connection for a command sent on its own.
-    pub(super) async fn connection(&self) -> RedisResult<Connection> {
+    /// The lane for a command sent on its own: lane 0, or with the replication wait the next
+    /// lane in turn.
+    fn pick_lane(&self) -> usize {
+        let spread = self.inner.replication.is_some();
         match &*self.inner.backend {
-            Backend::Single(single) => self.single_connection(single).await.map(Connection::Single),
-            Backend::Cluster(cluster) => cluster.connection().await.map(Connection::Cluster),
+            Backend::Single(single) => single.pick(spread),
+            Backend::Cluster(cluster) => cluster.pick(spread),
         }
     }
 
-    /// The shared multiplexed connection, taken from the pool the first time and after a failure.
-    async fn single_connection(&self, single: &Single) -> RedisResult<MultiplexedConnection> {
-        if let Some(connection) = single.cached().clone() {
-            return Ok(connection);
+    /// A connection for a command sent on its own.
+    pub(super) async fn connection(&self) -> RedisResult<Connection> {
+        self.connection_on(self.pick_lane()).await
+    }
+
+    async fn connection_on(&self, lane: usize) -> RedisResult<Connection> {
+        match &*self.inner.backend {
+            Backend::Single(single) => Ok(Connection::Single(
+                self.single_connection(single, lane).await?,
+            )),
+            Backend::Cluster(cluster) => Ok(Connection::Cluster(cluster.connection(lane).await?)),
+        }
+    }
+
+    /// Lane `lane`'s multiplexed connection, taken from the pool the first time and after a
+    /// failure.
+    async fn single_connection(
+        &self,
+        single: &Single,
+        lane: usize,
+    ) -> RedisResult<MultiplexedConnection> {
+        if let Some(pooled) = &*single.lanes.lane(lane) {
+            return Ok(MultiplexedConnection::clone(pooled));
         }
         // Boxed: the pool's future is large (about 7 KiB, as it may connect), and every request
         // future that awaits a store call would otherwise carry it, and copy it, for this rare path.
@@ -178,7 +199,7 @@ impl RedisStore {
                 RedisError::from(std::io::Error::other(RedisStoreError::Pool(err)))
             })?;
             let connection = MultiplexedConnection::clone(&pooled);
-            *single.cached() = Some(connection.clone());
+            *single.lanes.lane(lane) = Some(pooled);
             Ok(connection)
         })
         .await
@@ -199,6 +220,13 @@ impl RedisStore {
     }
 
     pub(super) fn redis_error(&self, err: RedisError) -> StoreError {
+        self.forget_if_broken(0, &err);
+        StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
+    }
+
+    /// Drops lane `lane`'s connection to one server when `err` says it is broken, so that the
+    /// next call takes a fresh one from the pool. A cluster connection repairs itself.
+    fn forget_if_broken(&self, lane: usize, err: &RedisError) {
         if let Backend::Single(single) = &*self.inner.backend
             && (err.is_io_error()
                 || err.is_connection_dropped()
@@ -206,9 +234,8 @@ impl RedisStore {
                 || err.is_timeout()
                 || err.is_unrecoverable_error())
         {
-            single.cached().take();
+            single.lanes.lane(lane).take();
         }
-        StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
     }
 
     fn claim_error(&self, err: RedisError) -> StoreError {
@@ -234,13 +261,28 @@ impl RedisStore {
 
     /// Sends `cmd` on its own, bounded by the store's timeout.
     pub(super) async fn direct<T: FromRedisValue>(&self, cmd: Cmd) -> RedisResult<T> {
-        let call = async {
-            let mut connection = self.connection().await?;
+        self.on_a_lane(self.inner.timeout, |mut connection| async move {
             cmd.query_async::<T>(&mut connection).await
-        };
-        tokio::time::timeout(self.inner.timeout, call)
+        })
+        .await
+    }
+
+    /// Runs `call` on a connection (see [`RedisStore::pick_lane`]) within `bound`, dropping the
+    /// connection of one server when it broke or timed out.
+    pub(super) async fn on_a_lane<T, F, Fut>(&self, bound: Duration, call: F) -> RedisResult<T>
+    where
+        F: FnOnce(Connection) -> Fut,
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let lane = self.pick_lane();
+        let attempt = async { call(self.connection_on(lane).await?).await };
+        let answer = tokio::time::timeout(bound, attempt)
             .await
-            .unwrap_or_else(|_| Err(RedisError::from(io_timeout())))
+            .unwrap_or_else(|_| Err(RedisError::from(io_timeout())));
+        if let Err(err) = &answer {
+            self.forget_if_broken(lane, err);
+        }
+        answer
     }
 
     /// Sends `cmd` with the replication wait: its answer, and how many replicas acknowledged.
@@ -251,16 +293,13 @@ impl RedisStore {
         cmd: Cmd,
     ) -> RedisResult<(Value, u32)> {
         let pipe = replication.pipeline(cmd);
-        let call = async {
-            let mut connection = self.connection().await?;
-            pipe.query_async::<(Value, Value)>(&mut connection).await
-        };
         let bound = self.inner.timeout + replication.timeout;
-        match tokio::time::timeout(bound, call).await {
-            Ok(Ok((answer, acked))) => Ok((answer, Replication::acked(&acked))),
-            Ok(Err(err)) => Err(err),
-            Err(_) => Err(RedisError::from(io_timeout())),
-        }
+        let (answer, acked) = self
+            .on_a_lane(bound, |mut connection| async move {
+                pipe.query_async::<(Value, Value)>(&mut connection).await
+            })
+            .await?;
+        Ok((answer, Replication::acked(&acked)))
     }
 
     /// Queues `cmd` for the next pipeline; `claim` names the claim a `SET ... NX` makes, for the
@@ -284,7 +323,7 @@ impl RedisStore {
                 // One bound for taking a connection and the round trip: every caller gets its
                 // answer, or an error, within the store's timeout.
                 let deadline = tokio::time::Instant::now() + store.inner.timeout;
-                let connection = store.single_connection(single);
+                let connection = store.single_connection(single, 0);
                 let failure = match tokio::time::timeout_at(deadline, connection).await {
                     Ok(Ok(connection)) => {
                         pipeline

@@ -108,13 +108,11 @@ async fn load_on(store: &RedisStore, load: Cmd, key: &str) -> RedisResult<()> {
     let mut pipe = redis::Pipeline::with_capacity(2);
     pipe.cmd("EXISTS").arg(key).ignore();
     pipe.add_command(load);
-    let call = async {
-        let mut connection = store.connection().await?;
-        pipe.query_async::<(String,)>(&mut connection).await
-    };
-    tokio::time::timeout(store.inner.timeout, call)
+    store
+        .on_a_lane(store.inner.timeout, |mut connection| async move {
+            pipe.query_async::<(String,)>(&mut connection).await
+        })
         .await
-        .unwrap_or_else(|_| Err(redis::RedisError::from(super::calls::io_timeout())))
         .map(drop)
 }
 
