@@ -8,9 +8,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::contract::{Handler, created, post, service, spawn_send};
+use support::contract::{Handler, created, expect_one_execution, post, service, spawn_send};
 use support::redis_cluster::RedisCluster;
-use tower_idempotency::{IdempotencyLayer, Outcome, RedisStore};
+use tower_idempotency::{IdempotencyLayer, RedisStore};
 
 fn store(prefix: &str) -> RedisStore {
     RedisStore::cluster(RedisCluster::shared().urls())
@@ -34,26 +34,7 @@ async fn two_instances_run_a_key_once_under_200_concurrent_requests() {
     let tasks: Vec<_> = (0..200)
         .map(|i| spawn_send(&instances[i % 2], post("one-key", "amount=2500")))
         .collect();
-    let (mut executed, mut in_flight, mut replayed) = (0, 0, 0);
-    for task in tasks {
-        let reply = task.await.expect("task");
-        match reply.outcome {
-            Some(Outcome::Executed) => executed += 1,
-            Some(Outcome::InFlight) => {
-                reply.assert_in_flight();
-                in_flight += 1;
-            }
-            Some(Outcome::Replayed) => {
-                assert_eq!(
-                    (reply.status, reply.text()),
-                    (StatusCode::CREATED, "call 1".into())
-                );
-                replayed += 1;
-            }
-            other => panic!("unexpected outcome {other:?}: {reply:?}"),
-        }
-    }
-    assert_eq!(executed, 1, "{in_flight} in flight, {replayed} replayed");
+    let (in_flight, replayed) = expect_one_execution(tasks, "call 1").await;
     assert_eq!(in_flight + replayed, 199);
     assert_eq!(handler.calls(), 1);
 }

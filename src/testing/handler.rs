@@ -349,3 +349,39 @@ pub fn gated_handler(started: Arc<Notify>, gate: Arc<Notify>, body: &'static str
         }
     })
 }
+
+/// Awaits concurrent requests that all carry one key and checks what the protocol promises of
+/// them: exactly one executed, answering `body`; every other got the in-flight 409 or the replay
+/// of that answer. Returns how many were in flight and how many replayed.
+///
+/// # Panics
+/// On any other outcome, or a number of executions other than one.
+pub async fn expect_one_execution(
+    tasks: Vec<tokio::task::JoinHandle<Reply>>,
+    body: &str,
+) -> (usize, usize) {
+    let (mut executed, mut in_flight, mut replayed) = (0, 0, 0);
+    for task in tasks {
+        let reply = task.await.expect("task");
+        match reply.outcome {
+            Some(Outcome::Executed) => {
+                executed += 1;
+                assert_eq!(reply.text(), body);
+            }
+            Some(Outcome::InFlight) => {
+                reply.assert_in_flight();
+                in_flight += 1;
+            }
+            Some(Outcome::Replayed) => {
+                assert_eq!(
+                    (reply.status, reply.text()),
+                    (StatusCode::CREATED, body.into())
+                );
+                replayed += 1;
+            }
+            other => panic!("unexpected outcome {other:?}: {reply:?}"),
+        }
+    }
+    assert_eq!(executed, 1, "{in_flight} in flight, {replayed} replayed");
+    (in_flight, replayed)
+}

@@ -77,8 +77,8 @@ mod handler;
 mod stores;
 
 pub use handler::{
-    Call, Handler, Reply, call, created, gated_handler, keyed, pattern, post, respond, send,
-    spawn_send, status_handler, status_request, streamed,
+    Call, Handler, Reply, call, created, expect_one_execution, gated_handler, keyed, pattern, post,
+    respond, send, spawn_send, status_handler, status_request, streamed,
 };
 pub use stores::{Calls, Counting, Faulty, Prepared};
 

@@ -7,4 +7,5 @@
 pub mod contract;
 pub mod postgres_server;
 pub mod redis_cluster;
+pub mod redis_harness;
 pub mod redis_server;

@@ -729,29 +729,7 @@ pub async fn concurrent_requests_with_one_key_run_once<H: Harness>(h: H) {
     let tasks: Vec<_> = (0..500)
         .map(|_| spawn_send(&svc, post("one", "x")))
         .collect();
-    let (mut executed, mut in_flight, mut replayed) = (0, 0, 0);
-    for task in tasks {
-        let reply = task.await.expect("task");
-        match reply.outcome {
-            Some(Outcome::Executed) => {
-                executed += 1;
-                assert_eq!(reply.text(), "call 1");
-            }
-            Some(Outcome::InFlight) => {
-                reply.assert_in_flight();
-                in_flight += 1;
-            }
-            Some(Outcome::Replayed) => {
-                assert_eq!(
-                    (reply.status, reply.text()),
-                    (StatusCode::CREATED, "call 1".into())
-                );
-                replayed += 1;
-            }
-            other => panic!("unexpected outcome {other:?}: {reply:?}"),
-        }
-    }
-    assert_eq!(executed, 1, "{in_flight} in flight, {replayed} replayed");
+    let (in_flight, replayed) = expect_one_execution(tasks, "call 1").await;
     assert_eq!(in_flight + replayed, 499);
     assert_eq!(handler.calls(), 1);
 }
