@@ -187,7 +187,7 @@ pub use balance::Balances;
 pub use consumer::LedgerConsumer;
 pub use events::Publisher;
 pub use ledger::Ledger;
-pub use provider::Provider;
+pub use provider::{Provider, ProviderClient};
 pub use queue::{ConsumerConfig, Queue};
 
 /// How long a shutdown may take by default: requests in flight and detached work.
@@ -221,7 +221,10 @@ pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub ledger: Arc<Ledger>,
+    /// The simulated provider: the outside service (tests count its calls and take it down).
     pub provider: Provider,
+    /// The handlers' client of `provider`: its HTTP API, through the client retry layer.
+    pub provider_client: ProviderClient,
     /// Where the handlers publish their events.
     pub events: Publisher,
     /// What the ledger consumer made of the events.
@@ -234,9 +237,11 @@ impl AppState {
     /// An empty ledger, a simulated provider that takes `provider_latency` per call, and events
     /// and balances in memory.
     pub fn new(provider_latency: Duration) -> Self {
+        let provider = Provider::new(provider_latency);
         Self {
             ledger: Arc::default(),
-            provider: Provider::new(provider_latency),
+            provider: provider.clone(),
+            provider_client: ProviderClient::new(provider),
             events: Publisher::new(Queue::memory()),
             balances: Balances::memory(),
             metrics: None,
@@ -251,6 +256,7 @@ impl AppState {
 
     /// Calls `provider` instead of the one in memory.
     pub fn with_provider(mut self, provider: Provider) -> Self {
+        self.provider_client = ProviderClient::new(provider.clone());
         self.provider = provider;
         self
     }
