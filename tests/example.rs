@@ -1412,6 +1412,37 @@ on_both_stores!(
     the_largest_invalid_charge_replays_byte_for_byte,
 );
 
+/// The provider charges, then its answer never comes (it hangs once the payment is made): the
+/// client layer's attempt times out and its retry, with the same key, gets the provider's first
+/// reply from its key table. One request, one payment. On paused time, the attempt timeout costs
+/// no real time.
+#[tokio::test(start_paused = true)]
+async fn a_provider_answer_lost_to_the_attempt_timeout_is_retried_and_charged_once() {
+    let h = Harness::memory();
+    h.provider().hang(Some(provider::Hang::AfterEffect));
+    let started = tokio::time::Instant::now();
+    let created = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-lost")
+        .json(visa(1200))
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(created.json["status"], "captured");
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "the retry was answered from the provider's keys"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(3) && waited < Duration::from_secs(4),
+        "one attempt timeout (3 s) and a short backoff: {waited:?}"
+    );
+    h.finish();
+}
+
 /// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the
 /// other instance after the layer forgot the key finds the first payment, or the refusal.
 #[tokio::test]
