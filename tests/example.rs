@@ -649,7 +649,13 @@ async fn provider_unavailable_is_503_and_a_retry_runs_again(h: &mut Harness) {
     let retry = create().send().await;
     assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!retry.replayed(), "a 503 is not stored");
-    assert_eq!(h.provider_counts(), (2, 0), "the provider was called twice");
+    // Each request's provider call is retried by the client layer (3 attempts, the provider's
+    // 503 is worth another try) before the charge gives up: two requests, six calls.
+    assert_eq!(
+        h.provider_counts(),
+        (6, 0),
+        "three provider calls per request"
+    );
     let list = h.get("/v1/charges").auth(ALICE).send().await;
     assert!(ids(&list.json).is_empty(), "nothing was recorded");
 }
@@ -1048,7 +1054,37 @@ async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
     assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
     assert!(!retry.replayed());
     assert_eq!(retry.json["status"], "captured");
-    assert_eq!(h.provider_counts(), (3, 2));
+    // The authorization, the capture in the outage (three attempts of the client layer, each a
+    // 503), and the capture after it.
+    assert_eq!(h.provider_counts(), (5, 2));
+}
+
+/// A provider down for a moment (two calls) is retried by the client layer within the request:
+/// the charge and a capture each succeed at the first request, with one payment and one capture.
+async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harness) {
+    h.provider().set_down_for(2);
+    let created = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-blip")
+        .json(json!({ "amount": 900, "currency": "eur", "source": "tok_visa", "capture": false }))
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(created.json["status"], "authorized");
+    assert_eq!(h.provider_counts(), (3, 1), "two 503s, then the payment");
+
+    let id = created.json["id"].as_str().expect("an id").to_owned();
+    h.provider().set_down_for(1);
+    let captured = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("capture-blip")
+        .send()
+        .await;
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+    assert_eq!(captured.json["status"], "captured");
+    assert_eq!(h.provider_counts(), (5, 2), "one 503, then the capture");
 }
 
 /// The key of a refund, reused for a charge once both windows ran out: a new charge, not the
@@ -1365,6 +1401,7 @@ on_both_stores!(
     reads_need_no_key_and_are_never_stored,
     a_lost_record_is_caught_by_the_provider,
     a_provider_outage_rolls_a_capture_back,
+    a_provider_down_for_a_moment_is_retried_within_the_request,
     a_key_reused_after_the_window_for_another_operation_is_a_new_charge,
     a_key_reused_after_the_window_for_another_amount_is_a_new_charge,
     a_key_reused_within_the_providers_window_for_another_amount_is_refused,
@@ -1374,6 +1411,37 @@ on_both_stores!(
     the_largest_valid_charge_replays_byte_for_byte,
     the_largest_invalid_charge_replays_byte_for_byte,
 );
+
+/// The provider charges, then its answer never comes (it hangs once the payment is made): the
+/// client layer's attempt times out and its retry, with the same key, gets the provider's first
+/// reply from its key table. One request, one payment. On paused time, the attempt timeout costs
+/// no real time.
+#[tokio::test(start_paused = true)]
+async fn a_provider_answer_lost_to_the_attempt_timeout_is_retried_and_charged_once() {
+    let h = Harness::memory();
+    h.provider().hang(Some(provider::Hang::AfterEffect));
+    let started = tokio::time::Instant::now();
+    let created = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-lost")
+        .json(visa(1200))
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(created.json["status"], "captured");
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "the retry was answered from the provider's keys"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(3) && waited < Duration::from_secs(4),
+        "one attempt timeout (3 s) and a short backoff: {waited:?}"
+    );
+    h.finish();
+}
 
 /// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the
 /// other instance after the layer forgot the key finds the first payment, or the refusal.

@@ -614,7 +614,7 @@ async fn two_reconcilers_settle_a_charge_once() {
         .expect("the database");
     let state = db.state(AppState::new(Duration::ZERO));
     let reconcilers = [Duration::ZERO, Duration::ZERO]
-        .map(|after| Reconciler::new(db.pool().clone(), state.provider.clone(), after));
+        .map(|after| Reconciler::new(db.pool().clone(), state.provider_client.clone(), after));
     let (one, two) = tokio::join!(reconcilers[0].round(), reconcilers[1].round());
     let (one, two) = (one.expect("a round"), two.expect("a round"));
     assert_eq!(one.settled + two.settled, 1, "{one:?} {two:?}");

@@ -720,3 +720,78 @@ fn the_axum_example_fails_clearly_on_an_unreachable_redis() {
     let line = the_one_error_line(status, &stdout, &stderr);
     assert!(line.contains("cannot use Redis at REDIS_URL"), "{line}");
 }
+
+/// `examples/client.rs` against the payments example: the flaky link loses the first answer, the
+/// client layer retries with the same key, the server replays its stored answer, and the charge
+/// is applied once (one charge in the list, its amount once in the balance).
+#[test]
+fn the_client_example_pays_once_through_a_flaky_link() {
+    let server = Server::start(&[]);
+    let url = format!("http://{}", server.addr);
+    let (status, stdout, stderr) = run_example_to_exit("client", &[("SERVER", &url)]);
+    assert!(
+        status.success(),
+        "exit {status:?}; stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    let line = |prefix: &str| {
+        stdout
+            .lines()
+            .find(|line| line.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{stdout}"))
+            .to_owned()
+    };
+    let key_of = |line: &str| {
+        line.split("key ")
+            .nth(1)
+            .and_then(|rest| rest.split(':').next())
+            .unwrap_or_else(|| panic!("no key in {line:?}"))
+            .to_owned()
+    };
+    let lost = line("attempt 1: POST /v1/charges");
+    assert!(
+        lost.ends_with("the server answered 201 Created, the link lost it"),
+        "{lost}"
+    );
+    let replayed = line("attempt 2: POST /v1/charges");
+    assert!(
+        replayed.ends_with("201 Created (idempotent-replayed: true)"),
+        "{replayed}"
+    );
+    assert_eq!(key_of(&lost), key_of(&replayed), "one key on both attempts");
+    assert!(
+        !stdout.contains("attempt 3"),
+        "two attempts only:\n{stdout}"
+    );
+    let done = line("charge ");
+    assert!(
+        done.ends_with(", after 2 attempts, replayed: true"),
+        "{done}"
+    );
+    let id = done
+        .strip_prefix("charge ")
+        .and_then(|rest| rest.split(',').next())
+        .expect("a charge id");
+
+    // The server applied the charge once.
+    let auth = format!("Bearer {API_KEY}");
+    let list = request(
+        server.addr,
+        "GET",
+        "/v1/charges",
+        &[("Authorization", &auth)],
+        "",
+    );
+    assert_eq!(list.status, 200, "{list:?}");
+    assert_eq!(
+        list.body.matches("\"object\":\"charge\"").count(),
+        1,
+        "{list:?}"
+    );
+    assert!(list.body.contains(&format!("\"id\":\"{id}\"")), "{list:?}");
+    wait_for_balance(server.addr, r#"{"amount":2500,"currency":"eur"}"#);
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}

@@ -3,6 +3,9 @@
 //! Every handler that calls the provider runs behind the idempotency layer, takes the request's
 //! [`IdempotencyKey`] and passes the provider a key derived from it and the account: a retry that
 //! reaches the handler again (its idempotency record lost) reaches the provider with the same key.
+//! The calls go over the provider's HTTP API through the client retry layer
+//! (`provider/client.rs`), which retries a provider that is down for a moment before the handler
+//! gives up.
 //!
 //! Every charge the provider approves, every capture and every refund publishes an event
 //! (`events.rs`) once its state is recorded; the ledger consumer turns the events into balances.
@@ -132,7 +135,7 @@ pub async fn create(
         Opened::Settled(charge) => return Ok((StatusCode::CREATED, Json(charge.to_json()))),
     };
     let created = state
-        .provider
+        .provider_client
         .create_payment(
             &provider_key,
             request.source,
@@ -266,7 +269,7 @@ pub async fn capture(
         .update(&account, &id, |c| c.apply(Event::Capture))
         .await?;
     let captured = state
-        .provider
+        .provider_client
         .capture(&provider_key(&key, &account), &charge.payment)
         .await;
     if let Err(err) = captured {
@@ -323,7 +326,7 @@ pub async fn refund(
     });
     let charge = update.await?;
     let refund_id = match state
-        .provider
+        .provider_client
         .refund(&provider_key(&key, &account), &charge.payment, amount)
         .await
     {
@@ -369,7 +372,7 @@ pub async fn cancel(
         .update(&account, &id, |c| c.apply(Event::Cancel))
         .await?;
     let canceled = state
-        .provider
+        .provider_client
         .cancel(&provider_key(&key, &account), &charge.payment)
         .await;
     if let Err(err) = canceled {

@@ -18,7 +18,11 @@
 //!   window (`provider/`): the same key with another request, which only reaches it once the
 //!   layer has forgotten the key, is refused with `400` and `{"error": {"type":
 //!   "idempotency_error", "code": "idempotency_key_reused", ...}}`, and nothing happens; after
-//!   the window the key is new again.
+//!   the window the key is new again. The handlers call the provider over its HTTP API (an axum
+//!   `Router`, served in process) through the crate's client layer,
+//!   [`tower_idempotency::client::IdempotentRetryLayer`], with that key as the `Idempotency-Key`
+//!   (`provider/client.rs`): a provider `503` is retried, up to 3 attempts, before the charge
+//!   answers `503` itself.
 //! - It speaks Stripe's wire format where a Stripe SDK notices, so the official SDKs work against
 //!   it (`api_base` pointed here): bodies are forms (`application/x-www-form-urlencoded`, with
 //!   Stripe's nested `metadata[key]=value`) or JSON (`params.rs`); errors are `{"error": {"type",
@@ -82,7 +86,7 @@
 //! `LEDGER_REDIS_URL` (default: `REDIS_URL`, or the cluster), `DATABASE_URL` (set: everything in PostgreSQL, the
 //! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays `authorizing`
 //! before the reconciler settles it, default 120000), `PSP_LATENCY_MS` (the provider's delay per call,
-//! default 0), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
+//! default 0; from 3000 every call outlasts the provider client's attempt timeout), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
 //! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
 //! (default `info`).
 //!
@@ -130,7 +134,8 @@
 //! ```
 //! Then: `capture=false` authorizes only; `POST /v1/charges/{id}/capture`, `/refunds`
 //! (`amount=...`, default the rest) and `/cancel` move it on, each with its own
-//! `Idempotency-Key`. `tok_pspUnavailable` answers 503, and retrying it runs again.
+//! `Idempotency-Key`. `tok_pspUnavailable` answers 503 (after three attempts at the provider), and
+//! retrying it runs again.
 //!
 //! With Stripe's Python SDK (`pip install stripe`), pointed here:
 //! ```text
@@ -187,7 +192,7 @@ pub use balance::Balances;
 pub use consumer::LedgerConsumer;
 pub use events::Publisher;
 pub use ledger::Ledger;
-pub use provider::Provider;
+pub use provider::{Provider, ProviderClient};
 pub use queue::{ConsumerConfig, Queue};
 
 /// How long a shutdown may take by default: requests in flight and detached work.
@@ -221,7 +226,10 @@ pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub ledger: Arc<Ledger>,
+    /// The simulated provider: the outside service (tests count its calls and take it down).
     pub provider: Provider,
+    /// The handlers' client of `provider`: its HTTP API, through the client retry layer.
+    pub provider_client: ProviderClient,
     /// Where the handlers publish their events.
     pub events: Publisher,
     /// What the ledger consumer made of the events.
@@ -234,9 +242,11 @@ impl AppState {
     /// An empty ledger, a simulated provider that takes `provider_latency` per call, and events
     /// and balances in memory.
     pub fn new(provider_latency: Duration) -> Self {
+        let provider = Provider::new(provider_latency);
         Self {
             ledger: Arc::default(),
-            provider: Provider::new(provider_latency),
+            provider: provider.clone(),
+            provider_client: ProviderClient::new(provider),
             events: Publisher::new(Queue::memory()),
             balances: Balances::memory(),
             metrics: None,
@@ -251,6 +261,7 @@ impl AppState {
 
     /// Calls `provider` instead of the one in memory.
     pub fn with_provider(mut self, provider: Provider) -> Self {
+        self.provider_client = ProviderClient::new(provider.clone());
         self.provider = provider;
         self
     }

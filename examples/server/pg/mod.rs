@@ -147,8 +147,11 @@ impl Database {
     ) -> JoinHandle<()> {
         let consumer =
             OutboxConsumer::new(self.pool().clone(), state.balances.clone(), OUTBOX_POLL);
-        let reconciler =
-            Reconciler::new(self.pool().clone(), state.provider.clone(), reconcile_after);
+        let reconciler = Reconciler::new(
+            self.pool().clone(),
+            state.provider_client.clone(),
+            reconcile_after,
+        );
         tokio::spawn(async move {
             tokio::join!(consumer.run(stop.clone()), reconciler.run(stop));
         })

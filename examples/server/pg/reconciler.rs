@@ -4,7 +4,7 @@
 //! Every `every`, it takes the charges `authorizing` for longer than `after` (a few lease lengths
 //! of the idempotency layer, far above the longest provider call: a live request renews its
 //! lease, and its provider call has long ended by then) and asks the provider, by the charge's
-//! key, what became of the call ([`Provider::find_payment`]):
+//! key, what became of the call (its lookup, [`ProviderClient::find_payment`]):
 //!
 //! - a payment: the charge moves to the state the payment says (authorized, captured, or failed
 //!   for a declined card), with its event in the outbox, in one transaction, and only if it is
@@ -24,7 +24,7 @@ use tower_idempotency::store::sqlx::{self, PgPool};
 
 use super::super::events::PaymentEvent;
 use super::super::ledger::Charge;
-use super::super::provider::{Outcome, Provider};
+use super::super::provider::{Outcome, ProviderClient};
 use super::super::state_machine::Event;
 use super::charges::{COLUMNS, read};
 use super::outbox;
@@ -47,7 +47,7 @@ pub struct Reconciled {
 #[derive(Debug, Clone)]
 pub struct Reconciler {
     pool: PgPool,
-    provider: Provider,
+    provider: ProviderClient,
     /// How long a charge stays `authorizing` before the reconciler settles it.
     after: Duration,
     /// How often it looks.
@@ -58,7 +58,7 @@ impl Reconciler {
     /// A reconciler of the charges in `pool`'s database, asking `provider`, for charges
     /// `authorizing` longer than `after`; it looks every quarter of `after` (at least every
     /// 50 ms, at most every 30 s).
-    pub fn new(pool: PgPool, provider: Provider, after: Duration) -> Self {
+    pub fn new(pool: PgPool, provider: ProviderClient, after: Duration) -> Self {
         Self {
             pool,
             provider,

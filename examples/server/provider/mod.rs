@@ -16,11 +16,18 @@
 //! [`Provider::find_payment`] looks a payment up by the key it was created with, as a real
 //! provider's API lets a reconciler find out what became of a call whose answer was lost.
 //!
+//! The example calls it over HTTP, as a service calls a real provider: [`api::router`] is its API
+//! (an axum `Router`, served in process), and [`ProviderClient`] calls that API through the
+//! crate's client layer, `IdempotentRetryLayer`, with the derived key as the `Idempotency-Key`.
+//! The provider's key table is the server half of that exchange.
+//!
 //! Test tokens: `tok_visa` is approved, `tok_chargeDeclined` is declined, and
 //! `tok_pspUnavailable` finds the provider down (a transient failure: nothing happened, retry).
 //! The simulated issuer decides from the token alone, so a payment's outcome follows from its
 //! request, and a key only needs to remember the id it answered with.
 
+pub mod api;
+mod client;
 mod keys;
 
 use std::fmt::Write as _;
@@ -29,6 +36,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
+pub use client::ProviderClient;
 pub use keys::{KeyTable, KeyTableError, Used};
 
 /// How long the provider remembers a key: 24 hours.
@@ -178,6 +186,8 @@ struct Inner {
     effects: AtomicUsize,
     /// The provider is down for every call (tests switch it on and off).
     outage: AtomicBool,
+    /// The provider is down for this many more calls (tests).
+    down_for: AtomicUsize,
     /// Where every call hangs ([`Hang::code`]; tests).
     hang: AtomicU8,
     keys: KeyTable,
@@ -206,6 +216,7 @@ impl Provider {
                 calls: AtomicUsize::new(0),
                 effects: AtomicUsize::new(0),
                 outage: AtomicBool::new(false),
+                down_for: AtomicUsize::new(0),
                 hang: AtomicU8::new(0),
                 keys,
                 ids: RandomState::new(),
@@ -254,7 +265,7 @@ impl Provider {
         if !inner.latency.is_zero() {
             tokio::time::sleep(inner.latency).await;
         }
-        if inner.outage.load(Ordering::SeqCst) {
+        if self.is_down() {
             return Err(ProviderError::Unavailable);
         }
         let request = Request::CreatePayment {
@@ -323,6 +334,24 @@ impl Provider {
         self.inner.outage.store(down, Ordering::SeqCst);
     }
 
+    /// Makes the next `calls` calls fail as [`ProviderError::Unavailable`]: a provider down for a
+    /// moment.
+    #[allow(dead_code)] // for tests
+    pub fn set_down_for(&self, calls: usize) {
+        self.inner.down_for.store(calls, Ordering::SeqCst);
+    }
+
+    /// Whether this call finds the provider down: an outage, or one of the calls
+    /// [`Provider::set_down_for`] counts down.
+    fn is_down(&self) -> bool {
+        let inner = &self.inner;
+        inner.outage.load(Ordering::SeqCst)
+            || inner
+                .down_for
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+    }
+
     /// Makes every call from now on stop for good `at` that point (`None`: none does), as a
     /// process that dies there would.
     #[allow(dead_code)] // for tests
@@ -359,7 +388,7 @@ impl Provider {
         let request = request.describe();
         self.hang_at(Hang::BeforeEffect).await;
         // A provider that is down does nothing new, but still answers a key it knows.
-        let earlier = if unavailable || inner.outage.load(Ordering::SeqCst) {
+        let earlier = if unavailable || self.is_down() {
             let known = inner.keys.get(key).await.map_err(table_unavailable)?;
             known.ok_or(ProviderError::Unavailable)?
         } else {

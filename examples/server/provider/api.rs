@@ -1,0 +1,177 @@
+//! The provider's HTTP API: what the example's client ([`super::ProviderClient`]) calls, as it
+//! would call a real provider's. It is an axum [`Router`], served in process: a `Router` is a
+//! tower `Service`, so no socket stands between the example and its provider.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `POST /v1/payments` `{"source", "amount", "capture"}` | `200` `{"id", "outcome"}` |
+//! | `POST /v1/payments/{id}/capture`, `/cancel` | `200` `{"id"}` |
+//! | `POST /v1/refunds` `{"payment", "amount"}` | `200` `{"id"}` (the refund's) |
+//! | `GET /v1/payments/by-key/{key}?source=&amount=&capture=` | `200` `{"id", "outcome"}`, or `404` |
+//!
+//! Every `POST` needs an `Idempotency-Key` (`400` `idempotency_key_missing` without one); the
+//! provider's [`KeyTable`](super::KeyTable) deduplicates on it, so the same key answers the same
+//! request's first reply again. Refusals are `{"error": code}`: `503` `unavailable` (nothing
+//! happened, retry with the same key), `422` `key_reused` (the key belongs to another request),
+//! `400` for a request the provider cannot read.
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+
+use super::{Outcome, Payment, Provider, ProviderError, Source};
+
+/// The header the provider deduplicates on.
+pub const KEY_HEADER: &str = "idempotency-key";
+
+/// A new payment's parameters: the body of `POST /v1/payments`, and the query of the lookup.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct NewPayment {
+    pub source: String,
+    pub amount: i64,
+    pub capture: bool,
+}
+
+/// The body of `POST /v1/refunds`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct NewRefund {
+    pub payment: String,
+    pub amount: i64,
+}
+
+/// A payment, as the API answers it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PaymentJson {
+    pub id: String,
+    /// `authorized`, `captured` or `declined`.
+    pub outcome: String,
+}
+
+/// What a capture, a cancellation or a refund answers: the id of the payment or refund.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct IdJson {
+    pub id: String,
+}
+
+/// A refusal: `{"error": code}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorJson {
+    pub error: String,
+}
+
+/// The provider's API over `provider`.
+pub fn router(provider: Provider) -> Router {
+    Router::new()
+        .route("/v1/payments", post(create_payment))
+        .route("/v1/payments/by-key/{key}", get(find_payment))
+        .route("/v1/payments/{id}/capture", post(capture))
+        .route("/v1/payments/{id}/cancel", post(cancel))
+        .route("/v1/refunds", post(refund))
+        .with_state(provider)
+}
+
+/// A refusal of the API.
+struct Refusal(StatusCode, &'static str);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let body = ErrorJson {
+            error: self.1.to_owned(),
+        };
+        (self.0, Json(body)).into_response()
+    }
+}
+
+impl From<ProviderError> for Refusal {
+    fn from(err: ProviderError) -> Self {
+        match err {
+            ProviderError::Unavailable => Refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ProviderError::KeyReused => Refusal(StatusCode::UNPROCESSABLE_ENTITY, "key_reused"),
+        }
+    }
+}
+
+/// The request's idempotency key, or `400`.
+fn key(headers: &HeaderMap) -> Result<&str, Refusal> {
+    headers
+        .get(KEY_HEADER)
+        .and_then(|key| key.to_str().ok())
+        .filter(|key| !key.is_empty())
+        .ok_or(Refusal(StatusCode::BAD_REQUEST, "idempotency_key_missing"))
+}
+
+fn source(token: &str) -> Result<Source, Refusal> {
+    Source::parse(token).ok_or(Refusal(StatusCode::BAD_REQUEST, "unknown_source"))
+}
+
+fn payment_json(payment: Payment) -> Json<PaymentJson> {
+    let outcome = match payment.outcome {
+        Outcome::Authorized => "authorized",
+        Outcome::Captured => "captured",
+        Outcome::Declined => "declined",
+    };
+    Json(PaymentJson {
+        id: payment.id,
+        outcome: outcome.to_owned(),
+    })
+}
+
+async fn create_payment(
+    State(provider): State<Provider>,
+    headers: HeaderMap,
+    Json(new): Json<NewPayment>,
+) -> Result<Json<PaymentJson>, Refusal> {
+    let source = source(&new.source)?;
+    let payment = provider
+        .create_payment(key(&headers)?, source, new.amount, new.capture)
+        .await?;
+    Ok(payment_json(payment))
+}
+
+async fn find_payment(
+    State(provider): State<Provider>,
+    Path(key): Path<String>,
+    Query(new): Query<NewPayment>,
+) -> Result<Json<PaymentJson>, Refusal> {
+    let source = source(&new.source)?;
+    match provider
+        .find_payment(&key, source, new.amount, new.capture)
+        .await?
+    {
+        Some(payment) => Ok(payment_json(payment)),
+        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_payment")),
+    }
+}
+
+async fn capture(
+    State(provider): State<Provider>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<IdJson>, Refusal> {
+    provider.capture(key(&headers)?, &id).await?;
+    Ok(Json(IdJson { id }))
+}
+
+async fn cancel(
+    State(provider): State<Provider>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<IdJson>, Refusal> {
+    provider.cancel(key(&headers)?, &id).await?;
+    Ok(Json(IdJson { id }))
+}
+
+async fn refund(
+    State(provider): State<Provider>,
+    headers: HeaderMap,
+    Json(new): Json<NewRefund>,
+) -> Result<Json<IdJson>, Refusal> {
+    let id = provider
+        .refund(key(&headers)?, &new.payment, new.amount)
+        .await?;
+    Ok(Json(IdJson { id }))
+}
