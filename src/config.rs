@@ -10,6 +10,7 @@ use http::response::Parts as ResponseParts;
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
+use crate::retention::Retention;
 use crate::scope::{Rejection, Scope};
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
@@ -34,6 +35,7 @@ pub(crate) struct Config {
     pub(crate) retry_after: Duration,
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
     pub(crate) render: Arc<dyn RenderProblem>,
+    pub(crate) retention: Option<Retention>,
 }
 
 impl Default for Config {
@@ -56,6 +58,7 @@ impl Default for Config {
             retry_after: Duration::from_secs(1),
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
             render: Arc::new(ProblemJson),
+            retention: None,
         }
     }
 }
@@ -99,6 +102,7 @@ impl fmt::Debug for Config {
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fail_open", &self.fail_open)
             .field("retry_after", &self.retry_after)
+            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }

@@ -12,6 +12,7 @@ use tower_layer::Layer;
 use crate::config::Config;
 use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
+use crate::retention::{Retention, RetentionFormat};
 use crate::scope::{Rejection, Scope};
 use crate::service::Idempotency;
 
@@ -201,6 +202,33 @@ impl<St> IdempotencyLayer<St> {
     /// Default: 1 second (a live owner renews its lease, so it is working and usually done soon).
     pub fn retry_after(mut self, retry_after: Duration) -> Self {
         self.config.retry_after = retry_after;
+        self
+    }
+
+    /// States on every stored response, first and replayed, when its key's record expires: the
+    /// header `name`, in `format`. The moment is the completion's time plus the
+    /// [`dedup_window`](Self::dedup_window), rounded down to the second, and is stored with the
+    /// response, so every replay repeats it; the record is kept at least until then. Responses
+    /// that leave no record (not stored, failed) and the layer's own problems carry no header.
+    ///
+    /// Default: off. Turn it on when clients should know how long they may retry with a key (a
+    /// queue that redelivers after hours, a client that retries a day later): past the moment,
+    /// the key is new and a retry runs the request again. The usual name is
+    /// [`IDEMPOTENCY_KEY_EXPIRES`](crate::IDEMPOTENCY_KEY_EXPIRES).
+    ///
+    /// ```
+    /// use tower_idempotency::{IDEMPOTENCY_KEY_EXPIRES, IdempotencyLayer, MemoryStore, RetentionFormat};
+    ///
+    /// // `Idempotency-Key-Expires: Fri, 02 Jan 2026 10:00:00 GMT` on a response completed a day before.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .retention_header(IDEMPOTENCY_KEY_EXPIRES, RetentionFormat::HttpDate);
+    /// # let _ = layer;
+    /// ```
+    pub fn retention_header(mut self, name: HeaderName, format: RetentionFormat) -> Self {
+        self.config.retention = Some(Retention {
+            header: name,
+            format,
+        });
         self
     }
 

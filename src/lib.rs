@@ -171,6 +171,7 @@ mod meter;
 mod outcome;
 pub mod problem;
 pub mod record;
+mod retention;
 mod scope;
 mod service;
 pub mod store;
@@ -194,6 +195,7 @@ pub use record::{
     ClaimToken, Completed, DecodeError, EncodeError, InFlight, Record, RecordId, StoredResponse,
     encode_in_flight,
 };
+pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
 pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};

@@ -81,7 +81,8 @@ impl<St: Store> Shared<St> {
         // What to store (a response, or `None` for a tombstone) and what to answer, or why the
         // claim is released instead.
         let (stored, response) = match result {
-            Ok(Ok(Handled::Buffered(parts, body))) => {
+            Ok(Ok(Handled::Buffered(mut parts, body))) => {
+                self.stamp_retention(&mut parts.headers);
                 let stored = StoredResponse {
                     status: parts.status,
                     headers: replayable_headers(&parts.headers, config.keep_set_cookie),
@@ -90,7 +91,10 @@ impl<St: Store> Shared<St> {
                 let response = Response::from_parts(parts, ResponseBody::full(body));
                 (Some(Arc::new(stored)), finish(response, Outcome::Executed))
             }
-            Ok(Ok(Handled::Unstorable(response))) => (None, finish(response, Outcome::Executed)),
+            Ok(Ok(Handled::Unstorable(mut response))) => {
+                self.stamp_retention(response.headers_mut());
+                (None, finish(response, Outcome::Executed))
+            }
             Ok(Ok(Handled::BodyFailed(err))) => {
                 // The handler ran: keep a tombstone so a retry does not run it again.
                 tracing::error!(
@@ -123,6 +127,13 @@ impl<St: Store> Shared<St> {
             response: stored,
         };
         self.complete(&id, &token, completed, response).await
+    }
+
+    /// States when the record about to be written expires, if the retention header is on.
+    fn stamp_retention(&self, headers: &mut http::HeaderMap) {
+        if let Some(retention) = &self.config.retention {
+            retention.stamp(headers, self.config.dedup_window);
+        }
     }
 
     /// The handler failed or panicked: a 500 problem, and the claim is released.

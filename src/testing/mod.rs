@@ -171,6 +171,9 @@ macro_rules! store_contract {
             an_aborted_completion_is_not_reported_as_done,
             store_write_failing_past_the_lease_lands_when_the_store_returns,
             retried_write_gives_up_once_another_claim_holds_the_key,
+            // Opt-in options.
+            retention_header_states_the_records_expiry,
+            retention_header_takes_a_name_and_format,
         );
     };
 }

@@ -7,7 +7,9 @@
 //! drive an [`IdempotencyLayer`](crate::IdempotencyLayer) over the store.
 
 mod layer;
+mod options;
 mod store;
 
 pub use layer::*;
+pub use options::*;
 pub use store::*;
