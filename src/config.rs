@@ -28,6 +28,7 @@ pub(crate) struct Config {
     pub(crate) request_body_limit: usize,
     pub(crate) response_body_limit: usize,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) canonical_json: bool,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) store_policy: PolicyFn,
     pub(crate) keep_set_cookie: bool,
@@ -49,6 +50,7 @@ impl Default for Config {
             request_body_limit: 1024 * 1024,
             response_body_limit: 1024 * 1024,
             fingerprint_headers: Vec::new(),
+            canonical_json: false,
             scope: None,
             store_policy: Arc::new(|head: &ResponseParts| {
                 default_store_policy(head.status, &head.headers)
@@ -98,6 +100,7 @@ impl fmt::Debug for Config {
             .field("request_body_limit", &self.request_body_limit)
             .field("response_body_limit", &self.response_body_limit)
             .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("canonical_json", &self.canonical_json)
             .field("scoped", &self.scope.is_some())
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fail_open", &self.fail_open)

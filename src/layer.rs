@@ -110,6 +110,30 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
+    /// Whether a JSON body (`Content-Type: application/json` or `application/*+json`) is
+    /// fingerprinted by its RFC 8785 canonical form rather than its bytes, so that a retry whose
+    /// client serialised the same value again (members in another order, other whitespace, `1.0`
+    /// for `1`) replays instead of getting 422. A body that is not JSON, or not JSON the canonical
+    /// form keeps whole (invalid, a duplicate member name, a number a double does not hold
+    /// exactly), keeps its byte fingerprint; so do other content types. See
+    /// [`Fingerprint::of_json`](crate::Fingerprint::of_json).
+    ///
+    /// Default: `false`. Turn it on when clients may re-serialise a retry (SDKs that rebuild the
+    /// request from objects, retries through a queue). Records stored with it off do not match
+    /// retries fingerprinted with it on, for as long as the dedup window: switch it when a 422
+    /// for some in-flight retries is acceptable.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).canonical_json(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn canonical_json(mut self, canonical: bool) -> Self {
+        self.config.canonical_json = canonical;
+        self
+    }
+
     /// The scope of each request's key, from its parts (usually the authenticated account that an
     /// outer layer put in the extensions). Keys of different scopes never see each other's
     /// records. The function may refuse a request with a [`Rejection`] (a 401 when there is no

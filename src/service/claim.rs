@@ -47,13 +47,13 @@ impl<St: Store> Shared<St> {
                 return self.problem(ProblemKind::BodyUnreadable, detail);
             }
         };
-        let fingerprint = Fingerprint::of(
-            &parts.method,
-            &parts.uri,
-            &parts.headers,
-            &config.fingerprint_headers,
-            &body,
-        );
+        let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
+        let allow_listed = &config.fingerprint_headers;
+        let fingerprint = config
+            .canonical_json
+            .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
+            .flatten()
+            .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
         let claim = self.store.claim(&id, &fingerprint, config.lease).await;
         parts.extensions.insert(key);
         let request = Request::from_parts(parts, RequestBody::buffered(body));

@@ -3,12 +3,20 @@
 //! A blake3 hash over length-prefixed fields: the method, the path and query, the body bytes, and the
 //! values of an allow-list of request headers (none by default). Length prefixes keep field
 //! boundaries unambiguous: moving a byte from the path into the body changes the fingerprint.
+//!
+//! Optionally, a JSON body counts by its canonical form instead of its bytes ([`json`]), hashed in a
+//! domain of its own.
+
+mod json;
 
 use std::fmt;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
 
 use crate::hex::Hex;
+
+/// The blake3 key-derivation context of fingerprints over a canonical JSON body.
+const CANONICAL_JSON_CONTEXT: &str = "tower-idempotency 2026-01 request fingerprint, RFC 8785 body";
 
 /// A request's fingerprint: 32 bytes of blake3.
 ///
@@ -34,7 +42,67 @@ impl Fingerprint {
         allow_listed: &[HeaderName],
         body: &[u8],
     ) -> Self {
-        let mut hasher = blake3::Hasher::new();
+        Self::hash(
+            blake3::Hasher::new(),
+            method,
+            uri,
+            headers,
+            allow_listed,
+            body,
+        )
+    }
+
+    /// Fingerprints a request like [`Fingerprint::of`], but with a JSON body counted by its RFC 8785
+    /// canonical form: member order, insignificant whitespace, string escapes and number spelling
+    /// (`1.0`, `1e0`, `1`) do not count. `None` when the request is not JSON (its `Content-Type` is
+    /// not `application/json` or `application/*+json`) or its body is not JSON that the canonical
+    /// form keeps whole: invalid, with a duplicate member name, or with a number that a double does
+    /// not hold exactly. The canonical form is hashed in a domain of its own, so it never equals a
+    /// byte fingerprint: the same bytes sent as another content type are another request.
+    ///
+    /// ```
+    /// use http::{HeaderMap, HeaderValue, Method, Uri, header::CONTENT_TYPE};
+    /// use tower_idempotency::Fingerprint;
+    ///
+    /// let uri = Uri::from_static("/v1/charges");
+    /// let mut json = HeaderMap::new();
+    /// json.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    /// let of = |body: &str| Fingerprint::of_json(&Method::POST, &uri, &json, &[], body.as_bytes());
+    ///
+    /// assert_eq!(of(r#"{"amount":100,"currency":"eur"}"#), of(r#"{ "currency": "eur", "amount": 1e2 }"#));
+    /// assert_ne!(of(r#"{"amount":100}"#), of(r#"{"amount":200}"#));
+    /// assert_eq!(of("{not json"), None);
+    /// ```
+    pub fn of_json(
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        allow_listed: &[HeaderName],
+        body: &[u8],
+    ) -> Option<Self> {
+        if !json::is_json(headers) {
+            return None;
+        }
+        let canonical = json::canonical(body)?;
+        let hasher = blake3::Hasher::new_derive_key(CANONICAL_JSON_CONTEXT);
+        Some(Self::hash(
+            hasher,
+            method,
+            uri,
+            headers,
+            allow_listed,
+            &canonical,
+        ))
+    }
+
+    fn hash(
+        mut hasher: blake3::Hasher,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        allow_listed: &[HeaderName],
+        body: &[u8],
+    ) -> Self {
         field(&mut hasher, method.as_str().as_bytes());
         let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
         field(&mut hasher, path_and_query.as_bytes());
