@@ -34,6 +34,7 @@ pub(crate) struct Config {
     pub(crate) keep_set_cookie: bool,
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
+    pub(crate) wait: Option<Duration>,
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
     pub(crate) render: Arc<dyn RenderProblem>,
     pub(crate) retention: Option<Retention>,
@@ -58,6 +59,7 @@ impl Default for Config {
             keep_set_cookie: false,
             fail_open: false,
             retry_after: Duration::from_secs(1),
+            wait: None,
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
             render: Arc::new(ProblemJson),
             retention: None,
@@ -105,6 +107,7 @@ impl fmt::Debug for Config {
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fail_open", &self.fail_open)
             .field("retry_after", &self.retry_after)
+            .field("wait", &self.wait)
             .field("retention", &self.retention)
             .finish_non_exhaustive()
     }

@@ -14,7 +14,7 @@ use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::{Rejection, Scope};
-use crate::service::Idempotency;
+use crate::service::{Idempotency, Waits};
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -41,6 +41,7 @@ pub struct IdempotencyLayer<St> {
     store: St,
     config: Config,
     background: Background,
+    waits: Waits,
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -50,6 +51,7 @@ impl<St> IdempotencyLayer<St> {
             store,
             config: Config::default(),
             background: Background::default(),
+            waits: Waits::default(),
         }
     }
 
@@ -256,6 +258,43 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
+    /// Lets a duplicate of a request that is still running wait up to `bound` for the first to
+    /// finish, and get its replay, instead of `409` at once. Past the bound it gets the `409` with
+    /// `Retry-After`; if the first request's claim is released (its handler failed, or its
+    /// response is not stored), a waiting duplicate claims the key and runs, as a new request
+    /// would. Duplicates of one key share one wait, which asks the store at most every 250 ms
+    /// (at once when this layer finishes the first request), however many wait; a duplicate whose
+    /// client goes away stops waiting. A bound of zero turns waiting off.
+    ///
+    /// Default: off (`409` at once, the IETF draft's answer). Turn it on when clients retry while
+    /// the first attempt still runs (a client timeout shorter than the handler's slowest answers)
+    /// and give up after a few `409`s, as Stripe's SDKs do: a bound of a few seconds turns those
+    /// `409`s into replays. Each waiting duplicate holds its connection for up to the bound.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn wait_for_in_flight(mut self, bound: Duration) -> Self {
+        self.config.wait = Some(bound).filter(|bound| !bound.is_zero());
+        self
+    }
+
+    /// The number of keys that duplicates are waiting on now, across this layer's services
+    /// ([`wait_for_in_flight`](Self::wait_for_in_flight)).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// assert_eq!(IdempotencyLayer::new(MemoryStore::new()).waiting(), 0);
+    /// ```
+    pub fn waiting(&self) -> usize {
+        self.waits.len()
+    }
+
     /// The status of one kind of problem response. Defaults: the IETF draft's (400 for a missing
     /// or invalid key, 409 in flight, 422 mismatch) and [`ProblemKind::default_status`] for the
     /// rest. Prior art answers a mismatch with 400 or 409:
@@ -338,6 +377,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.store.clone(),
             self.config.clone(),
             self.background.clone(),
+            self.waits.clone(),
         )
     }
 }

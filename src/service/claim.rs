@@ -54,7 +54,7 @@ impl<St: Store> Shared<St> {
             .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
             .flatten()
             .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
-        let claim = self.store.claim(&id, &fingerprint, config.lease).await;
+        let claim = self.claim_or_wait(&id, &fingerprint).await;
         parts.extensions.insert(key);
         let request = Request::from_parts(parts, RequestBody::buffered(body));
         match claim {

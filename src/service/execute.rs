@@ -163,6 +163,7 @@ impl<St: Store> Shared<St> {
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
         let written = self.store.complete(id, token, &completed, ttl).await;
+        self.waits.notify(id);
         if let Err(StoreError::Aborted(err)) = &written {
             tracing::error!(
                 target: "tower_idempotency",
@@ -188,6 +189,7 @@ impl<St: Store> Shared<St> {
         response: Response<B>,
     ) -> Response<B> {
         let released = self.store.release(id, token).await;
+        self.waits.notify(id);
         self.after_write(id, token, None, released);
         response
     }

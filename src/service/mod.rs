@@ -2,12 +2,14 @@
 //!
 //! A request the layer does not cover passes through; a covered one without a valid key, or
 //! refused by the scope, is answered here. The rest is split by step: [`claim`] reads, fingerprints
-//! and claims the request, or answers from an existing record; [`execute`] runs a claimed request
-//! and stores its result; [`capture`] reads a response into a record.
+//! and claims the request, or answers from an existing record; [`wait`] lets a duplicate of a
+//! request in flight wait for it (opt-in); [`execute`] runs a claimed request and stores its
+//! result; [`capture`] reads a response into a record.
 
 mod capture;
 mod claim;
 mod execute;
+mod wait;
 
 use std::fmt;
 use std::sync::Arc;
@@ -19,6 +21,8 @@ use http::{HeaderName, Request, Response};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
+
+pub(crate) use wait::Waits;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::Config;
@@ -92,10 +96,18 @@ pub(crate) struct Shared<St> {
     background: Background,
     /// Claim-time store failures repeat with every request: logged once per interval.
     store_failures: Throttle,
+    /// The keys that duplicates are waiting on (shared by every service of one layer).
+    waits: Waits,
 }
 
 impl<S, St> Idempotency<S, St> {
-    pub(crate) fn new(inner: S, store: St, config: Config, background: Background) -> Self {
+    pub(crate) fn new(
+        inner: S,
+        store: St,
+        config: Config,
+        background: Background,
+        waits: Waits,
+    ) -> Self {
         meter::describe();
         Self {
             inner,
@@ -104,6 +116,7 @@ impl<S, St> Idempotency<S, St> {
                 config,
                 background,
                 store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
+                waits,
             }),
         }
     }

@@ -174,6 +174,11 @@ macro_rules! store_contract {
             // Opt-in options.
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
+            a_waiting_duplicate_gets_the_replay,
+            a_duplicate_past_the_wait_bound_gets_409,
+            many_waiters_cost_a_bounded_number_of_store_calls,
+            a_waiter_that_goes_away_leaves_nothing_behind,
+            a_waiter_runs_when_the_first_request_is_released,
         );
     };
 }

@@ -9,7 +9,9 @@
 mod layer;
 mod options;
 mod store;
+mod wait;
 
 pub use layer::*;
 pub use options::*;
 pub use store::*;
+pub use wait::*;

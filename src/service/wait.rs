@@ -1,0 +1,225 @@
+//! Waiting for an in-flight request (opt-in, `IdempotencyLayer::wait_for_in_flight`): a duplicate
+//! of a request that is still running waits, up to a bound, for the first to finish, instead of
+//! getting `409` at once.
+//!
+//! The duplicates of one key in one layer share one wait: a [`Watch`] in [`Waits`], whose task asks
+//! the store about the key and tells every waiter the answer, so that the store sees the same calls
+//! for one waiter as for a thousand. It asks by claiming again, the store's one atomic read: a
+//! completed record settles the wait (each waiter answers from it), a free key settles it too (the
+//! task gives its claim back, and each waiter claims for itself, as any request would), and the
+//! first request still in flight means asking again later. Later is when this layer completes or
+//! releases the key (in-process notification, which covers every store when the first request ran
+//! here), and otherwise after a backoff from [`FIRST_POLL`] doubling up to [`MAX_POLL`], so a key
+//! costs at most one store call per `MAX_POLL` however many wait on it.
+//!
+//! A waiter whose client goes away drops its receiver; the task ends when the last one has gone,
+//! and takes the key's entry with it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::Shared;
+use crate::fingerprint::Fingerprint;
+use crate::lease::ErrorChain;
+use crate::record::{InFlight, Record, RecordId};
+use crate::store::{Claim, Store, StoreError};
+
+/// How long the shared wait lets pass before it first asks the store again: each waiter has just
+/// claimed, and seen the key in flight.
+pub(crate) const FIRST_POLL: Duration = Duration::from_millis(25);
+/// The longest interval between two store calls of one key's wait.
+pub(crate) const MAX_POLL: Duration = Duration::from_millis(250);
+
+/// The keys that requests of one layer are waiting on.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Waits {
+    keys: Arc<Mutex<HashMap<RecordId, Arc<Watch>>>>,
+}
+
+/// One key's shared wait.
+#[derive(Debug)]
+struct Watch {
+    settled: watch::Sender<Option<Settled>>,
+    /// Woken when this layer completes or releases the key.
+    changed: Notify,
+}
+
+/// How a wait ended for every waiter of the key.
+#[derive(Debug, Clone)]
+enum Settled {
+    /// The key holds this record: completed, or another request's claim.
+    Record(Record),
+    /// The key was free: each waiter claims it for itself.
+    Free,
+}
+
+impl Waits {
+    /// The number of keys that requests are waiting on now.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Tells the key's wait, if there is one, that the key changed here.
+    pub(crate) fn notify(&self, id: &RecordId) {
+        if let Some(watch) = self.lock().get(id) {
+            watch.changed.notify_one();
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<RecordId, Arc<Watch>>> {
+        // The map holds no invariant a panic could break halfway.
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Removes the key's entry if it is still `watch`, and no waiter joined it since `done`.
+    fn leave(&self, id: &RecordId, watch: &Arc<Watch>, done: bool) -> bool {
+        let mut keys = self.lock();
+        let current = keys.get(id).is_some_and(|w| Arc::ptr_eq(w, watch));
+        let gone = done || watch.settled.receiver_count() == 0;
+        if current && gone {
+            keys.remove(id);
+        }
+        gone
+    }
+}
+
+/// One waiter's place in a key's wait. Leaving it (answered, timed out, or dropped with its
+/// request) removes the key's entry if it was the last waiter, so nothing is left behind even
+/// before the wait's task notices.
+struct Waiter {
+    settled: Option<watch::Receiver<Option<Settled>>>,
+    watch: Arc<Watch>,
+    waits: Waits,
+    id: RecordId,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        drop(self.settled.take());
+        self.waits.leave(&self.id, &self.watch, false);
+    }
+}
+
+impl<St: Store> Shared<St> {
+    /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
+    /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
+    /// lease that is left.
+    pub(super) async fn claim_or_wait(
+        self: &Arc<Self>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+    ) -> Result<Claim, StoreError> {
+        let started = Instant::now();
+        loop {
+            let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
+            let (Some(bound), Claim::Existing(Record::InFlight(in_flight))) =
+                (self.config.wait, &claim)
+            else {
+                return Ok(claim);
+            };
+            if in_flight.fingerprint != *fingerprint {
+                return Ok(claim);
+            }
+            tracing::debug!(target: "tower_idempotency", "waiting for the request in flight");
+            let waited = self.wait_on(id, fingerprint, started + bound).await;
+            match waited {
+                Some(Settled::Record(record)) => return Ok(Claim::Existing(record)),
+                Some(Settled::Free) => continue,
+                None => {
+                    let lease_remaining =
+                        in_flight.lease_remaining.saturating_sub(started.elapsed());
+                    return Ok(Claim::Existing(Record::InFlight(InFlight {
+                        fingerprint: *fingerprint,
+                        lease_remaining,
+                    })));
+                }
+            }
+        }
+    }
+
+    /// Joins the key's shared wait (starting it if there is none) until it settles or `deadline`.
+    async fn wait_on(
+        self: &Arc<Self>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        deadline: Instant,
+    ) -> Option<Settled> {
+        let mut waiter = {
+            let mut keys = self.waits.lock();
+            let watch = match keys.get(id) {
+                Some(watch) => watch.clone(),
+                None => {
+                    let watch = Arc::new(Watch {
+                        settled: watch::Sender::new(None),
+                        changed: Notify::new(),
+                    });
+                    keys.insert(*id, watch.clone());
+                    let task = self.clone().watch(*id, *fingerprint, watch.clone());
+                    tokio::spawn(task.instrument(tracing::Span::current()));
+                    watch
+                }
+            };
+            Waiter {
+                settled: Some(watch.settled.subscribe()),
+                watch,
+                waits: self.waits.clone(),
+                id: *id,
+            }
+        };
+        let settled = waiter.settled.as_mut()?;
+        let settled = tokio::time::timeout_at(deadline, settled.wait_for(Option::is_some)).await;
+        match settled {
+            Ok(Ok(settled)) => settled.clone(),
+            // Timed out, or the task ended without an answer (it cannot: it answers or waits for
+            // every waiter to leave).
+            Ok(Err(_)) | Err(_) => None,
+        }
+    }
+
+    /// The shared wait's task: asks the store when this layer changed the key, or after the
+    /// backoff, until the key is no longer the same request in flight or no one waits.
+    async fn watch(self: Arc<Self>, id: RecordId, fingerprint: Fingerprint, watch: Arc<Watch>) {
+        let mut interval = FIRST_POLL;
+        loop {
+            tokio::select! {
+                () = watch.settled.closed() => {
+                    if self.waits.leave(&id, &watch, false) {
+                        return;
+                    }
+                    continue;
+                }
+                () = watch.changed.notified() => {}
+                () = tokio::time::sleep(interval) => interval = (interval * 2).min(MAX_POLL),
+            }
+            let settled = match self.store.claim(&id, &fingerprint, self.config.lease).await {
+                Ok(Claim::Existing(Record::InFlight(in_flight)))
+                    if in_flight.fingerprint == fingerprint =>
+                {
+                    continue;
+                }
+                Ok(Claim::Existing(record)) => Settled::Record(record),
+                Ok(Claim::Claimed(token)) => {
+                    // Not ours to run: give it back, and let each waiter claim as a request does.
+                    if let Err(err) = self.store.release(&id, &token).await {
+                        tracing::warn!(
+                            target: "tower_idempotency",
+                            error = %ErrorChain(&err),
+                            "a waiting request's claim could not be released; the key is free when its lease ends"
+                        );
+                    }
+                    Settled::Free
+                }
+                // The store is away: the waiters keep waiting, up to their bound.
+                Err(_) => continue,
+            };
+            self.waits.leave(&id, &watch, true);
+            watch.settled.send_replace(Some(settled));
+            return;
+        }
+    }
+}
