@@ -169,6 +169,7 @@ fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
         .env_remove("LEDGER_REDIS_URL")
         .env_remove("REDIS_CLUSTER_URLS")
         .env_remove("PSP_LATENCY_MS")
+        .env_remove("IDEMPOTENCY_WAIT_MS")
         .env_remove("SHUTDOWN_TIMEOUT_MS")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -391,6 +392,31 @@ fn sigterm_lets_an_in_flight_charge_finish() {
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(TcpStream::connect(addr).is_err(), "the port is closed");
+}
+
+/// With `IDEMPOTENCY_WAIT_MS`, a duplicate of a charge still at the (slow) provider waits for it
+/// and gets its replay, not a `409`.
+#[test]
+fn idempotency_wait_ms_turns_a_409_into_the_replay() {
+    let server = Server::start(&[
+        ("PSP_LATENCY_MS", "800"),
+        ("IDEMPOTENCY_WAIT_MS", "5000"),
+        ("RUST_LOG", "info,server=debug"),
+    ]);
+    let addr = server.addr;
+    let first = thread::spawn(move || create_charge(addr, "waited-1"));
+    server.wait_for_log("provider: create payment");
+    let duplicate = create_charge(addr, "waited-1");
+    let first = first.join().expect("the first request's thread");
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!((duplicate.status, &duplicate.body), (201, &first.body));
+    assert!(
+        duplicate.head.contains("idempotent-replayed: true"),
+        "{duplicate:?}"
+    );
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
 }
 
 /// Asserts that a run ended before it listened, with a non-zero exit, no panic and exactly one

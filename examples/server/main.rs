@@ -86,7 +86,9 @@
 //! `LEDGER_REDIS_URL` (default: `REDIS_URL`, or the cluster), `DATABASE_URL` (set: everything in PostgreSQL, the
 //! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays `authorizing`
 //! before the reconciler settles it, default 120000), `PSP_LATENCY_MS` (the provider's delay per call,
-//! default 0; from 3000 every call outlasts the provider client's attempt timeout), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
+//! default 0; from 3000 every call outlasts the provider client's attempt timeout),
+//! `IDEMPOTENCY_WAIT_MS` (how long a duplicate of a charge still running waits for its replay
+//! before it gets `409`; unset or 0: `409` at once), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
 //! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
 //! (default `info`).
 //!
@@ -535,7 +537,11 @@ async fn serve(
     store_name: &str,
     shutdown_timeout: Duration,
 ) -> Result<(), Box<dyn Error>> {
-    let idempotency = IdempotencyLayer::new(store);
+    let mut idempotency = IdempotencyLayer::new(store);
+    // A duplicate of a charge still running waits for it and gets its replay, not a 409.
+    if let Some(bound) = env_millis("IDEMPOTENCY_WAIT_MS")? {
+        idempotency = idempotency.wait_for_in_flight(bound);
+    }
     let drained = idempotency.shutdown_handle();
     let listener = TcpListener::bind(addr)
         .await
