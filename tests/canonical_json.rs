@@ -5,8 +5,8 @@
 use axum::body::Body;
 use http::header::CONTENT_TYPE;
 use http::{Method, Request, StatusCode};
-use tower_idempotency::testing::{Handler, Reply, created, keyed, send, service};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency::testing::{Handler, created, keyed, send, service};
+use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
 
 fn request(key: &str, content_type: &str, body: &'static str) -> Request<Body> {
     keyed(Method::POST, "/v1/charges", key)
@@ -23,18 +23,23 @@ fn echo() -> Handler {
     Handler::ok(|call| created(format!("call {}", call.n)))
 }
 
-#[track_caller]
-fn assert_mismatch(reply: &Reply) {
-    reply.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+/// A service that fingerprints JSON canonically, and its handler.
+fn canonical() -> (Idempotency<Handler, MemoryStore>, Handler) {
+    let handler = echo();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).canonical_json(true);
+    (service(layer, handler.clone()), handler)
+}
+
+/// Sends `request` and asserts the 422 of a different request with the key.
+async fn assert_mismatch(svc: &Idempotency<Handler, MemoryStore>, request: Request<Body>) {
+    send(svc, request)
+        .await
+        .assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
 }
 
 #[tokio::test(start_paused = true)]
 async fn reordered_members_and_whitespace_replay() {
-    let handler = echo();
-    let svc = service(
-        IdempotencyLayer::new(MemoryStore::new()).canonical_json(true),
-        handler.clone(),
-    );
+    let (svc, handler) = canonical();
     let first = send(
         &svc,
         json(
@@ -60,53 +65,39 @@ async fn reordered_members_and_whitespace_replay() {
 
 #[tokio::test(start_paused = true)]
 async fn a_changed_value_is_a_different_request() {
-    let handler = echo();
-    let svc = service(
-        IdempotencyLayer::new(MemoryStore::new()).canonical_json(true),
-        handler.clone(),
-    );
+    let (svc, handler) = canonical();
     send(&svc, json("k", r#"{"amount":2500,"currency":"eur"}"#)).await;
-    assert_mismatch(&send(&svc, json("k", r#"{"currency":"eur","amount":2501}"#)).await);
-    assert_mismatch(&send(&svc, json("k", r#"{"currency":"eur","amount":"2500"}"#)).await);
+    assert_mismatch(&svc, json("k", r#"{"currency":"eur","amount":2501}"#)).await;
+    assert_mismatch(&svc, json("k", r#"{"currency":"eur","amount":"2500"}"#)).await;
     assert_mismatch(
-        &send(
-            &svc,
-            json("k", r#"{"currency":"eur","amount":2500,"x":null}"#),
-        )
-        .await,
-    );
+        &svc,
+        json("k", r#"{"currency":"eur","amount":2500,"x":null}"#),
+    )
+    .await;
     // Numbers a double does not hold exactly keep their bytes: an exact reader sees two values.
     send(&svc, json("big", r#"{"id":9007199254740993}"#)).await;
-    assert_mismatch(&send(&svc, json("big", r#"{"id":9007199254740992}"#)).await);
-    assert_mismatch(&send(&svc, json("big", r#"{ "id":9007199254740993}"#)).await);
+    assert_mismatch(&svc, json("big", r#"{"id":9007199254740992}"#)).await;
+    assert_mismatch(&svc, json("big", r#"{ "id":9007199254740993}"#)).await;
     assert_eq!(handler.calls(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_body_that_is_not_json_keeps_its_bytes() {
-    let handler = echo();
-    let svc = service(
-        IdempotencyLayer::new(MemoryStore::new()).canonical_json(true),
-        handler.clone(),
-    );
+    let (svc, handler) = canonical();
     // Another content type: JSON-looking bytes are bytes.
     send(&svc, request("form", "text/plain", r#"{"a":1,"b":2}"#)).await;
     let same = send(&svc, request("form", "text/plain", r#"{"a":1,"b":2}"#)).await;
     assert_eq!(same.outcome, Some(Outcome::Replayed));
-    assert_mismatch(&send(&svc, request("form", "text/plain", r#"{"b":2,"a":1}"#)).await);
+    assert_mismatch(&svc, request("form", "text/plain", r#"{"b":2,"a":1}"#)).await;
     // The bytes of a canonical form, first as JSON, then as another type: another request.
     send(&svc, json("typed", r#"{"a":1}"#)).await;
-    assert_mismatch(&send(&svc, request("typed", "text/plain", r#"{"a":1}"#)).await);
+    assert_mismatch(&svc, request("typed", "text/plain", r#"{"a":1}"#)).await;
     assert_eq!(handler.calls(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn invalid_json_falls_back_to_bytes() {
-    let handler = echo();
-    let svc = service(
-        IdempotencyLayer::new(MemoryStore::new()).canonical_json(true),
-        handler.clone(),
-    );
+    let (svc, handler) = canonical();
     let first = send(&svc, json("k", r#"{"a":1,"b":"#)).await;
     assert_eq!(
         first.outcome,
@@ -115,10 +106,10 @@ async fn invalid_json_falls_back_to_bytes() {
     );
     let same = send(&svc, json("k", r#"{"a":1,"b":"#)).await;
     assert_eq!(same.outcome, Some(Outcome::Replayed));
-    assert_mismatch(&send(&svc, json("k", r#"{ "a":1,"b":"#)).await);
+    assert_mismatch(&svc, json("k", r#"{ "a":1,"b":"#)).await;
     // A duplicate member name is not JSON the canonical form keeps: bytes.
     send(&svc, json("dup", r#"{"a":1,"a":2}"#)).await;
-    assert_mismatch(&send(&svc, json("dup", r#"{"a":2,"a":1}"#)).await);
+    assert_mismatch(&svc, json("dup", r#"{"a":2,"a":1}"#)).await;
     assert_eq!(handler.calls(), 2);
 }
 
@@ -126,5 +117,5 @@ async fn invalid_json_falls_back_to_bytes() {
 async fn off_by_default() {
     let svc = service(IdempotencyLayer::new(MemoryStore::new()), echo());
     send(&svc, json("k", r#"{"a":1,"b":2}"#)).await;
-    assert_mismatch(&send(&svc, json("k", r#"{"b":2,"a":1}"#)).await);
+    assert_mismatch(&svc, json("k", r#"{"b":2,"a":1}"#)).await;
 }

@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use http::StatusCode;
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::testing::*;
-use crate::{IdempotencyLayer, Outcome};
+use crate::{Idempotency, IdempotencyLayer, Outcome};
 
 /// The longest interval between two store calls of one key's wait (`MAX_POLL`).
 const MAX_POLL: Duration = Duration::from_millis(250);
@@ -26,7 +27,27 @@ async fn until_waiting<H: Harness, St>(h: &H, layer: &IdempotencyLayer<St>, n: u
     panic!("{} keys with waiters, not {n}", layer.waiting());
 }
 
-/// A gated first request (its handler waits for `gate`) and a layer that waits `bound`.
+/// Through a service of `waiting` over `handler`: sends the first request and, once its handler
+/// runs (`started`), a duplicate, and lets time pass until the duplicate waits.
+async fn first_and_a_waiter<H: Harness>(
+    h: &H,
+    waiting: &IdempotencyLayer<H::Store>,
+    handler: &Handler,
+    started: &Notify,
+) -> (
+    Idempotency<Handler, H::Store>,
+    JoinHandle<Reply>,
+    JoinHandle<Reply>,
+) {
+    let svc = service(waiting.clone(), handler.clone());
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    let duplicate = spawn_send(&svc, post("k", "x"));
+    until_waiting(h, waiting, 1).await;
+    (svc, first, duplicate)
+}
+
+/// A layer over `store` that waits `bound`.
 fn waiting_layer<H: Harness, St>(h: &H, store: St, bound: Duration) -> IdempotencyLayer<St> {
     layer(h, store).wait_for_in_flight(bound)
 }
@@ -141,12 +162,7 @@ pub async fn a_waiter_that_goes_away_leaves_nothing_behind<H: Harness>(h: H) {
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = gated_handler(started.clone(), gate.clone(), "charged");
     let waiting = waiting_layer(&h, h.store(), h.lease() * 4);
-    let svc = service(waiting.clone(), handler.clone());
-
-    let first = spawn_send(&svc, post("k", "x"));
-    started.notified().await;
-    let gone = spawn_send(&svc, post("k", "x"));
-    until_waiting(&h, &waiting, 1).await;
+    let (svc, first, gone) = first_and_a_waiter(&h, &waiting, &handler, &started).await;
     gone.abort();
     assert!(gone.await.is_err_and(|err| err.is_cancelled()));
     for _ in 0..100 {
@@ -183,12 +199,7 @@ pub async fn a_waiter_runs_when_the_first_request_is_released<H: Harness>(h: H) 
         }
     });
     let waiting = waiting_layer(&h, h.store(), h.lease() * 4);
-    let svc = service(waiting.clone(), handler.clone());
-
-    let first = spawn_send(&svc, post("k", "x"));
-    started.notified().await;
-    let duplicate = spawn_send(&svc, post("k", "x"));
-    until_waiting(&h, &waiting, 1).await;
+    let (svc, first, duplicate) = first_and_a_waiter(&h, &waiting, &handler, &started).await;
     gate.notify_one();
 
     let first = first.await.expect("the first request");
