@@ -126,6 +126,10 @@ impl<St: Store> Store for Metered<St> {
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         timed("release", self.0.release(id, token)).await
     }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.0.changed(id)
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -168,5 +172,9 @@ impl<St: Store> Store for Metered<St> {
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         self.0.release(id, token)
+    }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.0.changed(id)
     }
 }

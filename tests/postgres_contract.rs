@@ -21,8 +21,17 @@ struct PgHarness {
 
 impl PgHarness {
     async fn start() -> Self {
+        Self::start_with(|store| store).await
+    }
+
+    /// With `NOTIFY` in every completion and release, and a listener for waiting requests.
+    async fn notifying() -> Self {
+        Self::start_with(|store| store.with_notifications(true)).await
+    }
+
+    async fn start_with(configure: impl FnOnce(PgStore) -> PgStore) -> Self {
         let server = PostgresServer::start();
-        let store = PgStore::connect(&server.url()).expect("a store");
+        let store = configure(PgStore::connect(&server.url()).expect("a store"));
         store.migrate().await.expect("the table is created");
         Self {
             store,
@@ -52,3 +61,11 @@ impl Harness for PgHarness {
 }
 
 store_contract!(PgHarness::start().await, flavor = "multi_thread");
+
+/// The whole contract again with change notifications: the statements that notify must keep every
+/// rule of the ones that do not.
+mod notifying {
+    use super::*;
+
+    store_contract!(PgHarness::notifying().await, flavor = "multi_thread");
+}

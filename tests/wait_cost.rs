@@ -71,7 +71,7 @@ async fn measure<St: Store + Clone>(name: &str, base: St) {
             let max = lags.iter().max().copied().unwrap_or_default();
             let mean = lags.iter().sum::<Duration>() / n as u32;
             println!(
-                "{name:8} {:9} n={n:3}: {calls:4} store calls ({:.2} per waiter); replay after the first's answer: mean {mean:?}, max {max:?}; first took {:?}",
+                "{name:9} {:9} n={n:3}: {calls:4} store calls ({:.2} per waiter); replay after the first's answer: mean {mean:?}, max {max:?}; first took {:?}",
                 if remote { "elsewhere" } else { "here" },
                 calls as f64 / n as f64,
                 first_done - started,
@@ -102,4 +102,15 @@ async fn wait_cost_postgres() {
     let store = tower_idempotency::PgStore::connect(&server.url()).expect("a store");
     store.migrate().await.expect("the table");
     measure("postgres", store).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+async fn wait_cost_postgres_notifying() {
+    let server = support::postgres_server::PostgresServer::start();
+    let store = tower_idempotency::PgStore::connect(&server.url())
+        .expect("a store")
+        .with_notifications(true);
+    store.migrate().await.expect("the table");
+    measure("pg+notify", store).await;
 }

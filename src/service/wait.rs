@@ -9,8 +9,10 @@
 //! task gives its claim back, and each waiter claims for itself, as any request would), and the
 //! first request still in flight means asking again later. Later is when this layer completes or
 //! releases the key (in-process notification, which covers every store when the first request ran
-//! here), and otherwise after a backoff from [`FIRST_POLL`] doubling up to [`MAX_POLL`], so a key
-//! costs at most one store call per `MAX_POLL` however many wait on it.
+//! here), when the store signals a change ([`Store::changed`]: `PgStore` with notifications), and
+//! otherwise after a backoff from [`FIRST_POLL`] doubling up to [`MAX_POLL`] (every
+//! [`NOTIFIED_POLL`] for a store that signals), so a key costs at most one store call per
+//! `MAX_POLL` however many wait on it.
 //!
 //! A waiter whose client goes away drops its receiver; the task ends when the last one has gone,
 //! and takes the key's entry with it.
@@ -34,6 +36,10 @@ use crate::store::{Claim, Store, StoreError};
 pub(crate) const FIRST_POLL: Duration = Duration::from_millis(25);
 /// The longest interval between two store calls of one key's wait.
 pub(crate) const MAX_POLL: Duration = Duration::from_millis(250);
+/// The interval between two store calls of one key's wait when the store signals changes
+/// ([`Store::changed`]): a net for a signal lost (a listener reconnecting) or never sent (a crashed
+/// owner's lease running out).
+pub(crate) const NOTIFIED_POLL: Duration = Duration::from_secs(1);
 
 /// The keys that requests of one layer are waiting on.
 #[derive(Debug, Clone, Default)]
@@ -184,8 +190,19 @@ impl<St: Store> Shared<St> {
     /// The shared wait's task: asks the store when this layer changed the key, or after the
     /// backoff, until the key is no longer the same request in flight or no one waits.
     async fn watch(self: Arc<Self>, id: RecordId, fingerprint: Fingerprint, watch: Arc<Watch>) {
-        let mut interval = FIRST_POLL;
+        // Watched from before each claim, so a change between two claims is not missed.
+        let mut store_changed = self.store.changed(&id).map(Box::pin);
+        let (mut interval, max) = match store_changed {
+            Some(_) => (NOTIFIED_POLL, NOTIFIED_POLL),
+            None => (FIRST_POLL, MAX_POLL),
+        };
         loop {
+            let from_store = async {
+                match store_changed.as_mut() {
+                    Some(changed) => changed.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = watch.settled.closed() => {
                     if self.waits.leave(&id, &watch, false) {
@@ -194,8 +211,10 @@ impl<St: Store> Shared<St> {
                     continue;
                 }
                 () = watch.changed.notified() => {}
-                () = tokio::time::sleep(interval) => interval = (interval * 2).min(MAX_POLL),
+                () = from_store => {}
+                () = tokio::time::sleep(interval) => interval = (interval * 2).min(max),
             }
+            store_changed = self.store.changed(&id).map(Box::pin);
             let settled = match self.store.claim(&id, &fingerprint, self.config.lease).await {
                 Ok(Claim::Existing(Record::InFlight(in_flight)))
                     if in_flight.fingerprint == fingerprint =>

@@ -43,6 +43,8 @@ trait DynStore: Send + Sync + 'static {
         id: &'a RecordId,
         token: &'a ClaimToken,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    fn changed(&self, id: &RecordId) -> Option<BoxFuture<'static, ()>>;
 }
 
 impl<S: Store> DynStore for S {
@@ -85,13 +87,17 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(Store::release(self, id, token))
     }
+
+    fn changed(&self, id: &RecordId) -> Option<BoxFuture<'static, ()>> {
+        Store::changed(self, id).map(|changed| Box::pin(changed) as BoxFuture<'static, ()>)
+    }
 }
 
 /// Any [`Store`], behind one type: for a store chosen at run time (from configuration, say), so
 /// that the layer, the services it builds and the code around them exist once, as
 /// `IdempotencyLayer<BoxStore>`, whatever the store.
 ///
-/// Every method is forwarded, [`Store::prepare`] included. A call's future is boxed, one small
+/// Every method is forwarded, [`Store::prepare`] and [`Store::changed`] included. A call's future is boxed, one small
 /// allocation per store call; clones share the store.
 ///
 /// ```
@@ -168,9 +174,14 @@ impl Store for BoxStore {
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.inner.release(id, token).await
     }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.inner.changed(id)
+    }
 }
 
-/// A shared store is a store: every method is forwarded, [`Store::prepare`] included.
+/// A shared store is a store: every method is forwarded, [`Store::prepare`] and
+/// [`Store::changed`] included.
 impl<S: Store> Store for Arc<S> {
     fn claim(
         &self,
@@ -210,5 +221,9 @@ impl<S: Store> Store for Arc<S> {
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         S::release(self, id, token)
+    }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        S::changed(self, id)
     }
 }

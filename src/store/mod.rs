@@ -155,4 +155,16 @@ pub trait Store: Send + Sync + 'static {
         id: &RecordId,
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// A signal that the record under `id` may have changed (completed or released, by any
+    /// instance), for the requests that wait on it
+    /// ([`IdempotencyLayer::wait_for_in_flight`](crate::IdempotencyLayer::wait_for_in_flight)):
+    /// they ask the store again when it resolves. It must watch from the moment it is called, so
+    /// that a change before its first poll is not missed. It may resolve without a change (the
+    /// waiters then ask once more for nothing), and may miss one (they also ask on a backoff).
+    /// The default, `None`, says the store cannot tell, and the waiters ask on the backoff alone.
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let _ = id;
+        None::<std::future::Ready<()>>
+    }
 }

@@ -109,6 +109,10 @@ impl<St: Store> Store for Counting<St> {
         self.counters.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(id, token).await
     }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.inner.changed(id)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -237,5 +241,9 @@ impl<St: Store> Store for Faulty<St> {
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.enter(true).await?;
         self.inner.release(id, token).await
+    }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.inner.changed(id)
     }
 }

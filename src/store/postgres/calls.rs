@@ -28,7 +28,7 @@ impl PgStore {
         bytes: &[u8],
         ttl: Duration,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(&self.inner.statements.complete)
+        let done = sqlx::query(self.inner.complete_sql())
             .bind(id.as_bytes().as_slice())
             .bind(fingerprint.as_bytes().as_slice())
             .bind(token.as_bytes().as_slice())
@@ -125,6 +125,16 @@ impl Store for PgStore {
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         Box::pin(self.release_call(id, token))
+    }
+
+    /// With [`PgStore::with_notifications`]: a completion or release of `id` by any instance.
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let inner = &self.inner;
+        inner.notifies.then(|| {
+            inner
+                .notifier
+                .changed(&inner.pool, &inner.statements.channel, id)
+        })
     }
 
     fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
@@ -266,8 +276,7 @@ impl PgStore {
             // Dropped, it would roll back too, but only once its connection is next used.
             let _ = tokio::time::timeout(self.inner.timeout, tx.rollback()).await;
         }
-        self.fenced(&self.inner.statements.release, id, token, None)
-            .await
+        self.fenced(self.inner.release_sql(), id, token, None).await
     }
 }
 

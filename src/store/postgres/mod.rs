@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use super::StoreError;
 use health::Health;
+use notify::Notifier;
 pub use sql::DEFAULT_TABLE;
 use sql::Statements;
 use sweep::Sweeper;
@@ -20,6 +21,7 @@ pub use tx::{PgTx, PgTxError};
 
 mod calls;
 mod health;
+mod notify;
 mod processed;
 mod sql;
 mod sweep;
@@ -106,6 +108,9 @@ struct Inner {
     health: Arc<Health>,
     /// The transactions of claimed requests whose work has not ended (see `tx`).
     open: Open,
+    /// Whether completions and releases send `NOTIFY` (see `notify`).
+    notifies: bool,
+    notifier: Notifier,
 }
 
 impl Inner {
@@ -124,6 +129,24 @@ impl Inner {
             sweeper: Sweeper::default(),
             health,
             open: Open::default(),
+            notifies: false,
+            notifier: Notifier::default(),
+        }
+    }
+
+    /// The completion statement, notifying or not.
+    fn complete_sql(&self) -> &str {
+        match self.notifies {
+            true => &self.statements.complete_notifying,
+            false => &self.statements.complete,
+        }
+    }
+
+    /// The release statement, notifying or not.
+    fn release_sql(&self) -> &str {
+        match self.notifies {
+            true => &self.statements.release_notifying,
+            false => &self.statements.release,
         }
     }
 }
@@ -232,18 +255,51 @@ impl PgStore {
         self.with_inner(|inner| inner.sweep_every = every)
     }
 
+    /// Whether completions and releases send a `NOTIFY` with the record's id, on the channel
+    /// named after the table (`idempotency_records_changes`), so that requests waiting on a
+    /// record ([`IdempotencyLayer::wait_for_in_flight`](crate::IdempotencyLayer::wait_for_in_flight))
+    /// get their answer as soon as any instance finishes it, rather than at their next poll. The
+    /// store then keeps one connection of its pool listening, from the first wait on. Default:
+    /// `false`.
+    ///
+    /// Turn it on, on every instance, when waiting is on and the latency of a waiting duplicate
+    /// matters (without it, a duplicate on another instance than the first request's learns of its
+    /// completion within a quarter of a second). The cost: a `NOTIFY` in every completion and
+    /// release, and PostgreSQL serialises the commits of transactions that notify, which limits
+    /// completions per second on a busy database.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, PgStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::store::PgStoreError> {
+    /// let store = PgStore::connect("postgres://app@127.0.0.1/payments")?.with_notifications(true);
+    /// let layer = IdempotencyLayer::new(store).wait_for_in_flight(Duration::from_secs(5));
+    /// # let _ = layer;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_notifications(self, notify: bool) -> Self {
+        self.with_inner(|inner| inner.notifies = notify)
+    }
+
     fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
         let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| {
             let statements = Statements::new(&shared.statements.table)
                 .expect("the table name was checked before");
-            Inner::new(
+            let mut fresh = Inner::new(
                 shared.pool.clone(),
                 statements,
                 shared.timeout,
                 shared.sweep_every,
                 shared.health.clone(),
-            )
+            );
+            fresh.notifies = shared.notifies;
+            fresh
         });
+        // A listener already running stops with the old store; the next wait starts one.
+        inner.notifier = Notifier::default();
         // A sweep already running (with the old settings) stops; the next call starts one.
         inner.sweeper = Sweeper::default();
         change(&mut inner);
@@ -460,6 +516,7 @@ impl fmt::Debug for PgStore {
             .field("table", &self.inner.statements.table)
             .field("timeout", &self.inner.timeout)
             .field("sweep_every", &self.inner.sweep_every)
+            .field("notifies", &self.inner.notifies)
             .field("connections", &self.inner.pool.size())
             .field("idle", &self.inner.pool.num_idle())
             .finish_non_exhaustive()

@@ -39,6 +39,14 @@ pub(super) struct Statements {
     pub(super) renew: String,
     /// $1 id, $2 token. One row affected when released.
     pub(super) release: String,
+    /// `complete`, then `NOTIFY` on [`Statements::channel`] with the id in hex when written: one
+    /// row returned.
+    pub(super) complete_notifying: String,
+    /// `release`, then `NOTIFY` likewise: one row returned when released.
+    pub(super) release_notifying: String,
+    /// The channel of the table's change notifications: the table's name (without its schema)
+    /// and `_changes`.
+    pub(super) channel: String,
     /// $1 batch size. Deletes up to that many expired rows, skipping rows other transactions
     /// hold.
     pub(super) sweep: String,
@@ -72,6 +80,27 @@ impl Statements {
                 .replace('\u{0}', &format!("\"{index_name}\""))
         };
         let t = &quoted;
+        // Within 63 bytes (the index name's rule keeps `name` to 52); tables of one name in two
+        // schemas share it, and only wake each other's waits for nothing.
+        let channel = format!("{name}_changes");
+        // Written over this claim's in-flight row (even past its lease: nobody took the key
+        // since), over a row whose time is up, or where there is none. A completion sent
+        // again (its first answer was lost) finds the row it wrote: same token, same bytes.
+        // It counts as written, and keeps the first one's expiry.
+        let complete = format!(
+            "INSERT INTO {t} AS r (id, fingerprint, token, completed, expires_at)
+VALUES ($1, $2, $3, $4, statement_timestamp() + $5::int8 * interval '1 millisecond')
+ON CONFLICT (id) DO UPDATE
+SET fingerprint = excluded.fingerprint, token = excluded.token, completed = excluded.completed,
+    expires_at = CASE WHEN r.completed IS NULL OR r.expires_at <= statement_timestamp()
+                      THEN excluded.expires_at ELSE r.expires_at END
+WHERE r.expires_at <= statement_timestamp()
+   OR (r.token = excluded.token AND (r.completed IS NULL OR r.completed = excluded.completed))"
+        );
+        let release = format!(
+            "DELETE FROM {t}
+WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
+        );
         let mut migrate = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n");
         migrate.push_str(&schema);
         Ok(Self {
@@ -106,26 +135,13 @@ FROM claimed
 UNION ALL
 SELECT token, fingerprint, completed, remaining_ms FROM live"
             ),
-            // Written over this claim's in-flight row (even past its lease: nobody took the key
-            // since), over a row whose time is up, or where there is none. A completion sent
-            // again (its first answer was lost) finds the row it wrote: same token, same bytes.
-            // It counts as written, and keeps the first one's expiry.
-            complete: format!(
-                "INSERT INTO {t} AS r (id, fingerprint, token, completed, expires_at)
-VALUES ($1, $2, $3, $4, statement_timestamp() + $5::int8 * interval '1 millisecond')
-ON CONFLICT (id) DO UPDATE
-SET fingerprint = excluded.fingerprint, token = excluded.token, completed = excluded.completed,
-    expires_at = CASE WHEN r.completed IS NULL OR r.expires_at <= statement_timestamp()
-                      THEN excluded.expires_at ELSE r.expires_at END
-WHERE r.expires_at <= statement_timestamp()
-   OR (r.token = excluded.token AND (r.completed IS NULL OR r.completed = excluded.completed))"
-            ),
+            complete_notifying: notifying(&complete, &channel),
+            release_notifying: notifying(&release, &channel),
+            complete,
+            release,
+            channel,
             renew: format!(
                 "UPDATE {t} SET expires_at = statement_timestamp() + $3::int8 * interval '1 millisecond'
-WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
-            ),
-            release: format!(
-                "DELETE FROM {t}
 WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
             ),
             // The oldest first, through the index; `FOR UPDATE` re-checks a row another
@@ -139,6 +155,14 @@ WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_ti
             ),
         })
     }
+}
+
+/// `sql` (an `INSERT` or `DELETE`), then a `NOTIFY` on `channel` for the row it wrote: one row
+/// returned for each row written, as many as it affected.
+fn notifying(sql: &str, channel: &str) -> String {
+    format!(
+        "WITH written AS (\n{sql}\nRETURNING id\n)\nSELECT pg_notify('{channel}', encode(id, 'hex')) FROM written"
+    )
 }
 
 /// `part` if it is a lowercase SQL identifier that needs no quoting.
