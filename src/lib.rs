@@ -94,6 +94,10 @@
 //!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
 //!   response over the response limit is delivered and leaves a tombstone: never a second run.
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
+//! - **Opt-in.** A duplicate of a request in flight can wait for its replay instead of getting 409
+//!   ([`IdempotencyLayer::wait_for_in_flight`]); responses can state when their key's record
+//!   expires ([`IdempotencyLayer::retention_header`]); JSON bodies can count by their RFC 8785
+//!   canonical form rather than their bytes ([`IdempotencyLayer::canonical_json`]).
 //!
 //! # Where to put the layer
 //! Inside authentication (so the scope function can read the principal), and inside compression

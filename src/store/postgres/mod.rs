@@ -133,22 +133,6 @@ impl Inner {
             notifier: Notifier::default(),
         }
     }
-
-    /// The completion statement, notifying or not.
-    fn complete_sql(&self) -> &str {
-        match self.notifies {
-            true => &self.statements.complete_notifying,
-            false => &self.statements.complete,
-        }
-    }
-
-    /// The release statement, notifying or not.
-    fn release_sql(&self) -> &str {
-        match self.notifies {
-            true => &self.statements.release_notifying,
-            false => &self.statements.release,
-        }
-    }
 }
 
 /// Setting up or administering a [`PgStore`] failed.

@@ -19,6 +19,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use super::Inner;
 use crate::lease::ErrorChain;
 use crate::record::RecordId;
 
@@ -128,6 +129,24 @@ impl Notifier {
 impl Drop for Notifier {
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+impl Inner {
+    /// The completion statement, notifying or not.
+    pub(super) fn complete_sql(&self) -> &str {
+        match self.notifies {
+            true => &self.statements.complete_notifying,
+            false => &self.statements.complete,
+        }
+    }
+
+    /// The release statement, notifying or not.
+    pub(super) fn release_sql(&self) -> &str {
+        match self.notifies {
+            true => &self.statements.release_notifying,
+            false => &self.statements.release,
+        }
     }
 }
 
