@@ -263,8 +263,10 @@ impl<St> IdempotencyLayer<St> {
     /// `Retry-After`; if the first request's claim is released (its handler failed, or its
     /// response is not stored), a waiting duplicate claims the key and runs, as a new request
     /// would. Duplicates of one key share one wait, which asks the store at most every 250 ms
-    /// (at once when this layer finishes the first request), however many wait; a duplicate whose
-    /// client goes away stops waiting. A bound of zero turns waiting off.
+    /// (at once when this layer finishes the first request, or when the store signals that another
+    /// instance did: [`Store::changed`](crate::Store::changed), `PgStore::with_notifications`),
+    /// however many wait; a duplicate whose client goes away stops waiting. A bound of zero turns
+    /// waiting off.
     ///
     /// Default: off (`409` at once, the IETF draft's answer). Turn it on when clients retry while
     /// the first attempt still runs (a client timeout shorter than the handler's slowest answers)
