@@ -97,7 +97,8 @@
 //! - **Opt-in.** A duplicate of a request in flight can wait for its replay instead of getting 409
 //!   ([`IdempotencyLayer::wait_for_in_flight`]); responses can state when their key's record
 //!   expires ([`IdempotencyLayer::retention_header`]); JSON bodies can count by their RFC 8785
-//!   canonical form rather than their bytes ([`IdempotencyLayer::canonical_json`]).
+//!   canonical form rather than their bytes ([`IdempotencyLayer::canonical_json`]); replays of
+//!   records this process completed can skip the store ([`IdempotencyLayer::replay_cache`]).
 //!
 //! # Where to put the layer
 //! Inside authentication (so the scope function can read the principal), and inside compression
@@ -175,6 +176,7 @@ mod meter;
 mod outcome;
 pub mod problem;
 pub mod record;
+mod replay_cache;
 mod retention;
 mod scope;
 mod service;

@@ -17,6 +17,7 @@ use crate::lease::{self, ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{ClaimToken, Completed, RecordId, StoredResponse};
+use crate::replay_cache::ReplayCache;
 use crate::store::{Store, StoreError};
 
 impl<St: Store> Shared<St> {
@@ -162,7 +163,12 @@ impl<St: Store> Shared<St> {
         response: Response<ResponseBody<B>>,
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
+        // Before the write: the store counts the window from a later moment, so the copy dies first.
+        let cached_until = self.replays.as_ref().and(ReplayCache::deadline(ttl));
         let written = self.store.complete(id, token, &completed, ttl).await;
+        if let (Some(replays), Some(until), Ok(true)) = (&self.replays, cached_until, &written) {
+            replays.insert(*id, completed.clone(), until);
+        }
         self.waits.notify(id);
         if let Err(StoreError::Aborted(err)) = &written {
             tracing::error!(

@@ -35,6 +35,7 @@ use crate::meter::{self, Metered};
 use crate::outcome::Outcome;
 use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
+use crate::replay_cache::ReplayCache;
 use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
 use crate::throttle::Throttle;
@@ -98,6 +99,8 @@ pub(crate) struct Shared<St> {
     store_failures: Throttle,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
+    /// The records this process completed, for replays without a store call (opt-in).
+    replays: Option<ReplayCache>,
 }
 
 impl<S, St> Idempotency<S, St> {
@@ -107,6 +110,7 @@ impl<S, St> Idempotency<S, St> {
         config: Config,
         background: Background,
         waits: Waits,
+        replays: Option<ReplayCache>,
     ) -> Self {
         meter::describe();
         Self {
@@ -117,6 +121,7 @@ impl<S, St> Idempotency<S, St> {
                 background,
                 store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
                 waits,
+                replays,
             }),
         }
     }

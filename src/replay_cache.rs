@@ -1,0 +1,169 @@
+//! The replay cache: completed records this process wrote, kept in memory until they expire, so
+//! that a replay of one costs no store call
+//! ([`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache)).
+//!
+//! Why a cached copy is right: a completed record is final until it expires (PROTOCOL.md §5.2), so
+//! a copy answers as the store would for as long as the store keeps the record. The copy must die
+//! no later than the record. The store does not say when a record it returns expires, so only
+//! records this process completed are cached: their expiry is known. The deadline is taken on this
+//! process's clock *before* the completion is sent, plus the dedup window; the store counts the
+//! window from the moment it receives the write, which is later, so the copy dies first. The
+//! retention header's moment is not used for records read from the store: it is written on the
+//! completing instance's wall clock, which another instance's clock may trail, and only when that
+//! instance has the header on.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quick_cache::Weighter;
+use quick_cache::sync::Cache;
+use tokio::time::Instant;
+
+use crate::record::{Completed, RecordId};
+
+/// The bytes an entry costs besides its response: the id, fingerprint, deadline and the cache's
+/// own bookkeeping, roughly.
+const ENTRY_OVERHEAD: usize = 128;
+
+/// A completed record and the moment its copy dies.
+#[derive(Clone)]
+struct Entry {
+    completed: Completed,
+    expires: Instant,
+}
+
+impl Entry {
+    fn size(&self) -> usize {
+        let response = self.completed.response.as_deref();
+        ENTRY_OVERHEAD + response.map_or(0, |response| response.size())
+    }
+}
+
+/// Weighs an entry by its bytes, and at least by the byte bound's share of one entry: the weights
+/// then sum to at most the byte bound only when both the bytes and the count are within bounds.
+#[derive(Clone)]
+struct Weight {
+    least: u64,
+}
+
+impl Weighter<RecordId, Entry> for Weight {
+    fn weight(&self, _id: &RecordId, entry: &Entry) -> u64 {
+        (entry.size() as u64).max(self.least)
+    }
+}
+
+/// A bounded, concurrent cache of completed records, keyed by [`RecordId`] (which names the scope
+/// too, so scopes never share an entry). Clones share the entries.
+#[derive(Clone)]
+pub(crate) struct ReplayCache {
+    entries: Arc<Cache<RecordId, Entry, Weight>>,
+    max_entries: usize,
+    max_bytes: usize,
+}
+
+impl ReplayCache {
+    /// A cache of at most about `max_entries` records and `max_bytes` bytes (a bound is exceeded by
+    /// at most one entry per shard); `None` when either bound is zero.
+    pub(crate) fn new(max_entries: usize, max_bytes: usize) -> Option<Self> {
+        if max_entries == 0 || max_bytes == 0 {
+            return None;
+        }
+        let least = (max_bytes as u64).div_ceil(max_entries as u64);
+        let entries = Cache::with_weighter(max_entries, max_bytes as u64, Weight { least });
+        Some(Self {
+            entries: Arc::new(entries),
+            max_entries,
+            max_bytes,
+        })
+    }
+
+    /// The deadline of a record completed now with `window`: taken before its write is sent.
+    /// `None` for a window past the clock's range (such a record is not cached).
+    pub(crate) fn deadline(window: Duration) -> Option<Instant> {
+        Instant::now().checked_add(window)
+    }
+
+    /// Keeps `completed`, written by this process, until `expires`.
+    pub(crate) fn insert(&self, id: RecordId, completed: Completed, expires: Instant) {
+        self.entries.insert(id, Entry { completed, expires });
+    }
+
+    /// The completed record under `id`, while it lives; an expired entry is dropped.
+    pub(crate) fn get(&self, id: &RecordId) -> Option<Completed> {
+        let entry = self.entries.get(id)?;
+        let now = Instant::now();
+        if entry.expires <= now {
+            self.entries.remove_if(id, |entry| entry.expires <= now);
+            return None;
+        }
+        Some(entry.completed)
+    }
+}
+
+impl fmt::Debug for ReplayCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayCache")
+            .field("max_entries", &self.max_entries)
+            .field("max_bytes", &self.max_bytes)
+            .field("len", &self.entries.len())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Fingerprint;
+    use crate::record::StoredResponse;
+
+    fn completed(body: usize) -> Completed {
+        Completed {
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            response: Some(Arc::new(StoredResponse {
+                status: http::StatusCode::OK,
+                headers: http::HeaderMap::new(),
+                body: bytes::Bytes::from(vec![b'x'; body]),
+            })),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_bound_is_no_cache() {
+        assert!(ReplayCache::new(0, 1 << 20).is_none());
+        assert!(ReplayCache::new(10, 0).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn both_bounds_hold() {
+        let far = Instant::now() + Duration::from_secs(60);
+        let by_count = ReplayCache::new(4, 1 << 20).unwrap();
+        for n in 0..20 {
+            by_count.insert(RecordId::new(b"", &n.to_string()), completed(10), far);
+        }
+        assert!(by_count.entries.len() <= 4, "{}", by_count.entries.len());
+
+        let by_bytes = ReplayCache::new(1000, 10_000).unwrap();
+        for n in 0..20 {
+            by_bytes.insert(RecordId::new(b"", &n.to_string()), completed(1000), far);
+        }
+        let kept = by_bytes.entries.len();
+        assert!(kept <= 10_000 / (1000 + ENTRY_OVERHEAD), "{kept}");
+
+        let too_large = ReplayCache::new(1000, 10_000).unwrap();
+        too_large.insert(RecordId::new(b"", "big"), completed(20_000), far);
+        assert!(too_large.get(&RecordId::new(b"", "big")).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_entry_dies_at_its_deadline() {
+        let cache = ReplayCache::new(10, 1 << 20).unwrap();
+        let id = RecordId::new(b"", "k");
+        cache.insert(id, completed(1), Instant::now() + Duration::from_secs(5));
+        tokio::time::advance(Duration::from_millis(4999)).await;
+        assert!(cache.get(&id).is_some());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(cache.get(&id).is_none());
+        assert_eq!(cache.entries.len(), 0, "the expired entry is dropped");
+    }
+}
