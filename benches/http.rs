@@ -10,12 +10,23 @@
 //! Needs `wrk` (`apt-get install wrk`) and `redis-server` 7.0+ (`apt-get install redis-server`) on
 //! `PATH`. Everything runs on loopback: the bench starts its own `redis-server` on a free port (the
 //! test fixture), and serves one trivial axum handler (`POST /v1/charges` answering 201 with a
-//! ~200-byte JSON charge) three ways, on three ports, from one multi-thread tokio runtime in this
-//! process:
+//! ~200-byte JSON charge) several ways, each on its own port, from one multi-thread tokio runtime
+//! in this process:
 //!
 //! - `bare`: no layer;
 //! - `memory`: behind `IdempotencyLayer::new(MemoryStore)`;
-//! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`.
+//! - `memory+cache`: the same with `replay_cache` on;
+//! - `redis-floor`: no layer, but the handler makes by hand, on one multiplexed connection, the
+//!   Redis calls a layer must make (`SET NX PX GET`, then the crate's fenced completion script),
+//!   and answers replays and 409s from what `GET` returned (`http/floor.rs`): the most any Redis
+//!   layer can reach;
+//! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`;
+//! - `redis+cache`: the same with `replay_cache` on (replays of this process's completions make no
+//!   Redis call).
+//!
+//! The report gives each variant's throughput as a ratio to bare and, for a layer on Redis, to
+//! `redis-floor` (per round, then the median and the range over rounds), with the bench process's
+//! CPU per request and, on Redis, the redis-server's.
 //!
 //! Workloads, each a generated wrk Lua script (every request: the same ~60-byte JSON body):
 //!
@@ -26,8 +37,8 @@
 //!   without `x-hold`: every request is a 409. `bare` has no 409: for it this is the same requests
 //!   answered 201, the baseline of that workload.
 //!
-//! Each round runs every workload against bare, memory and redis back to back, so the three see
-//! the same machine conditions; the report takes medians over rounds. wrk's own "Non-2xx" count
+//! Each round runs every workload against every server back to back, so they see the same machine
+//! conditions; the report takes medians over rounds. wrk's own "Non-2xx" count
 //! includes the expected 409s, so the Lua `response()` hook counts statuses per code (and replayed
 //! responses) and every run is checked: replay and new-key must answer 201, conflict 409 behind the
 //! layer, replays must carry `Idempotent-Replayed`, and the handler must run exactly when it
@@ -55,8 +66,12 @@
 //! BENCH_DEDUP_WINDOW=10 cargo bench --bench http`: the end of the run prints the store's size and
 //! the process's resident and peak memory.
 //!
-//! A run started by `cargo test --benches` (no `--bench` argument) does nothing.
+//! A run started by `cargo test --benches` (no `--bench` argument) does nothing. CI runs a smoke:
+//! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench --bench http`, which fails on any
+//! MISMATCH (statuses, replay markers, handler counts) and checks no timing.
 
+#[path = "http/floor.rs"]
+mod floor;
 #[cfg(feature = "postgres")]
 #[path = "../tests/support/postgres_server.rs"]
 mod postgres_server;
@@ -116,19 +131,35 @@ const HARNESS_COMMANDS: &[&str] = &["info", "config|resetstat", "dbsize"];
 enum Variant {
     Bare,
     Memory,
+    /// The memory store with the replay cache.
+    MemoryCache,
+    /// The Redis store's calls made by hand, with no layer (`floor`).
+    RedisFloor,
     Redis,
+    /// The Redis store with the replay cache.
+    RedisCache,
     /// With the `postgres` feature only.
     Postgres,
 }
 
 impl Variant {
     #[cfg(not(feature = "postgres"))]
-    const ALL: &[Variant] = &[Variant::Bare, Variant::Memory, Variant::Redis];
+    const ALL: &[Variant] = &[
+        Variant::Bare,
+        Variant::Memory,
+        Variant::MemoryCache,
+        Variant::RedisFloor,
+        Variant::Redis,
+        Variant::RedisCache,
+    ];
     #[cfg(feature = "postgres")]
     const ALL: &[Variant] = &[
         Variant::Bare,
         Variant::Memory,
+        Variant::MemoryCache,
+        Variant::RedisFloor,
         Variant::Redis,
+        Variant::RedisCache,
         Variant::Postgres,
     ];
 
@@ -136,15 +167,39 @@ impl Variant {
         match self {
             Variant::Bare => "bare",
             Variant::Memory => "memory",
+            Variant::MemoryCache => "memory+cache",
+            Variant::RedisFloor => "redis-floor",
             Variant::Redis => "redis",
+            Variant::RedisCache => "redis+cache",
             Variant::Postgres => "postgres",
         }
     }
 
+    /// Whether the server answers as a layer does (replays, 409): all but bare.
     fn layered(self) -> bool {
         self != Variant::Bare
     }
+
+    /// The floor of the variant's store: the same store calls made by hand.
+    fn floor(self) -> Option<Variant> {
+        match self {
+            Variant::Redis | Variant::RedisCache => Some(Variant::RedisFloor),
+            _ => None,
+        }
+    }
+
+    /// Whether the variant's store is the bench's Redis server (its CPU and commands are counted).
+    fn on_redis(self) -> bool {
+        matches!(
+            self,
+            Variant::Redis | Variant::RedisCache | Variant::RedisFloor
+        )
+    }
 }
+
+/// The replay cache's bounds in the `+cache` variants: room for every replay key, far from full.
+const REPLAY_CACHE_ENTRIES: usize = 10_000;
+const REPLAY_CACHE_BYTES: usize = 64 << 20;
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Workload {
@@ -476,6 +531,8 @@ fn run() -> Result<bool, String> {
     runtime
         .block_on(redis_store.check())
         .map_err(|e| format!("RedisStore::check: {e}"))?;
+    let redis_client = tower_idempotency::deadpool_redis::redis::Client::open(redis.url())
+        .map_err(|e| format!("redis client: {e}"))?;
 
     // The PostgreSQL server of the fixture (fsync off, like the Redis server's lack of
     // persistence): a private server on a free port, never the shared one.
@@ -504,9 +561,27 @@ fn run() -> Result<bool, String> {
             Variant::Memory => {
                 app.layer(IdempotencyLayer::new(memory_store.clone()).dedup_window(window))
             }
+            Variant::MemoryCache => app.layer(
+                IdempotencyLayer::new(memory_store.clone())
+                    .dedup_window(window)
+                    .replay_cache(REPLAY_CACHE_ENTRIES, REPLAY_CACHE_BYTES),
+            ),
+            Variant::RedisFloor => floor::redis_app(
+                runtime
+                    .block_on(redis_client.get_multiplexed_async_connection())
+                    .map_err(|e| format!("redis connection: {e}"))?,
+                window.as_millis() as u64,
+                executions.clone(),
+                holds.clone(),
+            ),
             Variant::Redis => {
                 app.layer(IdempotencyLayer::new(redis_store.clone()).dedup_window(window))
             }
+            Variant::RedisCache => app.layer(
+                IdempotencyLayer::new(redis_store.clone())
+                    .dedup_window(window)
+                    .replay_cache(REPLAY_CACHE_ENTRIES, REPLAY_CACHE_BYTES),
+            ),
             #[cfg(feature = "postgres")]
             Variant::Postgres => {
                 app.layer(IdempotencyLayer::new(postgres_store.clone()).dedup_window(window))
@@ -550,7 +625,7 @@ fn run() -> Result<bool, String> {
     }
     for server in &servers {
         println!(
-            "server {:<6} http://127.0.0.1:{}{PATH}",
+            "server {:<12} http://127.0.0.1:{}{PATH}",
             server.variant.name(),
             server.port
         );
@@ -623,14 +698,14 @@ fn run() -> Result<bool, String> {
                     check(&settings, &sample, server, &format!("round {round}"));
                 ok &= sample.answered_as_expected;
                 println!(
-                    "  {:<8} {:<6} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  cpu {:>6.1} µs/req{}  [{}]",
+                    "  {:<8} {:<12} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  cpu {:>6.1} µs/req{}  [{}]",
                     workload.name(),
                     server.variant.name(),
                     sample.rps,
                     ms(sample.wrk.p50_us),
                     ms(sample.wrk.p99_us),
                     sample.cpu_us_per_request,
-                    if server.variant == Variant::Redis {
+                    if server.variant.on_redis() {
                         format!(
                             "  redis {:>5.1} µs/req {:.2} rt/req",
                             sample.redis_cpu_us_per_request, sample.redis_round_trips_per_request
@@ -965,7 +1040,8 @@ fn measure(
         redis_cpu_us_per_request: redis_cpu_after.saturating_sub(redis_cpu_before) as f64
             / 1e3
             / requests,
-        redis_round_trips_per_request: total - inside_scripts,
+        // Never below zero: rounding of a run that made no call at all.
+        redis_round_trips_per_request: (total - inside_scripts).max(0.0),
         redis_calls,
         executions,
         received,
@@ -1161,9 +1237,9 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     println!("## Results (medians of {} round(s))", settings.rounds);
     println!();
     println!(
-        "| workload | server | req/s | vs bare (range) | p50 | p99 | server CPU/req | +CPU vs bare | Redis CPU/req | Redis round trips/req |"
+        "| workload | server | req/s | vs bare (range) | vs floor (range) | p50 | p99 | server CPU/req | +CPU vs bare | Redis CPU/req | Redis round trips/req |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &workload in &settings.workloads {
         let bare = of(workload, Variant::Bare);
         let bare_cpu = med(&bare, |s| s.cpu_us_per_request);
@@ -1172,15 +1248,21 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
             if list.is_empty() {
                 continue;
             }
-            // The ratio of each round to bare's run of the same round, then the median.
-            let ratios: Vec<f64> = list
-                .iter()
-                .filter_map(|s| {
-                    bare.iter()
-                        .find(|b| b.round == s.round)
-                        .map(|b| s.rps / b.rps)
-                })
-                .collect();
+            // The ratio of each round to the base's run of the same round, then the median.
+            let ratios_to = |base: &[&Sample]| -> Vec<f64> {
+                list.iter()
+                    .filter_map(|s| {
+                        base.iter()
+                            .find(|b| b.round == s.round)
+                            .map(|b| s.rps / b.rps)
+                    })
+                    .collect()
+            };
+            let ratios = ratios_to(&bare);
+            let vs_floor = match variant.floor().map(|floor| of(workload, floor)) {
+                Some(floor) if !floor.is_empty() => ratio_text(ratios_to(&floor)),
+                _ => "—".to_string(),
+            };
             let cpu = med(&list, |s| s.cpu_us_per_request);
             let (vs_bare, extra_cpu) = if variant == Variant::Bare {
                 ("1.00".to_string(), "—".to_string())
@@ -1189,7 +1271,7 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
             } else {
                 (ratio_text(ratios), format!("{:+.1} µs", cpu - bare_cpu))
             };
-            let (redis_cpu, round_trips) = if variant == Variant::Redis {
+            let (redis_cpu, round_trips) = if variant.on_redis() {
                 (
                     format!("{:.1} µs", med(&list, |s| s.redis_cpu_us_per_request)),
                     format!("{:.2}", med(&list, |s| s.redis_round_trips_per_request)),
@@ -1206,11 +1288,12 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
                 label.push_str(" **MISMATCH**");
             }
             println!(
-                "| {} | {} | {} | {} | {:.2} ms | {:.2} ms | {:.1} µs | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.2} ms | {:.2} ms | {:.1} µs | {} | {} | {} |",
                 workload.name(),
                 label,
                 thousands(med(&list, |s| s.rps)),
                 vs_bare,
+                vs_floor,
                 med(&list, |s| s.wrk.p50_us as f64) / 1000.0,
                 med(&list, |s| s.wrk.p99_us as f64) / 1000.0,
                 cpu,
@@ -1238,7 +1321,7 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
             let list = of(workload, variant);
             let rounds: Vec<_> = list.iter().map(|s| thousands(s.rps)).collect();
             println!(
-                "{:<9} {:<7} {}",
+                "{:<9} {:<12} {}",
                 workload.name(),
                 variant.name(),
                 rounds.join("  ")
@@ -1255,9 +1338,9 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
          when wrk closed its connections mid-request."
     );
     for &workload in &settings.workloads {
-        if let Some(sample) = samples
+        for sample in samples
             .iter()
-            .find(|s| s.workload == workload && s.variant == Variant::Redis && s.round == 1)
+            .filter(|s| s.workload == workload && s.variant.on_redis() && s.round == 1)
         {
             let calls: Vec<_> = sample
                 .redis_calls
@@ -1265,8 +1348,9 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
                 .map(|(name, per)| format!("{name} {per:.3}"))
                 .collect();
             println!(
-                "{:<9} {}  => round trips {:.3}/req",
+                "{:<9} {:<12} {}  => round trips {:.3}/req",
                 workload.name(),
+                sample.variant.name(),
                 calls.join(", "),
                 sample.redis_round_trips_per_request
             );
