@@ -143,7 +143,6 @@ enum Variant {
 }
 
 impl Variant {
-    #[cfg(not(feature = "postgres"))]
     const ALL: &[Variant] = &[
         Variant::Bare,
         Variant::Memory,
@@ -151,15 +150,7 @@ impl Variant {
         Variant::RedisFloor,
         Variant::Redis,
         Variant::RedisCache,
-    ];
-    #[cfg(feature = "postgres")]
-    const ALL: &[Variant] = &[
-        Variant::Bare,
-        Variant::Memory,
-        Variant::MemoryCache,
-        Variant::RedisFloor,
-        Variant::Redis,
-        Variant::RedisCache,
+        #[cfg(feature = "postgres")]
         Variant::Postgres,
     ];
 

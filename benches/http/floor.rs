@@ -24,6 +24,10 @@ use super::{CHARGE, PATH};
 const COMPLETE: &str = include_str!("../../src/store/redis/complete.lua");
 /// A claim's lease, as the layer's default.
 const LEASE_MS: u64 = 30_000;
+/// The lease of the conflict workload's held claim. A layer renews a running claim's lease; the
+/// floor makes no renewals (they are not per-request work), so the held claim gets a lease longer
+/// than any run instead, lest it expire mid-bench and its key turn into replays.
+const HELD_LEASE_MS: u64 = 24 * 60 * 60 * 1000;
 /// The in-flight and completed records' first bytes: version, kind (the crate's layout, so the
 /// completion script's fence reads them as it reads the crate's records).
 const IN_FLIGHT: [u8; 2] = [1, 1];
@@ -53,12 +57,14 @@ pub fn redis_app(
                 let key = [b"floor:".as_slice(), key.as_bytes()].concat();
                 let token = u128::from(tokens.fetch_add(1, Ordering::Relaxed)).to_le_bytes();
                 let in_flight = [&IN_FLIGHT[..], &token, &FINGERPRINT, &[0; 8]].concat();
+                let hold = headers.contains_key("x-hold");
+                let lease = if hold { HELD_LEASE_MS } else { LEASE_MS };
                 let claim = redis::cmd("SET")
                     .arg(&key)
                     .arg(in_flight)
                     .arg("NX")
                     .arg("PX")
-                    .arg(LEASE_MS)
+                    .arg(lease)
                     .arg("GET")
                     .query_async::<Option<Vec<u8>>>(&mut connection)
                     .await;
@@ -66,7 +72,7 @@ pub fn redis_app(
                     Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
                     Ok(Some(record)) => answer_existing(record),
                     Ok(None) => {
-                        if headers.contains_key("x-hold") {
+                        if hold {
                             holds.fetch_add(1, Ordering::SeqCst);
                             std::future::pending::<()>().await;
                         }
