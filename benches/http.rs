@@ -1343,7 +1343,8 @@ fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
                 workload.name(),
                 sample.variant.name(),
                 calls.join(", "),
-                sample.redis_round_trips_per_request
+                // `+ 0.0` prints a count of no calls as 0.000, not -0.000.
+                sample.redis_round_trips_per_request + 0.0
             );
         }
     }
