@@ -140,17 +140,13 @@ async fn blocking<T: Send + 'static>(step: impl FnOnce() -> T + Send + 'static) 
     tokio::task::spawn_blocking(step).await.expect("the step")
 }
 
-/// The fixture lives in an `Arc` so blocking steps can borrow it from another thread.
-fn shared(cluster: RedisCluster) -> Arc<RedisCluster> {
-    Arc::new(cluster)
-}
-
 /// A slot moved to another master while requests for its keys keep coming (`MOVED` and `ASK`
 /// redirections, new keys claimed on the importing node): nothing worse than a 503 reaches a
 /// client, no key runs twice, and every key replays from its new master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_migrated_during_traffic_answers_nothing_worse_than_503() {
-    let cluster = shared(RedisCluster::start());
+    // In an `Arc`, so blocking steps can use it from another thread.
+    let cluster = Arc::new(RedisCluster::start());
     let executions = Executions::default();
     let svc = instance(&cluster, "moving:", false, &executions);
     // Keys whose records share one slot: the layer's record id (no scope) under the prefix.
@@ -208,7 +204,8 @@ async fn a_slot_migrated_during_traffic_answers_nothing_worse_than_503() {
 /// a coordinated failover loses no acknowledged write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_failovers_during_traffic_never_run_a_key_twice() {
-    let cluster = shared(RedisCluster::start());
+    // In an `Arc`, so blocking steps can use it from another thread.
+    let cluster = Arc::new(RedisCluster::start());
     let executions = Executions::default();
     let stop = Arc::new(AtomicBool::new(false));
     let off = traffic(
@@ -249,7 +246,8 @@ async fn manual_failovers_during_traffic_never_run_a_key_twice() {
 /// twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_master_is_replaced_without_running_a_key_twice() {
-    let cluster = shared(RedisCluster::start());
+    // In an `Arc`, so blocking steps can use it from another thread.
+    let cluster = Arc::new(RedisCluster::start());
     let executions = Executions::default();
     let stop = Arc::new(AtomicBool::new(false));
     let on = traffic(

@@ -203,6 +203,17 @@ enum Event<A> {
     Left(usize),
 }
 
+/// The fenced release of `claim` as one `EVAL` of the release script's `source`: it needs no
+/// script cache, so it is one command wherever it is sent.
+pub(super) fn release_eval(source: &str, (key, token): ClaimRef) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(source)
+        .arg(1)
+        .arg(key)
+        .arg(token.as_bytes().as_slice());
+    cmd
+}
+
 /// Releases `claim` on `connection`, behind the pipeline that sent its `SET`. `EVAL`, not
 /// `EVALSHA`: a `NOSCRIPT` fallback would be a second, later command. Fenced by the claim's token,
 /// the release does nothing where the `SET` did not claim.
@@ -212,11 +223,7 @@ fn release_behind(
     release: &'static str,
 ) {
     let mut connection = connection.clone();
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(release)
-        .arg(1)
-        .arg(key)
-        .arg(token.as_bytes().as_slice());
+    let cmd = release_eval(release, (key, token));
     tokio::spawn(async move {
         let _ = tokio::time::timeout(RELEASE_BOUND, cmd.query_async::<i64>(&mut connection)).await;
     });

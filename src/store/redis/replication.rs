@@ -6,7 +6,7 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, Cmd, Value};
 
 use super::RedisStore;
-use super::batch::ClaimRef;
+use super::batch::{ClaimRef, release_eval};
 use super::calls::millis;
 
 /// How many replicas must acknowledge a claim or a completion, and how long to wait for them.
@@ -62,19 +62,15 @@ impl ReleaseOnDrop {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some((key, token)) = self.claim.take() else {
+        let Some(claim) = self.claim.take() else {
             return;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let store = self.store.clone();
+        let cmd = release_eval(store.inner.release.source, claim);
         runtime.spawn(async move {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(store.inner.release.source)
-                .arg(1)
-                .arg(key)
-                .arg(token.as_bytes().as_slice());
             // Bounded by the store's timeout, like every direct call.
             let _ = store.direct::<i64>(cmd).await;
         });
