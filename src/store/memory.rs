@@ -17,6 +17,14 @@ use budget::{Budget, Refused};
 use expiry::{Expiry, Ticket};
 
 const SHARDS: usize = 64;
+/// The most due records one store call collects from its shard. More than a call creates (one),
+/// so collection keeps up; few enough that records coming due together (all of them, after the
+/// store sat idle for a window) are collected over many calls, a few microseconds each, not by one
+/// call that holds the shard's lock, and every request waiting on it, for tens of milliseconds.
+const COLLECT_PER_CALL: usize = 4;
+/// The most due records collected under one hold of a shard's lock when every due record must go
+/// (the store is full, or its size is asked): the rest wait for the next hold.
+const COLLECT_PER_HOLD: usize = 1024;
 /// The default capacity of [`MemoryStore::new`]: 256 MiB.
 pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
 
@@ -138,11 +146,7 @@ impl MemoryStore {
         self.inner
             .shards
             .iter()
-            .map(|shard| {
-                let mut shard = lock(shard);
-                shard.expire(now, &self.inner.budget);
-                shard.map.len()
-            })
+            .map(|shard| self.expire_shard(shard, now).map.len())
             .sum()
     }
 
@@ -160,12 +164,23 @@ impl MemoryStore {
     /// due.
     fn expire_all(&self) -> Option<Duration> {
         let now = Instant::now();
-        let shards = self.inner.shards.iter().filter_map(|shard| {
-            let mut shard = lock(shard);
-            shard.expire(now, &self.inner.budget);
-            shard.expiry.next_due()
-        });
+        let shards = self
+            .inner
+            .shards
+            .iter()
+            .filter_map(|shard| self.expire_shard(shard, now).expiry.next_due());
         shards.min().map(|at| at.saturating_duration_since(now))
+    }
+
+    /// Collects every record due by `now` in `shard`, letting go of its lock between batches so
+    /// that calls on the shard are not held up behind all of them; returns the shard, locked.
+    fn expire_shard<'a>(&self, shard: &'a Mutex<Shard>, now: Instant) -> MutexGuard<'a, Shard> {
+        loop {
+            let mut guard = lock(shard);
+            if guard.expire(now, &self.inner.budget, COLLECT_PER_HOLD) < COLLECT_PER_HOLD {
+                return guard;
+            }
+        }
     }
 
     fn claim_now(
@@ -202,7 +217,7 @@ impl MemoryStore {
         let budget = &self.inner.budget;
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, budget);
+        guard.expire(now, budget, COLLECT_PER_CALL);
         let shard = &mut *guard;
         let new_claim = |expiry: &mut Expiry| {
             budget.reserve(id, budget.overhead(), now)?;
@@ -249,7 +264,7 @@ impl MemoryStore {
         let budget = &self.inner.budget;
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, budget);
+        guard.expire(now, budget, COLLECT_PER_CALL);
         let shard = &mut *guard;
         let entry = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_owned_by(token, now) => {
@@ -307,7 +322,7 @@ impl MemoryStore {
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
         let mut guard = self.shard(id);
         let now = Instant::now();
-        guard.expire(now, &self.inner.budget);
+        guard.expire(now, &self.inner.budget, COLLECT_PER_CALL);
         let shard = &mut *guard;
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
@@ -321,7 +336,7 @@ impl MemoryStore {
     fn release_now(&self, id: &RecordId, token: &ClaimToken) -> bool {
         let mut shard = self.shard(id);
         let now = Instant::now();
-        shard.expire(now, &self.inner.budget);
+        shard.expire(now, &self.inner.budget, COLLECT_PER_CALL);
         if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token, now)) {
             return false;
         }
@@ -368,15 +383,21 @@ impl Store for MemoryStore {
 }
 
 impl Shard {
-    /// Removes every record whose time has come.
-    fn expire(&mut self, now: Instant, budget: &Budget) {
-        while let Some(id) = self.expiry.pop_due(now) {
+    /// Removes up to `limit` records whose time has come; returns how many it removed. Records
+    /// due but not removed yet count as gone (see [`Entry::is_live`]) and still hold their bytes.
+    fn expire(&mut self, now: Instant, budget: &Budget, limit: usize) -> usize {
+        let mut removed = 0;
+        while removed < limit
+            && let Some(id) = self.expiry.pop_due(now)
+        {
             if self.map.get(&id).is_some_and(|e| !e.is_live(now))
                 && let Some(entry) = self.map.remove(&id)
             {
                 budget.free(&id, entry.size);
+                removed += 1;
             }
         }
+        removed
     }
 }
 

@@ -152,6 +152,67 @@ async fn an_entry_due_but_not_yet_collected_counts_as_gone() {
     );
 }
 
+/// `n` record ids that all fall in the shard of `RecordId::new(b"", "0")`.
+fn ids_in_one_shard(n: usize) -> Vec<RecordId> {
+    let shard_of = |id: &RecordId| usize::from(id.as_bytes()[0]) % SHARDS;
+    let first = shard_of(&RecordId::new(b"", "0"));
+    (0..)
+        .map(|i: u32| RecordId::new(b"", &i.to_string()))
+        .filter(|id| shard_of(id) == first)
+        .take(n)
+        .collect()
+}
+
+fn shard_entries(store: &MemoryStore, id: &RecordId) -> usize {
+    store.shard(id).map.len()
+}
+
+#[tokio::test(start_paused = true)]
+async fn records_that_come_due_together_are_collected_a_few_per_call() {
+    let store = MemoryStore::new();
+    let ids = ids_in_one_shard(200);
+    for id in &ids {
+        claim_id(&store, id).unwrap();
+    }
+    tokio::time::advance(Duration::from_secs(31)).await;
+    // Each call collects a few of the due records, never the whole backlog at once...
+    let fresh = &ids_in_one_shard(203)[200..];
+    for (calls, id) in (1..).zip(fresh) {
+        assert!(matches!(claim_id(&store, id), Ok(Claim::Claimed(_))));
+        assert_eq!(
+            shard_entries(&store, id),
+            ids.len() - calls * COLLECT_PER_CALL + calls
+        );
+    }
+    // ...while the due ones already count as gone: their keys can be claimed again.
+    assert!(matches!(claim_id(&store, &ids[199]), Ok(Claim::Claimed(_))));
+    // Asking for the size collects everything due, and the bytes come back.
+    assert_eq!(store.len(), 4);
+    assert_eq!(store.used_bytes(), 4 * ENTRY_OVERHEAD);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_store_collects_every_due_record_before_refusing() {
+    let ids = ids_in_one_shard(COLLECT_PER_HOLD * 2 + 10);
+    let store = MemoryStore::with_capacity(ids.len() * ENTRY_OVERHEAD);
+    for id in &ids {
+        claim_id(&store, id).unwrap();
+    }
+    assert!(matches!(
+        claim_id(&store, &RecordId::new(b"", "one more")),
+        Err(StoreError::Full { .. })
+    ));
+    tokio::time::advance(Duration::from_secs(31)).await;
+    // The claim finds the store full of due records: it collects them all (over several holds
+    // of the lock), then fits.
+    assert!(matches!(
+        claim_id(&store, &RecordId::new(b"", "one more")),
+        Ok(Claim::Claimed(_))
+    ));
+    assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
+    assert_eq!(store.len(), 1);
+}
+
 fn claim_id(store: &MemoryStore, id: &RecordId) -> Result<Claim, StoreError> {
     store.claim_now(
         id,
