@@ -66,6 +66,8 @@ pub struct PostgresServer {
     port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// Extra arguments of `postgres` (`-c name=value` settings).
+    args: Vec<String>,
 }
 
 impl PostgresServer {
@@ -74,6 +76,11 @@ impl PostgresServer {
     /// # Panics
     /// When the binaries are missing, or the server does not start (the panic includes its log).
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// [`PostgresServer::start`], with extra arguments for `postgres` (`["-c", "name=value"]`).
+    pub fn start_with(args: &[&str]) -> Self {
         let bin = find_bin_dir();
         let run_as = run_as();
         let template = template(&bin, run_as);
@@ -99,6 +106,7 @@ impl PostgresServer {
             port: 0,
             dir,
             child: None,
+            args: args.iter().map(|arg| (*arg).to_owned()).collect(),
         };
         for _ in 0..START_ATTEMPTS {
             server.port = free_port();
@@ -240,6 +248,7 @@ impl PostgresServer {
             .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
             .args(["-c", "shared_buffers=16MB"])
             .args(["-c", "max_connections=100"])
+            .args(&self.args)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)

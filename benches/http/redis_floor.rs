@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use tower_idempotency::deadpool_redis::redis;
 
-use super::{CHARGE, PATH};
+use super::{CHARGE, PATH, created};
 
 /// The crate's completion script: the fence a layer's completion must make.
 const COMPLETE: &str = include_str!("../../src/store/redis/complete.lua");
@@ -104,20 +104,4 @@ fn answer_existing(record: Vec<u8>) -> Response {
         return StatusCode::CONFLICT.into_response();
     }
     created(Bytes::from(record).slice(header..), true)
-}
-
-fn created(body: Bytes, replayed: bool) -> Response {
-    let mut response = (
-        StatusCode::CREATED,
-        [(header::CONTENT_TYPE, "application/json")],
-        body,
-    )
-        .into_response();
-    if replayed {
-        response.headers_mut().insert(
-            "idempotent-replayed",
-            header::HeaderValue::from_static("true"),
-        );
-    }
-    response
 }
