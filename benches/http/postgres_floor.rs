@@ -4,8 +4,9 @@
 //! reads its live record, in one round trip, and a completion fenced by the claim's token.
 //!
 //! A replay reads and writes nothing else, as in the store's own claim: the read comes first, so
-//! a replay takes no row lock. The table has the store's columns and primary key, in a table of
-//! its own (`floor_records`); a new key's in-flight row is replaced by its completion in place.
+//! a replay takes no row lock. The rows go in the store's own table (`PgStore::migrate` made it),
+//! so they pay for the same constraints and indexes; ids are a hash of the key, as the store's
+//! are, but in bytes of their own.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,17 +20,13 @@ use tower_idempotency::store::sqlx::{self, PgPool, Row, postgres::PgPoolOptions}
 
 use super::{CHARGE, PATH, created};
 
-/// The floor's table: the store's columns, without its expiry index (a sweep's, not a request's).
-const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS floor_records (
-    id bytea PRIMARY KEY, fingerprint bytea NOT NULL, token bytea NOT NULL,
-    completed bytea, expires_at timestamptz NOT NULL)";
 /// $1 id, $2 fingerprint, $3 token, $4 lease (ms): `true` and no record when claimed, or `false`
 /// and the live record's `completed` bytes (`NULL` in flight). No row when another claim
 /// committed the key after the statement's snapshot: a 409, as the key is in flight.
 const CLAIM: &str = "WITH live AS (
-    SELECT completed FROM floor_records WHERE id = $1 AND expires_at > statement_timestamp()
+    SELECT completed FROM idempotency_records WHERE id = $1 AND expires_at > statement_timestamp()
 ), claimed AS (
-    INSERT INTO floor_records AS r (id, fingerprint, token, expires_at)
+    INSERT INTO idempotency_records AS r (id, fingerprint, token, expires_at)
     SELECT $1, $2, $3, statement_timestamp() + $4::int8 * interval '1 millisecond'
     WHERE NOT EXISTS (SELECT FROM live)
     ON CONFLICT (id) DO UPDATE SET token = excluded.token, completed = NULL,
@@ -40,7 +37,7 @@ const CLAIM: &str = "WITH live AS (
 SELECT true AS claimed, NULL::bytea AS completed FROM claimed
 UNION ALL SELECT false, completed FROM live";
 /// $1 id, $2 token, $3 completed bytes, $4 window (ms): one row when the claim still held.
-const COMPLETE: &str = "UPDATE floor_records
+const COMPLETE: &str = "UPDATE idempotency_records
 SET completed = $3, expires_at = statement_timestamp() + $4::int8 * interval '1 millisecond'
 WHERE id = $1 AND token = $2 AND completed IS NULL";
 /// The store's pool size and claim lease.
@@ -51,15 +48,23 @@ const HELD_LEASE_MS: i64 = 24 * 60 * 60 * 1000;
 /// A stand-in for the fingerprint a record carries, so rows weigh the same.
 const FINGERPRINT: [u8; 32] = [0; 32];
 
-/// A pool like the store's, on `url`, with the floor's table created.
+/// A pool like the store's, on `url`.
 pub async fn pool(url: &str) -> Result<PgPool, sqlx::Error> {
-    let pool = PgPoolOptions::new()
+    PgPoolOptions::new()
         .max_connections(CONNECTIONS)
         .test_before_acquire(false)
         .connect(url)
-        .await?;
-    sqlx::query(SCHEMA).execute(&pool).await?;
-    Ok(pool)
+        .await
+}
+
+/// A 16-byte id for `key`, as the store's record ids are 16 bytes, from std's hasher: the floor's
+/// keys are its own, and need no more than to spread.
+fn id_of(key: &[u8]) -> [u8; 16] {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let hasher = BuildHasherDefault::<DefaultHasher>::default();
+    let high = hasher.hash_one((0u8, key));
+    let low = hasher.hash_one((1u8, key));
+    (u128::from(high) << 64 | u128::from(low)).to_le_bytes()
 }
 
 /// The Postgres floor's app: `POST /v1/charges`, answering as the layered variants do.
@@ -80,13 +85,12 @@ pub fn postgres_app(
                 let Some(key) = headers.get("idempotency-key") else {
                     return StatusCode::BAD_REQUEST.into_response();
                 };
-                // The store keys rows by a 16-byte hash; here the key itself stands in for it.
-                let id = key.as_bytes().to_vec();
+                let id = id_of(key.as_bytes());
                 let token = u128::from(tokens.fetch_add(1, Ordering::Relaxed)).to_le_bytes();
                 let hold = headers.contains_key("x-hold");
                 let lease = if hold { HELD_LEASE_MS } else { LEASE_MS };
                 let claim = sqlx::query(CLAIM)
-                    .bind(&id)
+                    .bind(&id[..])
                     .bind(&FINGERPRINT[..])
                     .bind(&token[..])
                     .bind(lease)
@@ -110,7 +114,7 @@ pub fn postgres_app(
                 std::hint::black_box(&body);
                 executions.fetch_add(1, Ordering::Relaxed);
                 let written = sqlx::query(COMPLETE)
-                    .bind(&id)
+                    .bind(&id[..])
                     .bind(&token[..])
                     .bind(CHARGE.as_bytes())
                     .bind(window_ms)

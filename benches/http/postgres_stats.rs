@@ -37,11 +37,12 @@ impl PostgresStats {
             .map_err(|e| format!("pg_stat_statements_reset: {e}"))
     }
 
-    /// Statements run since the last reset, by kind (the statement's first words), the bench's
-    /// own left out.
+    /// Statements run since the last reset, by kind (the statement's first words, and the mean
+    /// time the server took to run one), the bench's own left out.
     pub async fn calls(&self) -> Result<BTreeMap<String, u64>, String> {
         let rows = sqlx::query(
-            "SELECT query, calls FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%'",
+            "SELECT query, calls, total_exec_time * 1000 / calls AS mean_us FROM pg_stat_statements
+             WHERE query NOT LIKE '%pg_stat_statements%' AND calls > 0",
         )
         .fetch_all(&self.pool)
         .await
@@ -50,7 +51,9 @@ impl PostgresStats {
         for row in rows {
             let query: String = row.try_get("query").map_err(|e| e.to_string())?;
             let count: i64 = row.try_get("calls").map_err(|e| e.to_string())?;
-            *calls.entry(kind(&query)).or_default() += u64::try_from(count).unwrap_or(0);
+            let mean_us: f64 = row.try_get("mean_us").map_err(|e| e.to_string())?;
+            let kind = format!("{} ({mean_us:.0} µs run)", kind(&query));
+            *calls.entry(kind).or_default() += u64::try_from(count).unwrap_or(0);
         }
         Ok(calls)
     }
