@@ -28,15 +28,23 @@ impl PgStore {
         bytes: &[u8],
         ttl: Duration,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(self.inner.complete_sql())
-            .bind(id.as_bytes().as_slice())
-            .bind(fingerprint.as_bytes().as_slice())
-            .bind(token.as_bytes().as_slice())
-            .bind(bytes)
-            .bind(millis(ttl))
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
+        // Nearly always the claim's own in-flight row is there: one update. Otherwise (the row
+        // was swept, taken over after its lease, or this completion was written before), the
+        // whole statement decides.
+        for sql in self.inner.complete_sql() {
+            let done = sqlx::query(sql)
+                .bind(id.as_bytes().as_slice())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(token.as_bytes().as_slice())
+                .bind(bytes)
+                .bind(millis(ttl))
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() == 1 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// A fenced statement (renew or release): whether it changed the claim's row.

@@ -133,11 +133,13 @@ impl Drop for Notifier {
 }
 
 impl Inner {
-    /// The completion statement, notifying or not.
-    pub(super) fn complete_sql(&self) -> &str {
+    /// The completion statements, notifying or not: the claim's own row updated in place, and
+    /// the whole completion, for when the first wrote nothing.
+    pub(super) fn complete_sql(&self) -> [&str; 2] {
+        let s = &self.statements;
         match self.notifies {
-            true => &self.statements.complete_notifying,
-            false => &self.statements.complete,
+            true => [&s.complete_claimed_notifying, &s.complete_notifying],
+            false => [&s.complete_claimed, &s.complete],
         }
     }
 
