@@ -23,56 +23,63 @@ use crate::store::{Claim, Store, StoreError};
 impl<St: Store> Shared<St> {
     /// Buffers and fingerprints a request with a key, claims the key, and answers from the record
     /// or runs the handler.
-    pub(super) async fn protect<S, ReqBody, ResBody>(
+    ///
+    /// An `async` block rather than an `async fn`: an `async fn` keeps a second copy of its
+    /// arguments (the request's parts are over 200 bytes) in its state, and this state is boxed
+    /// once per request, where a box over 1 KiB misses the allocator's per-thread cache.
+    pub(super) fn protect<S, ReqBody, ResBody>(
         self: Arc<Self>,
         inner: S,
-        mut parts: http::request::Parts,
+        parts: http::request::Parts,
         body: ReqBody,
         key: IdempotencyKey,
         id: RecordId,
-    ) -> Response<ResponseBody<ResBody>>
+    ) -> impl Future<Output = Response<ResponseBody<ResBody>>>
     where
         S: Handler<ReqBody, ResBody>,
         ReqBody: ReadableBody,
         ResBody: StorableBody,
     {
-        let config = &self.config;
-        let body = match collect_limited(body, config.request_body_limit).await {
-            Ok(body) => body,
-            Err(err) if err.is::<LengthLimitError>() => {
-                return self.problem(ProblemKind::BodyTooLarge, too_large(config));
+        let mut parts = parts;
+        async move {
+            let config = &self.config;
+            let body = match collect_limited(body, config.request_body_limit).await {
+                Ok(body) => body,
+                Err(err) if err.is::<LengthLimitError>() => {
+                    return self.problem(ProblemKind::BodyTooLarge, too_large(config));
+                }
+                Err(err) => {
+                    let detail = format!("the request body could not be read: {err}");
+                    return self.problem(ProblemKind::BodyUnreadable, detail);
+                }
+            };
+            let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
+            let allow_listed = &config.fingerprint_headers;
+            let fingerprint = config
+                .canonical_json
+                .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
+                .flatten()
+                .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
+            if let Some(completed) = self.replays.as_ref().and_then(|replays| replays.get(&id)) {
+                return self.answer_existing(Record::Completed(completed), &fingerprint);
             }
-            Err(err) => {
-                let detail = format!("the request body could not be read: {err}");
-                return self.problem(ProblemKind::BodyUnreadable, detail);
-            }
-        };
-        let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
-        let allow_listed = &config.fingerprint_headers;
-        let fingerprint = config
-            .canonical_json
-            .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
-            .flatten()
-            .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
-        if let Some(completed) = self.replays.as_ref().and_then(|replays| replays.get(&id)) {
-            return self.answer_existing(Record::Completed(completed), &fingerprint);
-        }
-        let claim = self.claim_or_wait(&id, &fingerprint).await;
-        parts.extensions.insert(key);
-        let request = Request::from_parts(parts, RequestBody::buffered(body));
-        match claim {
-            Ok(Claim::Claimed(token)) => {
-                self.run_claimed(inner, request, id, token, fingerprint)
-                    .await
-            }
-            Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
-            Err(err) if config.fail_open => {
-                self.warn_of_store_failure(&err, Outcome::FailedOpen);
-                self.run_unprotected(inner, request).await
-            }
-            Err(err) => {
-                self.warn_of_store_failure(&err, Outcome::StoreUnavailable);
-                self.store_unavailable(err)
+            let claim = self.claim_or_wait(&id, &fingerprint).await;
+            parts.extensions.insert(key);
+            let request = Request::from_parts(parts, RequestBody::buffered(body));
+            match claim {
+                Ok(Claim::Claimed(token)) => {
+                    self.run_claimed(inner, request, id, token, fingerprint)
+                        .await
+                }
+                Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
+                Err(err) if config.fail_open => {
+                    self.warn_of_store_failure(&err, Outcome::FailedOpen);
+                    self.run_unprotected(inner, request).await
+                }
+                Err(err) => {
+                    self.warn_of_store_failure(&err, Outcome::StoreUnavailable);
+                    self.store_unavailable(err)
+                }
             }
         }
     }

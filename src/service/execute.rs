@@ -62,72 +62,78 @@ impl<St: Store> Shared<St> {
     }
 
     /// Runs a claimed request's work to completion, renewing the lease meanwhile, then stores or
-    /// releases.
-    async fn execute<W, ResBody: StorableBody>(
+    /// releases. An `async` block, not an `async fn`, for the reason `protect` gives.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn would keep a second copy of its arguments in its state"
+    )]
+    fn execute<W, ResBody: StorableBody>(
         self: Arc<Self>,
         work: Pin<Box<W>>,
         id: RecordId,
         token: ClaimToken,
         fingerprint: Fingerprint,
-    ) -> Response<ResponseBody<ResBody>>
+    ) -> impl Future<Output = Response<ResponseBody<ResBody>>>
     where
         W: Future<Output = Result<Handled<ResBody>, String>>,
     {
-        let config = &self.config;
-        let result = self
-            .held(&id, &token)
-            .renewing(AssertUnwindSafe(work).catch_unwind())
-            .await;
+        async move {
+            let config = &self.config;
+            let result = self
+                .held(&id, &token)
+                .renewing(AssertUnwindSafe(work).catch_unwind())
+                .await;
 
-        // What to store (a response, or `None` for a tombstone) and what to answer, or why the
-        // claim is released instead.
-        let (stored, response) = match result {
-            Ok(Ok(Handled::Buffered(mut parts, body))) => {
-                self.stamp_retention(&mut parts.headers);
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers: replayable_headers(&parts.headers, config.keep_set_cookie),
-                    body: body.clone(),
-                };
-                let response = Response::from_parts(parts, ResponseBody::full(body));
-                (Some(Arc::new(stored)), finish(response, Outcome::Executed))
-            }
-            Ok(Ok(Handled::Unstorable(mut response))) => {
-                self.stamp_retention(response.headers_mut());
-                (None, finish(response, Outcome::Executed))
-            }
-            Ok(Ok(Handled::BodyFailed(err))) => {
-                // The handler ran: keep a tombstone so a retry does not run it again.
-                tracing::error!(
-                    target: "tower_idempotency",
-                    error = %err,
-                    "the response body failed while it was read; keeping a tombstone"
-                );
-                let detail = String::from(
-                    "the response failed while it was produced; the operation may have completed, \
-                     so a retry with this key will not run it again",
-                );
-                (None, self.problem(ProblemKind::HandlerFailed, detail))
-            }
-            Ok(Ok(Handled::NotStored(response))) => {
-                let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
-                return self.release(&id, &token, response).await;
-            }
-            Ok(Err(err)) => {
-                return self
-                    .fail(&id, &token, format!("the handler failed: {err}"))
-                    .await;
-            }
-            Err(panic) => {
-                let failure = format!("the handler panicked: {}", panic_message(&*panic));
-                return self.fail(&id, &token, failure).await;
-            }
-        };
-        let completed = Completed {
-            fingerprint,
-            response: stored,
-        };
-        self.complete(&id, &token, completed, response).await
+            // What to store (a response, or `None` for a tombstone) and what to answer, or why the
+            // claim is released instead.
+            let (stored, response) = match result {
+                Ok(Ok(Handled::Buffered(mut parts, body))) => {
+                    self.stamp_retention(&mut parts.headers);
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: replayable_headers(&parts.headers, config.keep_set_cookie),
+                        body: body.clone(),
+                    };
+                    let response = Response::from_parts(parts, ResponseBody::full(body));
+                    (Some(Arc::new(stored)), finish(response, Outcome::Executed))
+                }
+                Ok(Ok(Handled::Unstorable(mut response))) => {
+                    self.stamp_retention(response.headers_mut());
+                    (None, finish(response, Outcome::Executed))
+                }
+                Ok(Ok(Handled::BodyFailed(err))) => {
+                    // The handler ran: keep a tombstone so a retry does not run it again.
+                    tracing::error!(
+                        target: "tower_idempotency",
+                        error = %err,
+                        "the response body failed while it was read; keeping a tombstone"
+                    );
+                    let detail = String::from(
+                        "the response failed while it was produced; the operation may have completed, \
+                         so a retry with this key will not run it again",
+                    );
+                    (None, self.problem(ProblemKind::HandlerFailed, detail))
+                }
+                Ok(Ok(Handled::NotStored(response))) => {
+                    let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
+                    return self.release(&id, &token, response).await;
+                }
+                Ok(Err(err)) => {
+                    return self
+                        .fail(&id, &token, format!("the handler failed: {err}"))
+                        .await;
+                }
+                Err(panic) => {
+                    let failure = format!("the handler panicked: {}", panic_message(&*panic));
+                    return self.fail(&id, &token, failure).await;
+                }
+            };
+            let completed = Completed {
+                fingerprint,
+                response: stored,
+            };
+            self.complete(&id, &token, completed, response).await
+        }
     }
 
     /// States when the record about to be written expires, if the retention header is on.

@@ -132,7 +132,9 @@ impl<St: Store> Shared<St> {
                 return Ok(claim);
             }
             tracing::debug!(target: "tower_idempotency", "waiting for the request in flight");
-            let waited = self.wait_on(id, fingerprint, started + bound).await;
+            // Boxed: the wait is opt-in and rare, and its state would otherwise be carried in
+            // every request's future.
+            let waited = Box::pin(self.wait_on(id, fingerprint, started + bound)).await;
             match waited {
                 Some(Settled::Record(record)) => return Ok(Claim::Existing(record)),
                 Some(Settled::Free) => continue,

@@ -1,0 +1,101 @@
+//! The layer's allocations per request stay small enough for the allocator's per-thread caches:
+//! glibc's serves blocks up to about 1 KiB from a cache of its own thread, and anything larger from
+//! its shared arenas, more slowly and under their locks. The futures the layer boxes per request
+//! (one for the claim and replay, one for the claimed work) are the largest of its allocations.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+/// The largest block glibc serves from its per-thread cache, less its chunk header.
+const THREAD_CACHED: usize = 1024;
+
+/// Counts the allocations larger than [`THREAD_CACHED`].
+struct Counting;
+
+static LARGE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is passed on to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if layout.size() > THREAD_CACHED {
+            LARGE.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size > THREAD_CACHED {
+            LARGE.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn app(layered: bool) -> Router {
+    let router = Router::new().route("/charges", post(|| async { (StatusCode::CREATED, "{}") }));
+    let router = match layered {
+        true => router.layer(IdempotencyLayer::new(MemoryStore::new())),
+        false => router,
+    };
+    router.with_state(())
+}
+
+/// The allocations over [`THREAD_CACHED`] made by `requests` requests (the nth with key `n`, or
+/// all with key `0` when `one_key`), after one warm-up request.
+async fn large_allocations(app: &Router, requests: usize, one_key: bool) -> usize {
+    let send = |n: usize| {
+        let request = Request::post("/charges")
+            .header("idempotency-key", n.to_string())
+            .body(Body::from(r#"{"amount":1099}"#))
+            .unwrap();
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(request).await.unwrap();
+            assert!(response.status().is_success(), "{}", response.status());
+            response.into_body().collect().await.unwrap();
+        }
+    };
+    send(0).await;
+    let before = LARGE.load(Ordering::Relaxed);
+    for n in 1..=requests {
+        send(if one_key { 0 } else { n }).await;
+    }
+    LARGE.load(Ordering::Relaxed) - before
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_layer_adds_no_allocation_too_large_for_the_thread_cache() {
+    const REQUESTS: usize = 1000;
+    let bare = large_allocations(&app(false), REQUESTS, false).await;
+    // The store's 64 maps grow by doubling, which takes a few large blocks each over these
+    // requests: far fewer than one per request.
+    let slack = REQUESTS / 4;
+    let new_keys = large_allocations(&app(true), REQUESTS, false).await;
+    assert!(
+        new_keys <= bare + slack,
+        "{new_keys} large allocations for {REQUESTS} new keys, {bare} without the layer"
+    );
+    let replays = large_allocations(&app(true), REQUESTS, true).await;
+    assert!(
+        replays <= bare + slack,
+        "{replays} large allocations for {REQUESTS} replays, {bare} without the layer"
+    );
+}
