@@ -1,7 +1,7 @@
 //! HTTP load benchmark: what the idempotency layer costs behind a real HTTP server.
 //!
 //! ```sh
-//! cargo bench --bench http
+//! cargo bench --all-features --bench http   # --all-features: the Postgres variants too
 //! # knobs (defaults shown); BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 is a quick smoke run
 //! BENCH_SECONDS=5 BENCH_ROUNDS=5 BENCH_WARMUP=1 BENCH_CONNECTIONS=32 BENCH_THREADS=1 \
 //!     BENCH_SERVER_THREADS=<nproc> BENCH_WORKLOADS=replay,new-key,conflict cargo bench --bench http
@@ -18,15 +18,22 @@
 //! - `memory+cache`: the same with `replay_cache` on;
 //! - `redis-floor`: no layer, but the handler makes by hand, on one multiplexed connection, the
 //!   Redis calls a layer must make (`SET NX PX GET`, then the crate's fenced completion script),
-//!   and answers replays and 409s from what `GET` returned (`http/floor.rs`): the most any Redis
-//!   layer can reach;
+//!   and answers replays and 409s from what `GET` returned (`http/redis_floor.rs`): the most any
+//!   Redis layer can reach;
 //! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`;
 //! - `redis+cache`: the same with `replay_cache` on (replays of this process's completions make no
-//!   Redis call).
+//!   Redis call);
+//! - with the `postgres` feature: `postgres-floor`, the claim and completion statements by hand on
+//!   a pool like the store's, in the store's own table (`http/postgres_floor.rs`), and `postgres`,
+//!   behind `PgStore`, on a private PostgreSQL server the bench starts (the test fixture: fsync
+//!   off, as the Redis server keeps nothing on disk).
 //!
-//! The report gives each variant's throughput as a ratio to bare and, for a layer on Redis, to
-//! `redis-floor` (per round, then the median and the range over rounds), with the bench process's
-//! CPU per request and, on Redis, the redis-server's.
+//! The report gives each variant's throughput as a ratio to bare and, for a layer on a remote
+//! store, to its floor (per round, then the median and the range over rounds), with the bench
+//! process's CPU per request, the store server's CPU and its calls per request (`http/stores.rs`:
+//! Redis `INFO commandstats`, counted into round trips; Postgres `pg_stat_statements`, each
+//! statement kind with its mean server time). Each round's line also gives the slowest request and
+//! the resident memory of the bench process and of Redis, for soaks.
 //!
 //! Workloads, each a generated wrk Lua script (every request: the same ~60-byte JSON body):
 //!
@@ -44,31 +51,19 @@
 //! layer, replays must carry `Idempotent-Replayed`, and the handler must run exactly when it
 //! should. A mismatch is printed loudly and the bench exits non-zero.
 //!
-//! Per run the bench measures its own process CPU time and the redis-server's
-//! (`clock_gettime` on the process CPU clocks, nanosecond resolution; falling back to
-//! `/proc/<pid>/stat` ticks), and `INFO commandstats` (reset before each run). Redis counts the
-//! commands that this crate's Lua scripts run inside each `EVALSHA`/`EVAL` as commands of their
-//! own: every script makes one `GET`, then its write (`SET` for complete and renew, `DEL` for
-//! release) when its fence holds. The crate never sends `GET` or `DEL` itself, so network round
-//! trips = all calls - `GET` - `DEL` - one `SET` per `EVALSHA` (which here is always a complete
-//! or a renew whose fence holds) - that is, all calls - 2 x `EVALSHA` in the common case, and the
-//! `EVAL` releases of claims abandoned when wrk stops (see `RedisStore::claim`) are counted right.
-//!
-//! With the `postgres` feature (`cargo bench --bench http --features postgres`, and the
-//! PostgreSQL server binaries installed), a fourth server, `postgres`, runs behind `PgStore` on a
-//! private PostgreSQL server the bench starts (the test fixture: fsync off, as the Redis server
-//! keeps nothing on disk).
+//! CPU time is read from the process CPU clocks (`clock_gettime`, nanoseconds; `/proc/<pid>/stat`
+//! ticks as a fallback); PostgreSQL's is its postmaster's and its backends' (`http/process.rs`).
 //!
 //! `BENCH_VARIANTS=bare,memory,redis` (default: all) runs only some servers, e.g. to profile one.
 //! `BENCH_DEDUP_WINDOW` (seconds, default 86400) and `BENCH_MEMORY_CAPACITY` (bytes, default
-//! lifted) check that memory stays flat over a long new-key run, e.g.
-//! `BENCH_VARIANTS=memory BENCH_WORKLOADS=new-key BENCH_ROUNDS=1 BENCH_SECONDS=60
-//! BENCH_DEDUP_WINDOW=10 cargo bench --bench http`: the end of the run prints the store's size and
-//! the process's resident and peak memory.
+//! lifted) make a soak: records expire during the run, and each round's line shows whether
+//! latency and memory stay flat, e.g. `BENCH_VARIANTS=memory,redis BENCH_WORKLOADS=new-key
+//! BENCH_ROUNDS=10 BENCH_SECONDS=60 BENCH_WARMUP=0 BENCH_DEDUP_WINDOW=30 cargo bench --bench
+//! http`; the end of the run prints the store's size and the process's resident and peak memory.
 //!
-//! A run started by `cargo test --benches` (no `--bench` argument) does nothing. CI runs a smoke:
-//! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench --bench http`, which fails on any
-//! MISMATCH (statuses, replay markers, handler counts) and checks no timing.
+//! A run started by `cargo test --benches` (no `--bench` argument) does nothing. CI runs a smoke,
+//! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench --all-features --bench http`, which
+//! fails on any MISMATCH (statuses, replay markers, handler counts) and checks no timing.
 
 #[cfg(feature = "postgres")]
 #[path = "http/postgres_floor.rs"]
