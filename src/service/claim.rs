@@ -64,17 +64,21 @@ impl<St: Store> Shared<St> {
                 return self.answer_existing(Record::Completed(completed), &fingerprint);
             }
             let claim = self.claim_or_wait(&id, &fingerprint).await;
-            parts.extensions.insert(key);
-            let request = Request::from_parts(parts, RequestBody::buffered(body));
+            // Only a request that reaches the handler is put back together: a replay, a 409 or a
+            // 422 answers without it.
+            let request = move || {
+                parts.extensions.insert(key);
+                Request::from_parts(parts, RequestBody::buffered(body))
+            };
             match claim {
                 Ok(Claim::Claimed(token)) => {
-                    self.run_claimed(inner, request, id, token, fingerprint)
+                    self.run_claimed(inner, request(), id, token, fingerprint)
                         .await
                 }
                 Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
                 Err(err) if config.fail_open => {
                     self.warn_of_store_failure(&err, Outcome::FailedOpen);
-                    self.run_unprotected(inner, request).await
+                    self.run_unprotected(inner, request()).await
                 }
                 Err(err) => {
                     self.warn_of_store_failure(&err, Outcome::StoreUnavailable);
