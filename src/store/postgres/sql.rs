@@ -235,6 +235,7 @@ mod tests {
             &other.complete,
             &other.complete_claimed,
             &other.sweep,
+            &other.check,
         ] {
             assert!(!sql.contains("idempotency_records"), "{sql}");
         }
