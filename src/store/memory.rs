@@ -160,6 +160,15 @@ impl MemoryStore {
         lock(&self.inner.shards[usize::from(id.as_bytes()[0]) % SHARDS])
     }
 
+    /// The shard of `id`, locked, and the time of this call, once a few of the shard's due
+    /// records are collected.
+    fn shard_now(&self, id: &RecordId) -> (MutexGuard<'_, Shard>, Instant) {
+        let mut shard = self.shard(id);
+        let now = Instant::now();
+        shard.expire(now, &self.inner.budget, COLLECT_PER_CALL);
+        (shard, now)
+    }
+
     /// Collects every record that is due in any shard; returns how long until the next one comes
     /// due.
     fn expire_all(&self) -> Option<Duration> {
@@ -215,9 +224,7 @@ impl MemoryStore {
         lease: Duration,
     ) -> Result<Claim, Refused> {
         let budget = &self.inner.budget;
-        let mut guard = self.shard(id);
-        let now = Instant::now();
-        guard.expire(now, budget, COLLECT_PER_CALL);
+        let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
         let new_claim = |expiry: &mut Expiry| {
             budget.reserve(id, budget.overhead(), now)?;
@@ -262,9 +269,7 @@ impl MemoryStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let budget = &self.inner.budget;
-        let mut guard = self.shard(id);
-        let now = Instant::now();
-        guard.expire(now, budget, COLLECT_PER_CALL);
+        let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
         let entry = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_owned_by(token, now) => {
@@ -320,9 +325,7 @@ impl MemoryStore {
     /// Extends the in-flight entry claimed with `token` to `lease` from now, and queues its new
     /// expiry; `false`, and no change, when the entry is gone or carries another claim's token.
     fn renew_now(&self, id: &RecordId, token: &ClaimToken, lease: Duration) -> bool {
-        let mut guard = self.shard(id);
-        let now = Instant::now();
-        guard.expire(now, &self.inner.budget, COLLECT_PER_CALL);
+        let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
         let Some(entry) = shard.map.get_mut(id).filter(|e| e.is_owned_by(token, now)) else {
             return false;
@@ -334,9 +337,7 @@ impl MemoryStore {
     }
 
     fn release_now(&self, id: &RecordId, token: &ClaimToken) -> bool {
-        let mut shard = self.shard(id);
-        let now = Instant::now();
-        shard.expire(now, &self.inner.budget, COLLECT_PER_CALL);
+        let (mut shard, now) = self.shard_now(id);
         if !shard.map.get(id).is_some_and(|e| e.is_owned_by(token, now)) {
             return false;
         }
