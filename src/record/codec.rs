@@ -82,7 +82,13 @@ impl Completed {
             out.extend_from_slice(self.fingerprint.as_bytes());
             return Ok(out);
         };
-        let mut out = Vec::with_capacity(64 + response.size());
+        // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one allocation
+        // with no slack, and `Bytes::from` takes it over without a second one.
+        let headers: usize = (response.headers.iter())
+            .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
+            .sum();
+        let len = layout::COMPLETED_FINGERPRINT.end + 2 + 4 + headers + 4 + response.body.len();
+        let mut out = Vec::with_capacity(len);
         out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
         out.extend_from_slice(self.fingerprint.as_bytes());
         out.extend_from_slice(&response.status.as_u16().to_le_bytes());
@@ -98,6 +104,7 @@ impl Completed {
         }
         out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
         out.extend_from_slice(&response.body);
+        debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
         Ok(out)
     }
 }

@@ -4,6 +4,7 @@ use std::collections::{HashMap, hash_map};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 mod budget;
@@ -83,7 +84,32 @@ enum State {
         token: ClaimToken,
         fingerprint: Fingerprint,
     },
+    /// A completed record's response is kept encoded, as the shared stores keep it: one
+    /// allocation for the whole record, rather than a response, its header map and its body held
+    /// apart for the whole dedup window. A replay decodes it. `None` is a tombstone.
+    Completed {
+        fingerprint: Fingerprint,
+        encoded: Option<Bytes>,
+    },
+}
+
+/// A live record as a claim found it, decoded once the shard's lock is let go.
+enum Found {
+    InFlight(InFlight),
     Completed(Completed),
+    Encoded(Bytes),
+}
+
+impl Found {
+    fn decode(self) -> Result<Record, StoreError> {
+        match self {
+            Found::InFlight(in_flight) => Ok(Record::InFlight(in_flight)),
+            Found::Completed(completed) => Ok(Record::Completed(completed)),
+            Found::Encoded(bytes) => {
+                Record::decode(bytes).map_err(|err| StoreError::Codec(Box::new(err)))
+            }
+        }
+    }
 }
 
 impl Default for MemoryStore {
@@ -198,31 +224,39 @@ impl MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        if let Ok(claim) = self.try_claim(id, fingerprint, lease) {
-            return Ok(claim);
-        }
-        // Full. Records that expired in other shards may still hold bytes: collect them, retry.
-        let next_due = self.expire_all();
-        // Refused again: say when room may free, when the scope's next completed record comes
-        // due, or the store's next record; within a lease when nothing else is known.
-        self.try_claim(id, fingerprint, lease).map_err(|refused| {
-            let room_at = match refused {
-                Refused::Scope(room_at) => room_at,
-                Refused::Store => next_due,
-            };
-            StoreError::Full {
-                retry_after: Some(room_at.unwrap_or(lease)),
+        let claimed = match self.try_claim(id, fingerprint, lease) {
+            Ok(claimed) => claimed,
+            Err(_) => {
+                // Full. Records that expired in other shards may still hold bytes: collect them,
+                // retry.
+                let next_due = self.expire_all();
+                // Refused again: say when room may free, when the scope's next completed record
+                // comes due, or the store's next record; within a lease when nothing else is known.
+                self.try_claim(id, fingerprint, lease).map_err(|refused| {
+                    let room_at = match refused {
+                        Refused::Scope(room_at) => room_at,
+                        Refused::Store => next_due,
+                    };
+                    StoreError::Full {
+                        retry_after: Some(room_at.unwrap_or(lease)),
+                    }
+                })?
             }
-        })
+        };
+        match claimed {
+            Ok(token) => Ok(Claim::Claimed(token)),
+            Err(found) => found.decode().map(Claim::Existing),
+        }
     }
 
-    /// Claims `id`, or returns its live record; refused when there is no room for a claim.
+    /// Claims `id` (its token), or finds its live record; refused when there is no room for a
+    /// claim.
     fn try_claim(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
         lease: Duration,
-    ) -> Result<Claim, Refused> {
+    ) -> Result<Result<ClaimToken, Found>, Refused> {
         let budget = &self.inner.budget;
         let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
@@ -235,7 +269,7 @@ impl MemoryStore {
         // One probe of the map for both the lookup and the insert.
         let token = match shard.map.entry(*id) {
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => {
-                return Ok(Claim::Existing(entry.get().record(now)));
+                return Ok(Err(entry.get().found(now)));
             }
             // Due, but not collected yet: gone. The claim takes its place.
             hash_map::Entry::Occupied(mut entry) => {
@@ -258,7 +292,7 @@ impl MemoryStore {
                 token
             }
         };
-        Ok(Claim::Claimed(token))
+        Ok(Ok(token))
     }
 
     fn complete_now(
@@ -268,6 +302,17 @@ impl MemoryStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        // Encoded before the shard is locked: the lock is held for the map's work only.
+        let encoded = match &completed.response {
+            Some(_) => {
+                let bytes = completed
+                    .encode()
+                    .map_err(|err| StoreError::Codec(Box::new(err)))?;
+                Some(Bytes::from(bytes))
+            }
+            None => None,
+        };
+        let fingerprint = completed.fingerprint;
         let budget = &self.inner.budget;
         let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
@@ -276,7 +321,7 @@ impl MemoryStore {
                 entry.into_mut()
             }
             // This completion, sent again: already written.
-            hash_map::Entry::Occupied(entry) if entry.get().holds(completed, now) => {
+            hash_map::Entry::Occupied(entry) if entry.get().holds(&fingerprint, &encoded, now) => {
                 return Ok(true);
             }
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => return Ok(false),
@@ -289,19 +334,19 @@ impl MemoryStore {
                     entry.remove();
                     return Err(StoreError::Full { retry_after: None });
                 }
-                entry.insert(Entry::bare(completed, now, budget.overhead()));
+                entry.insert(Entry::bare(fingerprint, now, budget.overhead()));
                 entry.into_mut()
             }
             hash_map::Entry::Vacant(vacant) => {
                 if budget.reserve(id, budget.overhead(), now).is_err() {
                     return Err(StoreError::Full { retry_after: None });
                 }
-                vacant.insert(Entry::bare(completed, now, budget.overhead()))
+                vacant.insert(Entry::bare(fingerprint, now, budget.overhead()))
             }
         };
-        // The entry holds only its overhead so far: reserve the response's bytes.
-        let extra = completed.response.as_ref().map_or(0, |r| r.size());
-        let mut completed = completed.clone();
+        // The entry holds only its overhead so far: reserve the encoded record's bytes.
+        let extra = encoded.as_ref().map_or(0, Bytes::len);
+        let mut encoded = encoded;
         match budget.reserve(id, extra, now) {
             Ok(()) => entry.size += extra,
             Err(refused) => {
@@ -311,10 +356,13 @@ impl MemoryStore {
                     full = if refused == Refused::Store { "store" } else { "scope" },
                     "memory store full: keeping a tombstone instead of the response"
                 );
-                completed.response = None;
+                encoded = None;
             }
         }
-        entry.state = State::Completed(completed);
+        entry.state = State::Completed {
+            fingerprint,
+            encoded,
+        };
         entry.expires_at = now + ttl;
         budget.completed(id, entry.expires_at, now);
         shard.expiry.cancel(entry.queued);
@@ -419,12 +467,12 @@ impl Entry {
     }
 
     /// An entry that holds only its overhead, for a completion to fill in.
-    fn bare(completed: &Completed, now: Instant, size: usize) -> Self {
+    fn bare(fingerprint: Fingerprint, now: Instant, size: usize) -> Self {
         Self {
-            state: State::Completed(Completed {
-                fingerprint: completed.fingerprint,
-                response: None,
-            }),
+            state: State::Completed {
+                fingerprint,
+                encoded: None,
+            },
             expires_at: now,
             size,
             queued: None,
@@ -436,9 +484,11 @@ impl Entry {
         self.is_live(now) && matches!(&self.state, State::InFlight { token: t, .. } if t == token)
     }
 
-    /// Whether the entry is live and holds exactly `completed`.
-    fn holds(&self, completed: &Completed, now: Instant) -> bool {
-        self.is_live(now) && matches!(&self.state, State::Completed(c) if c == completed)
+    /// Whether the entry is live and holds exactly this completed record.
+    fn holds(&self, fingerprint: &Fingerprint, encoded: &Option<Bytes>, now: Instant) -> bool {
+        self.is_live(now)
+            && matches!(&self.state, State::Completed { fingerprint: f, encoded: e }
+                if f == fingerprint && e == encoded)
     }
 
     /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a
@@ -447,13 +497,25 @@ impl Entry {
         self.expires_at > now
     }
 
-    fn record(&self, now: Instant) -> Record {
+    /// The record, as far as it can be read under the shard's lock: an encoded one is decoded
+    /// after.
+    fn found(&self, now: Instant) -> Found {
         match &self.state {
-            State::InFlight { fingerprint, .. } => Record::InFlight(InFlight {
+            State::InFlight { fingerprint, .. } => Found::InFlight(InFlight {
                 fingerprint: *fingerprint,
                 lease_remaining: self.expires_at.saturating_duration_since(now),
             }),
-            State::Completed(completed) => Record::Completed(completed.clone()),
+            State::Completed {
+                encoded: Some(encoded),
+                ..
+            } => Found::Encoded(encoded.clone()),
+            State::Completed {
+                fingerprint,
+                encoded: None,
+            } => Found::Completed(Completed {
+                fingerprint: *fingerprint,
+                response: None,
+            }),
         }
     }
 }

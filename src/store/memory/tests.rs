@@ -74,9 +74,10 @@ async fn bytes_are_accounted_through_complete_and_expiry() {
             .complete_now(&id, &token, &done, Duration::from_secs(60))
             .unwrap()
     );
+    // A record holds its encoding: the response's bytes, and its fields' lengths.
     assert_eq!(
         store.used_bytes(),
-        ENTRY_OVERHEAD + done.response.as_ref().unwrap().size()
+        ENTRY_OVERHEAD + done.encode().unwrap().len()
     );
     tokio::time::advance(Duration::from_secs(61)).await;
     assert_eq!(store.len(), 0);
