@@ -43,38 +43,102 @@ pub(crate) fn describe() {
     }
 }
 
+/// What the `counter!` and `histogram!` macros would say of the layer's metrics.
+#[cfg(feature = "metrics")]
+static METADATA: ::metrics::Metadata<'static> =
+    ::metrics::Metadata::new(module_path!(), ::metrics::Level::INFO, Some(module_path!()));
+
+/// A metric's key with fixed labels, made at compile time. The `counter!` and `histogram!` macros
+/// make a key on every call when a label's value is not a literal: its labels in a fresh `Vec`,
+/// then its hash, once or twice per request for nothing when no recorder is installed.
+#[cfg(feature = "metrics")]
+macro_rules! static_key {
+    ($name:expr; $($label:literal => $value:expr),+) => {{
+        static LABELS: [::metrics::Label; [$($label),+].len()] =
+            [$(::metrics::Label::from_static_parts($label, $value)),+];
+        static KEY: ::metrics::Key = ::metrics::Key::from_static_parts($name, &LABELS);
+        &KEY
+    }};
+}
+
 /// Counts a covered request's outcome.
 #[inline]
 pub(crate) fn outcome(outcome: Outcome) {
     #[cfg(feature = "metrics")]
-    ::metrics::counter!(REQUESTS, "outcome" => outcome.as_str()).increment(1);
+    {
+        macro_rules! key_of {
+            ($($variant:ident),+) => {
+                match outcome {
+                    $(Outcome::$variant => {
+                        static_key!(REQUESTS; "outcome" => Outcome::$variant.as_str())
+                    })+
+                }
+            };
+        }
+        let key = key_of!(
+            Unprotected,
+            Executed,
+            NotStored,
+            Replayed,
+            InFlight,
+            Mismatch,
+            NotReplayable,
+            Rejected,
+            StoreUnavailable,
+            FailedOpen,
+            HandlerFailed
+        );
+        ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
+    }
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
 }
 
-/// The `result` label of a store call.
+/// The keys of one store operation's calls, by result: `ok`, `full`, `timeout`, `unavailable`,
+/// `aborted`, `codec` (see [`result`]).
 #[cfg(feature = "metrics")]
-fn result<T>(result: &Result<T, StoreError>) -> &'static str {
+type CallKeys = [&'static ::metrics::Key; 6];
+
+/// The [`CallKeys`] of `operation`.
+#[cfg(feature = "metrics")]
+macro_rules! call_keys {
+    ($operation:literal) => {{
+        static KEYS: CallKeys = [
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "ok"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "full"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "timeout"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "unavailable"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "aborted"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "codec"),
+        ];
+        &KEYS
+    }};
+}
+
+/// The `result` label of a store call, as its place in [`CallKeys`].
+#[cfg(feature = "metrics")]
+fn result<T>(result: &Result<T, StoreError>) -> usize {
     match result {
-        Ok(_) => "ok",
-        Err(StoreError::Full { .. }) => "full",
-        Err(StoreError::Timeout(_)) => "timeout",
-        Err(StoreError::Unavailable(_)) => "unavailable",
-        Err(StoreError::Aborted(_)) => "aborted",
-        Err(StoreError::Codec(_)) => "codec",
+        Ok(_) => 0,
+        Err(StoreError::Full { .. }) => 1,
+        Err(StoreError::Timeout(_)) => 2,
+        Err(StoreError::Unavailable(_)) => 3,
+        Err(StoreError::Aborted(_)) => 4,
+        Err(StoreError::Codec(_)) => 5,
     }
 }
 
-/// Times `call`, a store call of `operation`.
+/// Times `call`, a store call whose keys are `keys`.
 #[cfg(feature = "metrics")]
 async fn timed<T>(
-    operation: &'static str,
+    keys: &'static CallKeys,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let started = std::time::Instant::now();
     let answer = call.await;
     let elapsed = started.elapsed();
-    ::metrics::histogram!(STORE_CALLS, "operation" => operation, "result" => result(&answer))
+    let key = keys[result(&answer)];
+    ::metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
         .record(elapsed.as_secs_f64());
     answer
 }
@@ -97,7 +161,7 @@ impl<St: Store> Store for Metered<St> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        timed("claim", self.0.claim(id, fingerprint, lease)).await
+        timed(call_keys!("claim"), self.0.claim(id, fingerprint, lease)).await
     }
 
     async fn complete(
@@ -107,7 +171,11 @@ impl<St: Store> Store for Metered<St> {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        timed("complete", self.0.complete(id, token, completed, ttl)).await
+        timed(
+            call_keys!("complete"),
+            self.0.complete(id, token, completed, ttl),
+        )
+        .await
     }
 
     async fn renew(
@@ -116,7 +184,7 @@ impl<St: Store> Store for Metered<St> {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        timed("renew", self.0.renew(id, token, lease)).await
+        timed(call_keys!("renew"), self.0.renew(id, token, lease)).await
     }
 
     fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
@@ -124,7 +192,7 @@ impl<St: Store> Store for Metered<St> {
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        timed("release", self.0.release(id, token)).await
+        timed(call_keys!("release"), self.0.release(id, token)).await
     }
 
     fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {

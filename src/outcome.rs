@@ -55,7 +55,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The outcome's name, as it appears in logs.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Outcome::Unprotected => "unprotected",
             Outcome::Executed => "executed",
