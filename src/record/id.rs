@@ -96,7 +96,8 @@ impl RecordId {
 /// maps hash one per request.
 impl std::hash::Hash for RecordId {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.id.hash(state);
+        // As one integer: an array would be hashed with its length first, 24 bytes, not 16.
+        state.write_u128(u128::from_le_bytes(self.id));
     }
 }
 

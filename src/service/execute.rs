@@ -175,7 +175,7 @@ impl<St: Store> Shared<St> {
         if let (Some(replays), Some(until), Ok(true)) = (&self.replays, cached_until, &written) {
             replays.insert(*id, completed.clone(), until);
         }
-        self.waits.notify(id);
+        self.notify_waiters(id);
         if let Err(StoreError::Aborted(err)) = &written {
             tracing::error!(
                 target: "tower_idempotency",
@@ -201,7 +201,7 @@ impl<St: Store> Shared<St> {
         response: Response<B>,
     ) -> Response<B> {
         let released = self.store.release(id, token).await;
-        self.waits.notify(id);
+        self.notify_waiters(id);
         self.after_write(id, token, None, released);
         response
     }

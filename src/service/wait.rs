@@ -112,6 +112,14 @@ impl Drop for Waiter {
 }
 
 impl<St: Store> Shared<St> {
+    /// Tells the requests waiting on `id` in this process, if waiting is on, that it changed.
+    pub(super) fn notify_waiters(&self, id: &RecordId) {
+        // Without the opt-in wait nobody waits: no need to look the key up under the lock.
+        if self.config.wait.is_some() {
+            self.waits.notify(id);
+        }
+    }
+
     /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
     /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
     /// lease that is left.
@@ -120,11 +128,12 @@ impl<St: Store> Shared<St> {
         id: &RecordId,
         fingerprint: &Fingerprint,
     ) -> Result<Claim, StoreError> {
-        let started = Instant::now();
+        // When the wait started, and its bound (the clock is read only when waiting is on).
+        let wait = self.config.wait.map(|bound| (Instant::now(), bound));
         loop {
             let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
-            let (Some(bound), Claim::Existing(Record::InFlight(in_flight))) =
-                (self.config.wait, &claim)
+            let (Some((started, bound)), Claim::Existing(Record::InFlight(in_flight))) =
+                (wait, &claim)
             else {
                 return Ok(claim);
             };
