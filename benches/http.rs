@@ -45,7 +45,8 @@
 //!   answered 201, the baseline of that workload.
 //!
 //! Each round runs every workload against every server back to back, so they see the same machine
-//! conditions; the report takes medians over rounds. wrk's own "Non-2xx" count
+//! conditions, every other round in reverse order, so that drift within a round does not always
+//! favour the same side of a pair; the report takes medians over rounds. wrk's own "Non-2xx" count
 //! includes the expected 409s, so the Lua `response()` hook counts statuses per code (and replayed
 //! responses) and every run is checked: replay and new-key must answer 201, conflict 409 behind the
 //! layer, replays must carry `Idempotent-Replayed`, and the handler must run exactly when it
@@ -417,8 +418,15 @@ fn run() -> Result<bool, String> {
     let started = Instant::now();
     for round in 1..=settings.rounds {
         println!("round {round}/{}", settings.rounds);
+        // Every other round runs the servers in reverse order, so that no variant always runs
+        // right after another: what drifts within a round (the stores growing, other load on the
+        // machine) falls on both sides of each pair alike.
+        let order: Vec<&Server> = match round % 2 {
+            0 => servers.iter().rev().collect(),
+            _ => servers.iter().collect(),
+        };
         for &workload in &settings.workloads {
-            for server in &servers {
+            for &server in &order {
                 let script = script_for(workload, server)?;
                 let sample = measure(
                     &settings,
