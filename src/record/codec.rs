@@ -70,6 +70,14 @@ pub fn encode_in_flight(
     out
 }
 
+/// Encodes a tombstone: a completed record without a response. Unlike a response, it always fits.
+pub(crate) fn encode_tombstone(fingerprint: &Fingerprint) -> Vec<u8> {
+    let mut out = Vec::with_capacity(layout::COMPLETED_FINGERPRINT.end);
+    out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
+    out.extend_from_slice(fingerprint.as_bytes());
+    out
+}
+
 impl Completed {
     /// Encodes the record.
     ///
@@ -77,10 +85,7 @@ impl Completed {
     /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB).
     pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
         let Some(response) = &self.response else {
-            let mut out = Vec::with_capacity(layout::COMPLETED_FINGERPRINT.end);
-            out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
-            out.extend_from_slice(self.fingerprint.as_bytes());
-            return Ok(out);
+            return Ok(encode_tombstone(&self.fingerprint));
         };
         // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one allocation
         // with no slack, and `Bytes::from` takes it over without a second one.

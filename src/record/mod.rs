@@ -20,6 +20,7 @@ mod codec;
 mod id;
 mod model;
 
+pub(crate) use codec::encode_tombstone;
 #[cfg(feature = "redis")]
 pub(crate) use codec::layout;
 pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};

@@ -13,7 +13,7 @@ mod scopes;
 
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
+use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId, encode_tombstone};
 use budget::{Budget, Refused};
 use expiry::{Expiry, Ticket};
 
@@ -84,28 +84,23 @@ enum State {
         token: ClaimToken,
         fingerprint: Fingerprint,
     },
-    /// A completed record's response is kept encoded, as the shared stores keep it: one
-    /// allocation for the whole record, rather than a response, its header map and its body held
-    /// apart for the whole dedup window. A replay decodes it. `None` is a tombstone.
-    Completed {
-        fingerprint: Fingerprint,
-        encoded: Option<Bytes>,
-    },
+    /// A completed record is kept encoded, as the shared stores keep it (its fingerprint
+    /// included): one allocation for the whole record, rather than a response, its header map and
+    /// its body held apart for the whole dedup window. A replay decodes it.
+    Completed(Bytes),
 }
 
 /// A live record as a claim found it, decoded once the shard's lock is let go.
 enum Found {
     InFlight(InFlight),
-    Completed(Completed),
-    Encoded(Bytes),
+    Completed(Bytes),
 }
 
 impl Found {
     fn decode(self) -> Result<Record, StoreError> {
         match self {
             Found::InFlight(in_flight) => Ok(Record::InFlight(in_flight)),
-            Found::Completed(completed) => Ok(Record::Completed(completed)),
-            Found::Encoded(bytes) => {
+            Found::Completed(bytes) => {
                 Record::decode(bytes).map_err(|err| StoreError::Codec(Box::new(err)))
             }
         }
@@ -303,16 +298,10 @@ impl MemoryStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         // Encoded before the shard is locked: the lock is held for the map's work only.
-        let encoded = match &completed.response {
-            Some(_) => {
-                let bytes = completed
-                    .encode()
-                    .map_err(|err| StoreError::Codec(Box::new(err)))?;
-                Some(Bytes::from(bytes))
-            }
-            None => None,
+        let encoded = match completed.encode() {
+            Ok(bytes) => Bytes::from(bytes),
+            Err(err) => return Err(StoreError::Codec(Box::new(err))),
         };
-        let fingerprint = completed.fingerprint;
         let budget = &self.inner.budget;
         let (mut guard, now) = self.shard_now(id);
         let shard = &mut *guard;
@@ -321,7 +310,7 @@ impl MemoryStore {
                 entry.into_mut()
             }
             // This completion, sent again: already written.
-            hash_map::Entry::Occupied(entry) if entry.get().holds(&fingerprint, &encoded, now) => {
+            hash_map::Entry::Occupied(entry) if entry.get().holds(&encoded, now) => {
                 return Ok(true);
             }
             hash_map::Entry::Occupied(entry) if entry.get().is_live(now) => return Ok(false),
@@ -334,18 +323,19 @@ impl MemoryStore {
                     entry.remove();
                     return Err(StoreError::Full { retry_after: None });
                 }
-                entry.insert(Entry::bare(fingerprint, now, budget.overhead()));
+                entry.insert(Entry::bare(now, budget.overhead()));
                 entry.into_mut()
             }
             hash_map::Entry::Vacant(vacant) => {
                 if budget.reserve(id, budget.overhead(), now).is_err() {
                     return Err(StoreError::Full { retry_after: None });
                 }
-                vacant.insert(Entry::bare(fingerprint, now, budget.overhead()))
+                vacant.insert(Entry::bare(now, budget.overhead()))
             }
         };
-        // The entry holds only its overhead so far: reserve the encoded record's bytes.
-        let extra = encoded.as_ref().map_or(0, Bytes::len);
+        // The entry holds only its overhead so far, which covers a tombstone: reserve a
+        // response's encoded bytes.
+        let extra = completed.response.as_ref().map_or(0, |_| encoded.len());
         let mut encoded = encoded;
         match budget.reserve(id, extra, now) {
             Ok(()) => entry.size += extra,
@@ -356,13 +346,10 @@ impl MemoryStore {
                     full = if refused == Refused::Store { "store" } else { "scope" },
                     "memory store full: keeping a tombstone instead of the response"
                 );
-                encoded = None;
+                encoded = Bytes::from(encode_tombstone(&completed.fingerprint));
             }
         }
-        entry.state = State::Completed {
-            fingerprint,
-            encoded,
-        };
+        entry.state = State::Completed(encoded);
         entry.expires_at = now + ttl;
         budget.completed(id, entry.expires_at, now);
         shard.expiry.cancel(entry.queued);
@@ -467,12 +454,9 @@ impl Entry {
     }
 
     /// An entry that holds only its overhead, for a completion to fill in.
-    fn bare(fingerprint: Fingerprint, now: Instant, size: usize) -> Self {
+    fn bare(now: Instant, size: usize) -> Self {
         Self {
-            state: State::Completed {
-                fingerprint,
-                encoded: None,
-            },
+            state: State::Completed(Bytes::new()),
             expires_at: now,
             size,
             queued: None,
@@ -485,10 +469,8 @@ impl Entry {
     }
 
     /// Whether the entry is live and holds exactly this completed record.
-    fn holds(&self, fingerprint: &Fingerprint, encoded: &Option<Bytes>, now: Instant) -> bool {
-        self.is_live(now)
-            && matches!(&self.state, State::Completed { fingerprint: f, encoded: e }
-                if f == fingerprint && e == encoded)
+    fn holds(&self, encoded: &Bytes, now: Instant) -> bool {
+        self.is_live(now) && matches!(&self.state, State::Completed(e) if e == encoded)
     }
 
     /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a
@@ -505,17 +487,7 @@ impl Entry {
                 fingerprint: *fingerprint,
                 lease_remaining: self.expires_at.saturating_duration_since(now),
             }),
-            State::Completed {
-                encoded: Some(encoded),
-                ..
-            } => Found::Encoded(encoded.clone()),
-            State::Completed {
-                fingerprint,
-                encoded: None,
-            } => Found::Completed(Completed {
-                fingerprint: *fingerprint,
-                response: None,
-            }),
+            State::Completed(encoded) => Found::Completed(encoded.clone()),
         }
     }
 }
