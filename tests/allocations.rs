@@ -32,7 +32,11 @@ thread_local! {
     static LIVE: Cell<isize> = const { Cell::new(0) };
 }
 
-fn count(counter: &'static std::thread::LocalKey<Cell<isize>>, by: isize) {
+/// Adds `by` to this thread's `counter` (nothing while the thread is being torn down).
+fn count<T: Copy + std::ops::Add<Output = T>>(
+    counter: &'static std::thread::LocalKey<Cell<T>>,
+    by: T,
+) {
     let _ = counter.try_with(|c| c.set(c.get() + by));
 }
 
@@ -48,7 +52,7 @@ fn live() -> isize {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if layout.size() > THREAD_CACHED {
-            let _ = LARGE.try_with(|c| c.set(c.get() + 1));
+            count(&LARGE, 1);
         }
         count(&LIVE, 1);
         // SAFETY: the caller's contract, passed on.
@@ -63,7 +67,7 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if new_size > THREAD_CACHED {
-            let _ = LARGE.try_with(|c| c.set(c.get() + 1));
+            count(&LARGE, 1);
         }
         // SAFETY: the caller's contract, passed on.
         unsafe { System.realloc(ptr, layout, new_size) }

@@ -298,7 +298,7 @@ impl MemoryStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         // Encoded before the shard is locked: the lock is held for the map's work only.
-        let encoded = match completed.encode() {
+        let mut encoded = match completed.encode() {
             Ok(bytes) => Bytes::from(bytes),
             Err(err) => return Err(StoreError::Codec(Box::new(err))),
         };
@@ -336,7 +336,6 @@ impl MemoryStore {
         // The entry holds only its overhead so far, which covers a tombstone: reserve a
         // response's encoded bytes.
         let extra = completed.response.as_ref().map_or(0, |_| encoded.len());
-        let mut encoded = encoded;
         match budget.reserve(id, extra, now) {
             Ok(()) => entry.size += extra,
             Err(refused) => {
