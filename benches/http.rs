@@ -52,6 +52,10 @@
 //! layer, replays must carry `Idempotent-Replayed`, and the handler must run exactly when it
 //! should. A mismatch is printed loudly and the bench exits non-zero.
 //!
+//! wrk's own CPU and how often it slept are read with `getrusage(RUSAGE_CHILDREN)` around each run:
+//! wrk shares the cores, so a ratio is about the ratio of server plus wrk CPU per request, and a
+//! server slower than wrk leaves wrk idle, so that its responses must wake it.
+//!
 //! CPU time is read from the process CPU clocks (`clock_gettime`, nanoseconds; `/proc/<pid>/stat`
 //! ticks as a fallback); PostgreSQL's is its postmaster's and its backends' (`http/process.rs`).
 //!
@@ -104,7 +108,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::serve::ListenerExt;
-use process::{CpuClocks, resident_kib, status_field};
+use process::{ChildrenUse, CpuClocks, resident_kib, status_field};
 use redis_server::RedisServer;
 use report::{check, load_average, ms, print_machine, print_report};
 use settings::{
@@ -171,6 +175,10 @@ struct Sample {
     wrk: WrkResult,
     rps: f64,
     cpu_us_per_request: f64,
+    /// wrk's CPU time per request, in microseconds.
+    client_cpu_us: f64,
+    /// How often wrk went to sleep, per request: each time, a response had to wake it.
+    client_sleeps: f64,
     /// What the variant's store server did, per request (zero without one).
     store: StoreUse,
     /// The bench process's resident memory at the end of the run, in KiB.
@@ -444,7 +452,7 @@ fn run() -> Result<bool, String> {
                     check(&settings, &sample, server, &format!("round {round}"));
                 ok &= sample.answered_as_expected;
                 println!(
-                    "  {:<8} {:<14} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  max {:>7.1} ms  cpu {:>6.1} µs/req{}  [{}]  rss {}",
+                    "  {:<8} {:<14} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  max {:>7.1} ms  cpu {:>6.1} µs/req{}  wrk {:>4.1} µs/req {:.3} sleeps/req  [{}]  rss {}",
                     workload.name(),
                     server.variant.name(),
                     sample.rps,
@@ -461,6 +469,8 @@ fn run() -> Result<bool, String> {
                         ),
                         None => String::new(),
                     },
+                    sample.client_cpu_us,
+                    sample.client_sleeps,
                     sample.wrk.statuses_text(),
                     sample.resident_text(),
                 );
@@ -682,10 +692,12 @@ fn measure(
     let executions_before = server.executions.load(Ordering::SeqCst);
     let received_before = server.received.load(Ordering::SeqCst);
     let cpu_before = clocks.process_ns(None);
+    let client_before = ChildrenUse::now();
 
     let output = run_wrk(settings, wrk, script, seconds, server.port)?;
 
     let cpu_after = clocks.process_ns(None);
+    let client = ChildrenUse::now().since(client_before);
     let executions = server.executions.load(Ordering::SeqCst) - executions_before;
     let received = server.received.load(Ordering::SeqCst) - received_before;
     // Costs per request served: what the server received, which is wrk's count plus the requests
@@ -702,6 +714,8 @@ fn measure(
         variant: server.variant,
         rps: wrk_result.requests as f64 / (wrk_result.duration_us.max(1) as f64 / 1e6),
         cpu_us_per_request: cpu_after.saturating_sub(cpu_before) as f64 / 1e3 / requests,
+        client_cpu_us: client.cpu_ns as f64 / 1e3 / requests,
+        client_sleeps: client.sleeps as f64 / requests,
         store,
         resident_kib: resident_kib(None),
         executions,

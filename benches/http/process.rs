@@ -1,4 +1,5 @@
-//! CPU time and resident memory of the bench's process and of the store servers' processes.
+//! CPU time and resident memory of the bench's process and of the store servers' processes, and
+//! what its exited child processes (the load generator) used.
 
 /// CPU time of a process, in nanoseconds.
 pub struct CpuClocks {
@@ -120,4 +121,40 @@ pub fn resident_kib(pid: Option<u32>) -> Option<u64> {
         .trim()
         .parse()
         .ok()
+}
+
+/// What this process's exited and reaped child processes used in all: their CPU time and how
+/// often they went to sleep (voluntary context switches). Between two readings around one run of
+/// wrk, that is wrk's: the store servers keep running.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChildrenUse {
+    pub cpu_ns: u64,
+    pub sleeps: u64,
+}
+
+impl ChildrenUse {
+    pub fn now() -> Self {
+        // SAFETY: an all-zero rusage is valid, and getrusage only writes to it.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `usage` is a valid rusage to write to.
+        if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) } != 0 {
+            return Self::default();
+        }
+        let ns = |t: libc::timeval| {
+            u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000
+                + u64::try_from(t.tv_usec).unwrap_or(0) * 1_000
+        };
+        Self {
+            cpu_ns: ns(usage.ru_utime) + ns(usage.ru_stime),
+            sleeps: u64::try_from(usage.ru_nvcsw).unwrap_or(0),
+        }
+    }
+
+    /// What was used from `earlier` until this reading.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            cpu_ns: self.cpu_ns.saturating_sub(earlier.cpu_ns),
+            sleeps: self.sleeps.saturating_sub(earlier.sleeps),
+        }
+    }
 }

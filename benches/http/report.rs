@@ -130,9 +130,9 @@ pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     println!("## Results (medians of {} round(s))", settings.rounds);
     println!();
     println!(
-        "| workload | server | req/s | vs bare (range) | vs floor (range) | p50 | p99 | server CPU/req | +CPU vs bare | store CPU/req | store round trips/req |"
+        "| workload | server | req/s | vs bare (range) | vs floor (range) | p50 | p99 | server CPU/req | +CPU vs bare | store CPU/req | store round trips/req | wrk CPU/req (sleeps/req) |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &workload in &settings.workloads {
         let bare = of(workload, Variant::Bare);
         let bare_cpu = med(&bare, |s| s.cpu_us_per_request);
@@ -184,7 +184,7 @@ pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
                 label.push_str(" **MISMATCH**");
             }
             println!(
-                "| {} | {} | {} | {} | {} | {:.2} ms | {:.2} ms | {:.1} µs | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {:.2} ms | {:.2} ms | {:.1} µs | {} | {} | {} | {:.1} µs ({:.3}) |",
                 workload.name(),
                 label,
                 thousands(med(&list, |s| s.rps)),
@@ -195,7 +195,9 @@ pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
                 cpu,
                 extra_cpu,
                 store_cpu,
-                round_trips
+                round_trips,
+                med(&list, |s| s.client_cpu_us),
+                med(&list, |s| s.client_sleeps)
             );
         }
     }
@@ -205,7 +207,12 @@ pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
          runtime in the bench process (`server CPU` is that whole process, per request); \
          Redis (no persistence) and PostgreSQL (fsync off) on the same machine (`store CPU` is \
          the Redis server's, or the PostgreSQL server's processes'). wrk corrects its latencies \
-         for coordinated omission: one stall of D adds about D / (mean interval) samples.",
+         for coordinated omission: one stall of D adds about D / (mean interval) samples. \
+         `wrk CPU` is the load generator's, on the same cores: with every core shared, a ratio is \
+         about (bare's server + wrk CPU) / (the variant's). `sleeps` is how often wrk found no \
+         response waiting and slept: each time, the server's next write had to wake it, which \
+         costs the server's CPU too, so a server slower than wrk pays more per request than its \
+         own work.",
         settings.threads, settings.connections, settings.seconds, settings.server_threads,
     );
     println!("Command: `{}` ({}).", settings.command(), wrk_version(wrk));
