@@ -1,9 +1,10 @@
-//! The axum extractor for [`IdempotencyKey`] (feature `axum`).
+//! The axum extractors for [`IdempotencyKey`] and [`HeldClaim`] (feature `axum`).
 
 use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum_core::response::{IntoResponse, Response};
 use http::request::Parts;
 
+use crate::held_claim::HeldClaim;
 use crate::key::IdempotencyKey;
 use crate::problem;
 
@@ -57,5 +58,44 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
         Ok(parts.extensions.get::<IdempotencyKey>().cloned())
+    }
+}
+
+/// The request has no [`HeldClaim`]: the route is not behind an
+/// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request runs without a claim (not
+/// protected, or run unprotected because the store failed and the layer fails open). Answers 500;
+/// extract `Option<HeldClaim>` where a claim may be absent.
+#[derive(Debug, thiserror::Error)]
+#[error("the request runs under no idempotency claim: is the route behind an IdempotencyLayer?")]
+pub struct MissingClaimExtension;
+
+impl IntoResponse for MissingClaimExtension {
+    fn into_response(self) -> Response {
+        problem::about_blank(http::StatusCode::INTERNAL_SERVER_ERROR)
+            .map(axum_core::body::Body::from)
+    }
+}
+
+/// Extracts the claim a protected request runs under: see [`HeldClaim`].
+impl<S: Send + Sync> FromRequestParts<S> for HeldClaim {
+    type Rejection = MissingClaimExtension;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<HeldClaim>()
+            .cloned()
+            .ok_or(MissingClaimExtension)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldClaim {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<HeldClaim>().cloned())
     }
 }

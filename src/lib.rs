@@ -168,6 +168,7 @@ mod detach;
 mod extract;
 mod fingerprint;
 mod future;
+mod held_claim;
 mod hex;
 mod key;
 mod layer;
@@ -190,16 +191,17 @@ pub use body::{RequestBody, ResponseBody};
 pub use config::default_store_policy;
 pub use detach::Shutdown;
 #[cfg(feature = "axum")]
-pub use extract::MissingKeyExtension;
+pub use extract::{MissingClaimExtension, MissingKeyExtension};
 pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
+pub use held_claim::HeldClaim;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use outcome::Outcome;
 pub use problem::ProblemKind;
 pub use record::{
-    ClaimToken, Completed, DecodeError, EncodeError, InFlight, Record, RecordId, StoredResponse,
-    encode_in_flight,
+    ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Record, RecordId,
+    StoredResponse, encode_in_flight,
 };
 pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
 pub use scope::{Rejection, Scope};

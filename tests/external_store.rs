@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tower_idempotency::store::{Claim, Store, StoreError};
 use tower_idempotency::testing::Harness;
-use tower_idempotency::{ClaimToken, Completed, Fingerprint, InFlight, Record, RecordId};
+use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId};
 
 /// What one key holds, and until when.
 #[derive(Debug)]
@@ -65,7 +65,7 @@ impl Store for TinyStore {
                 Claim::Existing(Record::Completed(completed.clone()))
             }
             None => {
-                let token = ClaimToken::generate();
+                let token = ClaimToken::new(Fence::next_in_process());
                 let entry = Entry::InFlight {
                     token,
                     fingerprint: *fingerprint,

@@ -16,8 +16,8 @@ use tokio::time::Instant;
 use tower_idempotency::store::sqlx::{self, Connection, PgConnection, Row};
 use tower_idempotency::store::{Claim, PgStoreError, Store, StoreError};
 use tower_idempotency::{
-    ClaimToken, Completed, Fingerprint, IdempotencyLayer, Outcome, PgStore, ProblemKind, Record,
-    RecordId, StoredResponse,
+    ClaimToken, Completed, Fence, Fingerprint, IdempotencyLayer, Outcome, PgStore, ProblemKind,
+    Record, RecordId, StoredResponse,
 };
 
 /// A server with the store's table, and a store on it.
@@ -450,7 +450,7 @@ async fn a_completion_sent_again_with_its_token_answers_true() {
             .await
             .unwrap()
     );
-    let other = ClaimToken::generate();
+    let other = ClaimToken::new(Fence::new(1));
     assert!(
         !store
             .complete(&id, &other, &done(1, "a"), window)

@@ -20,22 +20,25 @@ use tower_idempotency::store::sqlx::{self, PgPool, Row, postgres::PgPoolOptions}
 
 use super::{CHARGE, PATH, created};
 
-/// $1 id, $2 fingerprint, $3 token, $4 lease (ms): `true` and no record when claimed, or `false`
-/// and the live record's `completed` bytes (`NULL` in flight). No row when another claim
-/// committed the key after the statement's snapshot: a 409, as the key is in flight.
+/// $1 id, $2 fingerprint, $3 the token's unique half (8 bytes), $4 lease (ms): `true`, the token
+/// with its fence (the database's clock in microseconds, as the store numbers a claim) and no
+/// record when claimed, or `false` and the live record's `completed` bytes (`NULL` in flight). No
+/// row when another claim committed the key after the statement's snapshot: a 409, as the key is
+/// in flight.
 const CLAIM: &str = "WITH live AS (
     SELECT completed FROM idempotency_records WHERE id = $1 AND expires_at > statement_timestamp()
 ), claimed AS (
     INSERT INTO idempotency_records AS r (id, fingerprint, token, expires_at)
-    SELECT $1, $2, $3, statement_timestamp() + $4::int8 * interval '1 millisecond'
+    SELECT $1, $2, int8send((extract(epoch FROM statement_timestamp()) * 1000000)::int8) || $3,
+        statement_timestamp() + $4::int8 * interval '1 millisecond'
     WHERE NOT EXISTS (SELECT FROM live)
     ON CONFLICT (id) DO UPDATE SET token = excluded.token, completed = NULL,
         expires_at = excluded.expires_at
     WHERE r.expires_at <= statement_timestamp()
-    RETURNING 1
+    RETURNING token
 )
-SELECT true AS claimed, NULL::bytea AS completed FROM claimed
-UNION ALL SELECT false, completed FROM live";
+SELECT true AS claimed, token, NULL::bytea AS completed FROM claimed
+UNION ALL SELECT false, NULL, completed FROM live";
 /// $1 id, $2 token, $3 completed bytes, $4 window (ms): one row when the claim still held.
 const COMPLETE: &str = "UPDATE idempotency_records
 SET completed = $3, expires_at = statement_timestamp() + $4::int8 * interval '1 millisecond'
@@ -86,13 +89,13 @@ pub fn postgres_app(
                     return StatusCode::BAD_REQUEST.into_response();
                 };
                 let id = id_of(key.as_bytes());
-                let token = u128::from(tokens.fetch_add(1, Ordering::Relaxed)).to_le_bytes();
+                let unique = tokens.fetch_add(1, Ordering::Relaxed).to_le_bytes();
                 let hold = headers.contains_key("x-hold");
                 let lease = if hold { HELD_LEASE_MS } else { LEASE_MS };
                 let claim = sqlx::query(CLAIM)
                     .bind(&id[..])
                     .bind(&FINGERPRINT[..])
-                    .bind(&token[..])
+                    .bind(&unique[..])
                     .bind(lease)
                     .fetch_optional(&pool)
                     .await;
@@ -101,12 +104,16 @@ pub fn postgres_app(
                     Ok(None) => return StatusCode::CONFLICT.into_response(),
                     Ok(Some(row)) => row,
                 };
-                match (row.try_get::<bool, _>("claimed"), row.try_get("completed")) {
-                    (Ok(false), Ok(Some(completed))) => return replay(completed),
-                    (Ok(false), Ok(None)) => return StatusCode::CONFLICT.into_response(),
-                    (Ok(true), _) => {}
+                let token: Vec<u8> = match (
+                    row.try_get::<bool, _>("claimed"),
+                    row.try_get("completed"),
+                    row.try_get("token"),
+                ) {
+                    (Ok(false), Ok(Some(completed)), _) => return replay(completed),
+                    (Ok(false), Ok(None), _) => return StatusCode::CONFLICT.into_response(),
+                    (Ok(true), _, Ok(Some(token))) => token,
                     _ => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-                }
+                };
                 if hold {
                     holds.fetch_add(1, Ordering::SeqCst);
                     std::future::pending::<()>().await;

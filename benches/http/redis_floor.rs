@@ -3,10 +3,11 @@
 //! record encoding, no lease renewal). A layer's throughput over its floor's is what the layer
 //! itself costs; the floor over bare is what the store's round trips cost.
 //!
-//! Redis: a claim is `SET key value NX PX lease GET` (one round trip that claims or returns the
-//! record), and a completion is the crate's own fenced script (`src/store/redis/complete.lua`,
-//! `EVALSHA`, falling back to `EVAL` once). A replay answers from the record `GET` returned; an
-//! in-flight record answers 409, as the layer would.
+//! Redis: a claim is the crate's claim script (`src/store/redis/claim.lua`: one round trip that
+//! claims, numbering the claim with Redis's clock, or returns the record), and a completion is
+//! its fenced completion script (`complete.lua`); each `EVALSHA`, falling back to `EVAL` once. A
+//! replay answers from the record the claim returned; an in-flight record answers 409, as the
+//! layer would.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +21,8 @@ use tower_idempotency::deadpool_redis::redis;
 
 use super::{CHARGE, PATH, created};
 
+/// The crate's claim script: the fence number a layer's claim must get.
+const CLAIM: &str = include_str!("../../src/store/redis/claim.lua");
 /// The crate's completion script: the fence a layer's completion must make.
 const COMPLETE: &str = include_str!("../../src/store/redis/complete.lua");
 /// A claim's lease, as the layer's default.
@@ -42,36 +45,41 @@ pub fn redis_app(
     executions: Arc<AtomicU64>,
     holds: Arc<AtomicU64>,
 ) -> Router {
+    let claim = Arc::new(redis::Script::new(CLAIM));
     let complete = Arc::new(redis::Script::new(COMPLETE));
     let tokens = Arc::new(AtomicU64::new(0));
     Router::new().route(
         PATH,
         post(move |headers: HeaderMap, body: Bytes| {
             let mut connection = connection.clone();
-            let (complete, tokens) = (complete.clone(), tokens.clone());
+            let (claim, complete, tokens) = (claim.clone(), complete.clone(), tokens.clone());
             let (executions, holds) = (executions.clone(), holds.clone());
             async move {
                 let Some(key) = headers.get("idempotency-key") else {
                     return StatusCode::BAD_REQUEST.into_response();
                 };
                 let key = [b"floor:".as_slice(), key.as_bytes()].concat();
-                let token = u128::from(tokens.fetch_add(1, Ordering::Relaxed)).to_le_bytes();
+                // The unique half (bytes 8..16) tells claims apart; Redis fills in the fence.
+                let unique = tokens.fetch_add(1, Ordering::Relaxed).to_le_bytes();
+                let token = [[0; 8], unique].concat();
                 let in_flight = [&IN_FLIGHT[..], &token, &FINGERPRINT, &[0; 8]].concat();
                 let hold = headers.contains_key("x-hold");
                 let lease = if hold { HELD_LEASE_MS } else { LEASE_MS };
-                let claim = redis::cmd("SET")
-                    .arg(&key)
-                    .arg(in_flight)
-                    .arg("NX")
-                    .arg("PX")
+                let claim = claim
+                    .key(&key)
+                    .arg(&in_flight)
                     .arg(lease)
-                    .arg("GET")
-                    .query_async::<Option<Vec<u8>>>(&mut connection)
+                    .invoke_async::<Vec<u8>>(&mut connection)
                     .await;
+                // Ours when it carries our token's unique half (bytes 10..18); the script wrote
+                // the fence into bytes 2..10.
                 match claim {
                     Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
-                    Ok(Some(record)) => answer_existing(record),
-                    Ok(None) => {
+                    Ok(record) if record.get(10..18) != Some(&in_flight[10..18]) => {
+                        answer_existing(record)
+                    }
+                    Ok(record) => {
+                        let token = record[2..18].to_vec();
                         if hold {
                             holds.fetch_add(1, Ordering::SeqCst);
                             std::future::pending::<()>().await;

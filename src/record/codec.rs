@@ -264,6 +264,7 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::Fence;
 
     fn fingerprint() -> Fingerprint {
         Fingerprint::from_bytes([7; 32])
@@ -325,7 +326,7 @@ mod tests {
 
     #[test]
     fn in_flight_round_trips_with_the_token_at_a_fixed_offset() {
-        let token = ClaimToken::generate();
+        let token = ClaimToken::new(Fence::new(1));
         let end = SystemTime::now() + Duration::from_secs(30);
         let bytes = encode_in_flight(&token, &fingerprint(), end);
         assert_eq!(bytes.len(), layout::IN_FLIGHT_LEN);

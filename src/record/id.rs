@@ -1,5 +1,5 @@
 //! Who a record belongs to: [`RecordId`] names it, [`ClaimToken`] fences the writes of the claim
-//! that made it.
+//! that made it, and its [`Fence`] numbers the claims of a key.
 
 use std::cell::Cell;
 use std::fmt;
@@ -113,15 +113,26 @@ impl fmt::Debug for RecordId {
     }
 }
 
-/// A claim's fencing token: unique per claim. Complete, renew and release do nothing unless the
-/// record still carries the token of the claim that makes them.
+/// A claim's token: its [`Fence`] and a part unique to the claim. Complete, renew and release do
+/// nothing unless the record still carries the token of the claim that makes them (§5.3).
+///
+/// Bytes 0..8 are the fence, big-endian, so tokens sort by their fence; bytes 8..16 tell apart
+/// claims that a store gave the same fence (never two claims of one key).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ClaimToken([u8; 16]);
 
 impl ClaimToken {
-    /// A new token, unique in this process and (with overwhelming probability) across processes:
-    /// a random per-process prefix and a counter.
-    pub fn generate() -> Self {
+    /// A new token carrying `fence`, its other half unique in this process and (with overwhelming
+    /// probability) across processes: a random per-process value plus a counter.
+    ///
+    /// ```
+    /// use tower_idempotency::{ClaimToken, Fence};
+    ///
+    /// let token = ClaimToken::new(Fence::new(7));
+    /// assert_eq!(token.fence(), Fence::new(7));
+    /// assert_ne!(token, ClaimToken::new(Fence::new(7)), "two claims, two tokens");
+    /// ```
+    pub fn new(fence: Fence) -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         let seed = *SEED.get_or_init(|| {
@@ -152,8 +163,8 @@ impl ClaimToken {
             count
         });
         let mut token = [0; 16];
-        token[..8].copy_from_slice(&seed.to_le_bytes());
-        token[8..].copy_from_slice(&count.to_le_bytes());
+        token[..8].copy_from_slice(&fence.0.to_be_bytes());
+        token[8..].copy_from_slice(&seed.wrapping_add(count).to_le_bytes());
         Self(token)
     }
 
@@ -166,6 +177,106 @@ impl ClaimToken {
     pub const fn as_bytes(&self) -> &[u8; 16] {
         &self.0
     }
+
+    /// The claim's fence number: larger than that of every earlier claim of the same key (§5.3).
+    pub fn fence(&self) -> Fence {
+        let mut fence = [0; 8];
+        fence.copy_from_slice(&self.0[..8]);
+        Fence(u64::from_be_bytes(fence))
+    }
+
+    /// The same claim with the fence a store chose for it: stores that number claims themselves
+    /// (Redis, PostgreSQL) send the token's unique half and learn the fence from the answer.
+    pub(crate) fn with_fence(mut self, fence: Fence) -> Self {
+        self.0[..8].copy_from_slice(&fence.0.to_be_bytes());
+        self
+    }
+
+    /// The half that tells claims apart, without the fence (bytes 8..16).
+    pub(crate) fn unique_half(&self) -> &[u8] {
+        &self.0[8..]
+    }
+}
+
+/// A claim's fence number: every claim of a key gets a larger one than every earlier claim of that
+/// key, so a run that took a key over after a lease ran out carries a larger number than the run it
+/// displaced (§5.3).
+///
+/// A handler passes it with each effect outside the layer's store (a row in another table, a call
+/// to a provider); the effect's store keeps the largest fence it has seen for the operation and
+/// refuses a smaller one, so a stale run cannot act after a newer one took over
+/// ([`HeldClaim`](crate::HeldClaim)). Equal fences are the same claim: a write sent again is not
+/// stale.
+///
+/// The crate's stores make it from the store's own clock, in microseconds since the Unix epoch,
+/// and one more than the key's previous fence where that is larger: it survives a store that
+/// forgot the key (a restart, a failover, a swept row) as long as that clock does not go back.
+///
+/// ```
+/// use tower_idempotency::Fence;
+///
+/// let first = Fence::new(1_700_000_000_000_000);
+/// // A takeover within the same microsecond still gets a larger fence.
+/// assert!(Fence::following(Some(first), first.get()) > first);
+/// assert_eq!(first.to_string(), "1700000000000000");
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Fence(u64);
+
+impl Fence {
+    /// A fence of the given number: as read back from an effect's own store.
+    pub const fn new(number: u64) -> Self {
+        Self(number)
+    }
+
+    /// The fence's number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The fence of a new claim made at `now_micros` (the store's clock, in microseconds since
+    /// the Unix epoch) on a key whose last claim, if the store still knows it, had `previous`:
+    /// the later of the two, so it grows even when the clock has not moved.
+    pub const fn following(previous: Option<Fence>, now_micros: u64) -> Self {
+        match previous {
+            Some(Fence(previous)) if previous >= now_micros => Self(previous.saturating_add(1)),
+            _ => Self(now_micros),
+        }
+    }
+
+    /// The next fence of this process: this machine's clock in microseconds since the Unix epoch,
+    /// and always larger than the last fence it gave. For stores whose records live in the
+    /// process (as [`MemoryStore`](crate::MemoryStore)'s do); a shared store numbers claims with
+    /// its own clock ([`Fence::following`]).
+    ///
+    /// ```
+    /// use tower_idempotency::Fence;
+    ///
+    /// let first = Fence::next_in_process();
+    /// assert!(Fence::next_in_process() > first);
+    /// ```
+    pub fn next_in_process() -> Self {
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        let now = unix_micros(SystemTime::now());
+        let previous = LAST
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                Some(Self::following(Some(Self(last)), now).0)
+            })
+            .unwrap_or_else(|last| last);
+        Self::following(Some(Self(previous)), now)
+    }
+}
+
+impl fmt::Display for Fence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Microseconds since the Unix epoch at `time` (0 before it).
+fn unix_micros(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros().try_into().unwrap_or(u64::MAX))
 }
 
 impl fmt::Debug for ClaimToken {
@@ -211,7 +322,7 @@ mod tests {
             .map(|_| {
                 std::thread::spawn(|| {
                     (0..PER_THREAD)
-                        .map(|_| ClaimToken::generate())
+                        .map(|_| ClaimToken::new(Fence::new(1)))
                         .collect::<Vec<_>>()
                 })
             })
@@ -221,5 +332,46 @@ mod tests {
             .flat_map(|thread| thread.join().unwrap())
             .collect();
         assert_eq!(tokens.len(), 4 * PER_THREAD);
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::*;
+
+    #[test]
+    fn a_token_carries_its_fence_and_sorts_by_it() {
+        let low = ClaimToken::new(Fence::new(5));
+        let high = ClaimToken::new(Fence::new(6));
+        assert_eq!(low.fence(), Fence::new(5));
+        assert!(
+            low.as_bytes() < high.as_bytes(),
+            "big-endian: bytes sort as fences do"
+        );
+        let moved = low.with_fence(Fence::new(9));
+        assert_eq!(moved.fence(), Fence::new(9));
+        assert_eq!(moved.unique_half(), low.unique_half());
+    }
+
+    #[test]
+    fn process_fences_grow_even_when_the_clock_does_not() {
+        let fences: Vec<_> = (0..10_000).map(|_| Fence::next_in_process()).collect();
+        assert!(fences.windows(2).all(|pair| pair[0] < pair[1]));
+        let now = unix_micros(SystemTime::now());
+        assert!(
+            fences[0].get() + 60_000_000 > now,
+            "near the clock, not a bare counter"
+        );
+    }
+
+    #[test]
+    fn following_takes_the_clock_or_one_past_the_previous() {
+        assert_eq!(Fence::following(None, 10), Fence::new(10));
+        assert_eq!(Fence::following(Some(Fence::new(3)), 10), Fence::new(10));
+        assert_eq!(Fence::following(Some(Fence::new(10)), 10), Fence::new(11));
+        assert_eq!(
+            Fence::following(Some(Fence::new(u64::MAX)), 1),
+            Fence::new(u64::MAX)
+        );
     }
 }

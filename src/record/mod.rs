@@ -2,7 +2,7 @@
 //!
 //! A record is either [`InFlight`] (claimed, the handler is running) or [`Completed`] (the handler
 //! ran; its response, if it could be stored). [`RecordId`] names a record and [`ClaimToken`] fences
-//! the writes of the claim that made it. Stores that keep bytes (Redis) use [`encode_in_flight`],
+//! the writes of the claim that made it; its [`Fence`] numbers the claims of a key. Stores that keep bytes (Redis) use [`encode_in_flight`],
 //! [`Completed::encode`] and [`Record::decode`]; the memory store keeps the typed values.
 //!
 //! Encoding, version 1 (integers little-endian):
@@ -24,5 +24,5 @@ pub(crate) use codec::encode_tombstone;
 #[cfg(feature = "redis")]
 pub(crate) use codec::layout;
 pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};
-pub use id::{ClaimToken, RecordId};
+pub use id::{ClaimToken, Fence, RecordId};
 pub use model::{Completed, InFlight, Record, StoredResponse};

@@ -13,6 +13,7 @@ use super::capture::{Handled, capture, replayable_headers};
 use super::{Handler, Shared, StorableBody, finish, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
+use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease::{self, ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
@@ -41,6 +42,8 @@ impl<St: Store> Shared<St> {
         // which allocators serve from their fast per-thread caches, where one box of both would
         // not be.
         let mut request = request;
+        let held = HeldClaim::new(id, token, self.clone());
+        request.extensions_mut().insert(held);
         self.store.prepare(&id, &token, request.extensions_mut());
         let work = Box::pin(self.clone().run(inner, request));
         let execute = Box::pin(self.clone().execute(work, id, token, fingerprint));
@@ -247,5 +250,17 @@ impl<St: Store> Shared<St> {
                 self.background.spawn(retry);
             }
         }
+    }
+}
+
+/// A handler's [`HeldClaim`] asks through the service's store, with the layer's lease: asking
+/// renews it.
+impl<St: Store> CheckHeld for Shared<St> {
+    fn still_held<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: &'a ClaimToken,
+    ) -> Pin<Box<dyn Future<Output = Result<bool, StoreError>> + Send + 'a>> {
+        Box::pin(self.store.renew(id, token, self.config.lease))
     }
 }

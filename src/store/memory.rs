@@ -13,7 +13,7 @@ mod scopes;
 
 use super::{Claim, Store, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId, encode_tombstone};
+use crate::record::{ClaimToken, Completed, Fence, InFlight, Record, RecordId, encode_tombstone};
 use budget::{Budget, Refused};
 use expiry::{Expiry, Ticket};
 
@@ -439,7 +439,9 @@ impl Shard {
 impl Entry {
     /// A new in-flight entry, and the token of its claim.
     fn claimed(fingerprint: &Fingerprint, expires_at: Instant, size: usize) -> (ClaimToken, Self) {
-        let token = ClaimToken::generate();
+        // The process's clock, always past the last fence it gave: larger than the fence of any
+        // earlier claim of this key that this store made.
+        let token = ClaimToken::new(Fence::next_in_process());
         let entry = Self {
             state: State::InFlight {
                 token,

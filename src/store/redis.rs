@@ -16,7 +16,7 @@ use crate::hex::Hex;
 use crate::record::{ClaimToken, Completed, RecordId};
 use connection::{Backend, Cluster, Single};
 use replication::Replication;
-use scripts::{COMPLETE, Lua, RELEASE, RENEW};
+use scripts::{CLAIM, COMPLETE, Lua, RELEASE, RENEW};
 
 mod batch;
 mod calls;
@@ -32,12 +32,12 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// A store in Redis: many server instances share one truth. One server (through a
 /// deadpool-redis pool) or a Redis Cluster ([`RedisStore::cluster`]).
 ///
-/// Requires Redis 7.0 or newer (for `SET ... NX GET`); an older server fails every claim with a
-/// clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that a
+/// Requires Redis 7.0 or newer; an older server fails every claim with a clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that a
 /// cluster keeps it in one slot; values use the compact binary encoding of [`crate::record`].
 ///
-/// Round trips per request, on one server or a cluster: a new key 2 (`SET NX PX GET`, then
-/// `EVALSHA` to complete), a replay, a 409 or a 422 1 (the `SET` returns the existing record),
+/// Round trips per request, on one server or a cluster: a new key 2 (the claim script, which
+/// numbers the claim with the server's clock (§5.3), then the completion script), a replay, a 409
+/// or a 422 1 (the claim returns the existing record),
 /// plus one `EVALSHA` per lease renewal of a long handler. With
 /// [`with_replication_wait`](RedisStore::with_replication_wait), the claim and the completion
 /// each carry a `WAIT` in the same round trip.
@@ -70,6 +70,7 @@ struct Inner {
     prefix: String,
     timeout: Duration,
     replication: Option<Replication>,
+    claim: Lua,
     complete: Lua,
     renew: Lua,
     release: Lua,
@@ -82,6 +83,7 @@ impl Inner {
             prefix: DEFAULT_PREFIX.to_owned(),
             timeout: DEFAULT_TIMEOUT,
             replication: None,
+            claim: Lua::new(CLAIM),
             complete: Lua::new(COMPLETE),
             renew: Lua::new(RENEW),
             release: Lua::new(RELEASE),
@@ -109,9 +111,7 @@ pub enum RedisStoreError {
     #[error("Redis did not answer within {0:?}")]
     Timeout(Duration),
     /// The server is older than Redis 7.0.
-    #[error(
-        "Redis {0} is too old: tower-idempotency needs Redis 7.0 or newer (SET with NX and GET)"
-    )]
+    #[error("Redis {0} is too old: tower-idempotency needs Redis 7.0 or newer")]
     ServerTooOld(String),
     /// Fewer replicas than [`RedisStore::with_replication_wait`] asks for acknowledged a write in
     /// time. A claim is released (its handler does not run); a completion is kept and retried.

@@ -146,6 +146,8 @@ macro_rules! store_contract {
             store_complete_writes_a_missing_record_and_nothing_else_does,
             store_complete_after_the_lease_ran_out_writes_the_record,
             store_concurrent_claims_have_one_winner,
+            store_fences_grow_with_every_claim_of_a_key,
+            store_first_claims_are_numbered_by_the_clock,
             // Through the layer.
             replay_is_byte_identical_through_a_router,
             replay_is_byte_identical_through_service_builder,
@@ -171,6 +173,8 @@ macro_rules! store_contract {
             an_aborted_completion_is_not_reported_as_done,
             store_write_failing_past_the_lease_lands_when_the_store_returns,
             retried_write_gives_up_once_another_claim_holds_the_key,
+            a_displaced_handler_learns_it_and_has_the_smaller_fence,
+            a_running_handler_still_holds_its_claim,
             // Opt-in options.
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::tx::Taken;
 use super::{CLAIM_RUNS, PgStore, PgStoreError, is_connection_failure, millis};
 use crate::fingerprint::Fingerprint;
-use crate::record::{ClaimToken, Completed, DecodeError, InFlight, Record, RecordId};
+use crate::record::{ClaimToken, Completed, DecodeError, Fence, InFlight, Record, RecordId};
 use crate::store::{Claim, Store, StoreError};
 
 impl PgStore {
@@ -168,8 +168,8 @@ impl ClaimRow {
         })
     }
 
-    /// What the claim found. Its own token means it claimed the key (in this run of the
-    /// statement or in an earlier one whose answer was lost).
+    /// What the claim found. Its own token's unique half means it claimed the key (in this run
+    /// of the statement or in an earlier one whose answer was lost).
     fn into_claim(self, token: ClaimToken) -> Result<Claim, DecodeError> {
         if let Some(bytes) = self.completed {
             return match Record::decode(Bytes::from(bytes))? {
@@ -177,8 +177,11 @@ impl ClaimRow {
                 Record::InFlight(_) => Err(DecodeError::Malformed("an in-flight completed record")),
             };
         }
-        if self.token == token.as_bytes() {
-            return Ok(Claim::Claimed(token));
+        if self.token.get(8..) == Some(token.unique_half()) {
+            // With the fence the database gave it.
+            let bytes = <[u8; 16]>::try_from(self.token.as_slice())
+                .map_err(|_| DecodeError::Malformed("claim token"))?;
+            return Ok(Claim::Claimed(ClaimToken::from_bytes(bytes)));
         }
         let fingerprint = self
             .fingerprint
@@ -199,7 +202,8 @@ impl PgStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let token = ClaimToken::generate();
+        // The database numbers the claim: its fence is filled in by the statement.
+        let token = ClaimToken::new(Fence::new(0));
         // Armed once the statement may have been sent, until its answer arrives: a claim whose
         // answer is lost may still land.
         let sent = AtomicBool::new(false);

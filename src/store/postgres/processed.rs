@@ -8,7 +8,7 @@ use sqlx::PgConnection;
 
 use super::PgStore;
 use crate::fingerprint::Fingerprint;
-use crate::record::{ClaimToken, Completed, RecordId};
+use crate::record::{ClaimToken, Completed, Fence, RecordId};
 
 impl PgStore {
     /// Records, in the caller's transaction, that the queue message `message_id` of `scope` (a
@@ -61,7 +61,7 @@ impl PgStore {
             .map_err(|err| sqlx::Error::Encode(Box::new(err)))?;
         // A token no other write carries: the completion statement then inserts, or takes over
         // an expired row, and leaves a live one alone.
-        let token = ClaimToken::generate();
+        let token = ClaimToken::new(Fence::next_in_process());
         self.complete_on(conn, &id, &token, &processed.fingerprint, &bytes, window)
             .await
     }

@@ -17,6 +17,14 @@ const DEFAULT_INDEX: &str = "idempotency_records_expires_at";
 /// EXISTS` alone can fail on a unique violation in the catalogue when two run together.
 const MIGRATION_LOCK: i64 = 0x746f_7765_725f_6964; // "tower_id"
 
+/// The database's clock in microseconds since the Unix epoch: a new claim's fence (§5.3).
+const NOW_MICROS: &str = "(extract(epoch FROM statement_timestamp()) * 1000000)::int8";
+
+/// The fence in a token column or value: its first 8 bytes, big-endian.
+fn fence_of(token: &str) -> String {
+    format!("('x' || encode(substring({token} FROM 1 FOR 8), 'hex'))::bit(64)::int8")
+}
+
 /// The store's statements on one table.
 #[derive(Debug)]
 pub(super) struct Statements {
@@ -110,9 +118,12 @@ SET fingerprint = $2, completed = $4,
     expires_at = statement_timestamp() + $5::int8 * interval '1 millisecond'
 WHERE id = $1 AND token = $3 AND completed IS NULL"
         );
+        // By the token's unique half (bytes 9..16): a claim whose answer was lost is released
+        // without knowing the fence the database gave it.
         let release = format!(
             "DELETE FROM {t}
-WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
+WHERE id = $1 AND substring(token FROM 9) = substring($2::bytea FROM 9) AND completed IS NULL
+  AND expires_at > statement_timestamp()"
         );
         let mut migrate = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n");
         migrate.push_str(&schema);
@@ -126,7 +137,10 @@ WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_ti
             // `ON CONFLICT` takes over a row whose time is up, and leaves a live one alone: a row
             // another transaction committed after the snapshot makes the insert wait, then do
             // nothing, while the snapshot still shows no live row. Then no row comes back, and
-            // the caller runs the statement again with a fresh snapshot.
+            // the caller runs the statement again with a fresh snapshot. The claim's fence (the
+            // token's first 8 bytes, §5.3) is the database's clock in microseconds, or one more
+            // than the fence of the row it takes over where that is larger; the caller sends the
+            // token's unique half and reads the fence back.
             claim: format!(
                 "WITH live AS (
     SELECT token, fingerprint, completed,
@@ -135,10 +149,14 @@ WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_ti
     WHERE id = $1 AND expires_at > statement_timestamp()
 ), claimed AS (
     INSERT INTO {t} AS r (id, fingerprint, token, completed, expires_at)
-    SELECT $1, $2, $3, NULL, statement_timestamp() + $4::int8 * interval '1 millisecond'
+    SELECT $1, $2, int8send({NOW_MICROS}) || substring($3::bytea FROM 9), NULL,
+           statement_timestamp() + $4::int8 * interval '1 millisecond'
     WHERE NOT EXISTS (SELECT FROM live)
     ON CONFLICT (id) DO UPDATE
-    SET fingerprint = excluded.fingerprint, token = excluded.token,
+    SET fingerprint = excluded.fingerprint,
+        token = CASE WHEN {r_fence} >= {excluded_fence}
+                     THEN int8send({r_fence} + 1) || substring(excluded.token FROM 9)
+                     ELSE excluded.token END,
         completed = NULL, expires_at = excluded.expires_at
     WHERE r.expires_at <= statement_timestamp()
     RETURNING token
@@ -146,7 +164,9 @@ WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_ti
 SELECT token, NULL::bytea AS fingerprint, NULL::bytea AS completed, NULL::int8 AS remaining_ms
 FROM claimed
 UNION ALL
-SELECT token, fingerprint, completed, remaining_ms FROM live"
+SELECT token, fingerprint, completed, remaining_ms FROM live",
+                r_fence = fence_of("r.token"),
+                excluded_fence = fence_of("excluded.token"),
             ),
             complete_notifying: notifying(&complete, &channel),
             complete_claimed_notifying: notifying(&complete_claimed, &channel),

@@ -6,9 +6,9 @@
 //! one write, one read by Redis, one reply read back. Order is kept: a command queued after
 //! another is sent after it.
 //!
-//! A claim's `SET` whose caller stops waiting (its timeout, or its client went away and the
-//! request was dropped) may still claim its key. The pipeline then releases that claim, fenced by
-//! its token, behind the `SET` on the same connection, so the key is not held for a request that
+//! A claim whose caller stops waiting (its timeout, or its client went away and the request was
+//! dropped) may still claim its key. The pipeline then releases that claim, fenced by its token,
+//! behind the claim on the same connection, so the key is not held for a request that
 //! will never run until its lease runs out. A command whose caller is gone before it is sent is
 //! not sent at all.
 
@@ -21,6 +21,7 @@ use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::calls::claimed_fence;
 use crate::record::ClaimToken;
 
 /// How long a release behind an abandoned claim waits for its answer (nobody else waits for it).
@@ -165,8 +166,12 @@ impl Pipeline {
         let failure = match answers {
             Ok(Ok(answers)) if answers.len() == replies.len() => {
                 for ((reply, claim), answer) in replies.into_iter().zip(claims).zip(answers) {
-                    // `SET ... NX GET` answers nil when it claimed the key.
-                    let claimed = matches!(answer, Ok(Value::Nil));
+                    // The claim script answers with the record now under the key: this
+                    // claim's when it carries the claim's token.
+                    let claimed = claim.as_ref().is_some_and(|(_, token)| {
+                        matches!(&answer, Ok(Value::BulkString(record))
+                            if claimed_fence(record, token).is_some())
+                    });
                     if reply.send(answer).is_err()
                         && claimed
                         && let Some(claim) = claim

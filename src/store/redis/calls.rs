@@ -10,10 +10,11 @@ use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, 
 use super::batch::ClaimRef;
 use super::connection::{Backend, Connection, Single};
 use super::replication::{ReleaseOnDrop, Replication};
+use super::scripts::load_on;
 use super::{RedisStore, RedisStoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{
-    ClaimToken, Completed, Record, RecordId, encode_in_flight, layout, unix_millis,
+    ClaimToken, Completed, Fence, Record, RecordId, encode_in_flight, layout, unix_millis,
 };
 use crate::store::{Claim, StoreError};
 
@@ -24,28 +25,46 @@ impl RedisStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let token = ClaimToken::generate();
+        // Redis numbers the claim: the script writes the fence into the token's first half.
+        let token = ClaimToken::new(Fence::new(0));
         let value = encode_in_flight(&token, fingerprint, SystemTime::now() + lease);
         let key = self.redis_key(id);
-        // Sized up front: grown argument by argument, the command would be reallocated each time.
-        let mut set = Cmd::with_capacity(7, 3 + key.len() + value.len() + 2 + 2 + 20 + 3);
-        set.arg("SET")
-            .arg(&key)
-            .arg(value)
-            .arg("NX")
-            .arg("PX")
-            .arg(millis(lease))
-            .arg("GET");
-        let existing = match self.batched() {
-            Some(single) => self.claim_batched(single, set, (key, token)).await?,
-            None => self.claim_direct(set, (key, token)).await?,
+        let lease = millis(lease).to_string();
+        let claim = || {
+            let script = &self.inner.claim;
+            // Sized up front: grown argument by argument, the command would be reallocated each time.
+            let size = 7 + script.hash.len() + 1 + key.len() + value.len() + lease.len();
+            let mut cmd = Cmd::with_capacity(6, size);
+            cmd.arg("EVALSHA")
+                .arg(&script.hash)
+                .arg(1)
+                .arg(&key)
+                .arg(value.as_slice())
+                .arg(&lease);
+            cmd
         };
-        match existing {
-            None => Ok(Claim::Claimed(token)),
-            // A claim the client sent again (a cluster connection re-sends a command after a
-            // dropped connection) finds the record its first sending wrote: it is this claim's.
-            Some(bytes) if is_claim_of(&bytes, &token) => Ok(Claim::Claimed(token)),
-            Some(bytes) => Record::decode(Bytes::from(bytes))
+        let send = |cmd| async {
+            match self.batched() {
+                Some(single) => self.claim_batched(single, cmd, (key.clone(), token)).await,
+                None => self.claim_direct(cmd, (key.clone(), token)).await,
+            }
+        };
+        let record = match send(claim()).await {
+            // Redis lost its scripts (a restart, `SCRIPT FLUSH`): nothing ran; load it, once.
+            Err(err) if is_no_script(&err) => {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(self.inner.claim.source);
+                self.run(load_on(self, load, &key)).await?;
+                send(claim()).await?
+            }
+            answer => answer?,
+        };
+        // The record under the key: this claim's (written now, or by an earlier sending of it
+        // whose answer was lost: a cluster connection re-sends a command after a dropped
+        // connection), with the fence Redis gave it, or another one's.
+        match claimed_fence(&record, &token) {
+            Some(fence) => Ok(Claim::Claimed(token.with_fence(fence))),
+            None => Record::decode(Bytes::from(record))
                 .map(Claim::Existing)
                 .map_err(|err| StoreError::Codec(Box::new(err))),
         }
@@ -58,10 +77,10 @@ impl RedisStore {
         single: &Single,
         set: Cmd,
         claim: ClaimRef,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
+    ) -> Result<Vec<u8>, StoreError> {
         // The pipeline answers within the timeout, or fails.
         match self.queue(single, set, Some(claim)).await {
-            Ok(Ok(existing)) => Option::<Vec<u8>>::from_redis_value(existing)
+            Ok(Ok(record)) => Vec::<u8>::from_redis_value(record)
                 .map_err(|err| self.redis_error(RedisError::from(err))),
             Ok(Err(err)) => Err(self.claim_error(err)),
             Err(_) => Err(StoreError::Timeout(self.inner.timeout)),
@@ -70,7 +89,7 @@ impl RedisStore {
 
     /// A claim on its own, released behind if its caller stops waiting or too few replicas
     /// acknowledged it.
-    async fn claim_direct(&self, set: Cmd, claim: ClaimRef) -> Result<Option<Vec<u8>>, StoreError> {
+    async fn claim_direct(&self, set: Cmd, claim: ClaimRef) -> Result<Vec<u8>, StoreError> {
         let token = claim.1;
         let release = ReleaseOnDrop::new(self, claim);
         let (answer, acks) = match &self.inner.replication {
@@ -89,12 +108,9 @@ impl RedisStore {
                 (answer, None)
             }
         };
-        let existing = Option::<Vec<u8>>::from_redis_value(answer)
+        let record = Vec::<u8>::from_redis_value(answer)
             .map_err(|err| self.redis_error(RedisError::from(err)))?;
-        let claimed = existing
-            .as_deref()
-            .is_none_or(|bytes| is_claim_of(bytes, &token));
-        if claimed
+        if claimed_fence(&record, &token).is_some()
             && let Some((acked, wanted)) = acks
             && acked < wanted
         {
@@ -104,7 +120,7 @@ impl RedisStore {
             )));
         }
         release.disarm();
-        Ok(existing)
+        Ok(record)
     }
 
     pub(super) async fn complete_call(
@@ -242,7 +258,7 @@ impl RedisStore {
         if err.is_timeout() {
             StoreError::Timeout(self.inner.timeout)
         } else {
-            too_old(self.redis_error(err))
+            self.redis_error(err)
         }
     }
 
@@ -302,7 +318,7 @@ impl RedisStore {
         Ok((answer, Replication::acked(&acked)))
     }
 
-    /// Queues `cmd` for the next pipeline; `claim` names the claim a `SET ... NX` makes, for the
+    /// Queues `cmd` for the next pipeline; `claim` names the claim the claim script makes, for the
     /// pipeline to release if its caller stops waiting. The first command of a batch starts the
     /// task that sends it, once the requests that are ready now have queued theirs.
     fn queue(
@@ -343,10 +359,24 @@ impl RedisStore {
     }
 }
 
-/// Whether `bytes` is the in-flight record that the claim with `token` wrote.
-fn is_claim_of(bytes: &[u8], token: &ClaimToken) -> bool {
-    bytes.get(layout::KIND) == Some(&layout::IN_FLIGHT)
-        && bytes.get(layout::TOKEN) == Some(token.as_bytes().as_slice())
+/// The fence of the claim with `token` if `record` is the in-flight record it wrote (matched by
+/// the token's unique half: the caller learns the fence from the record).
+pub(super) fn claimed_fence(record: &[u8], token: &ClaimToken) -> Option<Fence> {
+    if record.get(layout::KIND) != Some(&layout::IN_FLIGHT) {
+        return None;
+    }
+    let stored = ClaimToken::from_bytes(record.get(layout::TOKEN)?.try_into().ok()?);
+    (stored.unique_half() == token.unique_half()).then(|| stored.fence())
+}
+
+/// Whether a call failed because Redis did not know the script it named.
+fn is_no_script(err: &StoreError) -> bool {
+    if let StoreError::Unavailable(source) = err
+        && let Some(RedisStoreError::Redis(redis)) = source.downcast_ref::<RedisStoreError>()
+    {
+        return redis.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
+    }
+    false
 }
 
 /// The error of a call that did not get a connection or an answer in time.
@@ -373,62 +403,30 @@ pub(super) fn millis(duration: Duration) -> u64 {
         .max(1)
 }
 
-/// A server older than 7.0 rejects `SET` with both `NX` and `GET` as a syntax error.
-fn too_old(err: StoreError) -> StoreError {
-    if let StoreError::Unavailable(source) = &err
-        && let Some(RedisStoreError::Redis(redis)) = source.downcast_ref::<RedisStoreError>()
-        && redis
-            .to_string()
-            .to_ascii_lowercase()
-            .contains("syntax error")
-    {
-        return StoreError::Unavailable(Box::new(RedisStoreError::ServerTooOld(String::from(
-            "< 7.0",
-        ))));
-    }
-    err
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_server_older_than_7_gets_a_clear_error() {
-        // Redis 6.2 answers `SET key value NX PX 1000 GET` with "ERR syntax error".
-        let reply = redis::make_extension_error("ERR".into(), Some("syntax error".into()));
-        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
-            reply,
-        ))));
-        let StoreError::Unavailable(source) = err else {
-            panic!("still a store failure")
-        };
-        let message = source.to_string();
-        assert!(message.contains("7.0 or newer"), "{message}");
-    }
-
-    #[test]
-    fn other_errors_are_left_alone() {
-        let reply = redis::make_extension_error("OOM".into(), Some("out of memory".into()));
-        let err = too_old(StoreError::Unavailable(Box::new(RedisStoreError::Redis(
-            reply,
-        ))));
-        let StoreError::Unavailable(source) = err else {
-            panic!("still a store failure")
-        };
-        assert!(!source.to_string().contains("7.0"), "{source}");
-    }
-
-    #[test]
-    fn a_claim_knows_its_own_record_and_no_other() {
-        let token = ClaimToken::generate();
+    fn a_claim_knows_its_own_record_and_its_fence_and_no_other() {
+        let token = ClaimToken::new(Fence::new(0));
         let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let mine = encode_in_flight(&token, &fingerprint, SystemTime::now());
-        let theirs = encode_in_flight(&ClaimToken::generate(), &fingerprint, SystemTime::now());
-        assert!(is_claim_of(&mine, &token));
-        assert!(!is_claim_of(&theirs, &token));
-        assert!(
-            !is_claim_of(&mine[..10], &token),
+        // As the claim script writes it: the fence Redis gave, over the zero one.
+        let mine = encode_in_flight(
+            &token.with_fence(Fence::new(42)),
+            &fingerprint,
+            SystemTime::now(),
+        );
+        let theirs = encode_in_flight(
+            &ClaimToken::new(Fence::new(42)),
+            &fingerprint,
+            SystemTime::now(),
+        );
+        assert_eq!(claimed_fence(&mine, &token), Some(Fence::new(42)));
+        assert_eq!(claimed_fence(&theirs, &token), None);
+        assert_eq!(
+            claimed_fence(&mine[..10], &token),
+            None,
             "a short value is not a claim"
         );
     }

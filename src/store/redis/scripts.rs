@@ -1,5 +1,5 @@
-//! The fenced Lua scripts (complete, renew, release) and how they are sent: `EVALSHA`, reloaded
-//! once when Redis has lost them.
+//! The Lua scripts (the claim, and the fenced complete, renew and release) and how they are sent:
+//! `EVALSHA`, reloaded once when Redis has lost them.
 
 use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisResult, Script};
 
@@ -8,17 +8,20 @@ use super::{RedisStore, RedisStoreError};
 use crate::record::{ClaimToken, RecordId};
 use crate::store::StoreError;
 
+/// Claims a key for a lease, numbering the claim with Redis's clock, or returns its record.
+/// KEYS[1] record; ARGV[1] the in-flight record with a zero fence, ARGV[2] lease in ms.
+pub(super) const CLAIM: &str = include_str!("claim.lua");
 /// Replaces the in-flight record with the completed one, if the claim's token still matches, or
 /// writes it where the key has no record. KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
 pub(super) const COMPLETE: &str = include_str!("complete.lua");
 /// Extends the lease of the in-flight record, if the claim's token still matches.
 /// KEYS[1] record; ARGV[1] token, ARGV[2] new lease end (8 bytes), ARGV[3] lease in ms.
 pub(super) const RENEW: &str = include_str!("renew.lua");
-/// Deletes the in-flight record, if the claim's token still matches.
+/// Deletes the in-flight record, if the claim's token still matches (its unique half).
 /// KEYS[1] record; ARGV[1] token.
 pub(super) const RELEASE: &str = include_str!("release.lua");
 
-/// A fenced script: its source, and the SHA1 that `EVALSHA` names it by.
+/// A script: its source, and the SHA1 that `EVALSHA` names it by.
 pub(super) struct Lua {
     pub(super) source: &'static str,
     pub(super) hash: String,
@@ -101,7 +104,7 @@ impl RedisStore {
 
 /// Loads a script where `key` lives: on one server, that server; on a cluster, the key's master
 /// (`SCRIPT LOAD` carries no key, so it is routed with a keyed command in one pipeline).
-async fn load_on(store: &RedisStore, load: Cmd, key: &str) -> RedisResult<()> {
+pub(super) async fn load_on(store: &RedisStore, load: Cmd, key: &str) -> RedisResult<()> {
     if !store.is_cluster() {
         return store.send::<String>(load).await.map(drop);
     }
@@ -131,11 +134,28 @@ mod tests {
         );
         let (first, last) = layout::lua(layout::TOKEN);
         let token = format!("string.sub(record, {first}, {last}) ~= ARGV[1]");
-        for (name, script) in [
-            ("complete", COMPLETE),
-            ("renew", RENEW),
-            ("release", RELEASE),
-        ] {
+        let (unique_first, _) = layout::lua(layout::TOKEN.start + 8..layout::TOKEN.end);
+        let unique =
+            format!("string.sub(record, {unique_first}, {last}) ~= string.sub(ARGV[1], 9, 16)");
+        assert!(
+            RELEASE.contains(&kind),
+            "release.lua reads the kind at {kind}"
+        );
+        assert!(
+            RELEASE.contains(&unique),
+            "release.lua reads the token's unique half as {unique}"
+        );
+        let (fence_first, fence_last) = layout::lua(layout::TOKEN.start..layout::TOKEN.start + 8);
+        let fenced = format!(
+            "string.sub(ARGV[1], 1, {}) .. fence .. string.sub(ARGV[1], {})",
+            fence_first - 1,
+            fence_last + 1
+        );
+        assert!(
+            CLAIM.contains(&fenced),
+            "claim.lua writes the fence as {fenced}"
+        );
+        for (name, script) in [("complete", COMPLETE), ("renew", RENEW)] {
             assert!(
                 script.contains(&kind),
                 "{name}.lua reads the kind at {kind}"

@@ -6,11 +6,13 @@
 //! Store-level cases (`store_*`) call the [`Store`](crate::Store) methods directly; the others
 //! drive an [`IdempotencyLayer`](crate::IdempotencyLayer) over the store.
 
+mod fence;
 mod layer;
 mod options;
 mod store;
 mod wait;
 
+pub use fence::*;
 pub use layer::*;
 pub use options::*;
 pub use store::*;

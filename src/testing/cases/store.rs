@@ -9,7 +9,9 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 
 use crate::store::{Claim, Store};
 use crate::testing::{Harness, margin, pattern};
-use crate::{ClaimToken, Completed, Fingerprint, InFlight, Record, RecordId, StoredResponse};
+use crate::{
+    ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId, StoredResponse,
+};
 
 fn fingerprint(n: u8) -> Fingerprint {
     Fingerprint::from_bytes([n; 32])
@@ -407,7 +409,7 @@ pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Har
     let store = h.store();
     let (lease, window) = (h.lease(), h.window());
     let id = record_id("missing");
-    let token = ClaimToken::generate();
+    let token = ClaimToken::new(Fence::new(1));
     assert!(!store.renew(&id, &token, lease).await.expect("renew"));
     assert!(!store.release(&id, &token).await.expect("release"));
     claimed(&store, &id, &fingerprint(1), lease).await;
