@@ -6,6 +6,8 @@
 
 #![cfg(unix)]
 
+#[path = "support/cut_proxy.rs"]
+mod cut_proxy;
 #[path = "support/examples.rs"]
 mod examples;
 #[path = "support/redis_cluster.rs"]
@@ -21,6 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use cut_proxy::{Cut, CutProxy};
 use redis_cluster::RedisCluster;
 use redis_server::{RedisServer, RespValue};
 
@@ -760,20 +763,7 @@ fn the_client_example_pays_once_through_a_flaky_link() {
         "exit {status:?}; stdout:\n{stdout}\nstderr:\n{stderr}"
     );
 
-    let line = |prefix: &str| {
-        stdout
-            .lines()
-            .find(|line| line.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{stdout}"))
-            .to_owned()
-    };
-    let key_of = |line: &str| {
-        line.split("key ")
-            .nth(1)
-            .and_then(|rest| rest.split(':').next())
-            .unwrap_or_else(|| panic!("no key in {line:?}"))
-            .to_owned()
-    };
+    let line = |prefix: &str| line_starting(&stdout, prefix);
     let lost = line("attempt 1: POST /v1/charges");
     assert!(
         lost.ends_with("the server answered 201 Created, the link lost it"),
@@ -794,29 +784,171 @@ fn the_client_example_pays_once_through_a_flaky_link() {
         done.ends_with(", after 2 attempts, replayed: true"),
         "{done}"
     );
-    let id = done
-        .strip_prefix("charge ")
-        .and_then(|rest| rest.split(',').next())
-        .expect("a charge id");
+    let id = charge_id(&done);
 
     // The server applied the charge once.
+    assert_charges(server.addr, &[id]);
+    wait_for_balance(server.addr, r#"{"amount":2500,"currency":"eur"}"#);
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// The first line of `stdout` that starts with `prefix`.
+fn line_starting(stdout: &str, prefix: &str) -> String {
+    stdout
+        .lines()
+        .find(|line| line.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{stdout}"))
+        .to_owned()
+}
+
+/// The key a line of the client example names (`..., key <key>: ...` or `..., key <key>`).
+fn key_of(line: &str) -> String {
+    line.split("key ")
+        .nth(1)
+        .and_then(|rest| rest.split([':', ' ']).next())
+        .filter(|key| !key.is_empty())
+        .unwrap_or_else(|| panic!("no key in {line:?}"))
+        .to_owned()
+}
+
+/// The charge id of the client example's last line (`charge <id>, after ...`).
+fn charge_id(done: &str) -> &str {
+    done.strip_prefix("charge ")
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("no charge id in {done:?}"))
+}
+
+/// The account's charges are exactly `ids`: each charge was made once.
+#[track_caller]
+fn assert_charges(addr: SocketAddr, ids: &[&str]) {
     let auth = format!("Bearer {API_KEY}");
-    let list = request(
-        server.addr,
-        "GET",
-        "/v1/charges",
-        &[("Authorization", &auth)],
-        "",
-    );
+    let list = request(addr, "GET", "/v1/charges", &[("Authorization", &auth)], "");
     assert_eq!(list.status, 200, "{list:?}");
     assert_eq!(
         list.body.matches("\"object\":\"charge\"").count(),
-        1,
+        ids.len(),
         "{list:?}"
     );
-    assert!(list.body.contains(&format!("\"id\":\"{id}\"")), "{list:?}");
-    wait_for_balance(server.addr, r#"{"amount":2500,"currency":"eur"}"#);
+    for id in ids {
+        assert!(
+            list.body.contains(&format!("\"id\":\"{id}\"")),
+            "{id}: {list:?}"
+        );
+    }
+}
 
+/// `examples/client.rs` through a proxy that cuts answers off after their head (a reset, or a
+/// body that ends short): the layer's retries end at the head, so the example sends the charge
+/// again with the same key until an answer arrives whole, and the server makes each charge once.
+#[test]
+fn the_client_example_sends_the_charge_again_when_its_answer_is_cut_off() {
+    use Cut::{Pass, Reset, Truncate};
+    let server = Server::start(&[]);
+    // A connection per attempt until one passes: a cut connection is closed. The first carries
+    // the attempt the example's own link loses, which the layer retries; each later cut is one
+    // more send of the charge.
+    let scripts: [&'static [Cut]; 3] = [
+        &[Reset, Reset],
+        &[Truncate, Truncate],
+        &[Truncate, Reset, Truncate, Reset],
+    ];
+    let mut ids = Vec::new();
+    for script in scripts {
+        let proxy = CutProxy::start(server.addr, |n| script.get(n).copied().unwrap_or(Pass));
+        let (status, stdout, stderr) = run_example_to_exit("client", &[("SERVER", &proxy.url())]);
+        assert!(
+            status.success(),
+            "{script:?}: exit {status:?}; stdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        assert_eq!(proxy.cuts(), script.len(), "{script:?}:\n{stdout}");
+
+        let attempts: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("attempt "))
+            .collect();
+        assert_eq!(attempts.len(), script.len() + 1, "{script:?}:\n{stdout}");
+        let key = key_of(attempts[0]);
+        let sent_again: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("the answer was cut off"))
+            .collect();
+        assert_eq!(sent_again.len(), script.len() - 1, "{script:?}:\n{stdout}");
+        for line in attempts.iter().chain(&sent_again) {
+            assert_eq!(key_of(line), key, "one key on every send: {line}");
+        }
+        let last = attempts.last().expect("attempts");
+        assert!(
+            last.ends_with("201 Created (idempotent-replayed: true)"),
+            "{script:?}: {last}"
+        );
+        let done = line_starting(&stdout, "charge ");
+        let count = script.len() + 1;
+        assert!(
+            done.ends_with(&format!(", after {count} attempts, replayed: true")),
+            "{script:?}: {done}"
+        );
+        ids.push(charge_id(&done).to_owned());
+    }
+
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert_charges(server.addr, &ids);
+    wait_for_balance(server.addr, r#"{"amount":7500,"currency":"eur"}"#);
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// Every answer cut off after its head: the example gives up at its deadline with an error that
+/// names the charge's key. The charge was made once, and the same request sent again by hand
+/// with that key gets its replay.
+#[test]
+fn the_client_example_names_the_key_when_every_answer_is_cut_off() {
+    let server = Server::start(&[]);
+    let proxy = CutProxy::start(server.addr, |n| {
+        if n % 2 == 0 {
+            Cut::Reset
+        } else {
+            Cut::Truncate
+        }
+    });
+    let url = proxy.url();
+    let env = [("SERVER", url.as_str()), ("DEADLINE_MS", "3000")];
+    let (status, stdout, stderr) = run_example_to_exit("client", &env);
+
+    assert!(!status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let key = key_of(&line_starting(&stdout, "attempt 1: "));
+    assert!(proxy.cuts() >= 3, "the charge was sent again:\n{stdout}");
+    assert!(!stdout.contains("\ncharge "), "{stdout}");
+    let error = stderr.lines().last().unwrap_or_default();
+    assert!(
+        error.contains(&format!("charge with key {key} failed")),
+        "the error names the key {key}: {stderr}"
+    );
+
+    // By hand, as an operator would: the same request with the key is the charge's replay.
+    let auth = format!("Bearer {API_KEY}");
+    let again = request(
+        server.addr,
+        "POST",
+        "/v1/charges",
+        &[
+            ("Authorization", &auth),
+            ("Idempotency-Key", &key),
+            ("Content-Type", "application/x-www-form-urlencoded"),
+        ],
+        "amount=2500&currency=eur&source=tok_visa",
+    );
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(
+        again.head.contains("idempotent-replayed: true"),
+        "{again:?}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&again.body).expect("a charge");
+    assert_charges(server.addr, &[json["id"].as_str().expect("an id")]);
     server.terminate();
     let (status, stderr) = server.wait();
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
