@@ -607,3 +607,44 @@ async fn administration_futures_are_send() {
         .expect("migrate, check and sweep");
     drop(server);
 }
+
+/// The database numbers each claim (§5.3): a takeover of an expired row gets one more than that
+/// row's fence when the row's is ahead of the clock, and a claim of a swept row (the database
+/// forgot the key) a fence from the clock, still larger than every fence before it.
+#[tokio::test(flavor = "multi_thread")]
+async fn fences_grow_across_a_takeover_and_a_swept_row() {
+    let (server, store) = started().await;
+    let id = RecordId::new(b"", "fenced");
+    let lease = Duration::from_millis(200);
+    let first = claimed(&store, &id, 1, lease).await;
+    let ahead = first.fence().get() + 60_000_000;
+    // A fence a minute ahead of the clock, as a row written by a clock that ran fast would hold.
+    sqlx::query("UPDATE idempotency_records SET token = int8send($1) || substring(token FROM 9)")
+        .bind(i64::try_from(ahead).expect("a fence fits an int8"))
+        .execute(&mut admin(&server).await)
+        .await
+        .expect("the row's fence moved ahead");
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let taken_over = claimed(&store, &id, 1, lease).await;
+    assert_eq!(
+        taken_over.fence(),
+        Fence::new(ahead + 1),
+        "§5.3: a takeover gets one more than the fence it displaces, when that is ahead of the clock"
+    );
+
+    sqlx::query("DELETE FROM idempotency_records")
+        .execute(&mut admin(&server).await)
+        .await
+        .expect("the row is swept");
+    let after_sweep = claimed(&store, &id, 1, lease).await;
+    assert!(
+        after_sweep.fence() > first.fence(),
+        "§5.3: a claim of a forgotten key is numbered from the clock: {:?} after {:?}",
+        after_sweep.fence(),
+        first.fence()
+    );
+    assert!(
+        store.release(&id, &after_sweep).await.expect("release"),
+        "§10.1 release: the claim's own release, matched by its token"
+    );
+}

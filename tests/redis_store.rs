@@ -553,3 +553,38 @@ async fn a_failing_command_fails_only_its_own_claim_in_a_shared_pipeline() {
         }
     }
 }
+
+/// Redis numbers each claim from its own clock (§5.3): after the server lost every record and
+/// every script (a restart without persistence), the same key's next claim still has a larger
+/// fence, and the claim script is loaded again on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_grows_across_a_server_that_forgot_everything() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    let id = RecordId::new(b"", "fenced");
+    let fingerprint = Fingerprint::from_bytes([1; 32]);
+    let lease = Duration::from_secs(30);
+    let Ok(Claim::Claimed(first)) = store.claim(&id, &fingerprint, lease).await else {
+        panic!("§10.1 claim: a new key is claimed");
+    };
+
+    server.flushall();
+    assert!(server.command(&["SCRIPT", "FLUSH"]).is_ok());
+    let Ok(Claim::Claimed(second)) = store.claim(&id, &fingerprint, lease).await else {
+        panic!("§10.1 claim: a forgotten key is claimed again, the claim script reloaded");
+    };
+    assert!(
+        second.fence() > first.fence(),
+        "§5.3: the fence grows across a server that forgot the key: {:?} after {:?}",
+        second.fence(),
+        first.fence()
+    );
+    assert!(
+        !store.renew(&id, &first, lease).await.expect("renew"),
+        "§5.3: the forgotten claim's token fences nothing of the new one"
+    );
+    assert!(
+        store.release(&id, &second).await.expect("release"),
+        "§10.1 release: the claim's own release"
+    );
+}
