@@ -1,0 +1,146 @@
+//! The history checker: per operation, how many charges; whether every answer a client saw is the
+//! stored response; whether a completion was lost (a handler finished, its record was never
+//! written, and the layer was never told why). Each finding is held against the guarantee of its
+//! mode under the faults that touched it (PROTOCOL.md §9.10): a violation is a finding the
+//! guarantee rules out.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use http::StatusCode;
+
+use super::ledger::Mode;
+use super::store::Fault;
+use super::world::{History, OpHistory};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finding {
+    DoubleEffect,
+    WrongAnswer,
+    LostCompletion,
+}
+
+/// A finding the guarantees rule out.
+#[derive(Debug)]
+pub struct Violation {
+    pub op: usize,
+    pub mode: Mode,
+    pub finding: Finding,
+    pub faults: BTreeSet<Fault>,
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "op-{} ({:?}): {:?} under {:?}: {}",
+            self.op, self.mode, self.finding, self.faults, self.detail
+        )
+    }
+}
+
+/// What one run's history shows.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    /// Double effects per mode: unfenced, fenced, transactional.
+    pub double_effects: [u64; 3],
+    pub lost_completions: u64,
+    pub wrong_answers: u64,
+    /// Every finding, allowed or not, for a seed's report.
+    pub findings: Vec<String>,
+    pub violations: Vec<Violation>,
+}
+
+fn mode_index(mode: Mode) -> usize {
+    match mode {
+        Mode::Unfenced => 0,
+        Mode::Fenced => 1,
+        Mode::Transactional => 2,
+    }
+}
+
+pub fn check(history: &History) -> Verdict {
+    let mut verdict = Verdict::default();
+    for op in &history.ops {
+        for (finding, detail) in findings(op) {
+            match finding {
+                Finding::DoubleEffect => verdict.double_effects[mode_index(op.mode)] += 1,
+                Finding::WrongAnswer => verdict.wrong_answers += 1,
+                Finding::LostCompletion => verdict.lost_completions += 1,
+            }
+            verdict.findings.push(format!(
+                "op-{} ({:?}): {finding:?} under {:?}: {detail}",
+                op.op, op.mode, op.hits
+            ));
+            if !allowed(op.mode, finding, &op.hits) {
+                verdict.violations.push(Violation {
+                    op: op.op,
+                    mode: op.mode,
+                    finding,
+                    faults: op.hits.clone(),
+                    detail,
+                });
+            }
+        }
+    }
+    verdict
+}
+
+fn findings(op: &OpHistory) -> Vec<(Finding, String)> {
+    let mut found = Vec::new();
+    if op.charges.len() > 1 {
+        found.push((
+            Finding::DoubleEffect,
+            format!("{} charges: {:?}", op.charges.len(), op.charges),
+        ));
+    }
+    for (status, body) in &op.answers {
+        if *status != StatusCode::CREATED {
+            continue;
+        }
+        let wrong = match &op.record {
+            // Every retry from now on gets the record: the client must have seen the same.
+            Some(record) => record != body,
+            // A transactional store that restarted empty lost the record and the charge together
+            // (a database restored from an old backup): nothing is left to hold the answer to.
+            None if op.mode == Mode::Transactional && op.hits.contains(&Fault::Restart) => false,
+            // No record left (the store forgot it): the answer must name a charge that was made.
+            None => !op.charges.iter().any(|charge| charge.as_bytes() == body),
+        };
+        if wrong {
+            found.push((
+                Finding::WrongAnswer,
+                format!(
+                    "the client got {body:?}, the record holds {:?}, charges {:?}",
+                    op.record, op.charges
+                ),
+            ));
+        }
+    }
+    if op.unwritten > 0 {
+        found.push((
+            Finding::LostCompletion,
+            format!(
+                "{} finished runs whose completion was neither written nor refused",
+                op.unwritten
+            ),
+        ));
+    }
+    found
+}
+
+/// The guarantees (PROTOCOL.md §9.10): fenced and transactional effects never double and answers
+/// never disagree, under any fault; unfenced effects neither while every fault is short (shorter
+/// than the lease, and no claim forgotten). A completion is never lost silently, under any fault:
+/// the runs of an instance that died are not counted.
+fn allowed(mode: Mode, finding: Finding, hits: &BTreeSet<Fault>) -> bool {
+    let long = hits.iter().any(|fault| fault.is_long());
+    match (mode, finding) {
+        (_, Finding::LostCompletion) => false,
+        (Mode::Unfenced, _) => long,
+        // A store that restarted empty forgot the record a client's answer came from.
+        (_, Finding::WrongAnswer) => hits.contains(&Fault::Restart),
+        (_, Finding::DoubleEffect) => false,
+    }
+}

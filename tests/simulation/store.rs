@@ -1,0 +1,411 @@
+//! The store every instance shares: the crate's real `MemoryStore`, behind a seeded fault injector
+//! at the `Store` boundary. Calls are delayed, lost before the store saw them, or answered with an
+//! error after the store applied them (a lost reply); a call can stall past the lease. The store
+//! can restart empty, and fail over to a replica that lacks the claims made within the replication
+//! lag. It also models a transactional store (`PgTx`): an effect staged by a handler commits with
+//! its record, in the completion.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::{ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
+
+use super::ledger::{Ledger, Staged};
+use super::rng::Rng;
+
+/// The classes of fault, as the checker reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Fault {
+    /// A call delayed, well within the lease.
+    Delay,
+    /// A call lost before the store saw it.
+    LostCall,
+    /// A reply lost after the store applied the call.
+    LostReply,
+    /// A call stalled for longer than the lease.
+    Stall,
+    /// The store restarted empty.
+    Restart,
+    /// The store failed over to a replica without the claims of the last moments.
+    Failover,
+    /// An instance died, its handlers and detached work with it.
+    Death,
+}
+
+impl Fault {
+    /// Whether the fault can outlast a lease (or forget a claim): then an unfenced effect may run
+    /// twice, by the protocol's own terms (PROTOCOL.md §9.6).
+    pub fn is_long(self) -> bool {
+        matches!(self, Fault::Stall | Fault::Restart | Fault::Death)
+    }
+}
+
+/// How often each per-call fault strikes in one run, per mille.
+#[derive(Debug, Clone, Copy)]
+pub struct Profile {
+    pub delay: u64,
+    pub lost_call: u64,
+    pub lost_reply: u64,
+    pub stall: u64,
+}
+
+/// What the store saw of one claim: how its completion ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Written {
+    /// A completion was written (`Ok(true)`).
+    pub landed: bool,
+    /// A completion was refused (`Ok(false)`): the layer was told, and logs it.
+    pub refused: bool,
+}
+
+#[derive(Default)]
+struct Log {
+    /// The faults that touched each record.
+    hits: HashMap<RecordId, BTreeSet<Fault>>,
+    /// Each claim's completions, by token.
+    written: HashMap<ClaimToken, Written>,
+    /// Claims still inside the replication lag: a failover loses them.
+    unreplicated: Vec<(Instant, RecordId, ClaimToken)>,
+    /// The records each instance claimed.
+    claimed_by: HashMap<usize, BTreeSet<RecordId>>,
+    /// Transactions begun by `prepare`, by token.
+    open: HashMap<ClaimToken, Staged>,
+    /// How many calls each fault struck.
+    counts: HashMap<Fault, u64>,
+}
+
+struct Shared {
+    inner: Mutex<Arc<MemoryStore>>,
+    rng: Mutex<Rng>,
+    profile: Profile,
+    lease: Duration,
+    /// With the replication wait a claim is answered only once the replica has it (after `lag`).
+    replication_wait: bool,
+    lag: Duration,
+    failovers: AtomicU64,
+    ledger: Arc<Ledger>,
+    log: Mutex<Log>,
+}
+
+/// One instance's handle on the shared store: a dead instance's calls never finish.
+#[derive(Clone)]
+pub struct SimStore {
+    shared: Arc<Shared>,
+    instance: usize,
+    dead: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for SimStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimStore")
+            .field("instance", &self.instance)
+            .finish()
+    }
+}
+
+/// The world's hold on the store: faults it injects at once, and what it reads at the end.
+#[derive(Clone)]
+pub struct StoreControl {
+    shared: Arc<Shared>,
+}
+
+impl StoreControl {
+    pub fn new(
+        rng: Rng,
+        profile: Profile,
+        lease: Duration,
+        replication_wait: bool,
+        ledger: Arc<Ledger>,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Arc::new(MemoryStore::new())),
+                rng: Mutex::new(rng),
+                profile,
+                lease,
+                replication_wait,
+                lag: Duration::from_millis(100),
+                failovers: AtomicU64::new(0),
+                ledger,
+                log: Mutex::default(),
+            }),
+        }
+    }
+
+    pub fn handle(&self, instance: usize, dead: Arc<AtomicBool>) -> SimStore {
+        SimStore {
+            shared: self.shared.clone(),
+            instance,
+            dead,
+        }
+    }
+
+    /// The store comes back empty: every record, and the effects committed with records, gone.
+    pub fn restart(&self) {
+        *self.shared.inner.lock().unwrap() = Arc::new(MemoryStore::new());
+        self.shared.ledger.forget_committed();
+        let mut log = self.shared.log.lock().unwrap();
+        let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
+        for id in claimed {
+            log.hits.entry(id).or_default().insert(Fault::Restart);
+        }
+        *log.counts.entry(Fault::Restart).or_default() += 1;
+    }
+
+    /// A replica takes over without the claims made within the replication lag.
+    pub async fn fail_over(&self) {
+        self.shared.failovers.fetch_add(1, Ordering::SeqCst);
+        let now = Instant::now();
+        let lost: Vec<_> = {
+            let mut log = self.shared.log.lock().unwrap();
+            *log.counts.entry(Fault::Failover).or_default() += 1;
+            let lag = self.shared.lag;
+            let (lost, kept) = std::mem::take(&mut log.unreplicated)
+                .into_iter()
+                .partition(|(at, _, _)| *at + lag > now);
+            log.unreplicated = kept;
+            for (_, id, _) in &lost {
+                log.hits.entry(*id).or_default().insert(Fault::Failover);
+            }
+            lost
+        };
+        let inner = self.shared.inner.lock().unwrap().clone();
+        for (_, id, token) in lost {
+            let _ = inner.release(&id, &token).await;
+        }
+    }
+
+    /// An instance died: the records it claimed were touched by its death.
+    pub fn died(&self, instance: usize) {
+        let mut log = self.shared.log.lock().unwrap();
+        let claimed: Vec<RecordId> = log
+            .claimed_by
+            .get(&instance)
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        for id in claimed {
+            log.hits.entry(id).or_default().insert(Fault::Death);
+        }
+        *log.counts.entry(Fault::Death).or_default() += 1;
+    }
+
+    /// The record under `id` now, read without faults.
+    pub async fn record(&self, id: &RecordId) -> Option<Completed> {
+        let inner = self.shared.inner.lock().unwrap().clone();
+        // A claim of a completed record returns it, unchanged; of a free key, claims it (then
+        // released at once): reading the store leaves it as it was.
+        match inner
+            .claim(
+                id,
+                &Fingerprint::from_bytes([0; 32]),
+                Duration::from_millis(1),
+            )
+            .await
+        {
+            Ok(Claim::Existing(tower_idempotency::Record::Completed(completed))) => Some(completed),
+            Ok(Claim::Claimed(token)) => {
+                let _ = inner.release(id, &token).await;
+                None
+            }
+            _ => None,
+        }
+    }
+
+    pub fn hits(&self, id: &RecordId) -> BTreeSet<Fault> {
+        let log = self.shared.log.lock().unwrap();
+        log.hits.get(id).cloned().unwrap_or_default()
+    }
+
+    pub fn written(&self, token: &ClaimToken) -> Written {
+        let log = self.shared.log.lock().unwrap();
+        log.written.get(token).copied().unwrap_or_default()
+    }
+
+    pub fn counts(&self) -> HashMap<Fault, u64> {
+        self.shared.log.lock().unwrap().counts.clone()
+    }
+}
+
+/// What a call meets on its way.
+enum Strike {
+    None,
+    LostCall,
+    LostReply,
+}
+
+impl SimStore {
+    fn inner(&self) -> Arc<MemoryStore> {
+        self.shared.inner.lock().unwrap().clone()
+    }
+
+    fn hit(&self, id: &RecordId, fault: Fault) {
+        let mut log = self.shared.log.lock().unwrap();
+        log.hits.entry(*id).or_default().insert(fault);
+        *log.counts.entry(fault).or_default() += 1;
+    }
+
+    /// Draws this call's faults, and waits out a delay or a stall.
+    async fn strike(&self, id: &RecordId) -> Strike {
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        let profile = self.shared.profile;
+        let (delay, stall, lost_call, lost_reply) = {
+            let mut rng = self.shared.rng.lock().unwrap();
+            let delay = rng.chance(profile.delay).then(|| rng.millis(1..200));
+            let stall = rng
+                .chance(profile.stall)
+                .then(|| self.shared.lease + self.shared.lease / 2 + rng.millis(0..500));
+            (
+                delay,
+                stall,
+                rng.chance(profile.lost_call),
+                rng.chance(profile.lost_reply),
+            )
+        };
+        if let Some(delay) = delay {
+            self.hit(id, Fault::Delay);
+            tokio::time::sleep(delay).await;
+        }
+        if let Some(stall) = stall {
+            self.hit(id, Fault::Stall);
+            tokio::time::sleep(stall).await;
+        }
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if lost_call {
+            self.hit(id, Fault::LostCall);
+            return Strike::LostCall;
+        }
+        if lost_reply {
+            self.hit(id, Fault::LostReply);
+            return Strike::LostReply;
+        }
+        Strike::None
+    }
+}
+
+fn lost() -> StoreError {
+    StoreError::Unavailable("the simulated network lost the call or its reply".into())
+}
+
+impl Store for SimStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let strike = self.strike(id).await;
+        if matches!(strike, Strike::LostCall) {
+            return Err(lost());
+        }
+        let failovers = self.shared.failovers.load(Ordering::SeqCst);
+        let claim = self.inner().claim(id, fingerprint, lease).await?;
+        if let Claim::Claimed(token) = &claim {
+            let mut log = self.shared.log.lock().unwrap();
+            log.unreplicated.push((Instant::now(), *id, *token));
+            log.claimed_by.entry(self.instance).or_default().insert(*id);
+        }
+        if self.shared.replication_wait && matches!(claim, Claim::Claimed(_)) {
+            // Answered once the replica has it: a failover meanwhile lost it, and says so.
+            tokio::time::sleep(self.shared.lag).await;
+            if self.shared.failovers.load(Ordering::SeqCst) != failovers {
+                return Err(StoreError::Unavailable(
+                    "the claim was not replicated before a failover".into(),
+                ));
+            }
+        }
+        match strike {
+            Strike::LostReply => Err(lost()),
+            _ => Ok(claim),
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let strike = self.strike(id).await;
+        if matches!(strike, Strike::LostCall) {
+            return Err(lost());
+        }
+        let written = self.inner().complete(id, token, completed, ttl).await?;
+        let aborted = {
+            let mut log = self.shared.log.lock().unwrap();
+            // The transaction commits with the record, or rolls back.
+            let staged = log.open.remove(token).filter(|staged| !staged.is_empty());
+            let aborted = staged.is_some() && !written;
+            if let Some(staged) = staged
+                && written
+            {
+                self.shared.ledger.commit(staged);
+            }
+            let entry = log.written.entry(*token).or_default();
+            entry.landed |= written;
+            entry.refused |= !written;
+            aborted
+        };
+        if aborted {
+            // As `PgStore` does: a fenced-out completion rolled the work back.
+            return Err(StoreError::Aborted(
+                "the completion was fenced out; the work rolled back".into(),
+            ));
+        }
+        match strike {
+            Strike::LostReply => Err(lost()),
+            _ => Ok(written),
+        }
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let strike = self.strike(id).await;
+        if matches!(strike, Strike::LostCall) {
+            return Err(lost());
+        }
+        let renewed = self.inner().renew(id, token, lease).await?;
+        match strike {
+            Strike::LostReply => Err(lost()),
+            _ => Ok(renewed),
+        }
+    }
+
+    fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
+        let staged = Staged::new(*token);
+        self.shared
+            .log
+            .lock()
+            .unwrap()
+            .open
+            .insert(*token, staged.clone());
+        extensions.insert(staged);
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        let strike = self.strike(id).await;
+        if matches!(strike, Strike::LostCall) {
+            return Err(lost());
+        }
+        let released = self.inner().release(id, token).await?;
+        self.shared.log.lock().unwrap().open.remove(token);
+        match strike {
+            Strike::LostReply => Err(lost()),
+            _ => Ok(released),
+        }
+    }
+}
