@@ -28,18 +28,7 @@ const CI_SEEDS: u64 = 2_000;
 
 fn main() {
     let started = Instant::now();
-    let bugs = match std::env::var("SIM_BUG").as_deref() {
-        Ok("no-replication-wait") => Bugs {
-            no_replication_wait: true,
-            ..Bugs::default()
-        },
-        Ok("unguarded-effects") => Bugs {
-            unguarded_effects: true,
-            ..Bugs::default()
-        },
-        Ok(other) => panic!("unknown SIM_BUG {other:?}"),
-        Err(_) => Bugs::default(),
-    };
+    let bugs = Bugs::from_env();
     let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
         Ok(seed) => vec![seed.parse().expect("SIM_SEED is a number")],
         Err(_) => {

@@ -1,18 +1,20 @@
-//! The store every instance shares: the crate's real `MemoryStore`, behind a seeded fault injector
-//! at the `Store` boundary. Calls are delayed, lost before the store saw them, or answered with an
+//! The store every instance shares: a real store (the crate's `MemoryStore`, or `RedisStore` or
+//! `PgStore` on a server of its own), behind a seeded fault injector at the `Store` boundary. Calls are delayed, lost before the store saw them, or answered with an
 //! error after the store applied them (a lost reply); a call can stall past the lease. The store
 //! can restart empty, and fail over to a replica that lacks the claims made within the replication
 //! lag. It also models a transactional store (`PgTx`): an effect staged by a handler commits with
 //! its record, in the completion.
 
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_idempotency::store::{Claim, Store, StoreError};
-use tower_idempotency::{ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
+use tower_idempotency::{BoxStore, ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
 
 use super::ledger::{Ledger, Staged};
 use super::rng::Rng;
@@ -53,6 +55,26 @@ pub struct Profile {
     pub stall: u64,
 }
 
+/// Forgets every record of a store: the same store emptied, or `Some` new one.
+pub type Forget =
+    Box<dyn Fn() -> Pin<Box<dyn Future<Output = Option<BoxStore>> + Send>> + Send + Sync>;
+
+/// A real store and how to make it forget everything (a restart without persistence).
+pub struct Backend {
+    pub store: BoxStore,
+    pub forget: Forget,
+}
+
+impl Backend {
+    /// A fresh `MemoryStore`; a restart replaces it by another.
+    pub fn memory() -> Self {
+        Self {
+            store: BoxStore::new(MemoryStore::new()),
+            forget: Box::new(|| Box::pin(async { Some(BoxStore::new(MemoryStore::new())) })),
+        }
+    }
+}
+
 /// What the store saw of one claim: how its completion ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Written {
@@ -79,13 +101,16 @@ struct Log {
 }
 
 struct Shared {
-    inner: Mutex<Arc<MemoryStore>>,
+    inner: Mutex<BoxStore>,
+    forget: Forget,
     rng: Mutex<Rng>,
     profile: Profile,
     lease: Duration,
     /// With the replication wait a claim is answered only once the replica has it (after `lag`).
     replication_wait: bool,
     lag: Duration,
+    /// The longest delay, and how far past the lease a stall goes at most.
+    delay: Duration,
     failovers: AtomicU64,
     ledger: Arc<Ledger>,
     log: Mutex<Log>,
@@ -115,6 +140,7 @@ pub struct StoreControl {
 
 impl StoreControl {
     pub fn new(
+        backend: Backend,
         rng: Rng,
         profile: Profile,
         lease: Duration,
@@ -123,12 +149,15 @@ impl StoreControl {
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
-                inner: Mutex::new(Arc::new(MemoryStore::new())),
+                inner: Mutex::new(backend.store),
+                forget: backend.forget,
                 rng: Mutex::new(rng),
                 profile,
                 lease,
                 replication_wait,
-                lag: Duration::from_millis(100),
+                // In proportion to the lease: a tenth of it, and a twentieth.
+                lag: lease / 20,
+                delay: lease / 10,
                 failovers: AtomicU64::new(0),
                 ledger,
                 log: Mutex::default(),
@@ -145,8 +174,10 @@ impl StoreControl {
     }
 
     /// The store comes back empty: every record, and the effects committed with records, gone.
-    pub fn restart(&self) {
-        *self.shared.inner.lock().unwrap() = Arc::new(MemoryStore::new());
+    pub async fn restart(&self) {
+        if let Some(fresh) = (self.shared.forget)().await {
+            *self.shared.inner.lock().unwrap() = fresh;
+        }
         self.shared.ledger.forget_committed();
         let mut log = self.shared.log.lock().unwrap();
         let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
@@ -240,7 +271,7 @@ enum Strike {
 }
 
 impl SimStore {
-    fn inner(&self) -> Arc<MemoryStore> {
+    fn inner(&self) -> BoxStore {
         self.shared.inner.lock().unwrap().clone()
     }
 
@@ -258,10 +289,11 @@ impl SimStore {
         let profile = self.shared.profile;
         let (delay, stall, lost_call, lost_reply) = {
             let mut rng = self.shared.rng.lock().unwrap();
-            let delay = rng.chance(profile.delay).then(|| rng.millis(1..200));
+            let most = self.shared.delay.as_millis() as u64;
+            let delay = rng.chance(profile.delay).then(|| rng.millis(1..most));
             let stall = rng
                 .chance(profile.stall)
-                .then(|| self.shared.lease + self.shared.lease / 2 + rng.millis(0..500));
+                .then(|| self.shared.lease + self.shared.lease / 2 + rng.millis(0..2 * most));
             (
                 delay,
                 stall,

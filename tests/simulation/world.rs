@@ -18,9 +18,10 @@ use tower_idempotency::{HeldClaim, IdempotencyLayer, RecordId, RequestBody};
 
 use super::ledger::{Ledger, Mode, Staged};
 use super::rng::Rng;
-use super::store::{Fault, Profile, StoreControl};
+use super::store::{Backend, Fault, Profile, StoreControl};
 
-/// The claim lease: every handler's work (at most 900 ms) fits in it with room to spare.
+/// The claim lease on the paused clock. Every other time of a run is in proportion to the lease:
+/// a handler's work takes at most 45% of it, so a renewal always comes in time.
 pub const LEASE: Duration = Duration::from_secs(2);
 
 /// Bugs put back on purpose, to show that the checker catches them.
@@ -30,6 +31,24 @@ pub struct Bugs {
     pub no_replication_wait: bool,
     /// Fenced handlers charge without their guard.
     pub unguarded_effects: bool,
+}
+
+impl Bugs {
+    /// The bug `SIM_BUG` names (`no-replication-wait` or `unguarded-effects`), or none.
+    pub fn from_env() -> Self {
+        match std::env::var("SIM_BUG").as_deref() {
+            Ok("no-replication-wait") => Self {
+                no_replication_wait: true,
+                ..Self::default()
+            },
+            Ok("unguarded-effects") => Self {
+                unguarded_effects: true,
+                ..Self::default()
+            },
+            Ok(other) => panic!("unknown SIM_BUG {other:?}"),
+            Err(_) => Self::default(),
+        }
+    }
 }
 
 /// What one operation's client saw, and what the world holds for it at the end.
@@ -76,19 +95,26 @@ impl History {
     }
 }
 
-/// Runs the world of `seed` to its end.
+/// Runs the world of `seed` to its end, over a `MemoryStore`, on the paused clock.
 pub fn run(seed: u64, bugs: Bugs) -> History {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .expect("a runtime");
-    runtime.block_on(world(seed, bugs))
+    runtime.block_on(world(seed, bugs, Backend::memory(), LEASE))
+}
+
+/// `lease` scaled by `factor`.
+fn times(lease: Duration, factor: f64) -> Duration {
+    lease.mul_f64(factor)
 }
 
 type Body = RequestBody<Full<Bytes>>;
 
-async fn world(seed: u64, bugs: Bugs) -> History {
+/// Runs the world of `seed` over `backend`, with `lease` setting the pace of everything.
+pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> History {
+    let ms = |factor: f64| times(lease, factor).as_millis() as u64;
     let mut rng = Rng::new(seed);
     let instances = rng.below(2..5) as usize;
     let ops = rng.below(3..9) as usize;
@@ -104,42 +130,46 @@ async fn world(seed: u64, bugs: Bugs) -> History {
     };
     let ledger = Arc::new(Ledger::new(modes.clone(), bugs.unguarded_effects));
     let store = StoreControl::new(
+        backend,
         rng.fork(),
         profile,
-        LEASE,
+        lease,
         !bugs.no_replication_wait,
         ledger.clone(),
     );
 
     let dead: Vec<Arc<AtomicBool>> = (0..instances).map(|_| Arc::default()).collect();
+    let mut shutdowns = Vec::new();
     let services: Vec<_> = (0..instances)
         .map(|i| {
             let layer = IdempotencyLayer::new(store.handle(i, dead[i].clone()))
-                .lease(LEASE)
+                .lease(lease)
                 .dedup_window(Duration::from_secs(3600));
-            let handler = handler(i, dead[i].clone(), ledger.clone(), rng.fork());
+            shutdowns.push(layer.shutdown_handle());
+            let work = (ms(0.3), ms(0.15));
+            let handler = handler(i, dead[i].clone(), ledger.clone(), rng.fork(), work);
             ServiceBuilder::new().layer(layer).service(handler)
         })
         .collect();
 
-    // The world's own faults, each in about a third of the runs, at a moment in the first 4 s.
+    // The world's own faults, each in about a third of the runs, in the first two leases.
     if rng.chance(300) {
-        let (store, at) = (store.clone(), rng.millis(0..4000));
+        let (store, at) = (store.clone(), rng.millis(0..ms(2.0)));
         tokio::spawn(async move {
             tokio::time::sleep(at).await;
-            store.restart();
+            store.restart().await;
         });
     }
     if rng.chance(300) {
         // While the first claims are made: a failover later finds nothing unreplicated.
-        let (store, at) = (store.clone(), rng.millis(0..1000));
+        let (store, at) = (store.clone(), rng.millis(0..ms(0.5)));
         tokio::spawn(async move {
             tokio::time::sleep(at).await;
             store.fail_over().await;
         });
     }
     if rng.chance(300) {
-        let (store, at) = (store.clone(), rng.millis(0..4000));
+        let (store, at) = (store.clone(), rng.millis(0..ms(2.0)));
         let victim = rng.below(0..instances as u64) as usize;
         let flag = dead[victim].clone();
         tokio::spawn(async move {
@@ -156,7 +186,8 @@ async fn world(seed: u64, bugs: Bugs) -> History {
         let copies = if rng.chance(300) { 2 } else { 1 };
         for _ in 0..copies {
             let (services, dead, rng) = (services.clone(), dead.clone(), rng.fork());
-            clients.push((op, tokio::spawn(client(op, services, dead, rng))));
+            let client = client(op, services, dead, rng, lease);
+            clients.push((op, tokio::spawn(client)));
         }
     }
     let mut seen: Vec<(Vec<(StatusCode, Bytes)>, bool)> =
@@ -166,8 +197,13 @@ async fn world(seed: u64, bugs: Bugs) -> History {
         seen[op].0.extend(answers);
         seen[op].1 |= gave_up;
     }
-    // Every write the layer still retries lands (or is refused) once its faults pass.
-    tokio::time::sleep(Duration::from_secs(120)).await;
+    // Every write the layer still retries lands (or is refused) once its faults pass; a dead
+    // instance's work never finishes.
+    for (shutdown, dead) in shutdowns.into_iter().zip(&dead) {
+        if !dead.load(Ordering::SeqCst) {
+            let _ = tokio::time::timeout(times(lease, 60.0), shutdown.wait()).await;
+        }
+    }
 
     let mut histories = Vec::new();
     for (op, (answers, gave_up)) in seen.into_iter().enumerate() {
@@ -213,6 +249,7 @@ fn handler(
     dead: Arc<AtomicBool>,
     ledger: Arc<Ledger>,
     rng: Rng,
+    (before, after): (u64, u64),
 ) -> impl tower::Service<
     Request<Body>,
     Response = Response<Full<Bytes>>,
@@ -238,7 +275,7 @@ fn handler(
             };
             let (before, after) = {
                 let mut rng = rng.lock().unwrap();
-                (rng.millis(0..600), rng.millis(0..300))
+                (rng.millis(0..before), rng.millis(0..after))
             };
             let alive = || async {
                 if dead.load(Ordering::SeqCst) {
@@ -280,6 +317,7 @@ async fn client<S>(
     services: Vec<S>,
     dead: Vec<Arc<AtomicBool>>,
     mut rng: Rng,
+    lease: Duration,
 ) -> (Vec<(StatusCode, Bytes)>, bool)
 where
     S: tower::Service<
@@ -288,17 +326,20 @@ where
             Error = Infallible,
         > + Clone,
 {
+    let ms = |factor: f64| times(lease, factor).as_millis() as u64;
     let deadline = Instant::now()
         + if rng.chance(200) {
-            rng.millis(500..4000)
+            rng.millis(ms(0.25)..ms(2.0))
         } else {
-            Duration::from_secs(60)
+            times(lease, 30.0)
         };
     // How long the client waits for one attempt before it sends another: often less than the
     // handler takes, so that retries meet the request in flight.
-    let attempt_timeout = rng.millis(200..3000);
+    let attempt_timeout = rng.millis(ms(0.1)..ms(1.5));
     let mut answers = Vec::new();
-    let mut backoff = Duration::from_millis(100);
+    let first_backoff = times(lease, 0.05);
+    let most = times(lease, 1.0);
+    let mut backoff = first_backoff;
     while Instant::now() < deadline {
         let instance = rng.below(0..services.len() as u64) as usize;
         let request = Request::post(format!("/ops/{op}"))
@@ -342,8 +383,8 @@ where
             }
             Err(_) => backoff,
         };
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-        tokio::time::sleep(pause.min(Duration::from_secs(2))).await;
+        backoff = (backoff * 2).min(most);
+        tokio::time::sleep(pause.min(most)).await;
     }
     (answers, true)
 }

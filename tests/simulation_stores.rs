@@ -1,0 +1,149 @@
+//! The simulation's worlds (`tests/simulation/`) over `RedisStore` and `PgStore`, each on a server
+//! of its own, on real time: the same generator, fault injector and checker as on the memory
+//! store, slower (a run takes seconds, not a millisecond), so fewer seeds, run side by side. Real
+//! time makes a seed's history vary from run to run; the guarantees must hold all the same.
+
+mod support;
+
+#[path = "simulation/checker.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod checker;
+#[path = "simulation/ledger.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod ledger;
+#[path = "simulation/rng.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod rng;
+#[path = "simulation/store.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod store;
+#[path = "simulation/world.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod world;
+
+use std::time::Duration;
+
+use store::Backend;
+use support::postgres_server::PostgresServer;
+use support::redis_server::RedisServer;
+use tower_idempotency::deadpool_redis::redis;
+use tower_idempotency::store::sqlx::postgres::PgPoolOptions;
+use tower_idempotency::{BoxStore, PgStore, RedisStore};
+use world::Bugs;
+
+/// The lease on real time: short, so that a run's leases run out in seconds.
+const LEASE: Duration = Duration::from_millis(400);
+/// Seeds per store, run side by side (`SIM_SEEDS` sets another number).
+const SEEDS: u64 = 100;
+
+/// Runs the seeds over the backends `backend` makes (one per seed, so that runs never share
+/// records), and fails on any violation, naming the seed.
+async fn simulate<F, Fut>(name: &str, backend: F)
+where
+    F: Fn(u64) -> Fut,
+    Fut: Future<Output = Backend>,
+{
+    let bugs = Bugs::from_env();
+    let seeds =
+        std::env::var("SIM_SEEDS").map_or(SEEDS, |n| n.parse().expect("SIM_SEEDS is a number"));
+    let mut runs = tokio::task::JoinSet::new();
+    for seed in 0..seeds {
+        let backend = backend(seed).await;
+        runs.spawn(async move { (seed, world::world(seed, bugs, backend, LEASE).await) });
+    }
+    let (mut faults, mut violations) = (0, Vec::new());
+    while let Some(run) = runs.join_next().await {
+        let (seed, history) = run.expect("a run");
+        faults += history.faults.values().sum::<u64>();
+        for violation in checker::check(&history).violations {
+            violations.push(format!("seed {seed}: {violation}"));
+        }
+    }
+    println!(
+        "simulation on {name}: {SEEDS} seeds, {faults} faults, {} violations",
+        violations.len()
+    );
+    assert!(
+        violations.is_empty(),
+        "PROTOCOL.md §9.10: guarantees broken on {name}:\n{}",
+        violations.join("\n")
+    );
+    assert!(faults > 0, "the runs met faults");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
+    let server = RedisServer::start();
+    let url = server.url();
+    simulate("Redis", |seed| {
+        let url = url.clone();
+        async move {
+            let prefix = format!("sim{seed}:");
+            let store = RedisStore::from_url(&url)
+                .expect("a store")
+                .with_prefix(prefix.clone());
+            let client = redis::Client::open(url.as_str()).expect("a client");
+            Backend {
+                store: BoxStore::new(store),
+                // This run's records only: the other runs share the server.
+                forget: Box::new(move || {
+                    let (client, pattern) = (client.clone(), format!("{prefix}*"));
+                    Box::pin(async move {
+                        let mut conn = client
+                            .get_multiplexed_async_connection()
+                            .await
+                            .expect("a connection");
+                        let keys: Vec<String> = redis::cmd("KEYS")
+                            .arg(&pattern)
+                            .query_async(&mut conn)
+                            .await
+                            .expect("the run's keys");
+                        if !keys.is_empty() {
+                            let _: i64 = redis::cmd("DEL")
+                                .arg(keys)
+                                .query_async(&mut conn)
+                                .await
+                                .expect("the run's keys deleted");
+                        }
+                        None
+                    })
+                }),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
+    let server = PostgresServer::start();
+    // One pool for every run, as the server takes at most 100 connections.
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&server.url())
+        .await
+        .expect("a pool");
+    simulate("PostgreSQL", |seed| {
+        let pool = pool.clone();
+        async move {
+            let table = format!("sim_{seed}");
+            let store = PgStore::new(pool).with_table(&table);
+            store.migrate().await.expect("the run's table");
+            let pool = store.pool().clone();
+            Backend {
+                store: BoxStore::new(store),
+                forget: Box::new(move || {
+                    let (pool, truncate) = (pool.clone(), format!("TRUNCATE {table}"));
+                    Box::pin(async move {
+                        tower_idempotency::store::sqlx::query(&truncate)
+                            .execute(&pool)
+                            .await
+                            .expect("the run's records forgotten");
+                        None
+                    })
+                }),
+            }
+        }
+    })
+    .await;
+}
