@@ -263,13 +263,6 @@ impl StoreControl {
     }
 }
 
-/// What a call meets on its way.
-enum Strike {
-    None,
-    LostCall,
-    LostReply,
-}
-
 impl SimStore {
     fn inner(&self) -> BoxStore {
         self.shared.inner.lock().unwrap().clone()
@@ -281,8 +274,9 @@ impl SimStore {
         *log.counts.entry(fault).or_default() += 1;
     }
 
-    /// Draws this call's faults, and waits out a delay or a stall.
-    async fn strike(&self, id: &RecordId) -> Strike {
+    /// Draws this call's faults, and waits out a delay or a stall: an error when the call is
+    /// lost before the store sees it, else whether its reply will be.
+    async fn strike(&self, id: &RecordId) -> Result<ReplyLost, StoreError> {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -314,13 +308,22 @@ impl SimStore {
         }
         if lost_call {
             self.hit(id, Fault::LostCall);
-            return Strike::LostCall;
+            return Err(lost());
         }
         if lost_reply {
             self.hit(id, Fault::LostReply);
-            return Strike::LostReply;
         }
-        Strike::None
+        Ok(ReplyLost(lost_reply))
+    }
+}
+
+/// Whether a call's reply is lost after the store applied it.
+struct ReplyLost(bool);
+
+impl ReplyLost {
+    /// The caller's answer: `answer`, or the error a lost reply leaves it with.
+    fn reply<T>(self, answer: T) -> Result<T, StoreError> {
+        if self.0 { Err(lost()) } else { Ok(answer) }
     }
 }
 
@@ -335,10 +338,7 @@ impl Store for SimStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let strike = self.strike(id).await;
-        if matches!(strike, Strike::LostCall) {
-            return Err(lost());
-        }
+        let reply_lost = self.strike(id).await?;
         let failovers = self.shared.failovers.load(Ordering::SeqCst);
         let claim = self.inner().claim(id, fingerprint, lease).await?;
         if let Claim::Claimed(token) = &claim {
@@ -355,10 +355,7 @@ impl Store for SimStore {
                 ));
             }
         }
-        match strike {
-            Strike::LostReply => Err(lost()),
-            _ => Ok(claim),
-        }
+        reply_lost.reply(claim)
     }
 
     async fn complete(
@@ -368,10 +365,7 @@ impl Store for SimStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let strike = self.strike(id).await;
-        if matches!(strike, Strike::LostCall) {
-            return Err(lost());
-        }
+        let reply_lost = self.strike(id).await?;
         let written = self.inner().complete(id, token, completed, ttl).await?;
         let aborted = {
             let mut log = self.shared.log.lock().unwrap();
@@ -394,10 +388,7 @@ impl Store for SimStore {
                 "the completion was fenced out; the work rolled back".into(),
             ));
         }
-        match strike {
-            Strike::LostReply => Err(lost()),
-            _ => Ok(written),
-        }
+        reply_lost.reply(written)
     }
 
     async fn renew(
@@ -406,15 +397,9 @@ impl Store for SimStore {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let strike = self.strike(id).await;
-        if matches!(strike, Strike::LostCall) {
-            return Err(lost());
-        }
+        let reply_lost = self.strike(id).await?;
         let renewed = self.inner().renew(id, token, lease).await?;
-        match strike {
-            Strike::LostReply => Err(lost()),
-            _ => Ok(renewed),
-        }
+        reply_lost.reply(renewed)
     }
 
     fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
@@ -429,15 +414,9 @@ impl Store for SimStore {
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        let strike = self.strike(id).await;
-        if matches!(strike, Strike::LostCall) {
-            return Err(lost());
-        }
+        let reply_lost = self.strike(id).await?;
         let released = self.inner().release(id, token).await?;
         self.shared.log.lock().unwrap().open.remove(token);
-        match strike {
-            Strike::LostReply => Err(lost()),
-            _ => Ok(released),
-        }
+        reply_lost.reply(released)
     }
 }
