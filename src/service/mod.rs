@@ -43,7 +43,7 @@ use crate::throttle::Throttle;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How often a claim-time store failure is logged while it lasts.
-const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -95,8 +95,9 @@ pub(crate) struct Shared<St> {
     store: Metered<St>,
     config: Config,
     background: Background,
-    /// Claim-time store failures repeat with every request: logged once per interval.
-    store_failures: Throttle,
+    /// Claim-time store failures repeat with every request: logged once per interval (shared by
+    /// every service of one layer: a router may build one per connection, or per request).
+    store_failures: Arc<Throttle>,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
     /// The records this process completed, for replays without a store call (opt-in).
@@ -111,6 +112,7 @@ impl<S, St> Idempotency<S, St> {
         background: Background,
         waits: Waits,
         replays: Option<ReplayCache>,
+        store_failures: Arc<Throttle>,
     ) -> Self {
         meter::describe();
         Self {
@@ -119,7 +121,7 @@ impl<S, St> Idempotency<S, St> {
                 store: Metered(store),
                 config,
                 background,
-                store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
+                store_failures,
                 waits,
                 replays,
             }),
