@@ -125,7 +125,7 @@ impl PgStore {
                 }
                 Ok(Err(err)) => {
                     let unknown = committing.load(Ordering::Relaxed) && is_connection_failure(&err);
-                    (PgStoreError::Database(err), unknown)
+                    (self.statement_failed(err), unknown)
                 }
                 Err(_) => (
                     PgStoreError::Timeout(timeout),
