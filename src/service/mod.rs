@@ -299,6 +299,17 @@ impl<St: Store> Shared<St> {
         detail: String,
         retry_after: Option<u64>,
     ) -> Response<ResponseBody<B>> {
+        let (response, outcome) = self.unfinished_problem(kind, detail, retry_after);
+        finish(response, outcome)
+    }
+
+    /// A problem response and its outcome, not yet marked, logged or counted ([`finish`]).
+    pub(super) fn unfinished_problem<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        retry_after: Option<u64>,
+    ) -> (Response<ResponseBody<B>>, Outcome) {
         let problem =
             Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
         let response = problem::respond(&problem, &*self.config.render);
@@ -308,9 +319,10 @@ impl<St: Store> Shared<St> {
             ProblemKind::NotReplayable => Outcome::NotReplayable,
             ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
+            ProblemKind::CommitRejected => Outcome::CommitRejected,
             _ => Outcome::Rejected,
         };
-        finish(response.map(ResponseBody::full), outcome)
+        (response.map(ResponseBody::full), outcome)
     }
 
     pub(super) fn held<'a>(
@@ -340,7 +352,7 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
     match outcome {
         // Store failures are warned of once per interval where they happen, with a count: one
         // warning per request would flood the log for as long as the store is away or full.
-        Outcome::HandlerFailed => {
+        Outcome::HandlerFailed | Outcome::CommitRejected => {
             tracing::warn!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
         }
         Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {

@@ -70,6 +70,14 @@ pub enum StoreError {
     /// whose completion commits with the work's effects ([`Store::prepare`]) returns it.
     #[error("the work's transaction did not commit with its record")]
     Aborted(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A completion's transaction was refused for a reason that sending it again cannot fix: the
+    /// work's own writes broke a rule of the database (an integrity constraint, invalid data, an
+    /// object that does not exist). It rolled back, and the claim was released: the work is not
+    /// done, and the same work sent again is refused again until the data it conflicts with
+    /// changes. Only a store whose completion commits with the work's effects
+    /// ([`Store::prepare`]) returns it.
+    #[error("the work's transaction was refused: its writes cannot commit as they are")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The stored bytes could not be read or written.
     #[error("a record could not be encoded or decoded")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),

@@ -492,6 +492,29 @@ fn is_missing_table(err: &sqlx::Error) -> bool {
     sqlstate(err).as_deref() == Some("42P01")
 }
 
+/// Whether `err`, from the handler's own transaction, is a refusal that sending the same work
+/// again cannot fix. At the commit (`at_commit`), where the deferred checks of the handler's
+/// writes run: SQLSTATE class 22 (data exception), 23 (integrity constraint violation: a deferred
+/// foreign key, unique or exclusion constraint) or 42 (an object that does not exist, a privilege
+/// missing). At the completion statement, before the commit: 25P02, the transaction had already
+/// failed (a statement of the handler's own failed, and the handler answered all the same), so it
+/// can only roll back. Serialization failures and deadlocks (class 40), connection failures and
+/// timeouts are not: a retry may succeed.
+fn rejects_the_work(err: &sqlx::Error, at_commit: bool) -> bool {
+    sqlstate(err).is_some_and(|code| refused_for_good(&code, at_commit))
+}
+
+/// [`rejects_the_work`], by SQLSTATE.
+fn refused_for_good(code: &str, at_commit: bool) -> bool {
+    if at_commit {
+        ["22", "23", "42"]
+            .iter()
+            .any(|class| code.starts_with(class))
+    } else {
+        code == "25P02"
+    }
+}
+
 /// Whether `err` says the connection, or the server, is gone (rather than that a statement
 /// failed): SQLSTATE class 08 (connection exception) and 57P01-57P03 (the server shutting down,
 /// or ending this connection: `pg_terminate_backend`).
@@ -555,6 +578,32 @@ mod tests {
         assert_eq!(millis(Duration::ZERO), 1);
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
         assert_eq!(millis(Duration::MAX), MAX_MILLIS as i64);
+    }
+
+    #[test]
+    fn only_what_a_retry_cannot_fix_rejects_the_work() {
+        // At the commit: integrity, data and undefined-object errors of the handler's writes.
+        for code in [
+            "23503", "23505", "23514", "23P01", "22003", "22P02", "42P01", "42501",
+        ] {
+            assert!(refused_for_good(code, true), "{code} at the commit");
+        }
+        // Serialization failures, deadlocks, connection loss, shutdown, cancellation, a failed
+        // transaction: a retry may succeed, or the transaction is the handler's to end.
+        for code in [
+            "40001", "40P01", "08006", "57P01", "57014", "25P02", "53300",
+        ] {
+            assert!(!refused_for_good(code, true), "{code} at the commit");
+        }
+        // At the completion statement, only a transaction that had already failed.
+        assert!(refused_for_good("25P02", false));
+        for code in ["23505", "42P01", "40001", "08006"] {
+            assert!(!refused_for_good(code, false), "{code} at the completion");
+        }
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!rejects_the_work(&io, true));
+        assert!(!rejects_the_work(&sqlx::Error::PoolTimedOut, true));
+        assert!(!rejects_the_work(&sqlx::Error::RowNotFound, false));
     }
 
     #[test]
