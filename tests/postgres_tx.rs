@@ -18,7 +18,9 @@ use support::postgres_server::PostgresServer;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::client::{Attempts, IdempotentRetryLayer};
 use tower_idempotency::store::sqlx::{self, Connection, Executor as _, PgConnection, Row};
-use tower_idempotency::{IdempotencyLayer, Outcome, PgStore, PgTx, ProblemKind, RecordId};
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, Outcome, PgStore, PgTx, ProblemKind, RecordId,
+};
 
 /// What the test handler is told to do, by the request body.
 async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), StatusCode> {
@@ -784,4 +786,87 @@ async fn failures_at_commit_are_told_apart_by_sqlstate() {
         f.server.log_contents().contains("STATEMENT:  COMMIT"),
         "the deferred checks failed at the commit"
     );
+}
+
+/// Writes outside `PgTx` (through the pool) commit on their own: a run that fails after one keeps
+/// it, and the retry makes it again; keyed by the operation with a unique constraint, the retry's
+/// write finds the first one. The handler's `PgTx` write commits once either way. PROTOCOL.md
+/// §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_through_the_pool_are_not_undone_with_the_transaction() {
+    let f = fixture().await;
+    admin(&f.server)
+        .await
+        .execute("CREATE TABLE outside_writes (operation text PRIMARY KEY)")
+        .await
+        .expect("the table of keyed writes");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (pool, counter) = (f.store.pool().clone(), runs.clone());
+    let app = Router::new()
+        .route(
+            "/outside",
+            post(move |key: IdempotencyKey, mut tx: PgTx| {
+                let (pool, first) = (pool.clone(), counter.fetch_add(1, Ordering::SeqCst) == 0);
+                async move {
+                    let fail = |_| StatusCode::INTERNAL_SERVER_ERROR;
+                    // Not undone with the transaction.
+                    sqlx::query("INSERT INTO effects (body) VALUES ('outside')")
+                        .execute(&pool)
+                        .await
+                        .map_err(fail)?;
+                    // Keyed by the operation: the retry's write finds the first one.
+                    sqlx::query(
+                        "INSERT INTO outside_writes (operation) VALUES ($1)
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(key.derive("outside"))
+                    .execute(&pool)
+                    .await
+                    .map_err(fail)?;
+                    sqlx::query("INSERT INTO effects (body) VALUES ('inside')")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(fail)?;
+                    if first {
+                        return Err(StatusCode::INTERNAL_SERVER_ERROR);
+                    }
+                    Ok(StatusCode::CREATED)
+                }
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(f.store.clone()));
+    let send = || {
+        app.clone().oneshot(
+            Request::post("/outside")
+                .header("idempotency-key", "k")
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+    let failed = send().await.unwrap();
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let retried = send().await.unwrap();
+    assert_eq!(retried.status(), StatusCode::CREATED);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry ran the handler again"
+    );
+
+    assert_eq!(
+        f.effects("inside").await,
+        1,
+        "the PgTx write committed once"
+    );
+    assert_eq!(
+        f.effects("outside").await,
+        2,
+        "the pool write was kept by the failed run and made again by the retry"
+    );
+    let keyed: i64 = sqlx::query("SELECT count(*) FROM outside_writes")
+        .fetch_one(&mut admin(&f.server).await)
+        .await
+        .expect("a count")
+        .get(0);
+    assert_eq!(keyed, 1, "the write keyed by the operation was made once");
 }

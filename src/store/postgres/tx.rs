@@ -184,6 +184,17 @@ impl PgStore {
 ///
 /// Drop it before the handler returns (take it by value in the handler's arguments): a
 /// transaction still held when the layer resolves it is rolled back, and the client gets a 503.
+///
+/// # Writes outside the transaction
+/// Only what the handler writes through the `PgTx` is undone with it. A write made another way
+/// (through the pool, [`PgStore::pool`] or the application's own, another connection, another
+/// service) commits on its own. When the run then fails (the handler errors, panics or answers a
+/// status that is not stored, or the commit does not happen), that write stays, the claim is
+/// released, and the retry runs the handler again, which makes the write a second time. Write
+/// through the `PgTx`; where a write must go elsewhere, make it idempotent by the operation: a
+/// unique constraint on a column keyed by the request (say
+/// [`IdempotencyKey::derive`](crate::IdempotencyKey::derive)), written with
+/// `ON CONFLICT DO NOTHING`, so that the retry's write finds the first one.
 /// With the `axum` feature it is an extractor; without, take it with
 /// [`PgTx::from_extensions`].
 ///
