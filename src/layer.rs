@@ -15,7 +15,8 @@ use crate::problem::{ProblemKind, RenderProblem};
 use crate::replay_cache::ReplayCache;
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::{Rejection, Scope};
-use crate::service::{Idempotency, Waits};
+use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
+use crate::throttle::Throttle;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -44,6 +45,7 @@ pub struct IdempotencyLayer<St> {
     background: Background,
     waits: Waits,
     replays: Option<ReplayCache>,
+    store_failures: Arc<Throttle>,
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -55,6 +57,7 @@ impl<St> IdempotencyLayer<St> {
             background: Background::default(),
             waits: Waits::default(),
             replays: None,
+            store_failures: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
         }
     }
 
@@ -425,6 +428,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.background.clone(),
             self.waits.clone(),
             self.replays.clone(),
+            self.store_failures.clone(),
         )
     }
 }

@@ -170,6 +170,16 @@ impl<'a, St: Store> Held<'a, St> {
                     not_written(what);
                     return false;
                 }
+                // Refused for good: the same write sent again is refused again.
+                Err(StoreError::Rejected(err)) => {
+                    tracing::error!(
+                        target: "tower_idempotency",
+                        operation = what,
+                        error = %ErrorChain(&*err),
+                        "the store rejected the write; it cannot succeed as it is, giving up"
+                    );
+                    return false;
+                }
                 Err(err) => {
                     failures += 1;
                     // One warning per write, not one per attempt: an outage would flood the log.

@@ -125,8 +125,8 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `rejected`, `unprotected`) |
-//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted` or `codec` |
+//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `rejected`, `unprotected`) |
+//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted`, `rejected` or `codec` |
 //!
 //! One count per covered request (a passthrough of an uncovered method is not counted), one
 //! sample per store call, the layer's and the consumer's. Labels take only the values listed: no

@@ -86,7 +86,8 @@ pub(crate) fn outcome(outcome: Outcome) {
             Rejected,
             StoreUnavailable,
             FailedOpen,
-            HandlerFailed
+            HandlerFailed,
+            CommitRejected
         );
         ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
     }
@@ -95,9 +96,9 @@ pub(crate) fn outcome(outcome: Outcome) {
 }
 
 /// The keys of one store operation's calls, by result: `ok`, `full`, `timeout`, `unavailable`,
-/// `aborted`, `codec` (see [`result`]).
+/// `aborted`, `codec`, `rejected` (see [`result`]).
 #[cfg(feature = "metrics")]
-type CallKeys = [&'static ::metrics::Key; 6];
+type CallKeys = [&'static ::metrics::Key; 7];
 
 /// The [`CallKeys`] of `operation`.
 #[cfg(feature = "metrics")]
@@ -110,6 +111,7 @@ macro_rules! call_keys {
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "unavailable"),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "aborted"),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "codec"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "rejected"),
         ];
         &KEYS
     }};
@@ -125,6 +127,7 @@ fn result<T>(result: &Result<T, StoreError>) -> usize {
         Err(StoreError::Unavailable(_)) => 3,
         Err(StoreError::Aborted(_)) => 4,
         Err(StoreError::Codec(_)) => 5,
+        Err(StoreError::Rejected(_)) => 6,
     }
 }
 

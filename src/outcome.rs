@@ -51,6 +51,12 @@ pub enum Outcome {
     FailedOpen,
     /// The handler failed or panicked: 500, and the claim was released.
     HandlerFailed,
+    /// The handler ran, but its transaction was refused at commit for a reason that sending it
+    /// again cannot fix (a store whose completion commits with the work, [`StoreError::Rejected`]):
+    /// 422, nothing was done, and the claim was released.
+    ///
+    /// [`StoreError::Rejected`]: crate::StoreError::Rejected
+    CommitRejected,
 }
 
 impl Outcome {
@@ -68,6 +74,7 @@ impl Outcome {
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::FailedOpen => "failed_open",
             Outcome::HandlerFailed => "handler_failed",
+            Outcome::CommitRejected => "commit_rejected",
         }
     }
 }

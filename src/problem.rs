@@ -41,6 +41,14 @@
 //! 500: the handler failed or panicked. Nothing was stored; a retry runs it again. (When the
 //! handler did return a response but its body failed while it was read, the operation is taken as
 //! completed: a retry gets not-replayable, never a second run.)
+//!
+//! ### commit-rejected
+//! 422 without `Retry-After`: the handler ran in a transaction that commits with the request's
+//! record (`PgTx`), and the database refused that commit for a reason that sending the request
+//! again cannot fix: the handler's writes broke an integrity constraint (a deferred foreign key, a
+//! unique key), held invalid data, or named an object that does not exist. Nothing was done, and
+//! the key is free again: the same request with this key is refused the same way until the data it
+//! conflicts with changes, and may then be sent again.
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
@@ -77,10 +85,13 @@ pub enum ProblemKind {
     StoreUnavailable,
     /// The handler failed or panicked (500).
     HandlerFailed,
+    /// The handler's transaction was refused at commit for a reason that sending the request
+    /// again cannot fix (422); nothing was done.
+    CommitRejected,
 }
 
 impl ProblemKind {
-    pub(crate) const ALL: [ProblemKind; 9] = [
+    pub(crate) const ALL: [ProblemKind; 10] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::BodyTooLarge,
@@ -90,6 +101,7 @@ impl ProblemKind {
         ProblemKind::NotReplayable,
         ProblemKind::StoreUnavailable,
         ProblemKind::HandlerFailed,
+        ProblemKind::CommitRejected,
     ];
 
     pub(crate) fn index(self) -> usize {
@@ -102,6 +114,9 @@ impl ProblemKind {
             ProblemKind::MissingKey | ProblemKind::InvalidKey | ProblemKind::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
+            // Not 409 (a client retries that: the first request may still run) nor a 5xx: the
+            // request's own data is refused, so it is an answer, and clients do not retry it.
+            ProblemKind::CommitRejected => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::InFlight | ProblemKind::NotReplayable => StatusCode::CONFLICT,
             ProblemKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
@@ -122,6 +137,7 @@ impl ProblemKind {
             ProblemKind::NotReplayable => type_uri!("not-replayable"),
             ProblemKind::StoreUnavailable => type_uri!("store-unavailable"),
             ProblemKind::HandlerFailed => type_uri!("handler-failed"),
+            ProblemKind::CommitRejected => type_uri!("commit-rejected"),
         }
     }
 
@@ -139,6 +155,7 @@ impl ProblemKind {
             }
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::HandlerFailed => "The request failed",
+            ProblemKind::CommitRejected => "The request's changes were rejected",
         }
     }
 }

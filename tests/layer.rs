@@ -510,9 +510,79 @@ async fn every_layer_error_is_a_problem_json() {
         send(&svc, post_request("k", "x")).await,
     );
 
+    let faulty = Faulty::new(MemoryStore::new());
+    faulty.reject_completions(true);
+    let svc = service(IdempotencyLayer::new(faulty), echo());
+    check(
+        ProblemKind::CommitRejected,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "commit-rejected",
+        send(&svc, post_request("k", "x")).await,
+    );
+
     seen.sort_unstable();
     seen.dedup();
-    assert_eq!(seen.len(), 9, "one distinct type per kind");
+    assert_eq!(seen.len(), 10, "one distinct type per kind");
+}
+
+/// A completion the store rejects for good (the handler's transaction broke a rule of the
+/// database) is not reported as done, and not as a store outage: 422 `commit-rejected` without
+/// `Retry-After`, the write is not retried, and the key is free: the same request runs again, and
+/// once the store accepts, it is stored and replayed. A status set with `problem_status` is the
+/// one sent. PROTOCOL.md §9.9, §7.2, §7.3.
+#[tokio::test(start_paused = true)]
+async fn a_rejected_completion_is_an_answer_and_frees_the_key() {
+    let faulty = Faulty::new(MemoryStore::new());
+    let store = Counting::new(faulty.clone());
+    let handler = echo();
+    let layer = IdempotencyLayer::new(store.clone());
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, handler.clone());
+
+    faulty.reject_completions(true);
+    for run in 1..=2 {
+        let rejected = send(&svc, post_request("k", "x")).await;
+        rejected.assert_problem(
+            ProblemKind::CommitRejected,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        );
+        assert_eq!(rejected.outcome, Some(Outcome::CommitRejected));
+        assert_eq!(
+            rejected.header(RETRY_AFTER),
+            None,
+            "retrying as it is cannot help"
+        );
+        assert_ne!(
+            rejected.text(),
+            format!("call {run}"),
+            "the rolled-back response is not delivered"
+        );
+    }
+    shutdown.clone().wait().await;
+    let calls = store.calls();
+    assert_eq!(
+        (calls.complete, handler.calls()),
+        (2, 2),
+        "no write is retried; each request ran, as the key was free again"
+    );
+
+    faulty.reject_completions(false);
+    let accepted = send(&svc, post_request("k", "x")).await;
+    assert_eq!(accepted.outcome, Some(Outcome::Executed));
+    assert_eq!(accepted.text(), "call 3");
+    let replay = send(&svc, post_request("k", "x")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(handler.calls(), 3);
+
+    faulty.reject_completions(true);
+    let remapped = service(
+        IdempotencyLayer::new(faulty.clone())
+            .problem_status(ProblemKind::CommitRejected, StatusCode::CONFLICT),
+        echo(),
+    );
+    send(&remapped, post_request("other", "x"))
+        .await
+        .assert_problem(ProblemKind::CommitRejected, StatusCode::CONFLICT);
 }
 
 /// `problem_status(ProblemKind::Mismatch, 409)` answers a mismatch with 409 instead of 422.

@@ -265,3 +265,34 @@ async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() 
     assert_eq!(warned.len(), 1, "{warned:?}");
     assert_eq!(warned[0].field("held_back"), Some("49"));
 }
+
+/// The interval is the layer's, not each service's: a router may build a service per connection
+/// (axum's does for each one it serves) or per request, and each must not warn again.
+/// PROTOCOL.md §12.3.
+#[tokio::test(start_paused = true)]
+async fn store_refusals_are_warned_of_once_per_layer_whatever_builds_its_services() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let layer = IdempotencyLayer::new(MemoryStore::with_capacity(0));
+    let from = captured.events().len();
+    for n in 0..20 {
+        // A service of its own for each request, from the layer or from a clone of it.
+        let svc = service(layer.clone(), Handler::ok(|_| created("ok")));
+        let reply = send(&svc, post(&format!("k{n}"), "x")).await;
+        assert_eq!(reply.outcome, Some(Outcome::StoreUnavailable));
+    }
+    let warned: Vec<_> = captured
+        .events()
+        .into_iter()
+        .skip(from)
+        .filter(|e| {
+            e.field("message")
+                .is_some_and(|m| m.starts_with("idempotency store failed at claim time"))
+        })
+        .collect();
+    assert_eq!(
+        warned.len(),
+        1,
+        "one warning for the layer's 20 services: {warned:?}"
+    );
+}

@@ -200,6 +200,29 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
         Some(Outcome::FailedOpen)
     );
 
+    let rejecting = Faulty::new(MemoryStore::new());
+    rejecting.reject_completions(true);
+    let rejected = tower_idempotency::testing::service(
+        IdempotencyLayer::new(rejecting),
+        Handler::ok(|_| tower_idempotency::testing::created("ok")),
+    );
+    assert_eq!(
+        outcome(send(&rejected, post("k8", "x")).await),
+        Some(Outcome::CommitRejected)
+    );
+    // A completion that did not commit: the handler ran, but the request is counted once, by
+    // its answer.
+    let aborting = Faulty::new(MemoryStore::new());
+    aborting.abort_completions(true);
+    let aborted = tower_idempotency::testing::service(
+        IdempotencyLayer::new(aborting),
+        Handler::ok(|_| tower_idempotency::testing::created("ok")),
+    );
+    assert_eq!(
+        outcome(send(&aborted, post("k9", "x")).await),
+        Some(Outcome::StoreUnavailable)
+    );
+
     let recorded = recorded(&snapshotter);
     let expected_outcomes: BTreeMap<String, u64> = [
         ("executed", 3),
@@ -211,20 +234,24 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
         ("unprotected", 1),
         ("rejected", 2),
         ("in_flight", 1),
-        ("store_unavailable", 1),
+        ("store_unavailable", 2),
         ("failed_open", 1),
+        ("commit_rejected", 1),
     ]
     .into_iter()
     .map(|(name, n)| (name.to_owned(), n))
     .collect();
     assert_eq!(recorded.outcomes, expected_outcomes);
 
-    // Claims: k1 four times, k2, k3 twice, k4, k5 twice (ok); k6 and k7 (the store was down).
-    // Completions: k1, k3 (a tombstone), k5. Releases: k2 (not stored), k4 (failed).
+    // Claims: k1 four times, k2, k3 twice, k4, k5 twice, k8, k9 (ok); k6 and k7 (the store was
+    // down). Completions: k1, k3 (a tombstone), k5; k8 rejected, k9 aborted. Releases: k2 (not
+    // stored), k4 (failed).
     let expected_calls: BTreeMap<(String, String), usize> = [
-        (("claim", "ok"), 10),
+        (("claim", "ok"), 12),
         (("claim", "unavailable"), 2),
         (("complete", "ok"), 3),
+        (("complete", "rejected"), 1),
+        (("complete", "aborted"), 1),
         (("release", "ok"), 2),
     ]
     .into_iter()

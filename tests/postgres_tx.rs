@@ -10,13 +10,17 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use axum::http::header::RETRY_AFTER;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use support::postgres_server::PostgresServer;
-use tower::ServiceExt;
-use tower_idempotency::store::sqlx::{self, Connection, PgConnection, Row};
-use tower_idempotency::{IdempotencyLayer, Outcome, PgStore, PgTx, RecordId};
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::client::{Attempts, IdempotentRetryLayer};
+use tower_idempotency::store::sqlx::{self, Connection, Executor as _, PgConnection, Row};
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer, Outcome, PgStore, PgTx, ProblemKind, RecordId,
+};
 
 /// What the test handler is told to do, by the request body.
 async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), StatusCode> {
@@ -30,6 +34,57 @@ async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), Stat
         "unavailable" => Err(StatusCode::SERVICE_UNAVAILABLE),
         "panic" => panic!("the handler panicked after its write"),
         "declined" => Ok((StatusCode::PAYMENT_REQUIRED, body)),
+        // A charge for a customer that does not exist: the deferred foreign key fails at commit.
+        "orphan" => {
+            sqlx::query("INSERT INTO orders (customer) VALUES (42)")
+                .execute(&mut *tx)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            Ok((StatusCode::CREATED, body))
+        }
+        // A reference already taken: the deferred unique constraint fails at commit.
+        "taken" => {
+            sqlx::query("INSERT INTO refs (ref) VALUES ('taken')")
+                .execute(&mut *tx)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            Ok((StatusCode::CREATED, body))
+        }
+        // A deferred check that fails at commit with the SQLSTATE named after the colon.
+        at_commit if at_commit.starts_with("at-commit:") => {
+            sqlx::query("INSERT INTO checked_at_commit (code) VALUES ($1)")
+                .bind(&at_commit["at-commit:".len()..])
+                .execute(&mut *tx)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            Ok((StatusCode::CREATED, body))
+        }
+        // The same failed statement, inside a savepoint the handler rolls back to: its own 400
+        // commits with the record, and its earlier write with it.
+        "savepoint" => {
+            let mut savepoint = tx
+                .begin()
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            let duplicate = sqlx::query("INSERT INTO customers (id) VALUES (1)")
+                .execute(&mut *savepoint)
+                .await;
+            assert!(duplicate.is_err(), "customer 1 exists");
+            savepoint
+                .rollback()
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            Ok((StatusCode::BAD_REQUEST, body))
+        }
+        // The handler's own statement breaks an immediate constraint, and the handler answers
+        // with a status the layer stores: the transaction can only roll back.
+        "swallowed" => {
+            let duplicate = sqlx::query("INSERT INTO customers (id) VALUES (1)")
+                .execute(&mut *tx)
+                .await;
+            assert!(duplicate.is_err(), "customer 1 exists");
+            Ok((StatusCode::BAD_REQUEST, body))
+        }
         "cut" => {
             // The connection dies after the write, before the layer commits.
             let pid: i32 = sqlx::query("SELECT pg_backend_pid()")
@@ -81,10 +136,25 @@ async fn fixture() -> Fixture {
     let store = PgStore::connect(&server.url()).expect("a store");
     store.migrate().await.expect("the table is created");
     let mut admin = admin(&server).await;
-    sqlx::query("CREATE TABLE effects (body text NOT NULL)")
-        .execute(&mut admin)
+    admin
+        .execute(
+            "CREATE TABLE effects (body text NOT NULL);
+             CREATE TABLE customers (id int PRIMARY KEY);
+             INSERT INTO customers (id) VALUES (1);
+             CREATE TABLE orders (
+                 customer int NOT NULL REFERENCES customers DEFERRABLE INITIALLY DEFERRED
+             );
+             CREATE TABLE refs (ref text UNIQUE DEFERRABLE INITIALLY DEFERRED);
+             INSERT INTO refs (ref) VALUES ('taken');
+             CREATE TABLE checked_at_commit (code text NOT NULL);
+             CREATE FUNCTION fail_with_code() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN RAISE EXCEPTION 'deferred check failed' USING ERRCODE = NEW.code; END
+             $$;
+             CREATE CONSTRAINT TRIGGER fail_at_commit AFTER INSERT ON checked_at_commit
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_with_code();",
+        )
         .await
-        .expect("the effects table");
+        .expect("the handler's tables");
     let calls = Arc::new(AtomicUsize::new(0));
     let counter = calls.clone();
     let app = Router::new()
@@ -99,6 +169,7 @@ async fn fixture() -> Fixture {
             "/plain",
             post(|body: String| async move { (StatusCode::CREATED, body) }),
         )
+        .route("/serializable", post(write_skew))
         .route_layer(IdempotencyLayer::new(store.clone()).lease(Duration::from_secs(5)));
     Fixture {
         server,
@@ -117,7 +188,19 @@ async fn admin(server: &PostgresServer) -> PgConnection {
 struct Answer {
     status: StatusCode,
     outcome: Option<Outcome>,
+    kind: Option<ProblemKind>,
+    retry_after: Option<String>,
     body: String,
+}
+
+impl Answer {
+    /// The `type` member of a problem+json body.
+    fn problem_type(&self) -> String {
+        serde_json::from_str::<serde_json::Value>(&self.body)
+            .ok()
+            .and_then(|json| json["type"].as_str().map(str::to_owned))
+            .unwrap_or_default()
+    }
 }
 
 impl Fixture {
@@ -132,10 +215,17 @@ impl Fixture {
             .unwrap();
         let status = response.status();
         let outcome = response.extensions().get::<Outcome>().copied();
+        let kind = response.extensions().get::<ProblemKind>().copied();
+        let retry_after = response
+            .headers()
+            .get(RETRY_AFTER)
+            .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned());
         let body = response.into_body().collect().await.unwrap().to_bytes();
         Answer {
             status,
             outcome,
+            kind,
+            retry_after,
             body: String::from_utf8_lossy(&body).into_owned(),
         }
     }
@@ -411,4 +501,372 @@ async fn a_consumer_marks_a_message_processed_in_its_own_transaction() {
     assert!(!second.await.unwrap(), "and skips once it committed");
     // Message ids never meet HTTP keys of the same text.
     assert_eq!(f.record("evt_3").await, None);
+}
+
+/// A serializable handler whose write skews with a transaction that commits first: its own commit
+/// fails with a serialization failure (40001), which a retry can fix.
+async fn write_skew(mut tx: PgTx) -> Result<(StatusCode, &'static str), StatusCode> {
+    let fail = |_| StatusCode::INTERNAL_SERVER_ERROR;
+    tx.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        .await
+        .map_err(fail)?;
+    tx.execute("SELECT count(*) FROM effects WHERE body = 'skew-other'")
+        .await
+        .map_err(fail)?;
+    tx.execute("INSERT INTO effects (body) VALUES ('skew')")
+        .await
+        .map_err(fail)?;
+    // Another transaction reads what this one wrote and writes what it read, and commits first.
+    let url = SERVER_URL.with(Clone::clone);
+    let mut other = PgConnection::connect(&url).await.map_err(fail)?;
+    other
+        .execute(
+            "BEGIN ISOLATION LEVEL SERIALIZABLE;
+             SELECT count(*) FROM effects WHERE body = 'skew';
+             INSERT INTO effects (body) VALUES ('skew-other');
+             COMMIT;",
+        )
+        .await
+        .map_err(fail)?;
+    Ok((StatusCode::CREATED, "skewed"))
+}
+
+/// The client's view of a rejected commit: the answer, and the attempts the crate's own retry
+/// client made for it.
+async fn send_through_the_retry_client(f: &Fixture, key: &str, body: &str) -> (StatusCode, u32) {
+    let client = ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::new()
+                .backoff(Duration::from_millis(1), Duration::from_millis(10))
+                .deadline(Duration::from_secs(10)),
+        )
+        .service(f.app.clone());
+    let request = Request::post("/charges")
+        .header("idempotency-key", key)
+        .body(Full::<axum::body::Bytes>::from(body.to_owned()))
+        .unwrap();
+    let response = SERVER_URL
+        .scope(f.server.url(), client.oneshot(request))
+        .await
+        .expect("an answer");
+    let attempts = response
+        .extensions()
+        .get::<Attempts>()
+        .expect("the client's attempts")
+        .count();
+    (response.status(), attempts)
+}
+
+/// A deferred foreign key that fails at commit is no store outage: the client gets 422
+/// `commit-rejected` without `Retry-After`, nothing stays, and the claim is released. The retry
+/// client does not retry it; a retry with the same key runs again and is rejected again (never a
+/// 503 that asks for a retry), and once the missing customer exists, it commits once.
+/// PROTOCOL.md §9.9, §7.2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_foreign_key_failing_at_commit_is_rejected_not_unavailable() {
+    let f = fixture().await;
+    for attempt in 1..=3 {
+        let answer = f.send("/charges", "k", "orphan").await;
+        assert_eq!(
+            answer.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "attempt {attempt}: a failed integrity check is the request's answer, not a 503: {}",
+            answer.body
+        );
+        assert!(
+            answer.problem_type().ends_with("#commit-rejected"),
+            "attempt {attempt}: {}",
+            answer.body
+        );
+        assert_eq!(
+            (answer.kind, answer.outcome),
+            (
+                Some(ProblemKind::CommitRejected),
+                Some(Outcome::CommitRejected)
+            ),
+            "attempt {attempt}"
+        );
+        assert_eq!(
+            answer.retry_after, None,
+            "attempt {attempt}: retrying as it is cannot help"
+        );
+        assert_ne!(
+            answer.body, "orphan",
+            "the rolled-back response is not delivered"
+        );
+        assert_eq!(
+            f.effects("orphan").await,
+            0,
+            "attempt {attempt}: nothing stays"
+        );
+        assert_eq!(
+            f.record("k").await,
+            None,
+            "attempt {attempt}: the claim was released"
+        );
+    }
+    assert_eq!(f.calls(), 3, "each retry ran, and was rejected again");
+
+    let (status, attempts) = send_through_the_retry_client(&f, "k", "orphan").await;
+    assert_eq!(
+        (status, attempts),
+        (StatusCode::UNPROCESSABLE_ENTITY, 1),
+        "the retry client takes the rejection as an answer"
+    );
+
+    // The data fixed, the same key runs and commits once.
+    admin(&f.server)
+        .await
+        .execute("INSERT INTO customers (id) VALUES (42)")
+        .await
+        .expect("the customer");
+    let fixed = f.send("/charges", "k", "orphan").await;
+    assert_eq!(
+        (fixed.status, fixed.outcome),
+        (StatusCode::CREATED, Some(Outcome::Executed))
+    );
+    assert_eq!(f.effects("orphan").await, 1);
+    assert_eq!(f.record("k").await, Some((true, true)));
+    let replay = f.send("/charges", "k", "orphan").await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(f.effects("orphan").await, 1, "committed once");
+}
+
+/// A deferred unique constraint that fails at commit (the reference is taken) is rejected the same
+/// way: 422 `commit-rejected`, nothing stays, the claim is released. PROTOCOL.md §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unique_violation_at_commit_is_rejected() {
+    let f = fixture().await;
+    let answer = f.send("/charges", "k", "taken").await;
+    assert_eq!(
+        answer.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        answer.body
+    );
+    assert!(
+        answer.problem_type().ends_with("#commit-rejected"),
+        "{}",
+        answer.body
+    );
+    assert_eq!(answer.kind, Some(ProblemKind::CommitRejected));
+    assert_eq!(answer.retry_after, None);
+    assert_eq!(f.effects("taken").await, 0);
+    assert_eq!(f.record("k").await, None, "the claim was released");
+}
+
+/// A handler whose own statement broke a constraint, and which answered with a status the layer
+/// stores, left a transaction that can only roll back: rejected, not a 503. PROTOCOL.md §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_answer_after_a_failed_statement_is_rejected() {
+    let f = fixture().await;
+    let answer = f.send("/charges", "k", "swallowed").await;
+    assert_eq!(
+        answer.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        answer.body
+    );
+    assert!(
+        answer.problem_type().ends_with("#commit-rejected"),
+        "{}",
+        answer.body
+    );
+    assert_eq!(answer.kind, Some(ProblemKind::CommitRejected));
+    assert_eq!(f.effects("swallowed").await, 0);
+    assert_eq!(f.record("k").await, None, "the claim was released");
+}
+
+/// The way out of the above: the failed statement in a savepoint the handler rolls back to. Its
+/// own 400 commits with the record, with its earlier write, and is replayed. PROTOCOL.md §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_rolls_back_to_a_savepoint_commits_its_own_answer() {
+    let f = fixture().await;
+    let answer = f.send("/charges", "k", "savepoint").await;
+    assert_eq!(
+        (answer.status, answer.outcome),
+        (StatusCode::BAD_REQUEST, Some(Outcome::Executed)),
+        "{}",
+        answer.body
+    );
+    assert_eq!(
+        f.effects("savepoint").await,
+        1,
+        "the write before the savepoint committed"
+    );
+    assert_eq!(f.record("k").await, Some((true, true)));
+    let replay = f.send("/charges", "k", "savepoint").await;
+    assert_eq!(
+        (replay.status, replay.outcome),
+        (StatusCode::BAD_REQUEST, Some(Outcome::Replayed))
+    );
+}
+
+/// A serialization failure is one a retry can fix: a handler whose write skews with a transaction
+/// that committed first (its completion statement fails with 40001) gets a 503
+/// `store-unavailable` with `Retry-After`, nothing stays, and the claim is released for the retry.
+/// PROTOCOL.md §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialization_failure_stays_unavailable() {
+    let f = fixture().await;
+    let answer = f.send("/serializable", "k", "").await;
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        answer.body
+    );
+    assert!(
+        answer.problem_type().ends_with("#store-unavailable"),
+        "{}",
+        answer.body
+    );
+    assert_eq!(answer.outcome, Some(Outcome::StoreUnavailable));
+    assert_eq!(answer.retry_after.as_deref(), Some("1"));
+    assert_eq!(answer.kind, Some(ProblemKind::StoreUnavailable));
+    assert!(
+        f.server
+            .log_contents()
+            .contains("could not serialize access due to read/write dependencies"),
+        "the handler's transaction failed as a serialization failure"
+    );
+    assert_eq!(
+        f.effects("skew").await,
+        0,
+        "the handler's write rolled back"
+    );
+    assert_eq!(
+        f.effects("skew-other").await,
+        1,
+        "the other transaction committed"
+    );
+    assert_eq!(f.record("k").await, None, "the claim was released");
+}
+
+/// At the commit itself, a serialization failure (40001) or a deadlock (40P01) stays a 503 with
+/// `Retry-After`; a data exception (22P02) is rejected. Each leaves nothing, and releases the
+/// claim. PROTOCOL.md §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_at_commit_are_told_apart_by_sqlstate() {
+    let f = fixture().await;
+    for (code, status, kind) in [
+        (
+            "40001",
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::StoreUnavailable,
+        ),
+        (
+            "40P01",
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::StoreUnavailable,
+        ),
+        (
+            "22P02",
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ProblemKind::CommitRejected,
+        ),
+    ] {
+        let body = format!("at-commit:{code}");
+        let answer = f.send("/charges", code, &body).await;
+        assert_eq!(
+            (answer.status, answer.kind),
+            (status, Some(kind)),
+            "{code}: {}",
+            answer.body
+        );
+        assert_eq!(
+            answer.retry_after.is_some(),
+            kind == ProblemKind::StoreUnavailable,
+            "{code}: Retry-After only where a retry can help"
+        );
+        assert_eq!(f.effects(&body).await, 0, "{code}: nothing stays");
+        assert_eq!(f.record(code).await, None, "{code}: the claim was released");
+    }
+    assert!(
+        f.server.log_contents().contains("STATEMENT:  COMMIT"),
+        "the deferred checks failed at the commit"
+    );
+}
+
+/// Writes outside `PgTx` (through the pool) commit on their own: a run that fails after one keeps
+/// it, and the retry makes it again; keyed by the operation with a unique constraint, the retry's
+/// write finds the first one. The handler's `PgTx` write commits once either way. PROTOCOL.md
+/// §9.9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_through_the_pool_are_not_undone_with_the_transaction() {
+    let f = fixture().await;
+    admin(&f.server)
+        .await
+        .execute("CREATE TABLE outside_writes (operation text PRIMARY KEY)")
+        .await
+        .expect("the table of keyed writes");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (pool, counter) = (f.store.pool().clone(), runs.clone());
+    let app = Router::new()
+        .route(
+            "/outside",
+            post(move |key: IdempotencyKey, mut tx: PgTx| {
+                let (pool, first) = (pool.clone(), counter.fetch_add(1, Ordering::SeqCst) == 0);
+                async move {
+                    let fail = |_| StatusCode::INTERNAL_SERVER_ERROR;
+                    // Not undone with the transaction.
+                    sqlx::query("INSERT INTO effects (body) VALUES ('outside')")
+                        .execute(&pool)
+                        .await
+                        .map_err(fail)?;
+                    // Keyed by the operation: the retry's write finds the first one.
+                    sqlx::query(
+                        "INSERT INTO outside_writes (operation) VALUES ($1)
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(key.derive("outside"))
+                    .execute(&pool)
+                    .await
+                    .map_err(fail)?;
+                    sqlx::query("INSERT INTO effects (body) VALUES ('inside')")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(fail)?;
+                    if first {
+                        return Err(StatusCode::INTERNAL_SERVER_ERROR);
+                    }
+                    Ok(StatusCode::CREATED)
+                }
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(f.store.clone()));
+    let send = || {
+        app.clone().oneshot(
+            Request::post("/outside")
+                .header("idempotency-key", "k")
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+    let failed = send().await.unwrap();
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let retried = send().await.unwrap();
+    assert_eq!(retried.status(), StatusCode::CREATED);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry ran the handler again"
+    );
+
+    assert_eq!(
+        f.effects("inside").await,
+        1,
+        "the PgTx write committed once"
+    );
+    assert_eq!(
+        f.effects("outside").await,
+        2,
+        "the pool write was kept by the failed run and made again by the retry"
+    );
+    let keyed: i64 = sqlx::query("SELECT count(*) FROM outside_writes")
+        .fetch_one(&mut admin(&f.server).await)
+        .await
+        .expect("a count")
+        .get(0);
+    assert_eq!(keyed, 1, "the write keyed by the operation was made once");
 }

@@ -19,7 +19,7 @@ use tower_idempotency::testing::{
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
 
 /// Every kind, each with the outcome its response carries.
-const KINDS: [(ProblemKind, Outcome); 9] = [
+const KINDS: [(ProblemKind, Outcome); 10] = [
     (ProblemKind::MissingKey, Outcome::Rejected),
     (ProblemKind::InvalidKey, Outcome::Rejected),
     (ProblemKind::BodyTooLarge, Outcome::Rejected),
@@ -29,6 +29,7 @@ const KINDS: [(ProblemKind, Outcome); 9] = [
     (ProblemKind::NotReplayable, Outcome::NotReplayable),
     (ProblemKind::StoreUnavailable, Outcome::StoreUnavailable),
     (ProblemKind::HandlerFailed, Outcome::HandlerFailed),
+    (ProblemKind::CommitRejected, Outcome::CommitRejected),
 ];
 
 const SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
@@ -44,6 +45,7 @@ fn stripe_code(kind: ProblemKind) -> &'static str {
         ProblemKind::Mismatch => "idempotency_key_reused",
         ProblemKind::NotReplayable => "idempotency_response_unavailable",
         ProblemKind::StoreUnavailable => "idempotency_store_unavailable",
+        ProblemKind::CommitRejected => "request_rejected",
         _ => "api_error",
     }
 }
@@ -155,10 +157,18 @@ async fn every_kind(render: impl RenderProblem + Clone) -> Vec<(ProblemKind, Rep
     ));
 
     let failing = Handler::new(|_| async { Err(BoxError::from("the backend is down")) });
-    let failing = service(layer(MemoryStore::new(), render), failing);
+    let failing = service(layer(MemoryStore::new(), render.clone()), failing);
     replies.push((
         ProblemKind::HandlerFailed,
         send(&failing, post("fail", "x")).await,
+    ));
+
+    let store = Faulty::new(MemoryStore::new());
+    store.reject_completions(true);
+    let rejecting = service(layer(store, render), ok());
+    replies.push((
+        ProblemKind::CommitRejected,
+        send(&rejecting, post("rejected", "x")).await,
     ));
 
     let met: Vec<_> = replies.iter().map(|(kind, _)| *kind).collect();

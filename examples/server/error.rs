@@ -237,6 +237,9 @@ pub fn render_problem(problem: &Problem) -> RenderedProblem {
         ProblemKind::Mismatch => ("idempotency_error", "idempotency_key_reused"),
         ProblemKind::NotReplayable => ("idempotency_error", "idempotency_response_unavailable"),
         ProblemKind::StoreUnavailable => ("api_error", "idempotency_store_unavailable"),
+        // The database refused the charge's writes at commit: nothing was done, and sending the
+        // same request again would be refused again.
+        ProblemKind::CommitRejected => ("invalid_request_error", "request_rejected"),
         _ => ("api_error", "internal_error"),
     };
     let document = serde_json::json!({

@@ -70,7 +70,7 @@
 //! | `502`, `504` | yes | a gateway lost the upstream's answer, or never got one |
 //! | other `5xx`, except `501` and `505` | yes | a failure the server did not store: a retry runs again |
 //! | `501`, `505` | no | the server's fixed limits: the same answer every time |
-//! | `400`, `401`, `403`, `404`, `413`, `422`, any other `4xx` | no | the request's own fault; `422` means the key was used for another request |
+//! | `400`, `401`, `403`, `404`, `413`, `422`, any other `4xx` | no | the request's own fault; `422` means the key was used for another request, or the server refused the request's changes (`commit-rejected`: nothing was done) |
 //! | `1xx`, `2xx`, `3xx` | no | an answer |
 //!
 //! # When

@@ -88,7 +88,8 @@ impl<St: Store> Shared<St> {
                 .await;
 
             // What to store (a response, or `None` for a tombstone) and what to answer, or why the
-            // claim is released instead.
+            // claim is released instead. The answer's outcome is counted once the write decided
+            // it: a completion that does not commit answers otherwise.
             let (stored, response) = match result {
                 Ok(Ok(Handled::Buffered(mut parts, body))) => {
                     self.stamp_retention(&mut parts.headers);
@@ -98,11 +99,11 @@ impl<St: Store> Shared<St> {
                         body: body.clone(),
                     };
                     let response = Response::from_parts(parts, ResponseBody::full(body));
-                    (Some(Arc::new(stored)), finish(response, Outcome::Executed))
+                    (Some(Arc::new(stored)), (response, Outcome::Executed))
                 }
                 Ok(Ok(Handled::Unstorable(mut response))) => {
                     self.stamp_retention(response.headers_mut());
-                    (None, finish(response, Outcome::Executed))
+                    (None, (response, Outcome::Executed))
                 }
                 Ok(Ok(Handled::BodyFailed(err))) => {
                     // The handler ran: keep a tombstone so a retry does not run it again.
@@ -115,7 +116,8 @@ impl<St: Store> Shared<St> {
                         "the response failed while it was produced; the operation may have completed, \
                          so a retry with this key will not run it again",
                     );
-                    (None, self.problem(ProblemKind::HandlerFailed, detail))
+                    let problem = self.unfinished_problem(ProblemKind::HandlerFailed, detail, None);
+                    (None, problem)
                 }
                 Ok(Ok(Handled::NotStored(response))) => {
                     let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
@@ -162,14 +164,15 @@ impl<St: Store> Shared<St> {
 
     /// Stores the result, then answers: after the write, so that a retry that follows the response
     /// finds it. A failed write answers at once and is retried on a task of its own. A completion
-    /// whose transaction did not commit ([`StoreError::Aborted`]) took the handler's effects with
-    /// it: the client is told that nothing was done, and its retry runs the request again.
+    /// whose transaction did not commit took the handler's effects with it, and is not retried:
+    /// the client is told that nothing was done, and whether sending it again can help
+    /// ([`StoreError::Aborted`], a 503 to retry) or not ([`StoreError::Rejected`], a 422).
     async fn complete<B>(
         self: &Arc<Self>,
         id: &RecordId,
         token: &ClaimToken,
         completed: Completed,
-        response: Response<ResponseBody<B>>,
+        (response, outcome): (Response<ResponseBody<B>>, Outcome),
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
         // Before the write: the store counts the window from a later moment, so the copy dies first.
@@ -179,6 +182,19 @@ impl<St: Store> Shared<St> {
             replays.insert(*id, completed.clone(), until);
         }
         self.notify_waiters(id);
+        if let Err(StoreError::Rejected(err)) = &written {
+            tracing::error!(
+                target: "tower_idempotency",
+                error = %ErrorChain(&**err),
+                "the handler's transaction was rejected at commit; its writes were rolled back and the claim released"
+            );
+            let detail = String::from(
+                "the request's changes were rejected when they were committed (they conflict with \
+                 data the server holds, or are invalid), so nothing was done; the key is free \
+                 again, and the same request is rejected the same way until that data changes",
+            );
+            return self.problem(ProblemKind::CommitRejected, detail);
+        }
         if let Err(StoreError::Aborted(err)) = &written {
             tracing::error!(
                 target: "tower_idempotency",
@@ -193,7 +209,7 @@ impl<St: Store> Shared<St> {
             return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
         }
         self.after_write(id, token, Some(completed), written);
-        response
+        finish(response, outcome)
     }
 
     /// Releases the claim, then answers, like [`Shared::complete`].

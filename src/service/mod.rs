@@ -43,7 +43,7 @@ use crate::throttle::Throttle;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How often a claim-time store failure is logged while it lasts.
-const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const STORE_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -95,8 +95,9 @@ pub(crate) struct Shared<St> {
     store: Metered<St>,
     config: Config,
     background: Background,
-    /// Claim-time store failures repeat with every request: logged once per interval.
-    store_failures: Throttle,
+    /// Claim-time store failures repeat with every request: logged once per interval (shared by
+    /// every service of one layer: a router may build one per connection, or per request).
+    store_failures: Arc<Throttle>,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
     /// The records this process completed, for replays without a store call (opt-in).
@@ -111,6 +112,7 @@ impl<S, St> Idempotency<S, St> {
         background: Background,
         waits: Waits,
         replays: Option<ReplayCache>,
+        store_failures: Arc<Throttle>,
     ) -> Self {
         meter::describe();
         Self {
@@ -119,7 +121,7 @@ impl<S, St> Idempotency<S, St> {
                 store: Metered(store),
                 config,
                 background,
-                store_failures: Throttle::new(STORE_FAILURE_LOG_INTERVAL),
+                store_failures,
                 waits,
                 replays,
             }),
@@ -297,6 +299,17 @@ impl<St: Store> Shared<St> {
         detail: String,
         retry_after: Option<u64>,
     ) -> Response<ResponseBody<B>> {
+        let (response, outcome) = self.unfinished_problem(kind, detail, retry_after);
+        finish(response, outcome)
+    }
+
+    /// A problem response and its outcome, not yet marked, logged or counted ([`finish`]).
+    pub(super) fn unfinished_problem<B>(
+        &self,
+        kind: ProblemKind,
+        detail: String,
+        retry_after: Option<u64>,
+    ) -> (Response<ResponseBody<B>>, Outcome) {
         let problem =
             Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
         let response = problem::respond(&problem, &*self.config.render);
@@ -306,9 +319,10 @@ impl<St: Store> Shared<St> {
             ProblemKind::NotReplayable => Outcome::NotReplayable,
             ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
+            ProblemKind::CommitRejected => Outcome::CommitRejected,
             _ => Outcome::Rejected,
         };
-        finish(response.map(ResponseBody::full), outcome)
+        (response.map(ResponseBody::full), outcome)
     }
 
     pub(super) fn held<'a>(
@@ -338,7 +352,7 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
     match outcome {
         // Store failures are warned of once per interval where they happen, with a count: one
         // warning per request would flood the log for as long as the store is away or full.
-        Outcome::HandlerFailed => {
+        Outcome::HandlerFailed | Outcome::CommitRejected => {
             tracing::warn!(target: "tower_idempotency", %outcome, status, "idempotency outcome")
         }
         Outcome::InFlight | Outcome::Mismatch | Outcome::NotReplayable | Outcome::Rejected => {

@@ -3,9 +3,14 @@
 //! The trait is atomic, not get/put: [`Store::claim`] either claims a key or returns the record that
 //! is already there, in one step, so two instances can never both run a handler for one key.
 //! [`Store::complete`], [`Store::renew`] and [`Store::release`] take the claim's [`ClaimToken`] and
-//! do nothing (returning `Ok(false)`) when the record no longer carries it: an owner whose lease ran
-//! out and whose key was claimed again cannot overwrite or free the new owner's record. Only
-//! `complete` also writes where the key has no record left: the work ran, so its result is kept.
+//! do nothing (returning `Ok(false)`) when the record is not that claim's in-flight record: an
+//! owner whose lease ran out and whose key was claimed again cannot overwrite or free the new
+//! owner's record. `complete` alone also answers `Ok(true)` in two other cases: where the key has
+//! no record left, it writes the completion (the work ran, so its result is kept); where the key
+//! already holds exactly this completion (sent again after its answer was lost), it writes nothing.
+//!
+//! Each method's documentation says what the contract suite ([`testing`](crate::testing), feature
+//! `test-util`) checks of it; `docs/PROTOCOL.md` §10.1 and §10.2 are the rules in full.
 //!
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
 //!
@@ -70,6 +75,14 @@ pub enum StoreError {
     /// whose completion commits with the work's effects ([`Store::prepare`]) returns it.
     #[error("the work's transaction did not commit with its record")]
     Aborted(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A completion's transaction was refused for a reason that sending it again cannot fix: the
+    /// work's own writes broke a rule of the database (an integrity constraint, invalid data, an
+    /// object that does not exist). It rolled back, and the claim was released: the work is not
+    /// done, and the same work sent again is refused again until the data it conflicts with
+    /// changes. Only a store whose completion commits with the work's effects
+    /// ([`Store::prepare`]) returns it.
+    #[error("the work's transaction was refused: its writes cannot commit as they are")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The stored bytes could not be read or written.
     #[error("a record could not be encoded or decoded")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -110,7 +123,14 @@ pub enum StoreError {
 /// # }
 /// ```
 pub trait Store: Send + Sync + 'static {
-    /// Claims `id` for `lease` if it has no record; otherwise returns the record, unchanged.
+    /// Claims `id` for `lease` if it has no live record (none, or one past its expiry): writes an
+    /// in-flight record with `fingerprint` and a new token, whose [`Fence`](crate::Fence) is
+    /// larger than that of every earlier claim of `id` (§5.3), and answers [`Claim::Claimed`] with
+    /// it. Otherwise writes nothing, whatever `fingerprint` is, and answers [`Claim::Existing`]
+    /// with the record unchanged: in flight with its own fingerprint and the time left on its
+    /// lease (more than zero, at most the lease), or completed exactly as it was written (status,
+    /// every header value in order, body bytes; or a tombstone). Of concurrent claims of one free
+    /// id, exactly one answers `Claimed`.
     fn claim(
         &self,
         id: &RecordId,
@@ -118,11 +138,19 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Replaces the in-flight record claimed with `token` by `completed`, kept for `ttl` (the dedup
-    /// window). Where the key has no record at all (the claim's lease ran out, or the store lost
-    /// it, and nobody claimed the key since), writes `completed` all the same: the work did run,
-    /// and a retry must find its result. `Ok(false)` when the key holds another claim's record or
-    /// a completed one: nothing was written.
+    /// Completes the claim `token` of `id` with `completed`, kept for `ttl` (the dedup window, from
+    /// now), by what the key holds:
+    ///
+    /// - the in-flight record claimed with `token`: replaced by `completed`; `Ok(true)`.
+    /// - no live record (the claim's lease ran out, or the store lost it, and nobody claimed the
+    ///   key since): `completed` is written all the same, `Ok(true)`: the work did run, and a
+    ///   retry must find its result.
+    /// - exactly `completed`, written by this claim: the same completion sent again with the same
+    ///   token and the same bytes (its first answer was lost). Nothing is written, and the answer
+    ///   is `Ok(true)`, so that the caller neither retries it for ever nor reports the work as
+    ///   lost.
+    /// - another claim's in-flight record, or a completed record other than `completed` (another
+    ///   response or a tombstone, even one this claim wrote): nothing is written, `Ok(false)`.
     fn complete(
         &self,
         id: &RecordId,
@@ -131,8 +159,10 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Extends the lease of the in-flight record claimed with `token` to `lease` from now.
-    /// `Ok(false)` when the record no longer carries `token`.
+    /// Extends the lease of the in-flight record claimed with `token` to a full `lease` from now;
+    /// `Ok(true)`. `Ok(false)`, with nothing written or created, when `id` holds no such record:
+    /// no live record at all, another claim's, or a completed one (a completion is final, even to
+    /// the claim that wrote it).
     fn renew(
         &self,
         id: &RecordId,
@@ -148,8 +178,11 @@ pub trait Store: Send + Sync + 'static {
         let _ = (id, token, extensions);
     }
 
-    /// Deletes the in-flight record claimed with `token`, so the key is free again.
-    /// `Ok(false)` when the record no longer carries `token`.
+    /// Deletes the in-flight record claimed with `token`, so the key is free again; `Ok(true)`.
+    /// `Ok(false)`, with nothing deleted, when `id` holds no such record: no live record at all,
+    /// another claim's, or a completed one (a completion is final, even to the claim that wrote
+    /// it). Once released, the token is spent: its release and renewal answer `Ok(false)`, and so
+    /// does its completion once another claim holds the key.
     fn release(
         &self,
         id: &RecordId,

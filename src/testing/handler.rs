@@ -192,7 +192,7 @@ impl Reply {
     /// The body as JSON; panics when it is not JSON.
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.text()))
+            .unwrap_or_else(|e| panic!("§7.1: the body is JSON ({e}): {:?}", self.text()))
     }
 
     /// Whether the response is marked `Idempotent-Replayed: true`.
@@ -205,41 +205,65 @@ impl Reply {
     /// match.
     #[track_caller]
     pub fn assert_problem(&self, kind: ProblemKind, status: StatusCode) {
-        assert_eq!(self.status, status, "status of {self:?}");
-        assert_eq!(self.problem, Some(kind), "problem kind of {self:?}");
+        assert_eq!(
+            self.status, status,
+            "§6.2, §7.3: the {kind:?} problem's status: {self:?}"
+        );
+        assert_eq!(
+            self.problem,
+            Some(kind),
+            "§6.2, §6.5: a problem response carries its ProblemKind in its extensions: {self:?}"
+        );
         assert_eq!(
             self.header(CONTENT_TYPE),
             Some("application/problem+json"),
-            "content type of {self:?}"
+            "§7.1: a problem is application/problem+json by default: {self:?}"
         );
         assert_eq!(
             self.header(CACHE_CONTROL),
             Some("no-store"),
-            "cache control of {self:?}"
+            "§7.1: a problem has Cache-Control: no-store: {self:?}"
         );
         let json = self.json();
-        assert_eq!(json["type"], kind.type_uri(), "type of {json}");
-        assert_eq!(json["status"], status.as_u16(), "status member of {json}");
+        assert_eq!(
+            json["type"],
+            kind.type_uri(),
+            "§7.1, §7.2: the problem's type is its kind's URI: {json}"
+        );
+        assert_eq!(
+            json["status"],
+            status.as_u16(),
+            "§7.1: the problem's status member is the status sent: {json}"
+        );
         assert!(
             json["title"].as_str().is_some_and(|t| !t.is_empty()),
-            "title of {json}"
+            "§7.1: a problem has a title: {json}"
         );
         assert!(
             json["detail"].as_str().is_some_and(|t| !t.is_empty()),
-            "detail of {json}"
+            "§7.1: a problem has a detail: {json}"
         );
-        assert!(!self.is_replay(), "a problem is never a replay: {self:?}");
+        assert!(
+            !self.is_replay(),
+            "§6.4: a problem response is never marked a replay: {self:?}"
+        );
     }
 
     /// Asserts the in-flight 409 with a `Retry-After` of whole seconds, and returns the seconds.
     #[track_caller]
     pub fn assert_in_flight(&self) -> u64 {
         self.assert_problem(ProblemKind::InFlight, StatusCode::CONFLICT);
-        assert_eq!(self.outcome, Some(Outcome::InFlight));
-        let retry_after = self.header(RETRY_AFTER).expect("a 409 has Retry-After");
+        assert_eq!(
+            self.outcome,
+            Some(Outcome::InFlight),
+            "§6.5: a 409 in flight has the outcome InFlight: {self:?}"
+        );
+        let retry_after = self
+            .header(RETRY_AFTER)
+            .expect("§6.3: a 409 in-flight has Retry-After");
         retry_after
             .parse()
-            .unwrap_or_else(|_| panic!("Retry-After is not whole seconds: {retry_after:?}"))
+            .unwrap_or_else(|_| panic!("§6.3: Retry-After is in whole seconds: {retry_after:?}"))
     }
 }
 
@@ -362,11 +386,15 @@ pub async fn expect_one_execution(
 ) -> (usize, usize) {
     let (mut executed, mut in_flight, mut replayed) = (0, 0, 0);
     for task in tasks {
-        let reply = task.await.expect("task");
+        let reply = task.await.expect("the request's task");
         match reply.outcome {
             Some(Outcome::Executed) => {
                 executed += 1;
-                assert_eq!(reply.text(), body);
+                assert_eq!(
+                    reply.text(),
+                    body,
+                    "§6.2: the request that ran answers the handler's response"
+                );
             }
             Some(Outcome::InFlight) => {
                 reply.assert_in_flight();
@@ -375,13 +403,21 @@ pub async fn expect_one_execution(
             Some(Outcome::Replayed) => {
                 assert_eq!(
                     (reply.status, reply.text()),
-                    (StatusCode::CREATED, body.into())
+                    (StatusCode::CREATED, body.into()),
+                    "§6.4: a replay repeats the stored status and body"
                 );
                 replayed += 1;
             }
-            other => panic!("unexpected outcome {other:?}: {reply:?}"),
+            other => panic!(
+                "§6.2: of concurrent requests with one key, each runs, gets 409 in flight or the \
+                 replay; got {other:?}: {reply:?}"
+            ),
         }
     }
-    assert_eq!(executed, 1, "{in_flight} in flight, {replayed} replayed");
+    assert_eq!(
+        executed, 1,
+        "§6.2, §10.2: of concurrent requests with one key, exactly one runs the handler \
+         ({in_flight} in flight, {replayed} replayed)"
+    );
     (in_flight, replayed)
 }

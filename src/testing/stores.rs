@@ -127,6 +127,8 @@ struct Faults {
     time_out: AtomicBool,
     /// Completions roll back: the claim is released and `complete` answers `Aborted`.
     abort: AtomicBool,
+    /// Completions are refused for good: the claim is released and `complete` answers `Rejected`.
+    reject: AtomicBool,
 }
 
 /// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
@@ -169,6 +171,13 @@ impl<St> Faulty<St> {
     /// the claim is released and `complete` answers [`StoreError::Aborted`].
     pub fn abort_completions(&self, aborting: bool) {
         self.faults.abort.store(aborting, Ordering::SeqCst);
+    }
+
+    /// Makes every completion be refused as a transactional store's is when the work's writes
+    /// break a rule of the database: the claim is released and `complete` answers
+    /// [`StoreError::Rejected`].
+    pub fn reject_completions(&self, rejecting: bool) {
+        self.faults.reject.store(rejecting, Ordering::SeqCst);
     }
 
     /// Makes every call wait `delay` before it reaches the store.
@@ -218,6 +227,12 @@ impl<St: Store> Store for Faulty<St> {
             self.inner.release(id, token).await?;
             return Err(StoreError::Aborted(Box::new(std::io::Error::other(
                 "injected failed commit",
+            ))));
+        }
+        if self.faults.reject.load(Ordering::SeqCst) {
+            self.inner.release(id, token).await?;
+            return Err(StoreError::Rejected(Box::new(std::io::Error::other(
+                "injected integrity violation",
             ))));
         }
         self.inner.complete(id, token, completed, ttl).await

@@ -111,6 +111,8 @@ struct Inner {
     /// Whether completions and releases send `NOTIFY` (see `notify`).
     notifies: bool,
     notifier: Notifier,
+    /// Whether the missing table was logged: once per store, since every call would repeat it.
+    missing_table_logged: AtomicBool,
 }
 
 impl Inner {
@@ -131,6 +133,7 @@ impl Inner {
             open: Open::default(),
             notifies: false,
             notifier: Notifier::default(),
+            missing_table_logged: AtomicBool::new(false),
         }
     }
 }
@@ -148,7 +151,9 @@ pub enum PgStoreError {
     /// The call did not finish in time.
     #[error("PostgreSQL did not answer within {0:?}")]
     Timeout(Duration),
-    /// The store's table does not exist.
+    /// The store's table does not exist (SQLSTATE 42P01 on one of the store's own statements).
+    /// Every call fails with it, as the source of [`StoreError::Unavailable`], until the table is
+    /// created; the store logs it once, at ERROR.
     #[error(
         "the table {0} does not exist: run PgStore::migrate, or create it with the SQL of PgStore::schema_sql"
     )]
@@ -346,19 +351,12 @@ impl PgStore {
     /// when PostgreSQL is unreachable or slow.
     pub async fn check(&self) -> Result<(), PgStoreError> {
         self.inner.health.suspect();
-        let checked = self
-            .admin(
-                self.inner.timeout,
-                Admin::Query(&self.inner.statements.check, None),
-            )
-            .await
-            .map(drop);
-        match checked {
-            Err(PgStoreError::Database(err)) if sqlstate(&err).as_deref() == Some("42P01") => Err(
-                PgStoreError::MissingTable(self.inner.statements.table.clone()),
-            ),
-            other => other,
-        }
+        self.admin(
+            self.inner.timeout,
+            Admin::Query(&self.inner.statements.check, None),
+        )
+        .await
+        .map(drop)
     }
 
     /// Deletes every expired row now, in batches of 500 (each bounded by the store's timeout),
@@ -394,6 +392,10 @@ impl PgStore {
             Ok(Err(err)) => {
                 if is_connection_failure(&err) {
                     self.inner.health.failed();
+                }
+                // Returned, not logged: the caller (`check`, a sweep) reports it.
+                if is_missing_table(&err) {
+                    return Err(PgStoreError::MissingTable(self.table().to_owned()));
                 }
                 Err(PgStoreError::Database(err))
             }
@@ -442,7 +444,9 @@ impl PgStore {
                 Ok(Err(err)) => err,
             };
             if !is_connection_failure(&err) {
-                return Err(unavailable(err));
+                return Err(StoreError::Unavailable(Box::new(
+                    self.statement_failed(err),
+                )));
             }
             self.inner.health.failed();
             failures += 1;
@@ -450,6 +454,64 @@ impl PgStore {
                 return Err(unavailable(err));
             }
         }
+    }
+}
+
+impl PgStore {
+    /// What a failed statement of the store's own says: a missing table is named, and logged
+    /// with its fix the first time.
+    fn statement_failed(&self, err: sqlx::Error) -> PgStoreError {
+        if is_missing_table(&err) {
+            self.log_missing_table();
+            return PgStoreError::MissingTable(self.table().to_owned());
+        }
+        PgStoreError::Database(err)
+    }
+
+    /// Logs, once per store, that its table does not exist and how to create it: every call fails
+    /// until then, and a line per call would bury the fix.
+    fn log_missing_table(&self) {
+        if self
+            .inner
+            .missing_table_logged
+            .swap(true, Ordering::Relaxed)
+        {
+            return;
+        }
+        tracing::error!(
+            target: "tower_idempotency",
+            table = self.table(),
+            "the idempotency store's table does not exist, so every call fails (requests get 503): \
+             create it with PgStore::migrate() at start-up, or with the SQL of PgStore::schema_sql()"
+        );
+    }
+}
+
+/// Whether `err` says that a table does not exist (SQLSTATE 42P01).
+fn is_missing_table(err: &sqlx::Error) -> bool {
+    sqlstate(err).as_deref() == Some("42P01")
+}
+
+/// Whether `err`, from the handler's own transaction, is a refusal that sending the same work
+/// again cannot fix. At the commit (`at_commit`), where the deferred checks of the handler's
+/// writes run: SQLSTATE class 22 (data exception), 23 (integrity constraint violation: a deferred
+/// foreign key, unique or exclusion constraint) or 42 (an object that does not exist, a privilege
+/// missing). At the completion statement, before the commit: 25P02, the transaction had already
+/// failed (a statement of the handler's own failed, and the handler answered all the same), so it
+/// can only roll back. Serialization failures and deadlocks (class 40), connection failures and
+/// timeouts are not: a retry may succeed.
+fn rejects_the_work(err: &sqlx::Error, at_commit: bool) -> bool {
+    sqlstate(err).is_some_and(|code| refused_for_good(&code, at_commit))
+}
+
+/// [`rejects_the_work`], by SQLSTATE.
+fn refused_for_good(code: &str, at_commit: bool) -> bool {
+    if at_commit {
+        ["22", "23", "42"]
+            .iter()
+            .any(|class| code.starts_with(class))
+    } else {
+        code == "25P02"
     }
 }
 
@@ -516,6 +578,32 @@ mod tests {
         assert_eq!(millis(Duration::ZERO), 1);
         assert_eq!(millis(Duration::from_millis(1500)), 1500);
         assert_eq!(millis(Duration::MAX), MAX_MILLIS as i64);
+    }
+
+    #[test]
+    fn only_what_a_retry_cannot_fix_rejects_the_work() {
+        // At the commit: integrity, data and undefined-object errors of the handler's writes.
+        for code in [
+            "23503", "23505", "23514", "23P01", "22003", "22P02", "42P01", "42501",
+        ] {
+            assert!(refused_for_good(code, true), "{code} at the commit");
+        }
+        // Serialization failures, deadlocks, connection loss, shutdown, cancellation, a failed
+        // transaction: a retry may succeed, or the transaction is the handler's to end.
+        for code in [
+            "40001", "40P01", "08006", "57P01", "57014", "25P02", "53300",
+        ] {
+            assert!(!refused_for_good(code, true), "{code} at the commit");
+        }
+        // At the completion statement, only a transaction that had already failed.
+        assert!(refused_for_good("25P02", false));
+        for code in ["23505", "42P01", "40001", "08006"] {
+            assert!(!refused_for_good(code, false), "{code} at the completion");
+        }
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!rejects_the_work(&io, true));
+        assert!(!rejects_the_work(&sqlx::Error::PoolTimedOut, true));
+        assert!(!rejects_the_work(&sqlx::Error::RowNotFound, false));
     }
 
     #[test]

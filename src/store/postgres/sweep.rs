@@ -73,6 +73,8 @@ async fn run(inner: Weak<Inner>, stop: CancellationToken, every: Duration) {
                 table = store.table(),
                 "deleted expired records"
             ),
+            // Every call fails too: told once, with the fix, like theirs.
+            Err(PgStoreError::MissingTable(_)) => store.log_missing_table(),
             Err(err) => tracing::warn!(
                 target: "tower_idempotency",
                 error = %ErrorChain(&err),

@@ -14,7 +14,7 @@ use http::Extensions;
 use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
-use super::{PgStore, PgStoreError, is_connection_failure};
+use super::{PgStore, PgStoreError, is_connection_failure, rejects_the_work};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, RecordId};
 use crate::store::StoreError;
@@ -87,10 +87,12 @@ impl PgStore {
 
     /// Writes the completed record in the handler's transaction and commits both, within the
     /// store's timeout. Whatever fails, the handler's writes are not reported as done: a
-    /// transaction that did not commit is [`StoreError::Aborted`], and its claim released so
-    /// that a retry runs at once; one whose commit may have landed (the connection failed while
-    /// it was sent) keeps its claim, for the lease to settle: committed, a retry finds the record;
-    /// not, the claim runs out and a retry runs again.
+    /// transaction refused for a reason that sending it again cannot fix (see
+    /// `rejects_the_work`) is [`StoreError::Rejected`], and any other that did not commit
+    /// [`StoreError::Aborted`]; either way its claim is released, so that a retry runs at once.
+    /// One whose commit may have landed (the connection failed while it was sent) keeps its claim,
+    /// for the lease to settle: committed, a retry finds the record; not, the claim runs out and a
+    /// retry runs again.
     pub(super) async fn commit_with(
         &self,
         mut tx: Transaction<'static, Postgres>,
@@ -124,8 +126,13 @@ impl PgStore {
                     ));
                 }
                 Ok(Err(err)) => {
-                    let unknown = committing.load(Ordering::Relaxed) && is_connection_failure(&err);
-                    (PgStoreError::Database(err), unknown)
+                    let at_commit = committing.load(Ordering::Relaxed);
+                    if rejects_the_work(&err, at_commit) {
+                        let _ = self.release_call(id, token).await;
+                        return Err(StoreError::Rejected(Box::new(err)));
+                    }
+                    let unknown = at_commit && is_connection_failure(&err);
+                    (self.statement_failed(err), unknown)
                 }
                 Err(_) => (
                     PgStoreError::Timeout(timeout),
@@ -158,14 +165,36 @@ impl PgStore {
 ///
 /// - a response the layer stores (by default 2xx, 3xx and 4xx except 408, 409, 425 and 429;
 ///   see [`IdempotencyLayer::store_policy`](crate::IdempotencyLayer::store_policy)): the record is
-///   written in the transaction, and it commits. If the commit fails, or the claim was lost
-///   meanwhile, nothing of it stays, and the client gets a 503 `store-unavailable` with
-///   `Retry-After` instead of the response: its retry runs the request again.
+///   written in the transaction, and it commits. If it does not commit, nothing of it stays, the
+///   claim is released, and the client never gets the response:
+///   - when PostgreSQL refuses the handler's writes at the commit (SQLSTATE class 23: a deferred
+///     foreign key, unique or exclusion constraint; 22: invalid data; 42: an object that does not
+///     exist), or the transaction had already failed (a statement of the handler's failed and
+///     the handler answered all the same), the client gets a 422 `commit-rejected`
+///     ([`StoreError::Rejected`]), without `Retry-After`: sent again as it is, the request would
+///     be refused again. Map it with the layer's `render_problems` or `problem_status`
+///     ([`ProblemKind::CommitRejected`](crate::ProblemKind::CommitRejected)). To answer a 4xx of
+///     the handler's own after a statement failed, roll back to a savepoint (`tx.begin()` on the
+///     `PgTx`'s connection) so that the transaction can still commit;
+///   - otherwise (a lost connection, a serialization failure or a deadlock, the claim lost
+///     meanwhile), a 503 `store-unavailable` with `Retry-After` ([`StoreError::Aborted`]): its
+///     retry runs the request again.
 /// - any other response, an error or a panic: the transaction rolls back, and the claim is
 ///   released.
 ///
 /// Drop it before the handler returns (take it by value in the handler's arguments): a
 /// transaction still held when the layer resolves it is rolled back, and the client gets a 503.
+///
+/// # Writes outside the transaction
+/// Only what the handler writes through the `PgTx` is undone with it. A write made another way
+/// (through the pool, [`PgStore::pool`] or the application's own, another connection, another
+/// service) commits on its own. When the run then fails (the handler errors, panics or answers a
+/// status that is not stored, or the commit does not happen), that write stays, the claim is
+/// released, and the retry runs the handler again, which makes the write a second time. Write
+/// through the `PgTx`; where a write must go elsewhere, make it idempotent by the operation: a
+/// unique constraint on a column keyed by the request (say
+/// [`IdempotencyKey::derive`](crate::IdempotencyKey::derive)), written with
+/// `ON CONFLICT DO NOTHING`, so that the retry's write finds the first one.
 /// With the `axum` feature it is an extractor; without, take it with
 /// [`PgTx::from_extensions`].
 ///

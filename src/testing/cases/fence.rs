@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::store::ANSWERS;
 use crate::fingerprint::Fingerprint;
 use crate::store::{Claim, Store};
 use crate::testing::*;
@@ -46,7 +47,7 @@ pub async fn store_fences_grow_with_every_claim_of_a_key<H: Harness>(h: H) {
         second_instance
             .release(&id, &taken_over)
             .await
-            .expect("release"),
+            .expect(ANSWERS),
         "§10.1 release: the claim's own release frees the key"
     );
     let after_release = claim_of(&first_instance, &id, lease, "after a release").await;
@@ -65,7 +66,7 @@ pub async fn store_fences_grow_with_every_claim_of_a_key<H: Harness>(h: H) {
         first_instance
             .complete(&id, &after_release, &done, window)
             .await
-            .expect("complete"),
+            .expect(ANSWERS),
         "§10.1 complete: the claim's own completion is written"
     );
     h.advance(window + margin(&h)).await;
@@ -162,7 +163,7 @@ pub async fn a_displaced_handler_learns_it_and_has_the_smaller_fence<H: Harness>
     );
     stalled.fail_writes(false);
     assert!(
-        !displaced.still_held().await.expect("still_held"),
+        !displaced.still_held().await.expect(ANSWERS),
         "§5.3: the displaced handler's claim is no longer held"
     );
     gate.notify_one();

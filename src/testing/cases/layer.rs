@@ -24,28 +24,46 @@ use crate::{
 /// Asserts that `replay` repeats `first` byte for byte, marked as a replay.
 #[track_caller]
 fn assert_replay_of(replay: &Reply, first: &Reply) {
-    assert_eq!(first.outcome, Some(Outcome::Executed), "{first:?}");
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::Executed),
+        "§6.2, §6.5: the first request runs the handler, outcome Executed: {first:?}"
+    );
     assert!(
         !first.is_replay(),
-        "the first response is not marked: {first:?}"
+        "§6.4: only replays carry Idempotent-Replayed, never a first response: {first:?}"
     );
-    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
+    assert_eq!(
+        replay.outcome,
+        Some(Outcome::Replayed),
+        "§6.2, §6.5: the same request again gets the replay, outcome Replayed: {replay:?}"
+    );
     assert_eq!(
         replay.problem, None,
-        "a replay is not the layer's own: {replay:?}"
+        "§6.5: a replay is the handler's response, and carries no ProblemKind: {replay:?}"
     );
     assert_eq!(
         replay.headers.get_all(IDEMPOTENT_REPLAYED).iter().count(),
-        1
+        1,
+        "§6.4: a replay carries exactly one Idempotent-Replayed header"
     );
-    assert!(replay.is_replay(), "{replay:?}");
-    assert_eq!(replay.status, first.status);
+    assert!(
+        replay.is_replay(),
+        "§6.4: a replay carries Idempotent-Replayed: true: {replay:?}"
+    );
+    assert_eq!(
+        replay.status, first.status,
+        "§6.4: a replay has the stored status"
+    );
     assert_eq!(
         replay.header_list(),
         first.header_list(),
-        "every header value, in order"
+        "§6.4, §8.3: a replay has every stored header value, in order"
     );
-    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.body, first.body,
+        "§6.4: a replay has the stored body bytes"
+    );
 }
 
 /// Through an `axum::Router`: the replay repeats the status, every header value in order and the
@@ -89,14 +107,30 @@ pub async fn replay_is_byte_identical_through_a_router<H: Harness>(h: H) {
     };
 
     let first = send(&app, charge()).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.all("x-multi"), [&b"first"[..], b"second", b"third"]);
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "§6.2: a new key gets the handler's response"
+    );
+    assert_eq!(
+        first.all("x-multi"),
+        [&b"first"[..], b"second", b"third"],
+        "§8.3: the first client gets every header value the handler sent, in order"
+    );
     let replay = send(&app, charge()).await;
     assert_replay_of(&replay, &first);
-    assert_eq!(replay.all("x-multi"), [&b"first"[..], b"second", b"third"]);
+    assert_eq!(
+        replay.all("x-multi"),
+        [&b"first"[..], b"second", b"third"],
+        "§6.4: a replay repeats a repeated header's values, in order"
+    );
     let again = send(&app, charge()).await;
     assert_replay_of(&again, &first);
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "§6.4: a replay never reaches the handler: it ran once"
+    );
 }
 
 /// Through `tower::ServiceBuilder`, with repeated, empty and non-UTF-8 header values and a binary
@@ -124,14 +158,37 @@ pub async fn replay_is_byte_identical_through_service_builder<H: Harness>(h: H) 
     let svc = service(layer(&h, h.store()), handler.clone());
 
     let first = send(&svc, post("k-1", "payload")).await;
-    assert_eq!(first.status, StatusCode::ACCEPTED);
-    assert!(first.body.starts_with(b"run 1 of payload"));
+    assert_eq!(
+        first.status,
+        StatusCode::ACCEPTED,
+        "§6.2: a new key gets the handler's response"
+    );
+    assert!(
+        first.body.starts_with(b"run 1 of payload"),
+        "§1.5: the handler gets the buffered request body"
+    );
     let replay = send(&svc, post("k-1", "payload")).await;
     assert_replay_of(&replay, &first);
-    assert_eq!(replay.all("x-multi"), [&b"a"[..], b"b", b"c"]);
-    assert_eq!(replay.all("x-empty"), [&b""[..]]);
-    assert_eq!(replay.all("x-bytes"), [&b"\xff\xfe"[..]]);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        replay.all("x-multi"),
+        [&b"a"[..], b"b", b"c"],
+        "§6.4, §10.1: a replay repeats a repeated header's values, in order"
+    );
+    assert_eq!(
+        replay.all("x-empty"),
+        [&b""[..]],
+        "§6.4, §10.1: a replay keeps an empty header value"
+    );
+    assert_eq!(
+        replay.all("x-bytes"),
+        [&b"\xff\xfe"[..]],
+        "§6.4, §10.1: a replay keeps a non-UTF-8 header value byte for byte"
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.4: a replay never reaches the handler: it ran once"
+    );
 }
 
 /// While the first request is held in flight (a tower-test mock), the same request gets 409 with
@@ -153,7 +210,8 @@ pub async fn in_flight_request_gets_409_then_the_replay<H: Harness>(h: H) {
             .extensions()
             .get::<IdempotencyKey>()
             .map(IdempotencyKey::as_str),
-        Some("k")
+        Some("k"),
+        "§2.4, §9.1: a claimed request's key is in its extensions"
     );
     let body = request
         .into_body()
@@ -161,21 +219,25 @@ pub async fn in_flight_request_gets_409_then_the_replay<H: Harness>(h: H) {
         .await
         .expect("body")
         .to_bytes();
-    assert_eq!(body, "pay 10");
+    assert_eq!(
+        body, "pay 10",
+        "§1.5, §9.1: the handler gets the buffered body"
+    );
 
     for _ in 0..3 {
         let conflict = send(&svc, post("k", "pay 10")).await;
         assert_eq!(
             conflict.assert_in_flight(),
             1,
-            "Retry-After is 1 by default"
+            "§6.2, §6.3: the same request while the first runs gets 409 with Retry-After, 1 s by \
+             default"
         );
     }
     let mismatch = send(&svc, post("k", "pay 20")).await;
     mismatch.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(
         handle.poll_request().is_pending(),
-        "only the first request reached the inner service"
+        "§6.2: a 409 or a 422 never reaches the inner service: only the first request did"
     );
 
     respond.send_response(
@@ -186,16 +248,27 @@ pub async fn in_flight_request_gets_409_then_the_replay<H: Harness>(h: H) {
             .expect("a response"),
     );
     let first = first.await.expect("the first request's task");
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.body, "charged");
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "§6.2: the first request gets the handler's response"
+    );
+    assert_eq!(
+        first.body, "charged",
+        "§6.2: the first request gets the handler's body"
+    );
     let replay = send(&svc, post("k", "pay 10")).await;
     assert_replay_of(&replay, &first);
     assert!(
         handle.poll_request().is_pending(),
-        "the replay did not reach the inner service"
+        "§6.4: a replay never reaches the inner service"
     );
     let calls = store.calls();
-    assert_eq!((calls.complete, calls.release), (1, 0), "{calls:?}");
+    assert_eq!(
+        (calls.complete, calls.release),
+        (1, 0),
+        "§9.5: one completion for the one run, no release: {calls:?}"
+    );
 }
 
 /// A configured `Retry-After` longer than the lease is cut to the lease's end.
@@ -210,11 +283,16 @@ pub async fn retry_after_never_goes_beyond_the_lease<H: Harness>(h: H) {
     let seconds = send(&svc, post("k", "x")).await.assert_in_flight();
     assert!(
         (1..=whole_seconds(h.lease())).contains(&seconds),
-        "Retry-After {seconds} s with a {:?} lease",
+        "§6.3: a 409's Retry-After never points past the running claim's lease: {seconds} s \
+         with a {:?} lease",
         h.lease()
     );
     respond.send_response(created("done"));
-    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+    assert_eq!(
+        first.await.expect("task").status,
+        StatusCode::CREATED,
+        "§6.2: the first request gets the handler's response"
+    );
 }
 
 /// The same key with a different body, path, query or method gets 422 and the handler does not
@@ -236,7 +314,11 @@ pub async fn different_request_with_the_same_key_gets_422<H: Harness>(h: H) {
     };
 
     let first = send(&svc, request(Method::POST, "/orders?page=1", "k", "a")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "§6.2: a new key gets the handler's response"
+    );
     for (method, uri, body) in [
         (Method::POST, "/orders?page=1", "b"),
         (Method::POST, "/orders?page=1", "a "),
@@ -251,20 +333,36 @@ pub async fn different_request_with_the_same_key_gets_422<H: Harness>(h: H) {
         assert_eq!(
             reply.outcome,
             Some(Outcome::Mismatch),
-            "{method} {uri} {body:?}"
+            "§4.1, §4.3: another method, path, query or body with the key is a mismatch: \
+             {method} {uri} {body:?}"
         );
     }
-    assert_eq!(handler.calls(), 1, "no mismatch reached the handler");
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.2: a mismatch never reaches the handler"
+    );
     let replay = send(&svc, request(Method::POST, "/orders?page=1", "k", "a")).await;
     assert_replay_of(&replay, &first);
 
     let first = send(&svc, request(Method::PATCH, "/orders/1", "k2", "a")).await;
-    assert_eq!(first.body, "PATCH /orders/1 #2");
+    assert_eq!(
+        first.body, "PATCH /orders/1 #2",
+        "§1.1: a PATCH with a new key runs the handler"
+    );
     let reply = send(&svc, request(Method::POST, "/orders/1", "k2", "a")).await;
     reply.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§6.2: a mismatch never reaches the handler"
+    );
     let calls = store.calls();
-    assert_eq!((calls.complete, calls.release), (2, 0), "{calls:?}");
+    assert_eq!(
+        (calls.complete, calls.release),
+        (2, 0),
+        "§4.3, §6.2: a mismatch writes nothing; the two runs completed: {calls:?}"
+    );
 }
 
 /// 5xx, 408, 409, 425 and 429 responses, and any with `Cache-Control: no-store`, are not stored:
@@ -292,27 +390,45 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
         let before = handler.calls();
         for attempt in 1..=2 {
             let reply = send(&svc, status_request(&key, status, cache_control)).await;
-            assert_eq!(reply.status.as_u16(), status, "{status} {cache_control:?}");
+            assert_eq!(
+                reply.status.as_u16(),
+                status,
+                "§8.1: a response that is not stored reaches the client untouched: {status} \
+                 {cache_control:?}"
+            );
             assert_eq!(
                 reply.outcome,
                 Some(Outcome::NotStored),
-                "{status} {cache_control:?}"
+                "§8.1, §8.2: 5xx, 408, 409, 425, 429 and Cache-Control: no-store are not \
+                 stored: {status} {cache_control:?}"
             );
-            assert!(!reply.is_replay());
+            assert!(
+                !reply.is_replay(),
+                "§8.1: a response that is not stored is never replayed"
+            );
             assert_eq!(
                 reply.text(),
-                format!("status {status} call {}", before + attempt)
+                format!("status {status} call {}", before + attempt),
+                "§8.1: each attempt gets its own run's response"
             );
         }
         assert_eq!(
             handler.calls(),
             before + 2,
-            "{status} {cache_control:?}: the retry ran the handler again"
+            "§8.1: the claim was released, so the retry ran the handler again: {status} \
+             {cache_control:?}"
         );
     }
     let calls = store.calls();
-    assert_eq!(calls.complete, 0, "{calls:?}");
-    assert_eq!(calls.release, 2 * cases.len(), "{calls:?}");
+    assert_eq!(
+        calls.complete, 0,
+        "§8.1: a response that is not stored completes nothing: {calls:?}"
+    );
+    assert_eq!(
+        calls.release,
+        2 * cases.len(),
+        "§8.1, §9.5: each run that is not stored releases its claim: {calls:?}"
+    );
 }
 
 /// 2xx, 3xx and 4xx responses (402 included) are stored and replayed.
@@ -334,12 +450,25 @@ pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
     for (i, (status, cache_control)) in cases.into_iter().enumerate() {
         let key = format!("stored-{i}");
         let first = send(&svc, status_request(&key, status, cache_control)).await;
-        assert_eq!(first.status.as_u16(), status);
+        assert_eq!(
+            first.status.as_u16(),
+            status,
+            "§6.2: a new key gets the handler's status"
+        );
         let replay = send(&svc, status_request(&key, status, cache_control)).await;
         assert_replay_of(&replay, &first);
-        assert_eq!(handler.calls(), i + 1, "{status}: the handler ran once");
+        assert_eq!(
+            handler.calls(),
+            i + 1,
+            "§8.1: 2xx, 3xx and 4xx (but 408, 409, 425, 429) are stored, so the handler ran \
+             once: {status}"
+        );
         if status == 302 {
-            assert_eq!(replay.header(LOCATION), Some("/elsewhere"));
+            assert_eq!(
+                replay.header(LOCATION),
+                Some("/elsewhere"),
+                "§6.4: a replayed redirect keeps its Location"
+            );
         }
     }
 }
@@ -393,39 +522,70 @@ pub async fn replay_drops_cookies_hop_by_hop_headers_and_date<H: Harness>(h: H) 
     for name in dropped {
         assert!(
             first.headers.contains_key(name),
-            "the first client gets {name}"
+            "§8.3: the first client gets every header the handler sent: {name}"
         );
     }
     let replay = send(&svc, post("default", "x")).await;
-    assert_eq!(replay.outcome, Some(Outcome::Replayed));
-    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.outcome,
+        Some(Outcome::Replayed),
+        "§6.4: the same request again gets the replay"
+    );
+    assert_eq!(
+        replay.body, first.body,
+        "§6.4: a replay has the stored body"
+    );
     for name in dropped {
         assert!(
             !replay.headers.contains_key(name),
-            "{name} is not replayed: {replay:?}"
+            "§8.3: Set-Cookie (by default), hop-by-hop headers and Date are not replayed: {name} \
+             in {replay:?}"
         );
     }
-    assert_eq!(replay.all("x-multi"), [&b"1"[..], b"2"]);
-    assert_eq!(replay.header(CONTENT_TYPE), Some("text/plain"));
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        replay.all("x-multi"),
+        [&b"1"[..], b"2"],
+        "§8.3: other headers are replayed, every value in order"
+    );
+    assert_eq!(
+        replay.header(CONTENT_TYPE),
+        Some("text/plain"),
+        "§8.3: Content-Type is replayed"
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.4: a replay never reaches the handler"
+    );
 
     let svc = service(layer(&h, store).keep_set_cookie(true), handler.clone());
     let first = send(&svc, post("cookies", "x")).await;
     let replay = send(&svc, post("cookies", "x")).await;
-    assert_eq!(replay.outcome, Some(Outcome::Replayed));
-    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.outcome,
+        Some(Outcome::Replayed),
+        "§6.4: the same request again gets the replay"
+    );
+    assert_eq!(
+        replay.body, first.body,
+        "§6.4: a replay has the stored body"
+    );
     assert_eq!(
         replay.all("set-cookie"),
         [&b"session=abc; HttpOnly"[..], b"theme=dark"],
-        "kept cookies are replayed in order"
+        "§8.3: with keep_set_cookie(true), Set-Cookie is replayed, every value in order"
     );
     for name in dropped.iter().filter(|name| **name != "set-cookie") {
         assert!(
             !replay.headers.contains_key(*name),
-            "{name} is not replayed"
+            "§8.3: hop-by-hop headers and Date are never replayed: {name}"
         );
     }
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§6.4: a replay never reaches the handler: one run per key"
+    );
 }
 
 /// A response over the response limit (with a known length, or streamed) reaches the first client
@@ -469,12 +629,20 @@ pub async fn oversized_response_is_delivered_and_leaves_a_tombstone<H: Harness>(
     for (key, size, chunks) in [("full", 1024, None), ("streamed", 64, Some(8))] {
         let before = handler.calls();
         let first = send(&svc, request(key, size, chunks)).await;
-        assert_eq!(first.status, StatusCode::OK, "{key}");
-        assert_eq!(first.outcome, Some(Outcome::Executed), "{key}");
+        assert_eq!(
+            first.status,
+            StatusCode::OK,
+            "§8.4: a response over the limit is delivered: {key}"
+        );
+        assert_eq!(
+            first.outcome,
+            Some(Outcome::Executed),
+            "§6.2, §8.4: a response over the limit is executed, and leaves a tombstone: {key}"
+        );
         assert_eq!(
             first.body,
             pattern(size),
-            "{key}: the first client gets the whole body"
+            "§8.4: the first client gets the whole body, over the limit: {key}"
         );
         for _ in 0..2 {
             let retry = send(&svc, request(key, size, chunks)).await;
@@ -483,23 +651,47 @@ pub async fn oversized_response_is_delivered_and_leaves_a_tombstone<H: Harness>(
                 ProblemKind::NotReplayable
                     .type_uri()
                     .ends_with("#not-replayable"),
-                "the documented type URI"
+                "§7.2: the not-replayable kind's documented type URI"
             );
-            assert_eq!(retry.outcome, Some(Outcome::NotReplayable));
-            assert_eq!(retry.header(RETRY_AFTER), None, "retrying will not help");
+            assert_eq!(
+                retry.outcome,
+                Some(Outcome::NotReplayable),
+                "§6.2, §8.4: a retry of a request that left a tombstone is NotReplayable"
+            );
+            assert_eq!(
+                retry.header(RETRY_AFTER),
+                None,
+                "§6.3: not-replayable has no Retry-After: retrying will not help"
+            );
         }
-        assert_eq!(handler.calls(), before + 1, "{key}: the handler ran once");
+        assert_eq!(
+            handler.calls(),
+            before + 1,
+            "§8.4: a tombstone keeps the handler from running twice: {key}"
+        );
     }
 
     for (key, chunks) in [("exact", None), ("exact-streamed", Some(2))] {
         let first = send(&svc, request(key, 16, chunks)).await;
         let replay = send(&svc, request(key, 16, chunks)).await;
         assert_replay_of(&replay, &first);
-        assert_eq!(replay.body, pattern(16));
+        assert_eq!(
+            replay.body,
+            pattern(16),
+            "§8.4: a body of exactly the limit is stored and replayed"
+        );
     }
-    assert_eq!(handler.calls(), 4);
+    assert_eq!(
+        handler.calls(),
+        4,
+        "§8.4: every key ran once, tombstone or stored"
+    );
     let calls = store.calls();
-    assert_eq!((calls.complete, calls.release), (4, 0), "{calls:?}");
+    assert_eq!(
+        (calls.complete, calls.release),
+        (4, 0),
+        "§8.4, §9.5: a tombstone is a completion, not a release: {calls:?}"
+    );
 }
 
 /// A panicking handler gives a 500 problem and releases the claim: the retry runs it again and
@@ -509,7 +701,7 @@ pub async fn panicking_handler_gets_500_and_a_retry_runs_again<H: Harness>(h: H)
     let store = Counting::new(h.store());
     let handler = Handler::ok(|call| {
         if call.n == 1 {
-            panic!("the handler panics on its first call (expected by the test)");
+            panic!("§9.4: the handler panics on its first call (expected by the test)");
         }
         created(format!("call {}", call.n))
     });
@@ -520,16 +712,29 @@ pub async fn panicking_handler_gets_500_and_a_retry_runs_again<H: Harness>(h: H)
         ProblemKind::HandlerFailed,
         StatusCode::INTERNAL_SERVER_ERROR,
     );
-    assert_eq!(failed.outcome, Some(Outcome::HandlerFailed));
-    assert_eq!(store.calls().release, 1);
+    assert_eq!(
+        failed.outcome,
+        Some(Outcome::HandlerFailed),
+        "§6.5, §9.4: a panic is HandlerFailed"
+    );
+    assert_eq!(
+        store.calls().release,
+        1,
+        "§9.4: a panicking handler's claim is released"
+    );
     let retry = send(&svc, post("k", "x")).await;
     assert_eq!(
         (retry.status, retry.text()),
-        (StatusCode::CREATED, "call 2".into())
+        (StatusCode::CREATED, "call 2".into()),
+        "§9.4: the retry runs the handler again"
     );
     let replay = send(&svc, post("k", "x")).await;
     assert_replay_of(&replay, &retry);
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§9.4: the panic and the retry ran; the replay did not"
+    );
 }
 
 /// An inner service that returns `Err` gives a 500 problem and releases the claim.
@@ -551,19 +756,28 @@ pub async fn failing_handler_gets_500_and_releases_the_claim<H: Harness>(h: H) {
     );
     assert!(
         !failed.text().contains("backend is down"),
-        "the handler's error is logged, not sent: {}",
+        "§7.1, §9.4: the handler's error is logged, never sent: {}",
         failed.text()
     );
     let calls = store.calls();
-    assert_eq!((calls.complete, calls.release), (0, 1), "{calls:?}");
+    assert_eq!(
+        (calls.complete, calls.release),
+        (0, 1),
+        "§9.4: a failed handler's claim is released, nothing completed: {calls:?}"
+    );
     let retry = send(&svc, post("k", "x")).await;
     assert_eq!(
         (retry.status, retry.outcome),
-        (StatusCode::CREATED, Some(Outcome::Executed))
+        (StatusCode::CREATED, Some(Outcome::Executed)),
+        "§9.4: the retry runs the handler again"
     );
     let replay = send(&svc, post("k", "x")).await;
     assert_replay_of(&replay, &retry);
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§9.4: the failure and the retry ran; the replay did not"
+    );
 }
 
 /// Dropping the response future mid-handler (the client went away) does not cancel the handler:
@@ -580,27 +794,43 @@ pub async fn dropped_request_runs_to_completion_and_shutdown_waits_for_it<H: Har
     let client = spawn_send(&svc, post("k", "x"));
     started.notified().await;
     client.abort();
-    assert!(client.await.expect_err("aborted").is_cancelled());
-    assert_eq!(shutdown.running(), 1, "the handler runs on, detached");
+    assert!(
+        client.await.expect_err("aborted").is_cancelled(),
+        "§9.3: the client's request is dropped, as a client that goes away"
+    );
+    assert_eq!(
+        shutdown.running(),
+        1,
+        "§9.3, §9.8: the handler runs on, detached, and is tracked"
+    );
     send(&svc, post("k", "x")).await.assert_in_flight();
 
     let mut wait = Box::pin(shutdown.clone().wait());
     assert!(
         (&mut wait).now_or_never().is_none(),
-        "shutdown waits while the handler runs"
+        "§9.8: Shutdown::wait waits while a detached handler runs"
     );
     gate.notify_one();
     wait.await;
-    assert_eq!(shutdown.running(), 0);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        shutdown.running(),
+        0,
+        "§9.8: nothing is left running once wait returned"
+    );
+    assert_eq!(handler.calls(), 1, "§9.3: the detached handler ran once");
 
     let retry = send(&svc, post("k", "x")).await;
-    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{retry:?}");
+    assert_eq!(
+        retry.outcome,
+        Some(Outcome::Replayed),
+        "§9.3: the detached handler's response was stored, and the retry gets it: {retry:?}"
+    );
     assert_eq!(
         (retry.status, retry.text()),
-        (StatusCode::CREATED, "late 1".into())
+        (StatusCode::CREATED, "late 1".into()),
+        "§9.3, §6.4: the retry replays the detached run's response"
     );
-    assert_eq!(handler.calls(), 1, "the handler ran once");
+    assert_eq!(handler.calls(), 1, "§9.3: the handler ran once, detached");
 }
 
 /// A handler that runs for three leases keeps its claim (the layer renews it): retries meanwhile
@@ -621,20 +851,25 @@ pub async fn slow_handler_keeps_its_claim_past_the_lease<H: Harness>(h: H) {
     assert_eq!(
         handler.calls(),
         1,
-        "no second execution while the first runs"
+        "§9.2: retries while a slow handler runs get 409, never a second execution"
     );
     let renewals = store.calls().renew;
-    assert!(renewals >= 3, "the lease was renewed ({renewals} times)");
+    assert!(
+        renewals >= 3,
+        "§9.2: the lease is renewed every third of it while the handler runs ({renewals} \
+         renewals in three leases)"
+    );
 
     gate.notify_one();
     let first = first.await.expect("task");
     assert_eq!(
         (first.status, first.text()),
-        (StatusCode::CREATED, "slow 1".into())
+        (StatusCode::CREATED, "slow 1".into()),
+        "§9.2: the slow handler's response reaches its client"
     );
     let replay = send(&svc, post("k", "x")).await;
     assert_replay_of(&replay, &first);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(handler.calls(), 1, "§9.2: the slow handler ran once");
 }
 
 /// After the dedup window, the key is new: the handler runs again.
@@ -652,10 +887,15 @@ pub async fn key_is_new_again_after_the_dedup_window<H: Harness>(h: H) {
     let again = send(&svc, post("k", "x")).await;
     assert_eq!(
         (again.outcome, again.text()),
-        (Some(Outcome::Executed), "call 2".into())
+        (Some(Outcome::Executed), "call 2".into()),
+        "§8.6: after the dedup window, the key is new: the handler runs again"
     );
     // A new record: a different request with the key is fine now.
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§8.6: one run inside the window, one after it"
+    );
 }
 
 /// The same key in two scopes runs twice, and each scope replays its own response; a scope
@@ -688,33 +928,56 @@ pub async fn scopes_never_see_each_others_records<H: Harness>(h: H) {
     let b = send(&svc, request(Some("acct_b"), "x")).await;
     assert_eq!(
         (a.outcome, a.text()),
-        (Some(Outcome::Executed), "acct_a call 1".into())
+        (Some(Outcome::Executed), "acct_a call 1".into()),
+        "§3.1: a key in a scope runs the handler"
     );
     assert_eq!(
         (b.outcome, b.text()),
-        (Some(Outcome::Executed), "acct_b call 2".into())
+        (Some(Outcome::Executed), "acct_b call 2".into()),
+        "§3.1, §5.1: the same key in another scope is another record: it runs too"
     );
     assert_replay_of(&send(&svc, request(Some("acct_a"), "x")).await, &a);
     assert_replay_of(&send(&svc, request(Some("acct_b"), "x")).await, &b);
     // A different request in a third scope is no mismatch there.
     let c = send(&svc, request(Some("acct_c"), "other")).await;
-    assert_eq!(c.outcome, Some(Outcome::Executed));
-    assert_eq!(handler.calls(), 3);
+    assert_eq!(
+        c.outcome,
+        Some(Outcome::Executed),
+        "§3.1, §4.3: a different request with the key in a third scope is no mismatch there"
+    );
+    assert_eq!(
+        handler.calls(),
+        3,
+        "§3.1: one run per scope; the replays did not run"
+    );
 
     let claims = store.calls().claim;
     let rejected = send(&svc, request(None, "x")).await;
-    assert_eq!(rejected.status, StatusCode::UNAUTHORIZED);
-    assert_eq!(rejected.outcome, Some(Outcome::Rejected));
+    assert_eq!(
+        rejected.status,
+        StatusCode::UNAUTHORIZED,
+        "§3.2: a scope function's rejection is the client's answer"
+    );
+    assert_eq!(
+        rejected.outcome,
+        Some(Outcome::Rejected),
+        "§3.2, §6.5: a scope rejection's outcome is Rejected"
+    );
     assert_eq!(
         rejected.header(CONTENT_TYPE),
-        Some("application/problem+json")
+        Some("application/problem+json"),
+        "§7.4: a bare-status rejection is an about:blank problem"
     );
     assert_eq!(
         store.calls().claim,
         claims,
-        "a rejected request claims nothing"
+        "§3.2: a rejected request claims nothing"
     );
-    assert_eq!(handler.calls(), 3);
+    assert_eq!(
+        handler.calls(),
+        3,
+        "§3.2: a rejected request never reaches the handler"
+    );
 }
 
 /// 500 concurrent requests with one key: the handler runs exactly once; every other request gets
@@ -730,8 +993,16 @@ pub async fn concurrent_requests_with_one_key_run_once<H: Harness>(h: H) {
         .map(|_| spawn_send(&svc, post("one", "x")))
         .collect();
     let (in_flight, replayed) = expect_one_execution(tasks, "call 1").await;
-    assert_eq!(in_flight + replayed, 499);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        in_flight + replayed,
+        499,
+        "§6.2: every other concurrent request gets 409 in flight or the replay"
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.2, §10.2: of concurrent requests with one key, exactly one runs the handler"
+    );
 }
 
 /// 500 concurrent requests with distinct keys all run, and none gets a 409.
@@ -747,10 +1018,23 @@ pub async fn concurrent_requests_with_distinct_keys_all_run<H: Harness>(h: H) {
         .collect();
     for (i, task) in tasks.into_iter().enumerate() {
         let reply = task.await.expect("task");
-        assert_eq!(reply.outcome, Some(Outcome::Executed), "{reply:?}");
-        assert_eq!(reply.text(), format!("body {i}"));
+        assert_eq!(
+            reply.outcome,
+            Some(Outcome::Executed),
+            "§6.2: requests with distinct keys never get a 409 or 422 because of one another: \
+             {reply:?}"
+        );
+        assert_eq!(
+            reply.text(),
+            format!("body {i}"),
+            "§6.2: each request with its own key gets its own run's response"
+        );
     }
-    assert_eq!(handler.calls(), 500);
+    assert_eq!(
+        handler.calls(),
+        500,
+        "§6.2: every request with a distinct key runs"
+    );
 }
 
 /// With the store failing at claim time, the default (fail closed) answers 503 with `Retry-After`
@@ -768,16 +1052,36 @@ pub async fn store_failure_at_claim_fails_closed_with_503<H: Harness>(h: H) {
             ProblemKind::StoreUnavailable,
             StatusCode::SERVICE_UNAVAILABLE,
         );
-        assert_eq!(reply.outcome, Some(Outcome::StoreUnavailable));
-        assert_eq!(reply.header(RETRY_AFTER), Some("1"));
+        assert_eq!(
+            reply.outcome,
+            Some(Outcome::StoreUnavailable),
+            "§6.2, §6.5: a store failure at claim time, fail closed, is StoreUnavailable"
+        );
+        assert_eq!(
+            reply.header(RETRY_AFTER),
+            Some("1"),
+            "§6.3: a 503 store-unavailable has Retry-After, 1 s by default"
+        );
     }
-    assert_eq!(handler.calls(), 0, "fail closed never runs the handler");
+    assert_eq!(
+        handler.calls(),
+        0,
+        "§6.2, §9.7: fail closed never runs the handler"
+    );
 
     store.fail(false);
     let first = send(&svc, post("k", "x")).await;
-    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::Executed),
+        "§6.2: once the store is back, the key runs"
+    );
     assert_replay_of(&send(&svc, post("k", "x")).await, &first);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.2: the refused requests did not run; the key ran once"
+    );
 }
 
 /// With `fail_open(true)`, a store failure at claim time runs the handler unprotected (outcome
@@ -797,18 +1101,45 @@ pub async fn store_failure_at_claim_fails_open_when_configured<H: Harness>(h: H)
     store.fail(true);
     for n in 1..=2 {
         let reply = send(&svc, post("k", "x")).await;
-        assert_eq!(reply.status, StatusCode::CREATED);
-        assert_eq!(reply.outcome, Some(Outcome::FailedOpen));
-        assert_eq!(reply.text(), format!("k call {n}"));
-        assert!(!reply.is_replay());
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "§9.7: fail open runs the handler and answers its response"
+        );
+        assert_eq!(
+            reply.outcome,
+            Some(Outcome::FailedOpen),
+            "§6.5, §9.7: a request run unprotected is FailedOpen"
+        );
+        assert_eq!(
+            reply.text(),
+            format!("k call {n}"),
+            "§2.4, §9.7: fail open still puts the key in the extensions, and runs every time"
+        );
+        assert!(
+            !reply.is_replay(),
+            "§9.7: nothing is stored fail open, so nothing is replayed"
+        );
     }
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§9.7: fail open runs the handler every time the store fails"
+    );
 
     store.fail(false);
     let first = send(&svc, post("k", "x")).await;
-    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::Executed),
+        "§9.7: nothing was claimed or stored fail open, so the key is new once the store is back"
+    );
     assert_replay_of(&send(&svc, post("k", "x")).await, &first);
-    assert_eq!(handler.calls(), 3);
+    assert_eq!(
+        handler.calls(),
+        3,
+        "§6.4: the replay did not run the handler"
+    );
 }
 
 /// The store bounds its own calls; the layer adds no timeout of its own. A slow claim that the
@@ -823,7 +1154,13 @@ pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
     // Slower than any timeout the layer used to add (1 s), but answered.
     store.delay(Some(Duration::from_millis(1500)));
     let slow = send(&svc, post("slow", "x")).await;
-    assert_eq!(slow.outcome, Some(Outcome::Executed), "{}", slow.text());
+    assert_eq!(
+        slow.outcome,
+        Some(Outcome::Executed),
+        "§10.4: the layer adds no timeout of its own; a slow claim the store answers is honoured: \
+         {}",
+        slow.text()
+    );
     store.delay(None);
 
     store.time_out(true);
@@ -832,17 +1169,28 @@ pub async fn the_store_alone_bounds_a_claim<H: Harness>(h: H) {
         ProblemKind::StoreUnavailable,
         StatusCode::SERVICE_UNAVAILABLE,
     );
-    assert!(reply.header(RETRY_AFTER).is_some());
+    assert!(
+        reply.header(RETRY_AFTER).is_some(),
+        "§6.3: a 503 store-unavailable has Retry-After"
+    );
     assert_eq!(
         handler.calls(),
         1,
-        "the timed-out claim did not run the handler"
+        "§6.2, §10.4: a claim the store gave up on (Timeout) does not run the handler"
     );
 
     store.time_out(false);
     let first = send(&svc, post("k", "x")).await;
-    assert_eq!(first.outcome, Some(Outcome::Executed));
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::Executed),
+        "§6.2: once the store answers, the key runs"
+    );
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§6.2: the slow claim's run and this one"
+    );
 }
 
 /// The layer prepares each claimed request with its store before the handler runs. When a
@@ -854,7 +1202,10 @@ pub async fn an_aborted_completion_is_not_reported_as_done<H: Harness>(h: H) {
     let store = Counting::new(faulty.clone());
     let handler = Handler::ok(|call| {
         let prepared = call.parts.extensions.get::<Prepared>().copied();
-        assert!(prepared.is_some(), "prepare ran before the handler");
+        assert!(
+            prepared.is_some(),
+            "§9.9, §10.1: Store::prepare runs for a claimed request before its handler"
+        );
         created(format!("call {}", call.n))
     });
     let layer = layer(&h, store.clone());
@@ -867,25 +1218,36 @@ pub async fn an_aborted_completion_is_not_reported_as_done<H: Harness>(h: H) {
         ProblemKind::StoreUnavailable,
         StatusCode::SERVICE_UNAVAILABLE,
     );
-    assert!(aborted.header(RETRY_AFTER).is_some());
+    assert!(
+        aborted.header(RETRY_AFTER).is_some(),
+        "§6.3, §9.9: an aborted completion's 503 has Retry-After"
+    );
     assert_ne!(
         aborted.text(),
         "call 1",
-        "the rolled-back response is not delivered"
+        "§9.9: the rolled-back response is not delivered"
     );
     faulty.abort_completions(false);
     shutdown.clone().wait().await;
     assert_eq!(
         store.calls().complete,
         1,
-        "an aborted completion is not retried"
+        "§9.9: an aborted completion is not retried"
     );
 
     let retry = send(&svc, post("k", "x")).await;
-    assert_eq!(retry.outcome, Some(Outcome::Executed));
-    assert_eq!(retry.text(), "call 2");
+    assert_eq!(
+        retry.outcome,
+        Some(Outcome::Executed),
+        "§9.9: the claim was released, so the retry runs the request again"
+    );
+    assert_eq!(retry.text(), "call 2", "§9.9: the retry's own run answers");
     assert_replay_of(&send(&svc, post("k", "x")).await, &retry);
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§9.9: the aborted run and the retry ran; the replay did not"
+    );
 }
 
 /// When storing the result fails, the client still gets the handler's response at once, and the
@@ -903,20 +1265,29 @@ pub async fn failed_store_write_still_answers_and_is_retried<H: Harness>(h: H) {
     let first = send(&svc, post("k", "x")).await;
     assert_eq!(
         (first.status, first.outcome),
-        (StatusCode::CREATED, Some(Outcome::Executed))
+        (StatusCode::CREATED, Some(Outcome::Executed)),
+        "§9.5: a failed completion write still answers the handler's response"
     );
-    assert_eq!(first.text(), "call 1");
+    assert_eq!(
+        first.text(),
+        "call 1",
+        "§9.5: the client gets the handler's response at once"
+    );
     faulty.fail_writes(false);
     shutdown.wait().await;
     let completes = store.calls().complete;
     assert!(
         completes >= 2,
-        "the write was retried ({completes} attempts)"
+        "§9.5: a failed completion write is retried ({completes} attempts)"
     );
 
     let replay = send(&svc, post("k", "x")).await;
     assert_replay_of(&replay, &first);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.5: the retried write landed, so the handler ran once"
+    );
 }
 
 /// When storing the result keeps failing for longer than the lease, the write is still retried:
@@ -935,17 +1306,30 @@ pub async fn store_write_failing_past_the_lease_lands_when_the_store_returns<H: 
     let first = send(&svc, post("k", "x")).await;
     assert_eq!(
         (first.status, first.text()),
-        (StatusCode::CREATED, "call 1".into())
+        (StatusCode::CREATED, "call 1".into()),
+        "§9.5: a failed completion write still answers the handler's response"
     );
     h.advance(h.lease() + margin(&h)).await;
-    assert_eq!(shutdown.running(), 1, "the write is still being retried");
+    assert_eq!(
+        shutdown.running(),
+        1,
+        "§9.5, §9.6, §9.8: past the lease, the completion is still being retried, and tracked"
+    );
     let attempts = store.calls().complete;
-    assert!(attempts >= 3, "{attempts} attempts so far");
+    assert!(
+        attempts >= 3,
+        "§9.5: a failed completion is retried with backoff ({attempts} attempts so far)"
+    );
 
     faulty.fail_writes(false);
     shutdown.wait().await;
     assert_replay_of(&send(&svc, post("k", "x")).await, &first);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.6, §10.1: the late completion landed where no record was left, so the handler ran \
+         once"
+    );
 }
 
 /// A write retried while the store failed gives up once another claim holds the key: the claim
@@ -959,7 +1343,11 @@ pub async fn retried_write_gives_up_once_another_claim_holds_the_key<H: Harness>
     let svc = service(layer, handler.clone());
 
     faulty.fail_writes(true);
-    assert_eq!(send(&svc, post("k", "x")).await.text(), "call 1");
+    assert_eq!(
+        send(&svc, post("k", "x")).await.text(),
+        "call 1",
+        "§9.5: a failed completion write still answers the handler's response"
+    );
     // Past the lease, with the first write still failing, a retry claims the key and runs.
     h.advance(h.lease() + margin(&h)).await;
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -972,7 +1360,16 @@ pub async fn retried_write_gives_up_once_another_claim_holds_the_key<H: Harness>
     shutdown.wait().await;
     gate.notify_one();
     let second = second.await.expect("the second request");
-    assert_eq!(second.text(), "second run 1");
+    assert_eq!(
+        second.text(),
+        "second run 1",
+        "§9.6: past the lease, a retry claims the key and runs"
+    );
     assert_replay_of(&send(&svc, post("k", "x")).await, &second);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.5, §9.6: the first owner's late write was refused (Ok(false)) and given up; the \
+         second run's result stands"
+    );
 }

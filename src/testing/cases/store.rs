@@ -13,6 +13,10 @@ use crate::{
     ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId, StoredResponse,
 };
 
+/// A store call of a case failed: every case runs on a reachable store, which answers.
+pub(super) const ANSWERS: &str = "§10.1: every call on a reachable store answers Ok (a StoreError here is a \
+                       failure of the store, not an answer)";
+
 fn fingerprint(n: u8) -> Fingerprint {
     Fingerprint::from_bytes([n; 32])
 }
@@ -29,7 +33,10 @@ async fn claimed<St: Store>(
 ) -> ClaimToken {
     match store.claim(id, fp, lease).await {
         Ok(Claim::Claimed(token)) => token,
-        other => panic!("expected a new claim of {id:?}, got {other:?}"),
+        other => panic!(
+            "§10.1 claim: a key with no live record (none, released, or past its expiry, §10.2) \
+             is claimed, Claim::Claimed; {id:?} got {other:?}"
+        ),
     }
 }
 
@@ -41,21 +48,30 @@ async fn existing<St: Store>(
 ) -> Record {
     match store.claim(id, fp, lease).await {
         Ok(Claim::Existing(record)) => record,
-        other => panic!("expected the existing record of {id:?}, got {other:?}"),
+        other => panic!(
+            "§10.1 claim: a key with a live record answers Claim::Existing and writes nothing; \
+             {id:?} got {other:?}"
+        ),
     }
 }
 
 async fn existing_in_flight<St: Store>(store: &St, id: &RecordId, lease: Duration) -> InFlight {
     match existing(store, id, &fingerprint(0xee), lease).await {
         Record::InFlight(in_flight) => in_flight,
-        other => panic!("expected an in-flight record, got {other:?}"),
+        other => panic!(
+            "§10.1 claim: a key claimed and neither completed, released nor expired is in \
+             flight; got {other:?}"
+        ),
     }
 }
 
 async fn existing_completed<St: Store>(store: &St, id: &RecordId, lease: Duration) -> Completed {
     match existing(store, id, &fingerprint(0xee), lease).await {
         Record::Completed(completed) => completed,
-        other => panic!("expected a completed record, got {other:?}"),
+        other => panic!(
+            "§10.1 claim: a completed key answers its completed record for the whole window \
+             (§5.2); got {other:?}"
+        ),
     }
 }
 
@@ -107,26 +123,34 @@ pub async fn store_claim_is_exclusive<H: Harness>(h: H) {
                 assert_eq!(
                     in_flight.fingerprint,
                     fingerprint(1),
-                    "the claimant's fingerprint"
+                    "§10.1 claim: a second claim gets the in-flight record with the first \
+                     claimant's fingerprint, whatever its own"
                 );
                 assert!(
                     in_flight.lease_remaining > Duration::ZERO
                         && in_flight.lease_remaining <= lease,
-                    "lease remaining {:?} of {lease:?}",
+                    "§10.1 claim: an in-flight record's lease remaining is more than zero and at \
+                     most the lease: {:?} of {lease:?}",
                     in_flight.lease_remaining
                 );
             }
-            other => panic!("expected in flight, got {other:?}"),
+            other => panic!(
+                "§10.1 claim: a second claim of a key in flight gets its in-flight record; got \
+                 {other:?}"
+            ),
         }
     }
-    assert!(store.renew(&id, &token, lease).await.expect("renew"));
+    assert!(
+        store.renew(&id, &token, lease).await.expect(ANSWERS),
+        "§10.1 renew: a second claim wrote nothing, so the first claim's token still renews"
+    );
     let done = completed_with_response(fingerprint(1));
     assert!(
         store
             .complete(&id, &token, &done, h.window())
             .await
-            .expect("complete"),
-        "the first claimant still owns the record"
+            .expect(ANSWERS),
+        "§10.1 complete: a second claim wrote nothing, so the first claimant still completes"
     );
 }
 
@@ -137,17 +161,30 @@ pub async fn store_claims_are_per_record_id<H: Harness>(h: H) {
     let lease = h.lease();
     let a = RecordId::new(b"acct_a", "same-key");
     let b = RecordId::new(b"acct_b", "same-key");
-    assert_ne!(a, b);
+    assert_ne!(a, b, "§5.1: one key in two scopes is two record ids");
     let token_a = claimed(&store, &a, &fingerprint(1), lease).await;
     let token_b = claimed(&store, &b, &fingerprint(2), lease).await;
-    assert_ne!(token_a, token_b, "tokens are unique per claim");
+    assert_ne!(
+        token_a, token_b,
+        "§5.3 claim: every claim gets a new, unique token"
+    );
     // A token fences only its own record.
-    assert!(!store.release(&b, &token_a).await.expect("release"));
-    assert!(!store.renew(&a, &token_b, lease).await.expect("renew"));
-    assert!(store.release(&a, &token_a).await.expect("release"));
+    assert!(
+        !store.release(&b, &token_a).await.expect(ANSWERS),
+        "§10.2 release: a token fences only its own record; another id's release answers Ok(false)"
+    );
+    assert!(
+        !store.renew(&a, &token_b, lease).await.expect(ANSWERS),
+        "§10.2 renew: a token fences only its own record; another id's renewal answers Ok(false)"
+    );
+    assert!(
+        store.release(&a, &token_a).await.expect(ANSWERS),
+        "§10.1 release: the in-flight record claimed with the token is deleted, Ok(true)"
+    );
     assert_eq!(
         existing_in_flight(&store, &b, lease).await.fingerprint,
-        fingerprint(2)
+        fingerprint(2),
+        "§10.2: records of different ids never affect each other; the other scope's claim stands"
     );
 }
 
@@ -164,24 +201,38 @@ pub async fn store_completed_record_is_returned_intact<H: Harness>(h: H) {
         store
             .complete(&id, &token, &done, h.window())
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: the in-flight record claimed with the token is completed, Ok(true)"
     );
 
     for fp in [fingerprint(1), fingerprint(9)] {
         let Record::Completed(got) = existing(&store, &id, &fp, lease).await else {
-            panic!("expected a completed record");
+            panic!(
+                "§10.1 claim: a completed key answers its completed record, whatever the \
+                 claim's fingerprint ({fp:?})"
+            );
         };
-        assert_eq!(got, done);
+        assert_eq!(
+            got, done,
+            "§10.1: a completed record comes back exactly as it was written"
+        );
         let (got, want) = (
-            got.response.expect("a stored response"),
-            done.response.clone().expect("a response"),
+            got.response
+                .expect("§10.1: a completion with a response comes back with it"),
+            done.response
+                .clone()
+                .expect("the case's record has a response"),
         );
         assert_eq!(
             header_pairs(&got.headers),
             header_pairs(&want.headers),
-            "header order"
+            "§10.1: every header value comes back, in order (repeated, empty and non-UTF-8 \
+             values included)"
         );
-        assert_eq!(got.body, want.body);
+        assert_eq!(
+            got.body, want.body,
+            "§10.1: the body comes back byte for byte"
+        );
     }
 }
 
@@ -200,10 +251,15 @@ pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
         store
             .complete(&id, &token, &tombstone, h.window())
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: a claim is completed with a tombstone like with a response, Ok(true)"
     );
     h.advance(h.lease() + margin(&h)).await;
-    assert_eq!(existing_completed(&store, &id, lease).await, tombstone);
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        tombstone,
+        "§5.2, §10.1: a tombstone (Completed without a response) is kept as such, past the lease"
+    );
 }
 
 /// A completed record lives for the TTL given to `complete` (the dedup window), not for the
@@ -219,20 +275,23 @@ pub async fn store_completed_record_lives_for_its_ttl_not_the_lease<H: Harness>(
         store
             .complete(&id, &token, &done, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: the in-flight record claimed with the token is completed, Ok(true)"
     );
 
     h.advance(lease + m).await;
     assert_eq!(
         existing_completed(&store, &id, lease).await,
         done,
-        "past the lease"
+        "§5.2, §10.1 complete: a completed record lives for the TTL given to complete, not for \
+         the claim's lease: still there past the lease"
     );
     h.advance(window - lease - m - m).await;
     assert_eq!(
         existing_completed(&store, &id, lease).await,
         done,
-        "just inside the window"
+        "§5.2, §10.1 complete: a completed record lives for the TTL given to complete: still \
+         there just inside the window"
     );
     h.advance(m + m).await;
     claimed(&store, &id, &fingerprint(2), lease).await;
@@ -249,7 +308,8 @@ pub async fn store_lease_expires_without_renewal<H: Harness>(h: H) {
     let in_flight = existing_in_flight(&store, &id, lease).await;
     assert!(
         in_flight.lease_remaining <= m + m / 2,
-        "lease remaining {:?} after {:?} of a {lease:?} lease",
+        "§10.1 claim: the lease remaining of an in-flight record counts down from the lease: \
+         {:?} left after {:?} of a {lease:?} lease",
         in_flight.lease_remaining,
         lease - m
     );
@@ -265,18 +325,22 @@ pub async fn store_renew_extends_the_lease<H: Harness>(h: H) {
     let id = record_id("renew");
     let token = claimed(&store, &id, &fingerprint(1), lease).await;
     h.advance(lease - m).await;
-    assert!(store.renew(&id, &token, lease).await.expect("renew"));
+    assert!(
+        store.renew(&id, &token, lease).await.expect(ANSWERS),
+        "§10.1 renew: the in-flight record claimed with the token is renewed, Ok(true)"
+    );
     let in_flight = existing_in_flight(&store, &id, lease).await;
     assert!(
         in_flight.lease_remaining > lease - m,
-        "a renewed lease has {:?} left",
+        "§10.1 renew: the expiry becomes a full lease from now; a renewed lease has {:?} left",
         in_flight.lease_remaining
     );
     // Past the first lease's end, the claim holds.
     h.advance(m + m).await;
     assert_eq!(
         existing_in_flight(&store, &id, lease).await.fingerprint,
-        fingerprint(1)
+        fingerprint(1),
+        "§10.1 renew: past the first lease's end, the renewed claim still holds the key"
     );
     // Past the renewed lease's end, the key is free.
     h.advance(lease).await;
@@ -291,21 +355,35 @@ pub async fn store_release_frees_the_key<H: Harness>(h: H) {
     let lease = h.lease();
     let id = record_id("release");
     let first = claimed(&store, &id, &fingerprint(1), lease).await;
-    assert!(store.release(&id, &first).await.expect("release"));
+    assert!(
+        store.release(&id, &first).await.expect(ANSWERS),
+        "§10.1 release: the in-flight record claimed with the token is deleted, Ok(true)"
+    );
     let second = claimed(&store, &id, &fingerprint(2), lease).await;
-    assert_ne!(first, second);
-    assert!(!store.release(&id, &first).await.expect("release"));
-    assert!(!store.renew(&id, &first, lease).await.expect("renew"));
+    assert_ne!(
+        first, second,
+        "§5.3 claim: every claim gets a new, unique token"
+    );
+    assert!(
+        !store.release(&id, &first).await.expect(ANSWERS),
+        "§5.3, §10.1 release: a released token fences nothing; its release answers Ok(false)"
+    );
+    assert!(
+        !store.renew(&id, &first, lease).await.expect(ANSWERS),
+        "§5.3, §10.1 renew: a released token fences nothing; its renewal answers Ok(false)"
+    );
     let done = completed_with_response(fingerprint(1));
     assert!(
         !store
             .complete(&id, &first, &done, h.window())
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§5.3, §10.1 complete: a released token cannot complete another claim's record: Ok(false)"
     );
     assert_eq!(
         existing_in_flight(&store, &id, lease).await.fingerprint,
-        fingerprint(2)
+        fingerprint(2),
+        "§5.3: the old token's calls wrote nothing; the new claim's record stands"
     );
 }
 
@@ -319,21 +397,31 @@ pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H)
     let old = claimed(&store, &id, &fingerprint(1), lease).await;
     h.advance(lease + margin(&h)).await;
     let new = claimed(&store, &id, &fingerprint(2), lease).await;
-    assert_ne!(old, new);
+    assert_ne!(old, new, "§5.3 claim: every claim gets a new, unique token");
 
     let stale = completed_with_response(fingerprint(1));
     assert!(
         !store
             .complete(&id, &old, &stale, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§5.3, §10.1 complete: an owner whose lease ran out cannot complete the new owner's \
+         record: Ok(false)"
     );
-    assert!(!store.release(&id, &old).await.expect("release"));
-    assert!(!store.renew(&id, &old, lease).await.expect("renew"));
+    assert!(
+        !store.release(&id, &old).await.expect(ANSWERS),
+        "§5.3, §10.1 release: an owner whose lease ran out cannot free the new owner's record: \
+         Ok(false)"
+    );
+    assert!(
+        !store.renew(&id, &old, lease).await.expect(ANSWERS),
+        "§5.3, §10.1 renew: an owner whose lease ran out cannot renew the new owner's record: \
+         Ok(false)"
+    );
     assert_eq!(
         existing_in_flight(&store, &id, lease).await.fingerprint,
         fingerprint(2),
-        "the record is still the new owner's claim"
+        "§5.3: the fenced calls wrote nothing; the record is still the new owner's claim"
     );
 
     let done = Completed {
@@ -344,9 +432,14 @@ pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H)
         store
             .complete(&id, &new, &done, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: the new owner completes its own claim, Ok(true)"
     );
-    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "§10.1 complete: the new owner's completion is the record"
+    );
 }
 
 /// Once completed, a record is final: the claim's token can no longer complete, renew or release
@@ -362,7 +455,8 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
         store
             .complete(&id, &token, &done, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: the in-flight record claimed with the token is completed, Ok(true)"
     );
 
     let other = Completed {
@@ -373,11 +467,24 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
         !store
             .complete(&id, &token, &other, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§5.2, §10.1 complete: a completed record is final; another record (here a tombstone), \
+         even with the claim's own token, answers Ok(false)"
     );
-    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
-    assert!(!store.release(&id, &token).await.expect("release"));
-    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    assert!(
+        !store.renew(&id, &token, lease).await.expect(ANSWERS),
+        "§5.2, §10.1 renew: a completed record is final; its own token's renewal answers Ok(false)"
+    );
+    assert!(
+        !store.release(&id, &token).await.expect(ANSWERS),
+        "§5.2, §10.1 release: a completed record is final; its own token's release answers \
+         Ok(false)"
+    );
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "§5.2: a completed record is final; the refused calls changed nothing"
+    );
 }
 
 /// A completion sent again by its claim (its first answer was lost with a dropped connection,
@@ -395,11 +502,16 @@ pub async fn store_complete_sent_again_by_its_claim_is_written<H: Harness>(h: H)
             store
                 .complete(&id, &token, &done, window)
                 .await
-                .expect("complete"),
-            "the {sending} sending of the completion is written"
+                .expect(ANSWERS),
+            "§10.1 complete: a completion sent again with its token and the same bytes answers \
+             Ok(true) (the {sending} sending)"
         );
     }
-    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "§10.1 complete: a completion sent again leaves the record unchanged"
+    );
 }
 
 /// Renew and release on a key without a record do nothing and create nothing; complete writes
@@ -410,8 +522,14 @@ pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Har
     let (lease, window) = (h.lease(), h.window());
     let id = record_id("missing");
     let token = ClaimToken::new(Fence::new(1));
-    assert!(!store.renew(&id, &token, lease).await.expect("renew"));
-    assert!(!store.release(&id, &token).await.expect("release"));
+    assert!(
+        !store.renew(&id, &token, lease).await.expect(ANSWERS),
+        "§10.1 renew: on a key with no record, renew answers Ok(false) and creates nothing"
+    );
+    assert!(
+        !store.release(&id, &token).await.expect(ANSWERS),
+        "§10.1 release: on a key with no record, release answers Ok(false)"
+    );
     claimed(&store, &id, &fingerprint(1), lease).await;
 
     let other = record_id("missing-then-completed");
@@ -420,9 +538,15 @@ pub async fn store_complete_writes_a_missing_record_and_nothing_else_does<H: Har
         store
             .complete(&other, &token, &done, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§10.1 complete: on a key with no live record, complete writes the record (the work did \
+         run) and answers Ok(true)"
     );
-    assert_eq!(existing_completed(&store, &other, lease).await, done);
+    assert_eq!(
+        existing_completed(&store, &other, lease).await,
+        done,
+        "§10.1 complete: the completion written where no record was is the record"
+    );
 }
 
 /// An owner whose lease ran out while nobody claimed the key since still completes it: the record
@@ -439,12 +563,22 @@ pub async fn store_complete_after_the_lease_ran_out_writes_the_record<H: Harness
         store
             .complete(&id, &token, &done, window)
             .await
-            .expect("complete")
+            .expect(ANSWERS),
+        "§9.6, §10.1 complete: an owner whose lease ran out, with nobody claiming the key since, \
+         still completes it: Ok(true)"
     );
-    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "§10.1 complete: the late completion is the record"
+    );
     // Kept for the window, like any completion.
     h.advance(lease + margin(&h)).await;
-    assert_eq!(existing_completed(&store, &id, lease).await, done);
+    assert_eq!(
+        existing_completed(&store, &id, lease).await,
+        done,
+        "§5.2, §10.1 complete: the late completion is kept for the window given, not the lease"
+    );
 }
 
 /// Of many concurrent claims of one key, exactly one wins.
@@ -462,13 +596,26 @@ pub async fn store_concurrent_claims_have_one_winner<H: Harness>(h: H) {
     let mut winners = Vec::new();
     let mut in_flight = 0;
     for task in tasks {
-        match task.await.expect("the task").expect("claim") {
+        match task.await.expect("the claiming task").expect(ANSWERS) {
             Claim::Claimed(token) => winners.push(token),
             Claim::Existing(Record::InFlight(_)) => in_flight += 1,
-            other => panic!("unexpected {other:?}"),
+            other => panic!(
+                "§10.2: of concurrent claims of a free id, each either claims it or gets the \
+                 in-flight record; got {other:?}"
+            ),
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one claim wins");
-    assert_eq!(in_flight, 99);
-    assert!(store.release(&id, &winners[0]).await.expect("release"));
+    assert_eq!(
+        winners.len(),
+        1,
+        "§10.2: of any number of concurrent claims of a free id, exactly one gets Claimed"
+    );
+    assert_eq!(
+        in_flight, 99,
+        "§10.2: every other concurrent claim gets the winner's in-flight record"
+    );
+    assert!(
+        store.release(&id, &winners[0]).await.expect(ANSWERS),
+        "§10.1 release: the winner's token releases its in-flight record, Ok(true)"
+    );
 }

@@ -24,7 +24,11 @@ async fn until_waiting<H: Harness, St>(h: &H, layer: &IdempotencyLayer<St>, n: u
         }
         h.advance(Duration::from_millis(1)).await;
     }
-    panic!("{} keys with waiters, not {n}", layer.waiting());
+    panic!(
+        "§6.6: a duplicate of a request in flight waits (wait_for_in_flight); {} keys with \
+         waiters, not {n}",
+        layer.waiting()
+    );
 }
 
 /// Through a service of `waiting` over `handler`: sends the first request and, once its handler
@@ -76,15 +80,32 @@ pub async fn a_waiting_duplicate_gets_the_replay<H: Harness>(h: H) {
     let first = first.await.expect("the first request");
     assert_eq!(
         (first.outcome, first.text()),
-        (Some(Outcome::Executed), "charged 1".into())
+        (Some(Outcome::Executed), "charged 1".into()),
+        "§6.6: the first request's answer is unchanged by its waiters"
     );
     for waiter in [duplicate, remote] {
         let reply = waiter.await.expect("a waiting duplicate");
-        assert_eq!(reply.outcome, Some(Outcome::Replayed), "{reply:?}");
-        assert_eq!(reply.body, first.body);
+        assert_eq!(
+            reply.outcome,
+            Some(Outcome::Replayed),
+            "§6.6: a waiting duplicate, on this instance or another, gets the replay once the \
+             first request completes: {reply:?}"
+        );
+        assert_eq!(
+            reply.body, first.body,
+            "§6.4, §6.6: the waiter's replay repeats the first response's body"
+        );
     }
-    assert_eq!(handler.calls(), 1);
-    assert_eq!((here.waiting(), elsewhere.waiting()), (0, 0));
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.6: the handler runs once for the first request and its waiters"
+    );
+    assert_eq!(
+        (here.waiting(), elsewhere.waiting()),
+        (0, 0),
+        "§6.6: no wait is left behind once its waiters are answered"
+    );
 }
 
 /// Past its bound, a waiting duplicate gets the `409` with `Retry-After`, and the first request's
@@ -103,17 +124,32 @@ pub async fn a_duplicate_past_the_wait_bound_gets_409<H: Harness>(h: H) {
     let conflict = send(&svc, post("k", "x")).await;
     assert!(
         asked.elapsed() >= bound,
-        "answered after {:?}",
+        "§6.6: a duplicate waits up to its bound before the 409; answered after {:?}",
         asked.elapsed()
     );
     let retry_after = conflict.assert_in_flight();
-    assert!((1..=whole_seconds(h.lease())).contains(&retry_after));
-    assert_eq!(waiting.waiting(), 0, "the wait ended with its last waiter");
+    assert!(
+        (1..=whole_seconds(h.lease())).contains(&retry_after),
+        "§6.3: the 409's Retry-After is at least 1 s and never past the lease: {retry_after}"
+    );
+    assert_eq!(
+        waiting.waiting(),
+        0,
+        "§6.6: the wait ended with its last waiter"
+    );
 
     gate.notify_one();
     let first = first.await.expect("the first request");
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "§6.6: the first request's answer is unchanged by a waiter that gave up"
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.6: a waiter past its bound does not run the handler"
+    );
 }
 
 /// Many duplicates of one key share one wait: the store sees each one's claim, then the shared
@@ -141,7 +177,11 @@ pub async fn many_waiters_cost_a_bounded_number_of_store_calls<H: Harness>(h: H)
     first.await.expect("the first request");
     for waiter in waiters {
         let reply = waiter.await.expect("a waiter");
-        assert_eq!(reply.outcome, Some(Outcome::Replayed), "{reply:?}");
+        assert_eq!(
+            reply.outcome,
+            Some(Outcome::Replayed),
+            "§6.6: every waiter of the key gets the replay: {reply:?}"
+        );
     }
 
     // The backoff (25, 50, 100, 200 ms) then one call per `MAX_POLL`, a few more for scheduling.
@@ -149,10 +189,16 @@ pub async fn many_waiters_cost_a_bounded_number_of_store_calls<H: Harness>(h: H)
     let calls = store.calls();
     assert!(
         calls.claim <= WAITERS + polls,
-        "{} claims for {WAITERS} waiters: at most one each and {polls} shared",
+        "§6.6: waiters of one key share one wait: each its own claim, plus the shared calls at \
+         most every 250 ms; {} claims for {WAITERS} waiters, more than one each and {polls} \
+         shared",
         calls.claim
     );
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.6: the handler runs once for the first request and its waiters"
+    );
 }
 
 /// A waiter whose client goes away (its response future dropped) stops waiting and leaves no
@@ -164,21 +210,42 @@ pub async fn a_waiter_that_goes_away_leaves_nothing_behind<H: Harness>(h: H) {
     let waiting = waiting_layer(&h, h.store(), h.lease() * 4);
     let (svc, first, gone) = first_and_a_waiter(&h, &waiting, &handler, &started).await;
     gone.abort();
-    assert!(gone.await.is_err_and(|err| err.is_cancelled()));
+    assert!(
+        gone.await.is_err_and(|err| err.is_cancelled()),
+        "§6.6: the waiter's task is cancelled, as a client that goes away drops its response \
+         future"
+    );
     for _ in 0..100 {
         if waiting.waiting() == 0 {
             break;
         }
         h.advance(Duration::from_millis(1)).await;
     }
-    assert_eq!(waiting.waiting(), 0, "no wait is left behind");
+    assert_eq!(
+        waiting.waiting(),
+        0,
+        "§6.6: a waiter whose client goes away stops waiting, and the last one leaves no wait \
+         behind"
+    );
 
     gate.notify_one();
     let first = first.await.expect("the first request");
-    assert_eq!(first.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::Executed),
+        "§6.6: the first request is not disturbed by a waiter that left"
+    );
     let replay = send(&svc, post("k", "x")).await;
-    assert_eq!(replay.outcome, Some(Outcome::Replayed));
-    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        replay.outcome,
+        Some(Outcome::Replayed),
+        "§6.4: a retry after the first request completed gets the replay"
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.6: a waiter that left does not run the handler"
+    );
 }
 
 /// When the first request's claim is released (its response is not stored), a waiting duplicate
@@ -203,16 +270,26 @@ pub async fn a_waiter_runs_when_the_first_request_is_released<H: Harness>(h: H) 
     gate.notify_one();
 
     let first = first.await.expect("the first request");
-    assert_eq!(first.outcome, Some(Outcome::NotStored));
+    assert_eq!(
+        first.outcome,
+        Some(Outcome::NotStored),
+        "§8.1: a 503 is not stored, and its claim is released"
+    );
     let duplicate = duplicate.await.expect("the duplicate");
     assert_eq!(
         (duplicate.outcome, duplicate.text()),
-        (Some(Outcome::Executed), "call 2".into())
+        (Some(Outcome::Executed), "call 2".into()),
+        "§6.6: when the first request's claim is released, a waiter claims the key and runs"
     );
     let replay = send(&svc, post("k", "x")).await;
     assert_eq!(
         (replay.outcome, replay.text()),
-        (Some(Outcome::Replayed), "call 2".into())
+        (Some(Outcome::Replayed), "call 2".into()),
+        "§6.4: a retry gets the replay of the waiter's run"
     );
-    assert_eq!(handler.calls(), 2);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "§6.6: the handler ran for the first request and once for the waiter"
+    );
 }
