@@ -15,7 +15,8 @@
 //! anyway), and its id is the provider's payment id.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -167,6 +168,11 @@ pub enum Opened {
 #[derive(Debug)]
 pub struct Ledger {
     backend: Backend,
+    /// Holds every [`Ledger::open`] at its start while a test holds it for writing, as a locked
+    /// charges table would ([`Ledger::hold_opens`]).
+    gate: Arc<tokio::sync::RwLock<()>>,
+    /// How many opens wait at the gate.
+    held: AtomicUsize,
 }
 
 #[derive(Debug)]
@@ -184,9 +190,7 @@ struct Charges {
 
 impl Default for Ledger {
     fn default() -> Self {
-        Self {
-            backend: Backend::Memory(Mutex::default()),
-        }
+        Self::on(Backend::Memory(Mutex::default()))
     }
 }
 
@@ -194,9 +198,28 @@ impl Ledger {
     /// The charges in PostgreSQL.
     #[cfg(feature = "postgres")]
     pub fn postgres(charges: PgCharges) -> Self {
+        Self::on(Backend::Postgres(charges))
+    }
+
+    fn on(backend: Backend) -> Self {
         Self {
-            backend: Backend::Postgres(charges),
+            backend,
+            gate: Arc::default(),
+            held: AtomicUsize::new(0),
         }
+    }
+
+    /// Holds every [`Ledger::open`] at its start, right after the request's claim, until the
+    /// guard is dropped: a handler stalled as behind a locked table (tests).
+    #[allow(dead_code)] // for tests
+    pub async fn hold_opens(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.gate.clone().write_owned().await
+    }
+
+    /// How many [`Ledger::open`] calls wait behind [`Ledger::hold_opens`] now (tests).
+    #[allow(dead_code)] // for tests
+    pub fn held_opens(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 
     /// Whether the charges are in PostgreSQL: the handlers then write through the request's
@@ -219,6 +242,9 @@ impl Ledger {
         provider_key: &str,
         request: &NewCharge,
     ) -> Result<Opened, ApiError> {
+        self.held.fetch_add(1, Ordering::SeqCst);
+        drop(self.gate.read().await);
+        self.held.fetch_sub(1, Ordering::SeqCst);
         match &self.backend {
             Backend::Memory(_) => {
                 let mut charge = Charge::new(account.clone(), request, provider_key);
