@@ -634,6 +634,6 @@ async fn postgres_charges_once_when_a_lease_runs_out_under_a_stalled_handler() {
 }
 
 /// The ledger on Redis: as `main` sets it up when `REDIS_URL` is set.
-fn redis_ledger(state: AppState, _conn: &RedisConn) -> AppState {
-    state
+fn redis_ledger(state: AppState, conn: &RedisConn) -> AppState {
+    state.with_ledger(Ledger::with_redis_operations(conn.clone()))
 }

@@ -268,6 +268,12 @@ impl AppState {
         self
     }
 
+    /// Keeps the charges in `ledger`.
+    pub fn with_ledger(mut self, ledger: Ledger) -> Self {
+        self.ledger = Arc::new(ledger);
+        self
+    }
+
     /// Publishes the events to `queue`, and shows the `balances` that its consumer keeps.
     pub fn with_events(mut self, queue: Queue, balances: Balances) -> Self {
         self.events = Publisher::new(queue);
@@ -301,6 +307,7 @@ pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
         .layer(middleware::from_fn(auth::authenticate))
         // After the layers: the scraper needs no API key, and reads nothing idempotent.
         .route("/metrics", get(prometheus::show))
+        .fallback(error::unrecognized_url)
         .with_state(state)
 }
 
@@ -352,11 +359,13 @@ async fn run() -> Result<(), Box<dyn Error>> {
             // The provider stands for one outside service that every instance calls: its keys
             // are shared, beside the ledger's durable data (apart from the idempotency records
             // when LEDGER_REDIS_URL names another Redis, so flushing those keeps them).
-            let keys = provider::KeyTable::redis(conn, PROVIDER_PREFIX, provider::WINDOW);
+            let keys = provider::KeyTable::redis(conn.clone(), PROVIDER_PREFIX, provider::WINDOW);
+            // Every instance on that Redis agrees on each operation's one charge.
             (
                 state
                     .with_events(queue, balances)
-                    .with_provider(Provider::with_keys(latency, keys)),
+                    .with_provider(Provider::with_keys(latency, keys))
+                    .with_ledger(Ledger::with_redis_operations(conn)),
                 BoxStore::new(store),
             )
         }
@@ -557,6 +566,12 @@ async fn serve(
     });
 
     let consumer = consumer_store.spawn(&state, stop.clone()).await?;
+    tokio::spawn(
+        state
+            .provider
+            .clone()
+            .sweep_keys_every(provider::SWEEP_EVERY, stop.clone()),
+    );
     // The outbox relay runs until the last request has published its events.
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));

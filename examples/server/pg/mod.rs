@@ -68,6 +68,9 @@ pub const RECONCILE_AFTER: Duration = Duration::from_secs(120);
 /// How often the ledger consumer looks at an empty outbox.
 pub const OUTBOX_POLL: Duration = Duration::from_millis(200);
 
+/// SQLSTATE `unique_violation`.
+const UNIQUE_VIOLATION: &str = "23505";
+
 /// The bound on creating the schema.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -99,6 +102,17 @@ impl Database {
         };
         match tokio::time::timeout(MIGRATE_TIMEOUT, create).await {
             Ok(Ok(_)) => {}
+            Ok(Err(sqlx::Error::Database(err)))
+                if err.code().as_deref() == Some(UNIQUE_VIOLATION) =>
+            {
+                return Err(format!(
+                    "cannot use PostgreSQL at {DATABASE_URL}: the charges table has two charges \
+                     for one operation, so one charge per operation cannot be enforced ({}); \
+                     keep the one the balance counts, set the other's operation to NULL, and \
+                     start again",
+                    err.message()
+                ));
+            }
             Ok(Err(err)) => return Err(unusable(&err)),
             Err(_) => {
                 return Err(format!(
