@@ -637,3 +637,101 @@ async fn postgres_charges_once_when_a_lease_runs_out_under_a_stalled_handler() {
 fn redis_ledger(state: AppState, conn: &RedisConn) -> AppState {
     state.with_ledger(Ledger::with_redis_operations(conn.clone()))
 }
+
+/// The provider refuses a call whose fence is smaller than one its key has seen, and takes an
+/// equal or larger one as the same request sent again, on the key table under test.
+async fn the_provider_refuses_a_smaller_fence(provider: Provider) {
+    use server::provider::{ProviderError, Source};
+    let payment = provider
+        .create_payment("fenced", 20, Source::Visa, 700, true)
+        .await
+        .expect("a payment");
+    assert_eq!(
+        provider
+            .create_payment("fenced", 19, Source::Visa, 700, true)
+            .await,
+        Err(ProviderError::Superseded)
+    );
+    for fence in [20, 21] {
+        assert_eq!(
+            provider
+                .create_payment("fenced", fence, Source::Visa, 700, true)
+                .await,
+            Ok(payment.clone())
+        );
+    }
+    assert_eq!(
+        provider
+            .create_payment("fenced", 20, Source::Visa, 700, true)
+            .await,
+        Err(ProviderError::Superseded),
+        "the key keeps its largest fence"
+    );
+    assert_eq!(
+        provider
+            .create_payment("fenced", 99, Source::Visa, 701, true)
+            .await,
+        Err(ProviderError::KeyReused)
+    );
+    let refund = provider
+        .refund("fenced-refund", u64::MAX, &payment.id, 100)
+        .await
+        .expect("a refund");
+    assert_eq!(
+        provider
+            .refund("fenced-refund", u64::MAX - 1, &payment.id, 100)
+            .await,
+        Err(ProviderError::Superseded),
+        "fences compare exactly, up to the largest"
+    );
+    assert_eq!(
+        provider
+            .refund("fenced-refund", u64::MAX, &payment.id, 100)
+            .await,
+        Ok(refund)
+    );
+    assert_eq!(provider.effects(), 2, "one payment, one refund");
+}
+
+#[tokio::test]
+async fn the_provider_refuses_a_smaller_fence_in_memory() {
+    the_provider_refuses_a_smaller_fence(Provider::default()).await;
+}
+
+#[tokio::test]
+async fn the_provider_refuses_a_smaller_fence_on_redis() {
+    let server = RedisServer::start();
+    let conn = RedisConn::open(&server.url()).expect("a valid URL");
+    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
+    the_provider_refuses_a_smaller_fence(Provider::with_keys(Duration::ZERO, keys)).await;
+}
+
+/// On PostgreSQL too; and the keys whose window ended are swept from the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_a_smaller_fence_on_postgres_and_sweeps_expired_keys() {
+    let server = PostgresServer::start();
+    let db = Database::connect(&server.url())
+        .await
+        .expect("the database");
+    let keys = KeyTable::postgres(db.pool().clone(), server::provider::WINDOW);
+    the_provider_refuses_a_smaller_fence(Provider::with_keys(Duration::ZERO, keys)).await;
+
+    let short = Provider::with_keys(
+        Duration::ZERO,
+        KeyTable::postgres(db.pool().clone(), Duration::from_millis(50)),
+    );
+    short
+        .capture("short-lived", 1, "py_1")
+        .await
+        .expect("captured");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(short.sweep_keys().await.expect("a sweep"), 1);
+    assert_eq!(short.sweep_keys().await.expect("a sweep"), 0);
+    let left: i64 = tower_idempotency::store::sqlx::query_scalar(
+        "SELECT count(*) FROM provider_keys WHERE key = 'short-lived'",
+    )
+    .fetch_one(db.pool())
+    .await
+    .expect("a count");
+    assert_eq!(left, 0);
+}

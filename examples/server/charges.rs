@@ -326,10 +326,6 @@ pub async fn capture(
             begin_call(c, Event::Capture, &call_key, 0)
         })
         .await?;
-    if charge.status != Status::Capturing {
-        // An earlier run of this request captured it.
-        return Ok(Json(charge.to_json()));
-    }
     still_held(claim.as_ref()).await?;
     let captured = state
         .provider_client
@@ -351,8 +347,9 @@ pub async fn capture(
 }
 
 /// Moves `charge` along `event` into the `-ing` state of a provider call with `call_key` (and
-/// `amount`, for a refund); a charge that this call's request already moved (an earlier run of it,
-/// taken over) is left as it is: in that `-ing` state it is resumed, past it it is the answer.
+/// `amount`, for a refund). A charge whose last call had this key is left as it is: an earlier run
+/// of this request (taken over) began the call, or made it; either way the provider answers the
+/// call again (or refuses a key that was another request's), and [`end_call`] settles it once.
 fn begin_call(
     charge: &mut Charge,
     event: Event,
@@ -371,14 +368,18 @@ fn begin_call(
 /// Moves `charge` along `event` out of the `-ing` state of the call with `call_key`, unless
 /// another run of the same request did already.
 fn end_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
-    let busy = matches!(
-        charge.status,
-        Status::Capturing | Status::Refunding | Status::Canceling
-    );
-    if charge.call_key == call_key && !busy {
+    if charge.call_key == call_key && !is_busy(charge) {
         return Ok(());
     }
     charge.apply(event)
+}
+
+/// Whether `charge` waits on a capture, refund or cancellation call.
+fn is_busy(charge: &Charge) -> bool {
+    matches!(
+        charge.status,
+        Status::Capturing | Status::Refunding | Status::Canceling
+    )
 }
 
 /// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
@@ -401,12 +402,11 @@ pub async fn refund(
     };
     let call_key = provider_key(&key, &account);
     let mut amount = 0;
-    let mut resumed = false;
     let update = state.ledger.update(&account, &id, |c| {
         if c.call_key == call_key {
-            // An earlier run of this request began (or made) this refund.
+            // An earlier run of this request began (or made) this refund: the provider answers
+            // it again, or refuses the key if it was another request's.
             amount = c.call_amount;
-            resumed = true;
             return Ok(());
         }
         amount = input.amount.unwrap_or(c.refundable());
@@ -432,10 +432,6 @@ pub async fn refund(
         Ok(())
     });
     let charge = update.await?;
-    if resumed && charge.status != Status::Refunding {
-        // Made by an earlier run, taken over: this run cannot tell the refund's id, and stops.
-        return Err(ApiError::superseded());
-    }
     still_held(claim.as_ref()).await?;
     let refund_id = match state
         .provider_client
@@ -491,10 +487,6 @@ pub async fn cancel(
             begin_call(c, Event::Cancel, &call_key, 0)
         })
         .await?;
-    if charge.status != Status::Canceling {
-        // An earlier run of this request canceled it.
-        return Ok(Json(charge.to_json()));
-    }
     still_held(claim.as_ref()).await?;
     let canceled = state
         .provider_client
@@ -525,6 +517,10 @@ async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderE
     let rolled_back = state
         .ledger
         .update(account, id, |c| {
+            if !is_busy(c) {
+                // Not in a call of this request (its key was another's): nothing to undo.
+                return Ok(());
+            }
             c.apply(Event::ProviderDidNothing)?;
             // The call did nothing: the same request may begin it again.
             c.call_key.clear();

@@ -84,9 +84,10 @@ CREATE TABLE IF NOT EXISTS provider_keys (
     key        text        PRIMARY KEY,
     request    text        NOT NULL,
     id         text        NOT NULL,
-    -- The largest fence a call with the key carried: a smaller one is refused.
-    fence      bigint      NOT NULL DEFAULT 0,
+    -- The largest fence a call with the key carried: a smaller one is refused. A u64, which
+    -- only numeric holds whole.
+    fence      numeric(20) NOT NULL DEFAULT 0,
     expires_at timestamptz NOT NULL
 );
-ALTER TABLE provider_keys ADD COLUMN IF NOT EXISTS fence bigint NOT NULL DEFAULT 0;
+ALTER TABLE provider_keys ADD COLUMN IF NOT EXISTS fence numeric(20) NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS provider_keys_expiry ON provider_keys (expires_at);

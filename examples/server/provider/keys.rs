@@ -177,7 +177,7 @@ impl KeyTable {
             #[cfg(feature = "postgres")]
             Backend::Postgres(pool) => {
                 let row = sqlx::query(
-                    "SELECT request, id, fence FROM provider_keys
+                    "SELECT request, id, fence::text FROM provider_keys
                      WHERE key = $1 AND expires_at > statement_timestamp()",
                 )
                 .bind(key)
@@ -237,7 +237,7 @@ impl KeyTable {
                 // finding it in the row means this call won the key.
                 let row = sqlx::query(
                     "INSERT INTO provider_keys AS k (key, request, id, fence, expires_at)
-                     VALUES ($1, $2, $3, $5, statement_timestamp() + $4::int8 * interval '1 millisecond')
+                     VALUES ($1, $2, $3, $5::numeric, statement_timestamp() + $4::int8 * interval '1 millisecond')
                      ON CONFLICT (key) DO UPDATE SET
                          request = CASE WHEN k.expires_at > statement_timestamp()
                                         THEN k.request ELSE excluded.request END,
@@ -250,13 +250,14 @@ impl KeyTable {
                                       ELSE k.fence END,
                          expires_at = CASE WHEN k.expires_at > statement_timestamp()
                                            THEN k.expires_at ELSE excluded.expires_at END
-                     RETURNING request, id, fence",
+                     RETURNING request, id, fence::text",
                 )
                 .bind(key)
                 .bind(&used.request)
                 .bind(&used.id)
                 .bind(window.max(1))
-                .bind(i64::try_from(used.fence).unwrap_or(i64::MAX))
+                // As text: a fence is a u64, which no integer type of PostgreSQL holds whole.
+                .bind(used.fence.to_string())
                 .fetch_one(pool)
                 .await?;
                 let held = read_used(&row)?;
@@ -294,14 +295,17 @@ impl KeyTable {
     }
 }
 
-/// A [`Used`] from a row of `request, id, fence`.
+/// A [`Used`] from a row of `request, id, fence::text`.
 #[cfg(feature = "postgres")]
 fn read_used(row: &sqlx::postgres::PgRow) -> Result<Used, sqlx::Error> {
-    let fence: i64 = row.try_get(2)?;
+    let fence: String = row.try_get(2)?;
+    let fence = fence.parse().map_err(|err| {
+        sqlx::Error::Decode(format!("a provider key's fence {fence:?}: {err}").into())
+    })?;
     Ok(Used {
         request: row.try_get(0)?,
         id: row.try_get(1)?,
-        fence: u64::try_from(fence).unwrap_or(0),
+        fence,
     })
 }
 

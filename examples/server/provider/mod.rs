@@ -564,6 +564,56 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_smaller_fence_is_refused_and_an_equal_or_larger_one_resends() {
+        let provider = Provider::default();
+        let payment = provider
+            .create_payment("k", 20, Source::Visa, 100, true)
+            .await
+            .unwrap();
+        assert_eq!(
+            provider
+                .create_payment("k", 10, Source::Visa, 100, true)
+                .await,
+            Err(ProviderError::Superseded),
+            "a run taken over acts no more"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 20, Source::Visa, 100, true)
+                .await,
+            Ok(payment.clone()),
+            "the same claim's resend"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 30, Source::Visa, 100, true)
+                .await,
+            Ok(payment.clone()),
+            "a later claim of the same request gets the same payment"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 20, Source::Visa, 100, true)
+                .await,
+            Err(ProviderError::Superseded),
+            "the key keeps the largest fence"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 40, Source::Visa, 101, true)
+                .await,
+            Err(ProviderError::KeyReused),
+            "another request is refused whatever its fence"
+        );
+        assert_eq!(provider.capture("c", 5, &payment.id).await, Ok(()));
+        assert_eq!(
+            provider.capture("c", 4, &payment.id).await,
+            Err(ProviderError::Superseded)
+        );
+        assert_eq!(provider.effects(), 2, "one payment, one capture");
+    }
+
+    #[tokio::test]
     async fn a_decline_is_a_decided_outcome() {
         let provider = Provider::default();
         for _ in 0..2 {
