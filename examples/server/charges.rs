@@ -166,11 +166,12 @@ pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
-    claim: Option<HeldClaim>,
     extensions: Extensions,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
     let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
@@ -313,10 +314,11 @@ pub async fn capture(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
-    claim: Option<HeldClaim>,
     extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let call_key = provider_key(&key, &account);
     // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`; this
     // request's own earlier run (taken over) left it there, and it goes on from it.
@@ -387,12 +389,13 @@ pub async fn refund(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
-    claim: Option<HeldClaim>,
     extensions: Extensions,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let input = if params::is_form(&headers) {
         CreateRefund::from_form(Form::parse(&body))?
     } else if body.is_empty() {
@@ -476,10 +479,11 @@ pub async fn cancel(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
-    claim: Option<HeldClaim>,
     extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let call_key = provider_key(&key, &account);
     let charge = state
         .ledger

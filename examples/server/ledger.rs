@@ -205,7 +205,7 @@ pub struct Ledger {
 #[derive(Debug)]
 enum Backend {
     /// The charges in memory; their operations also claimed in Redis when it is set.
-    Memory(Mutex<Charges>, Option<RedisOperations>),
+    Memory(Box<Mutex<Charges>>, Option<RedisOperations>),
     #[cfg(feature = "postgres")]
     Postgres(PgCharges),
 }
@@ -231,7 +231,7 @@ pub const OPERATIONS_PREFIX: &str = "payments:operation:";
 
 impl Default for Ledger {
     fn default() -> Self {
-        Self::on(Backend::Memory(Mutex::default(), None))
+        Self::on(Backend::Memory(Box::default(), None))
     }
 }
 
@@ -250,7 +250,7 @@ impl Ledger {
             conn,
             prefix: OPERATIONS_PREFIX.into(),
         };
-        Self::on(Backend::Memory(Mutex::default(), Some(operations)))
+        Self::on(Backend::Memory(Box::default(), Some(operations)))
     }
 
     fn on(backend: Backend) -> Self {
