@@ -1045,3 +1045,50 @@ async fn the_reconciler_settles_every_intermediate_state() {
     wait_for_count(&server, "SELECT count(*) FROM payment_events", 0).await;
     h.wait_for_balance(3500 + 1000 - 1200).await;
 }
+
+/// A database made before charges held their operation gets the column and the unique index at
+/// start-up, each charge holding its own; one that already holds two charges for one operation
+/// (as a stalled run taken over could leave) stops start-up with an error that says so, rather
+/// than run without the constraint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_database_gets_the_unique_operation_or_a_clear_error() {
+    let server = PostgresServer::start();
+    drop(
+        Database::connect(&server.url())
+            .await
+            .expect("the database"),
+    );
+    let mut admin = admin(&server).await;
+    let insert = |id: &str, key: &str| {
+        format!(
+            "INSERT INTO charges (id, account, provider_key, amount, currency, source, capture,
+                                  status, created)
+             VALUES ('{id}', 'acct_1', '{key}', 100, 'eur', 'tok_visa', true, 'captured', 0)"
+        )
+    };
+    for sql in [
+        "ALTER TABLE charges DROP COLUMN operation".to_owned(),
+        insert("ch_1", "op-1"),
+        insert("ch_2", "op-2"),
+    ] {
+        sqlx::raw_sql(&sql).execute(&mut admin).await.expect(&sql);
+    }
+    drop(Database::connect(&server.url()).await.expect("migrated"));
+    let held = count(
+        &server,
+        "SELECT count(*) FROM charges WHERE operation = provider_key",
+    )
+    .await;
+    assert_eq!(held, 2, "each charge holds its operation");
+
+    for sql in [
+        "ALTER TABLE charges DROP COLUMN operation".to_owned(),
+        insert("ch_3", "op-1"),
+    ] {
+        sqlx::raw_sql(&sql).execute(&mut admin).await.expect(&sql);
+    }
+    let err = Database::connect(&server.url())
+        .await
+        .expect_err("two charges for one operation");
+    assert!(err.contains("two charges for one operation"), "{err}");
+}

@@ -29,7 +29,15 @@
 //! until its lease runs out. Then the client's retry claims the key again, finds the charge by its
 //! key and resumes it: the provider, called with the same key, answers with the same payment and
 //! moves no money twice. Without a retry, the reconciler (`reconciler.rs`) settles the charge once
-//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did.
+//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did; and
+//! likewise a charge left `capturing`, `refunding` or `canceling`.
+//!
+//! A run that was not dead but stalled past its lease (its claim taken over by the retry) is
+//! stopped by three things, none of them the lease: the `UNIQUE (account, operation)` index lets
+//! the two runs share one charge row; the request's transaction, which holds the final writes,
+//! commits only with the claim's record, so the stalled run's rolls back (those writes need no
+//! fence); and its provider call, outside every transaction here, carries its claim's fence,
+//! which the provider refuses once the newer run called with a larger one.
 //!
 //! The ledger consumer (`outbox.rs`) takes each event off the outbox and applies it to its balance
 //! in one transaction, where the event's id is recorded as processed: each event changes a
