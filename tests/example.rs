@@ -1536,3 +1536,38 @@ async fn metrics_are_served_in_prometheus_text() {
     );
     h.finish();
 }
+
+/// A route the API does not have answers as Stripe's does: `404` with
+/// `{"error": {"type": "invalid_request_error", "message": "Unrecognized request URL (POST: ...)"}}`,
+/// so that an SDK call to an endpoint the example lacks raises a clear error (not "Invalid JSON
+/// received from the Stripe API"). No key or API key is needed to learn that.
+#[tokio::test]
+async fn an_unknown_route_is_404_in_stripes_form() {
+    let h = Harness::memory();
+    let refund = h
+        .post("/v1/refunds")
+        .auth(ALICE)
+        .key("refund-1")
+        .form("charge=ch_1&amount=100")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::NOT_FOUND, "{}", refund.text());
+    assert!(refund.content_type().starts_with("application/json"));
+    assert_eq!(refund.json["error"]["type"], "invalid_request_error");
+    let message = refund.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("Unrecognized request URL (POST: /v1/refunds)."),
+        "{message}"
+    );
+    let unknown = h.get("/v2/nothing").send().await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    let message = unknown.json["error"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.starts_with("Unrecognized request URL (GET: /v2/nothing)."),
+        "{message}"
+    );
+    assert_eq!(h.provider_counts(), (0, 0), "nothing ran");
+    h.finish();
+}

@@ -926,3 +926,169 @@ fn an_unreachable_database_url_exits_naming_it() {
         lines[0]
     );
 }
+
+/// The reconciler settles every intermediate state a crash can leave, from what the provider did
+/// under the key of the call in flight: a capture, a cancellation and a refund the provider made
+/// are completed, with the events the requests would have published (the balance counts the
+/// capture and the refund once); a capture and a refund it never saw go back to where the charge
+/// was. A second round finds nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_settles_every_intermediate_state() {
+    let server = PostgresServer::start();
+    let h = Instance::start(&server.url(), NEVER).await;
+    let authorize = |amount: i64| json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
+    let mut ids = Vec::new();
+    for (key, body) in [
+        ("capture-made", authorize(1000)),
+        ("cancel-made", authorize(200)),
+        ("refund-made", visa(3000)),
+        ("capture-lost", authorize(400)),
+        ("refund-lost", visa(500)),
+    ] {
+        let reply = h.charge(key, &body).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text);
+        ids.push(reply.json["id"].as_str().expect("an id").to_owned());
+    }
+    h.wait_for_balance(3500).await;
+
+    let mut admin = admin(&server).await;
+    let mut payment_of = async |id: &str| -> String {
+        sqlx::query("SELECT payment FROM charges WHERE id = $1")
+            .bind(id)
+            .fetch_one(&mut admin)
+            .await
+            .expect("the charge")
+            .get(0)
+    };
+    let payments = [
+        payment_of(&ids[0]).await,
+        payment_of(&ids[1]).await,
+        payment_of(&ids[2]).await,
+    ];
+    // The provider did these; the process that asked died before recording them.
+    h.provider
+        .capture("capture-call", 1, &payments[0])
+        .await
+        .expect("captured");
+    h.provider
+        .cancel("cancel-call", 1, &payments[1])
+        .await
+        .expect("canceled");
+    h.provider
+        .refund("refund-call", 1, &payments[2], 1200)
+        .await
+        .expect("refunded");
+    let mut admin = self::admin(&server).await;
+    for (id, status, call_key, amount) in [
+        (&ids[0], "capturing", "capture-call", 0),
+        (&ids[1], "canceling", "cancel-call", 0),
+        (&ids[2], "refunding", "refund-call", 1200),
+        (&ids[3], "capturing", "never-sent", 0),
+        (&ids[4], "refunding", "never-sent-either", 100),
+    ] {
+        sqlx::query(
+            "UPDATE charges SET status = $2, call_key = $3, call_amount = $4 WHERE id = $1",
+        )
+        .bind(id)
+        .bind(status)
+        .bind(call_key)
+        .bind(amount)
+        .execute(&mut admin)
+        .await
+        .expect("the charge is left mid-call");
+    }
+
+    let db = Database::connect(&server.url())
+        .await
+        .expect("the database");
+    let state = db.state(AppState::new(Duration::ZERO));
+    let reconciler = Reconciler::new(
+        db.pool().clone(),
+        state.provider_client.clone(),
+        Duration::ZERO,
+    );
+    let done = reconciler.round().await.expect("a round");
+    assert_eq!(
+        (done.settled, done.removed, done.left),
+        (3, 2, 0),
+        "{done:?}"
+    );
+
+    let mut found = Vec::new();
+    for id in &ids {
+        let charge = h.get(&format!("/v1/charges/{id}")).await;
+        found.push((
+            charge.json["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            charge.json["amount_refunded"].as_i64().unwrap_or(-1),
+        ));
+    }
+    let expected = [
+        ("captured", 0),
+        ("canceled", 0),
+        ("captured", 1200),
+        ("authorized", 0),
+        ("captured", 0),
+    ]
+    .map(|(status, refunded)| (status.to_owned(), refunded));
+    assert_eq!(found, expected);
+    h.wait_for_balance(3500 + 1000 - 1200).await;
+
+    let again = reconciler.round().await.expect("a round");
+    assert_eq!(
+        (again.settled, again.removed, again.left),
+        (0, 0, 0),
+        "{again:?}"
+    );
+    wait_for_count(&server, "SELECT count(*) FROM payment_events", 0).await;
+    h.wait_for_balance(3500 + 1000 - 1200).await;
+}
+
+/// A database made before charges held their operation gets the column and the unique index at
+/// start-up, each charge holding its own; one that already holds two charges for one operation
+/// (as a stalled run taken over could leave) stops start-up with an error that says so, rather
+/// than run without the constraint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_database_gets_the_unique_operation_or_a_clear_error() {
+    let server = PostgresServer::start();
+    drop(
+        Database::connect(&server.url())
+            .await
+            .expect("the database"),
+    );
+    let mut admin = admin(&server).await;
+    let insert = |id: &str, key: &str| {
+        format!(
+            "INSERT INTO charges (id, account, provider_key, amount, currency, source, capture,
+                                  status, created)
+             VALUES ('{id}', 'acct_1', '{key}', 100, 'eur', 'tok_visa', true, 'captured', 0)"
+        )
+    };
+    for sql in [
+        "ALTER TABLE charges DROP COLUMN operation".to_owned(),
+        insert("ch_1", "op-1"),
+        insert("ch_2", "op-2"),
+    ] {
+        sqlx::raw_sql(&sql).execute(&mut admin).await.expect(&sql);
+    }
+    drop(Database::connect(&server.url()).await.expect("migrated"));
+    let held = count(
+        &server,
+        "SELECT count(*) FROM charges WHERE operation = provider_key",
+    )
+    .await;
+    assert_eq!(held, 2, "each charge holds its operation");
+
+    for sql in [
+        "ALTER TABLE charges DROP COLUMN operation".to_owned(),
+        insert("ch_3", "op-1"),
+    ] {
+        sqlx::raw_sql(&sql).execute(&mut admin).await.expect(&sql);
+    }
+    let err = Database::connect(&server.url())
+        .await
+        .expect_err("two charges for one operation");
+    assert!(err.contains("two charges for one operation"), "{err}");
+}

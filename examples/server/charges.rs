@@ -15,6 +15,24 @@
 //! Each handler commits the `-ing` state that holds a charge before it calls the provider, and
 //! writes the provider's answer and its event through the request's [`Work`] (`work.rs`): with
 //! the charges in PostgreSQL, they commit together with the request's idempotency record.
+//!
+//! # Fencing
+//! A lease is a promise about time: a handler stalled past its claim's lease (a locked table, a
+//! frozen database) may find that the client's retry took the key over and ran the request
+//! again. Every handler that calls the provider runs under a [`HeldClaim`], and:
+//!
+//! - asks [`HeldClaim::still_held`] right before the provider call, the irreversible step: a run
+//!   that was taken over stops there, records nothing, and answers `409`
+//!   `idempotency_key_superseded` (its client's retry gets the newer run's answer);
+//! - passes its [`HeldClaim::fence`] with the provider call: the provider keeps the largest fence
+//!   per key and refuses a smaller one, so a stale run that got past the check (its lease can run
+//!   out right after it) cannot act after the newer one did; it answers the same `409`.
+//!
+//! The ledger's writes need no fence of their own: one charge per operation is the store's
+//! constraint (`ledger.rs`), and with the charges in PostgreSQL the final writes go through the
+//! request's transaction, which commits only with the claim's record, so a displaced run's whole
+//! transaction rolls back. The provider call is outside every transaction of ours: the fence is
+//! what the provider refuses it by.
 
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
@@ -25,7 +43,7 @@ use axum::extract::{Extension, Path, State};
 use axum::http::{Extensions, HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tower_idempotency::IdempotencyKey;
+use tower_idempotency::{HeldClaim, IdempotencyKey};
 
 use super::AppState;
 use super::auth::Account;
@@ -33,7 +51,7 @@ use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::params::{self, Form};
-use super::provider::{Outcome, Source};
+use super::provider::{Outcome, ProviderError, Source};
 use super::state_machine::{Event, Status};
 use super::work::Work;
 
@@ -112,6 +130,34 @@ fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
     key.derive(account.id())
 }
 
+/// The fence of the claim the request runs under (0 for a request the layer let through without
+/// one, fail-open: the provider lets every claimed run's call supersede it).
+fn fence(claim: Option<&HeldClaim>) -> u64 {
+    claim.map_or(0, |claim| claim.fence().get())
+}
+
+/// Right before an irreversible provider call: `409` `idempotency_key_superseded` when the
+/// request's claim was taken over by a later run of it, `503` when the store cannot tell.
+async fn still_held(claim: Option<&HeldClaim>) -> Result<(), ApiError> {
+    let Some(claim) = claim else {
+        return Ok(());
+    };
+    match claim.still_held().await {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            tracing::info!(
+                fence = claim.fence().get(),
+                "a later run took this request over; stopping before the provider call"
+            );
+            Err(ApiError::superseded())
+        }
+        Err(err) => {
+            tracing::warn!(error = %super::report(&err), "cannot tell whether the claim is still held");
+            Err(ApiError::storage_unavailable())
+        }
+    }
+}
+
 /// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
 /// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 400
 /// `idempotency_error` when the provider knows the key from another request (nothing is
@@ -124,6 +170,8 @@ pub async fn create(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
     let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
@@ -134,10 +182,14 @@ pub async fn create(
         }
         Opened::Settled(charge) => return Ok((StatusCode::CREATED, Json(charge.to_json()))),
     };
+    // A run taken over leaves the `authorizing` charge as it is: it is the operation's one
+    // charge, which the newer run resumes (or the reconciler settles).
+    still_held(claim.as_ref()).await?;
     let created = state
         .provider_client
         .create_payment(
             &provider_key,
+            fence(claim.as_ref()),
             request.source,
             request.amount,
             request.capture,
@@ -145,6 +197,7 @@ pub async fn create(
         .await;
     let payment = match created {
         Ok(payment) => payment,
+        Err(err @ ProviderError::Superseded) => return Err(err.into()),
         Err(err) => {
             state.ledger.abandon(&charge).await;
             return Err(err.into());
@@ -162,7 +215,8 @@ pub async fn create(
         }
     }
     let mut work = Work::begin(&state, &extensions).await?;
-    let charge = state.ledger.record(&mut work, charge).await?;
+    let window = state.provider.window();
+    let charge = state.ledger.record(&mut work, charge, window).await?;
     tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
     if payment.outcome == Outcome::Declined {
         return Err(ApiError::card_declined(&charge.id));
@@ -263,26 +317,71 @@ pub async fn capture(
     extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
-    // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`.
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
+    let call_key = provider_key(&key, &account);
+    // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`; this
+    // request's own earlier run (taken over) left it there, and it goes on from it.
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Capture))
+        .update(&account, &id, |c| {
+            begin_call(c, Event::Capture, &call_key, 0)
+        })
         .await?;
+    still_held(claim.as_ref()).await?;
     let captured = state
         .provider_client
-        .capture(&provider_key(&key, &account), &charge.payment)
+        .capture(&call_key, fence(claim.as_ref()), &charge.payment)
         .await;
     if let Err(err) = captured {
-        return Err(roll_back(&state, &account, &id, err.into()).await);
+        return Err(roll_back(&state, &account, &id, err).await);
     }
     let mut work = Work::begin(&state, &extensions).await?;
     let charge = state
         .ledger
-        .settle(&mut work, &account, &id, |c| c.apply(Event::Captured))
+        .settle(&mut work, &account, &id, |c| {
+            end_call(c, Event::Captured, &call_key)
+        })
         .await?;
     work.publish(&state.events, PaymentEvent::captured(&charge))
         .await?;
     Ok(Json(charge.to_json()))
+}
+
+/// Moves `charge` along `event` into the `-ing` state of a provider call with `call_key` (and
+/// `amount`, for a refund). A charge whose last call had this key is left as it is: an earlier run
+/// of this request (taken over) began the call, or made it; either way the provider answers the
+/// call again (or refuses a key that was another request's), and [`end_call`] settles it once.
+fn begin_call(
+    charge: &mut Charge,
+    event: Event,
+    call_key: &str,
+    amount: i64,
+) -> Result<(), ApiError> {
+    if charge.call_key == call_key {
+        return Ok(());
+    }
+    charge.apply(event)?;
+    charge.call_key = call_key.to_owned();
+    charge.call_amount = amount;
+    Ok(())
+}
+
+/// Moves `charge` along `event` out of the `-ing` state of the call with `call_key`, unless
+/// another run of the same request did already.
+fn end_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
+    if charge.call_key == call_key && !is_busy(charge) {
+        return Ok(());
+    }
+    charge.apply(event)
+}
+
+/// Whether `charge` waits on a capture, refund or cancellation call.
+fn is_busy(charge: &Charge) -> bool {
+    matches!(
+        charge.status,
+        Status::Capturing | Status::Refunding | Status::Canceling
+    )
 }
 
 /// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
@@ -295,6 +394,8 @@ pub async fn refund(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<(StatusCode, Json<RefundJson>), ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
     let input = if params::is_form(&headers) {
         CreateRefund::from_form(Form::parse(&body))?
     } else if body.is_empty() {
@@ -302,10 +403,19 @@ pub async fn refund(
     } else {
         parse_json(&body)?
     };
+    let call_key = provider_key(&key, &account);
     let mut amount = 0;
     let update = state.ledger.update(&account, &id, |c| {
+        if c.call_key == call_key {
+            // An earlier run of this request began (or made) this refund: the provider answers
+            // it again, or refuses the key if it was another request's.
+            amount = c.call_amount;
+            return Ok(());
+        }
         amount = input.amount.unwrap_or(c.refundable());
         c.apply(Event::Refund)?;
+        c.call_key = call_key.clone();
+        c.call_amount = amount;
         if amount <= 0 {
             return Err(ApiError::invalid_param(
                 "amount",
@@ -325,16 +435,21 @@ pub async fn refund(
         Ok(())
     });
     let charge = update.await?;
+    still_held(claim.as_ref()).await?;
     let refund_id = match state
         .provider_client
-        .refund(&provider_key(&key, &account), &charge.payment, amount)
+        .refund(&call_key, fence(claim.as_ref()), &charge.payment, amount)
         .await
     {
         Ok(refund_id) => refund_id,
-        Err(err) => return Err(roll_back(&state, &account, &id, err.into()).await),
+        Err(err) => return Err(roll_back(&state, &account, &id, err).await),
     };
     let mut work = Work::begin(&state, &extensions).await?;
     let settle = state.ledger.settle(&mut work, &account, &id, |c| {
+        if c.call_key == call_key && c.status != Status::Refunding {
+            // Another run of this request settled it.
+            return Ok(());
+        }
         c.amount_refunded += amount;
         let event = if c.refundable() == 0 {
             Event::Refunded
@@ -367,32 +482,55 @@ pub async fn cancel(
     extensions: Extensions,
     Path(id): Path<String>,
 ) -> Result<Json<ChargeJson>, ApiError> {
+    // The claim the request runs under (none when the layer let it through without one).
+    let claim = extensions.get::<HeldClaim>().cloned();
+    let call_key = provider_key(&key, &account);
     let charge = state
         .ledger
-        .update(&account, &id, |c| c.apply(Event::Cancel))
+        .update(&account, &id, |c| {
+            begin_call(c, Event::Cancel, &call_key, 0)
+        })
         .await?;
+    still_held(claim.as_ref()).await?;
     let canceled = state
         .provider_client
-        .cancel(&provider_key(&key, &account), &charge.payment)
+        .cancel(&call_key, fence(claim.as_ref()), &charge.payment)
         .await;
     if let Err(err) = canceled {
-        return Err(roll_back(&state, &account, &id, err.into()).await);
+        return Err(roll_back(&state, &account, &id, err).await);
     }
     let mut work = Work::begin(&state, &extensions).await?;
     let charge = state
         .ledger
-        .settle(&mut work, &account, &id, |c| c.apply(Event::Canceled))
+        .settle(&mut work, &account, &id, |c| {
+            end_call(c, Event::Canceled, &call_key)
+        })
         .await?;
     Ok(Json(charge.to_json()))
 }
 
 /// The provider did nothing (it was unavailable, or knew the key from another request): back to
-/// the state before the call, and `error`. A 503 is not stored by the idempotency layer, so a
-/// retry with the same key runs again.
-async fn roll_back(state: &AppState, account: &Account, id: &str, error: ApiError) -> ApiError {
+/// the state before the call, and the error. A 503 is not stored by the idempotency layer, so a
+/// retry with the same key runs again. A call refused as superseded leaves the charge as it is:
+/// the later run of the same request holds it.
+async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderError) -> ApiError {
+    if err == ProviderError::Superseded {
+        return err.into();
+    }
+    let error = ApiError::from(err);
     let rolled_back = state
         .ledger
-        .update(account, id, |c| c.apply(Event::ProviderDidNothing))
+        .update(account, id, |c| {
+            if !is_busy(c) {
+                // Not in a call of this request (its key was another's): nothing to undo.
+                return Ok(());
+            }
+            c.apply(Event::ProviderDidNothing)?;
+            // The call did nothing: the same request may begin it again.
+            c.call_key.clear();
+            c.call_amount = 0;
+            Ok(())
+        })
         .await;
     if let Err(err) = rolled_back {
         tracing::error!(charge = id, ?err, "could not roll the charge back");

@@ -137,6 +137,20 @@ impl ApiError {
         )
     }
 
+    /// 409 `idempotency_error`: this run of the request lost its claim of the key (its lease ran
+    /// out while it was stalled) and a later run took over; it stopped before its effect, and
+    /// recorded nothing. The retry gets the later run's answer.
+    pub fn superseded() -> Self {
+        Self::new(
+            StatusCode::CONFLICT,
+            "idempotency_error",
+            "idempotency_key_superseded",
+            "a later attempt with this Idempotency-Key took this request over; nothing was done \
+             here: retry with the same key to get that attempt's answer"
+                .into(),
+        )
+    }
+
     /// 503: the balance ledger is unavailable; try again.
     pub fn ledger_unavailable() -> Self {
         Self::new(
@@ -183,6 +197,7 @@ impl From<ProviderError> for ApiError {
         match err {
             ProviderError::Unavailable => Self::provider_unavailable(),
             ProviderError::KeyReused => Self::idempotency_key_reused(),
+            ProviderError::Superseded => Self::superseded(),
         }
     }
 }
@@ -197,6 +212,7 @@ struct ErrorJson<'a> {
 struct ErrorDetail<'a> {
     #[serde(rename = "type")]
     kind: &'static str,
+    #[serde(skip_serializing_if = "str::is_empty")]
     code: &'static str,
     message: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -212,14 +228,34 @@ struct ErrorDetail<'a> {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
-        // A 503 means nothing was done: the same request, with the same key, is safe to send again.
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        // A 503 means nothing was done, and a 409 that another attempt is on it: the same request,
+        // with the same key, is safe to send again.
+        if matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+        ) {
             response
                 .headers_mut()
                 .insert(SHOULD_RETRY, HeaderValue::from_static("true"));
         }
         response
     }
+}
+
+/// `404` for a route the API does not have, as Stripe answers it (`invalid_request_error`, naming
+/// the method and path), so that an SDK call to an endpoint the example lacks raises a clear
+/// error instead of failing to read the answer.
+pub async fn unrecognized_url(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "",
+        format!(
+            "Unrecognized request URL ({method}: {}). This example serves /v1/charges, \
+             /v1/charges/{{id}}, its /capture, /refunds and /cancel, and /v1/balance.",
+            uri.path()
+        ),
+    )
 }
 
 /// The idempotency layer's answers in the API's format (`IdempotencyLayer::render_problems`): the

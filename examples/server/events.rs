@@ -1,9 +1,10 @@
 //! The events the API publishes: every charge that succeeds, every capture and every refund.
 //!
-//! An event's id is derived from the effect it reports (the charge or refund id, and the type), not
-//! drawn at random: a handler that runs again for the same effect (its idempotency record lost, the
-//! provider answering the repeated call with the same payment) publishes the same event id again,
-//! and the ledger consumer recognises it.
+//! An event's id is derived from the effect it reports, as the provider knows it (the provider's
+//! payment or refund id, and the type), not drawn at random nor taken from the charge: whatever
+//! publishes it for one payment (a handler that runs again, its idempotency record lost or its
+//! stalled run taken over by a retry; the reconciler settling what a crash left) publishes the
+//! same event id, and the ledger consumer applies it once.
 //!
 //! Publishing goes through a small outbox ([`Publisher`]): an event the queue refuses waits in memory
 //! and is sent again from there, so an unreachable queue delays an event instead of losing it or
@@ -62,20 +63,28 @@ pub struct PaymentEvent {
 }
 
 impl PaymentEvent {
-    /// `charge.succeeded` for a charge the provider approved: captured, or authorized only.
+    /// `charge.succeeded` for a charge the provider approved: captured, or authorized only. Its
+    /// id is the provider payment's.
     pub fn succeeded(charge: &Charge, captured: bool) -> Self {
         Self::about(
             charge,
             EventType::Succeeded,
-            &charge.id,
+            &charge.payment,
             charge.amount,
             captured,
         )
     }
 
-    /// `charge.captured` for an authorized charge that was captured.
+    /// `charge.captured` for an authorized charge that was captured. Its id is the provider
+    /// payment's.
     pub fn captured(charge: &Charge) -> Self {
-        Self::about(charge, EventType::Captured, &charge.id, charge.amount, true)
+        Self::about(
+            charge,
+            EventType::Captured,
+            &charge.payment,
+            charge.amount,
+            true,
+        )
     }
 
     /// `charge.refunded` for the refund `refund_id` (the provider's id) of `amount`.
@@ -115,7 +124,7 @@ impl PaymentEvent {
     }
 }
 
-/// `evt_<what>_<object id>`: `evt_succeeded_ch_...`, `evt_captured_ch_...`, `evt_refunded_re_...`.
+/// `evt_<what>_<object id>`: `evt_succeeded_py_...`, `evt_captured_py_...`, `evt_refunded_re_...`.
 fn event_id(kind: EventType, object: &str) -> String {
     let what = match kind {
         EventType::Succeeded => "succeeded",

@@ -13,18 +13,38 @@
 //!
 //! In memory, a new charge is stored only once the provider answered (a crash loses everything
 //! anyway), and its id is the provider's payment id.
+//!
+//! **One charge per operation.** An operation is the account and the provider's key of its
+//! create call (derived from the client's `Idempotency-Key`); the store itself refuses a second
+//! charge for one, whatever ran twice in front of it (two runs of one request, after a lease ran
+//! out under a stalled handler, each believing it holds the key):
+//!
+//! - in memory: a map from the operation to its charge, under the charges' lock, taken with the
+//!   charge's insert (the entry API): the second run inserts nothing and gets the first charge;
+//! - with `REDIS_URL` or `REDIS_CLUSTER_URLS`, the operations are claimed in Redis too, with
+//!   `SET NX PX <window> GET` of one key per operation (`payments:operation:<account>:<key>`, one
+//!   key per command, so any slot of a cluster), so that every instance agrees on the charge of
+//!   an operation;
+//! - in PostgreSQL: a `UNIQUE` index on `charges (account, operation)` (`pg/charges.rs`).
+//!
+//! Each holds the operation for the provider's window, after which the key is new again, as at
+//! the provider.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
+use tokio::time::Instant;
+use tower_idempotency::deadpool_redis::redis;
 
 use super::auth::Account;
 use super::error::ApiError;
 #[cfg(feature = "postgres")]
 use super::pg::PgCharges;
 use super::provider::Source;
+use super::redis_conn::RedisConn;
 use super::state_machine::{Event, Status, next};
 use super::work::Work;
 
@@ -64,6 +84,12 @@ pub struct Charge {
     pub provider_key: String,
     /// The provider's payment id.
     pub payment: String,
+    /// The provider's key of the last capture, refund or cancellation call on the charge (empty
+    /// before one): held while the charge is in the `-ing` state of that call, so that a retry of
+    /// the same request resumes it and a reconciler can ask the provider what became of it.
+    pub call_key: String,
+    /// The amount of that call, for a refund.
+    pub call_amount: i64,
     /// Orders the charges of the ledger (several may share a `created` second).
     pub seq: u64,
 }
@@ -88,6 +114,8 @@ impl Charge {
             created,
             provider_key: provider_key.to_owned(),
             payment: String::new(),
+            call_key: String::new(),
+            call_amount: 0,
             seq: 0,
         }
     }
@@ -167,11 +195,17 @@ pub enum Opened {
 #[derive(Debug)]
 pub struct Ledger {
     backend: Backend,
+    /// Holds every [`Ledger::open`] at its start while a test holds it for writing, as a locked
+    /// charges table would ([`Ledger::hold_opens`]).
+    gate: Arc<tokio::sync::RwLock<()>>,
+    /// How many opens wait at the gate.
+    held: AtomicUsize,
 }
 
 #[derive(Debug)]
 enum Backend {
-    Memory(Mutex<Charges>),
+    /// The charges in memory; their operations also claimed in Redis when it is set.
+    Memory(Box<Mutex<Charges>>, Option<RedisOperations>),
     #[cfg(feature = "postgres")]
     Postgres(PgCharges),
 }
@@ -179,14 +213,25 @@ enum Backend {
 #[derive(Debug, Default)]
 struct Charges {
     by_id: HashMap<String, Charge>,
+    /// Each operation, `(account, provider key)`, with its charge's id and when it stops holding
+    /// the operation.
+    operations: HashMap<(String, String), (Instant, String)>,
     next_seq: u64,
 }
 
+/// The operations claimed in Redis: one key per operation, holding its charge's id.
+#[derive(Debug, Clone)]
+struct RedisOperations {
+    conn: RedisConn,
+    prefix: Arc<str>,
+}
+
+/// The prefix of the operation keys in Redis.
+pub const OPERATIONS_PREFIX: &str = "payments:operation:";
+
 impl Default for Ledger {
     fn default() -> Self {
-        Self {
-            backend: Backend::Memory(Mutex::default()),
-        }
+        Self::on(Backend::Memory(Box::default(), None))
     }
 }
 
@@ -194,16 +239,46 @@ impl Ledger {
     /// The charges in PostgreSQL.
     #[cfg(feature = "postgres")]
     pub fn postgres(charges: PgCharges) -> Self {
+        Self::on(Backend::Postgres(charges))
+    }
+
+    /// The charges in memory, their operations claimed in the Redis of `conn` too (under
+    /// [`OPERATIONS_PREFIX`]), so that every instance on that Redis agrees on an operation's
+    /// charge.
+    pub fn with_redis_operations(conn: RedisConn) -> Self {
+        let operations = RedisOperations {
+            conn,
+            prefix: OPERATIONS_PREFIX.into(),
+        };
+        Self::on(Backend::Memory(Box::default(), Some(operations)))
+    }
+
+    fn on(backend: Backend) -> Self {
         Self {
-            backend: Backend::Postgres(charges),
+            backend,
+            gate: Arc::default(),
+            held: AtomicUsize::new(0),
         }
+    }
+
+    /// Holds every [`Ledger::open`] at its start, right after the request's claim, until the
+    /// guard is dropped: a handler stalled as behind a locked table (tests).
+    #[allow(dead_code)] // for tests
+    pub async fn hold_opens(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.gate.clone().write_owned().await
+    }
+
+    /// How many [`Ledger::open`] calls wait behind [`Ledger::hold_opens`] now (tests).
+    #[allow(dead_code)] // for tests
+    pub fn held_opens(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 
     /// Whether the charges are in PostgreSQL: the handlers then write through the request's
     /// transaction.
     pub fn is_postgres(&self) -> bool {
         match &self.backend {
-            Backend::Memory(_) => false,
+            Backend::Memory(..) => false,
             #[cfg(feature = "postgres")]
             Backend::Postgres(_) => true,
         }
@@ -219,8 +294,11 @@ impl Ledger {
         provider_key: &str,
         request: &NewCharge,
     ) -> Result<Opened, ApiError> {
+        self.held.fetch_add(1, Ordering::SeqCst);
+        drop(self.gate.read().await);
+        self.held.fetch_sub(1, Ordering::SeqCst);
         match &self.backend {
-            Backend::Memory(_) => {
+            Backend::Memory(..) => {
                 let mut charge = Charge::new(account.clone(), request, provider_key);
                 charge.apply(Event::Authorize)?;
                 Ok(Opened::Authorizing(charge))
@@ -234,7 +312,7 @@ impl Ledger {
     /// key from another request): the charge was never made, and goes.
     pub async fn abandon(&self, charge: &Charge) {
         match &self.backend {
-            Backend::Memory(_) => {
+            Backend::Memory(..) => {
                 let _ = charge;
             }
             #[cfg(feature = "postgres")]
@@ -243,19 +321,34 @@ impl Ledger {
     }
 
     /// Records the provider's answer for an `authorizing` charge (its state and payment set), in
-    /// `work`, and returns the charge as recorded. A charge with the same id is already there when
-    /// a request ran twice for one payment (in memory: its idempotency record was lost, and the
-    /// provider answered the repeated call with the same payment; in PostgreSQL: the reconciler
-    /// settled it first): that charge is kept and returned.
-    pub async fn record(&self, work: &mut Work, charge: Charge) -> Result<Charge, ApiError> {
+    /// `work`, and returns the charge as recorded. The operation already has a charge when a
+    /// request ran twice (its idempotency record was lost, or a retry took over a stalled run; in
+    /// PostgreSQL also when the reconciler settled it first): that charge is kept and returned,
+    /// and nothing is inserted. In memory the operation is held for `window`.
+    pub async fn record(
+        &self,
+        work: &mut Work,
+        charge: Charge,
+        window: Duration,
+    ) -> Result<Charge, ApiError> {
         match &self.backend {
-            Backend::Memory(charges) => {
+            Backend::Memory(charges, redis) => {
                 let _ = work;
                 let mut charge = charge;
                 if charge.id.is_empty() {
                     charge.id = format!("ch_{}", charge.payment.trim_start_matches("py_"));
                 }
-                Ok(insert(charges, charge))
+                if let Some(redis) = redis {
+                    let holder = redis.claim(&charge, window).await?;
+                    if let Some(holder) = holder.filter(|holder| *holder != charge.id) {
+                        // Another charge holds the operation: that one is the answer.
+                        return match lock(charges).by_id.get(&holder) {
+                            Some(earlier) => Ok(earlier.clone()),
+                            None => Err(ApiError::superseded()),
+                        };
+                    }
+                }
+                Ok(insert(charges, charge, window))
             }
             #[cfg(feature = "postgres")]
             Backend::Postgres(_) => PgCharges::record(work.connection()?, charge).await,
@@ -265,7 +358,7 @@ impl Ledger {
     /// The account's charge `id`; another account's charge is not found either.
     pub async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
         match &self.backend {
-            Backend::Memory(charges) => change(charges, account, id, |_| Ok(())),
+            Backend::Memory(charges, _) => change(charges, account, id, |_| Ok(())),
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => pg.get(account, id).await,
         }
@@ -274,7 +367,7 @@ impl Ledger {
     /// The account's charges, newest first.
     pub async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError> {
         match &self.backend {
-            Backend::Memory(charges) => {
+            Backend::Memory(charges, _) => {
                 let charges = lock(charges);
                 let mut list: Vec<Charge> = charges
                     .by_id
@@ -299,7 +392,7 @@ impl Ledger {
         change_with: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
     ) -> Result<Charge, ApiError> {
         match &self.backend {
-            Backend::Memory(charges) => change(charges, account, id, change_with),
+            Backend::Memory(charges, _) => change(charges, account, id, change_with),
             #[cfg(feature = "postgres")]
             Backend::Postgres(pg) => pg.update(account, id, change_with).await,
         }
@@ -315,7 +408,7 @@ impl Ledger {
         change_with: impl FnOnce(&mut Charge) -> Result<(), ApiError>,
     ) -> Result<Charge, ApiError> {
         match &self.backend {
-            Backend::Memory(charges) => {
+            Backend::Memory(charges, _) => {
                 let _ = work;
                 change(charges, account, id, change_with)
             }
@@ -327,9 +420,27 @@ impl Ledger {
     }
 }
 
-/// Stores a new charge in memory, unless one with its id is there: that one is kept.
-fn insert(charges: &Mutex<Charges>, mut charge: Charge) -> Charge {
-    let mut charges = lock(charges);
+/// Stores a new charge in memory, unless its operation (or its id) already has one: that one is
+/// kept and returned. The operation is held for `window`.
+fn insert(charges: &Mutex<Charges>, mut charge: Charge, window: Duration) -> Charge {
+    use std::collections::hash_map::Entry;
+    let now = Instant::now();
+    let mut guard = lock(charges);
+    let charges = &mut *guard;
+    let operation = (charge.account.id().to_owned(), charge.provider_key.clone());
+    match charges.operations.entry(operation) {
+        Entry::Occupied(held) if held.get().0 > now => {
+            if let Some(earlier) = charges.by_id.get(&held.get().1) {
+                return earlier.clone();
+            }
+            // Its charge is gone (never in this ledger): the operation is this one's.
+            *held.into_mut() = (now + window, charge.id.clone());
+        }
+        Entry::Occupied(expired) => *expired.into_mut() = (now + window, charge.id.clone()),
+        Entry::Vacant(vacant) => {
+            vacant.insert((now + window, charge.id.clone()));
+        }
+    }
     charges.next_seq += 1;
     charge.seq = charges.next_seq;
     charges
@@ -337,6 +448,33 @@ fn insert(charges: &Mutex<Charges>, mut charge: Charge) -> Charge {
         .entry(charge.id.clone())
         .or_insert(charge)
         .clone()
+}
+
+impl RedisOperations {
+    /// Claims the operation of `charge` for it, for `window`, unless another charge holds it:
+    /// `None` when claimed now, or the id the operation holds (the charge's own, for a resend).
+    async fn claim(&self, charge: &Charge, window: Duration) -> Result<Option<String>, ApiError> {
+        let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        let mut set = redis::cmd("SET");
+        set.arg(format!(
+            "{}{}:{}",
+            self.prefix,
+            charge.account.id(),
+            charge.provider_key
+        ))
+        .arg(&charge.id)
+        .arg("NX")
+        .arg("PX")
+        .arg(window.max(1))
+        .arg("GET");
+        self.conn
+            .run(move |mut c| async move { set.query_async(&mut c).await })
+            .await
+            .map_err(|err| {
+                tracing::warn!(error = %super::report(&err), "cannot claim the charge's operation in Redis");
+                ApiError::storage_unavailable()
+            })
+    }
 }
 
 /// Changes the account's charge `id` in memory with `change_with`, all or nothing.

@@ -23,6 +23,16 @@
 //!   [`tower_idempotency::client::IdempotentRetryLayer`], with that key as the `Idempotency-Key`
 //!   (`provider/client.rs`): a provider `503` is retried, up to 3 attempts, before the charge
 //!   answers `503` itself.
+//! - Every effect outside the idempotency record is fenced (`charges.rs`): a handler stalled past
+//!   its claim's lease (a locked table, a frozen database) may find that the client's retry took
+//!   the key over and ran again. Each provider call carries the handler's
+//!   [`tower_idempotency::HeldClaim::fence`]; the provider keeps the largest fence per key and
+//!   refuses a smaller one, and the handler asks [`tower_idempotency::HeldClaim::still_held`]
+//!   right before the call. The run taken over records nothing and answers `409`
+//!   `idempotency_key_superseded`; its client's retry gets the newer run's answer. One charge per
+//!   operation (account and provider key) is the store's own constraint, not the lock in front of
+//!   it (`ledger.rs`): a `UNIQUE` index in PostgreSQL, a `SET NX` in Redis, the map's entry in
+//!   memory. A second run inserts nothing and resumes, or answers with, the first charge.
 //! - It speaks Stripe's wire format where a Stripe SDK notices, so the official SDKs work against
 //!   it (`api_base` pointed here): bodies are forms (`application/x-www-form-urlencoded`, with
 //!   Stripe's nested `metadata[key]=value`) or JSON (`params.rs`); errors are `{"error": {"type",
@@ -40,7 +50,8 @@
 //! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
 //!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
 //!   Redis Stream with a consumer group, or the same behaviour in memory. The event id is derived
-//!   from the effect, so a handler that runs twice for one effect publishes one event id twice.
+//!   from the provider's payment or refund id, so whatever publishes it twice for one payment (a
+//!   handler that runs twice, the reconciler) publishes one event id twice.
 //! - A ledger consumer (`consumer.rs`), started beside the server, applies each event to the
 //!   account's balance exactly once: the crate's [`tower_idempotency::consumer::Deduplicator`]
 //!   skips redeliveries and keeps two consumers off one event, and the balance ledger
@@ -49,6 +60,9 @@
 //!   checked arithmetic: an event that would overflow one is refused for good, logged and acked,
 //!   never wrapped nor retried forever. `GET /v1/balance` shows the result: captured money
 //!   counts, refunds subtract, an authorization alone does not count.
+//! - A route the API does not have answers as Stripe's does: `404` with `{"error": {"type":
+//!   "invalid_request_error", "message": "Unrecognized request URL (POST: /v1/refunds). ..."}}`,
+//!   which an SDK raises as a clear error.
 //! - No client can hold the server open (`http_server.rs`): the request line and headers must
 //!   arrive within 10 s, the body within 10 s more, else the request fails or its connection is
 //!   closed.
@@ -59,7 +73,7 @@
 //!
 //! The charges and the provider are simulated, in memory. With `REDIS_URL` set, the idempotency
 //! records, the events (a Redis Stream with a consumer group), the balances, the consumer's
-//! records and the provider's keys are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL`
+//! records, the provider's keys and each operation's charge id are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL`
 //! moves the events, balances and provider keys to another Redis: they are durable data (a stream,
 //! balances that never expire, the keys that stand for an outside provider's), unlike the
 //! idempotency records, which all expire and may be flushed, so in production they belong on a
@@ -71,7 +85,8 @@
 //! balances, an outbox of events, the consumer's processed event ids and the provider's keys. A
 //! charge's new state and its event commit with the request's idempotency record, in one
 //! transaction; a retry after a crash resumes the charge it finds, and a reconciler settles the
-//! charges a crash left `authorizing`. The schema is created at start-up.
+//! charges a crash left `authorizing`, `capturing`, `refunding` or `canceling`. The schema is
+//! created (or brought up to date) at start-up.
 //!
 //! # Run it
 //! ```text
@@ -268,6 +283,12 @@ impl AppState {
         self
     }
 
+    /// Keeps the charges in `ledger`.
+    pub fn with_ledger(mut self, ledger: Ledger) -> Self {
+        self.ledger = Arc::new(ledger);
+        self
+    }
+
     /// Publishes the events to `queue`, and shows the `balances` that its consumer keeps.
     pub fn with_events(mut self, queue: Queue, balances: Balances) -> Self {
         self.events = Publisher::new(queue);
@@ -301,6 +322,7 @@ pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
         .layer(middleware::from_fn(auth::authenticate))
         // After the layers: the scraper needs no API key, and reads nothing idempotent.
         .route("/metrics", get(prometheus::show))
+        .fallback(error::unrecognized_url)
         .with_state(state)
 }
 
@@ -352,11 +374,13 @@ async fn run() -> Result<(), Box<dyn Error>> {
             // The provider stands for one outside service that every instance calls: its keys
             // are shared, beside the ledger's durable data (apart from the idempotency records
             // when LEDGER_REDIS_URL names another Redis, so flushing those keeps them).
-            let keys = provider::KeyTable::redis(conn, PROVIDER_PREFIX, provider::WINDOW);
+            let keys = provider::KeyTable::redis(conn.clone(), PROVIDER_PREFIX, provider::WINDOW);
+            // Every instance on that Redis agrees on each operation's one charge.
             (
                 state
                     .with_events(queue, balances)
-                    .with_provider(Provider::with_keys(latency, keys)),
+                    .with_provider(Provider::with_keys(latency, keys))
+                    .with_ledger(Ledger::with_redis_operations(conn)),
                 BoxStore::new(store),
             )
         }
@@ -557,6 +581,12 @@ async fn serve(
     });
 
     let consumer = consumer_store.spawn(&state, stop.clone()).await?;
+    tokio::spawn(
+        state
+            .provider
+            .clone()
+            .sweep_keys_every(provider::SWEEP_EVERY, stop.clone()),
+    );
     // The outbox relay runs until the last request has published its events.
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));

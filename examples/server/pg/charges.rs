@@ -7,6 +7,19 @@
 //! reconciler), it is the answer. The provider's answer is written only over an `authorizing`
 //! row (`UPDATE ... WHERE status = 'authorizing'`), so that of a resumed request and the
 //! reconciler, exactly one moves the charge on.
+//!
+//! One charge per operation is the database's to enforce, not the lock in front of it: the row
+//! holds its operation (the account and the provider's key of its create call) in `operation`,
+//! under `UNIQUE (account, operation)`. Two runs of one request that both found nothing (a lease
+//! ran out under a stalled handler, and a retry took the key over) both try to insert: one row
+//! goes in (`ON CONFLICT DO NOTHING`), and the other run finds it and resumes it. After the
+//! provider's window the key is new again: the old row gives its operation up (`operation` set
+//! to NULL, which the index does not count) in the statement before the new row's insert.
+//!
+//! The handlers need no fence for these rows' final writes: they go through the request's
+//! [`PgTx`](tower_idempotency::PgTx), which commits with the idempotency record only while the
+//! claim is still the request's, and rolls back whole for a run that was taken over. The
+//! provider call is outside that transaction, so it carries the fence (`charges.rs`).
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +37,8 @@ use super::unavailable;
 
 /// The columns [`read`] reads, in its order.
 pub(super) const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, \
-                                  capture, status, amount_refunded, created, provider_key, payment, seq";
+                                  capture, status, amount_refunded, created, provider_key, payment, \
+                                  call_key, call_amount, seq";
 
 /// The charges in PostgreSQL.
 #[derive(Debug)]
@@ -55,36 +69,57 @@ impl PgCharges {
         provider_key: &str,
         request: &NewCharge,
     ) -> Result<Opened, ApiError> {
-        // Twice at most: a charge the reconciler removed between the read and the touch is gone.
-        for _ in 0..2 {
-            let Some(earlier) = self.find(account, provider_key).await? else {
-                break;
-            };
-            if !earlier.is_for(request) {
-                return Err(ApiError::idempotency_key_reused());
+        // A few times at most: a charge the reconciler removed between the read and the touch is
+        // gone, and another run may insert the operation's charge between the read and ours.
+        for _ in 0..3 {
+            if let Some(earlier) = self.find(account, provider_key).await? {
+                if !earlier.is_for(request) {
+                    return Err(ApiError::idempotency_key_reused());
+                }
+                if earlier.status != Status::Authorizing {
+                    return Ok(Opened::Settled(earlier));
+                }
+                // Resumed: the reconciler leaves a charge alone while it is recent.
+                let touched = sqlx::query(
+                    "UPDATE charges SET updated_at = statement_timestamp()
+                     WHERE id = $1 AND status = 'authorizing'",
+                )
+                .bind(&earlier.id)
+                .execute(&self.pool)
+                .await
+                .map_err(unavailable)?;
+                if touched.rows_affected() == 1 {
+                    tracing::info!(charge = %earlier.id, "resuming a charge an earlier attempt left authorizing");
+                    return Ok(Opened::Authorizing(earlier));
+                }
+                continue;
             }
-            if earlier.status != Status::Authorizing {
-                return Ok(Opened::Settled(earlier));
-            }
-            // Resumed: the reconciler leaves a charge alone while it is recent.
-            let touched = sqlx::query(
-                "UPDATE charges SET updated_at = statement_timestamp()
-                 WHERE id = $1 AND status = 'authorizing'",
+            let mut charge = Charge::new(account.clone(), request, provider_key);
+            charge.id = self.new_id();
+            charge.apply(Event::Authorize)?;
+            let mut tx = self.pool.begin().await.map_err(unavailable)?;
+            // A charge older than the window gives the operation up: the key is new again.
+            sqlx::query(
+                "UPDATE charges SET operation = NULL
+                 WHERE account = $1 AND operation = $2
+                   AND opened_at <= statement_timestamp() - $3::int8 * interval '1 millisecond'",
             )
-            .bind(&earlier.id)
-            .execute(&self.pool)
+            .bind(account.id())
+            .bind(provider_key)
+            .bind(self.window_ms())
+            .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
-            if touched.rows_affected() == 1 {
-                tracing::info!(charge = %earlier.id, "resuming a charge an earlier attempt left authorizing");
-                return Ok(Opened::Authorizing(earlier));
+            let inserted = insert(&mut *tx, &charge).await.map_err(unavailable)?;
+            tx.commit().await.map_err(unavailable)?;
+            if let Some(seq) = inserted {
+                charge.seq = seq;
+                return Ok(Opened::Authorizing(charge));
             }
+            // Another run inserted the operation's charge first: find it.
         }
-        let mut charge = Charge::new(account.clone(), request, provider_key);
-        charge.id = self.new_id();
-        charge.apply(Event::Authorize)?;
-        charge.seq = insert(&self.pool, &charge).await.map_err(unavailable)?;
-        Ok(Opened::Authorizing(charge))
+        tracing::warn!("the charge's operation changed hands too often; giving up for now");
+        Err(ApiError::storage_unavailable())
     }
 
     /// See [`Ledger::abandon`](super::super::Ledger::abandon): the state machine's
@@ -123,13 +158,18 @@ impl PgCharges {
         let settled = select_by_id(&mut *conn, &charge.id)
             .await
             .map_err(unavailable)?;
-        match settled {
-            Some(settled) => Ok(settled),
-            None => {
-                let mut charge = charge;
-                charge.seq = insert(&mut *conn, &charge).await.map_err(unavailable)?;
+        if let Some(settled) = settled {
+            return Ok(settled);
+        }
+        let mut charge = charge;
+        match insert(&mut *conn, &charge).await.map_err(unavailable)? {
+            Some(seq) => {
+                charge.seq = seq;
                 Ok(charge)
             }
+            // A new charge of the operation went in meanwhile: it is the operation's charge, and
+            // its own run records it.
+            None => Err(ApiError::superseded()),
         }
     }
 
@@ -195,6 +235,7 @@ impl PgCharges {
         change(&mut charge)?;
         sqlx::query(
             "UPDATE charges SET status = $2, amount_refunded = $3, payment = $4,
+                                call_key = $5, call_amount = $6,
                                 updated_at = statement_timestamp()
              WHERE id = $1",
         )
@@ -202,28 +243,32 @@ impl PgCharges {
         .bind(charge.status.as_str())
         .bind(charge.amount_refunded)
         .bind(&charge.payment)
+        .bind(&charge.call_key)
+        .bind(charge.call_amount)
         .execute(&mut *conn)
         .await
         .map_err(unavailable)?;
         Ok(charge)
     }
 
-    /// The newest charge of the account made with the provider's key, within the window.
+    fn window_ms(&self) -> i64 {
+        i64::try_from(self.window.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// The charge that holds the account's operation with the provider's key, within the window.
     async fn find(
         &self,
         account: &Account,
         provider_key: &str,
     ) -> Result<Option<Charge>, ApiError> {
-        let window = i64::try_from(self.window.as_millis()).unwrap_or(i64::MAX);
         let row = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM charges
-             WHERE account = $1 AND provider_key = $2
-               AND opened_at > statement_timestamp() - $3::int8 * interval '1 millisecond'
-             ORDER BY seq DESC LIMIT 1"
+             WHERE account = $1 AND operation = $2
+               AND opened_at > statement_timestamp() - $3::int8 * interval '1 millisecond'"
         ))
         .bind(account.id())
         .bind(provider_key)
-        .bind(window)
+        .bind(self.window_ms())
         .fetch_optional(&self.pool)
         .await
         .map_err(unavailable)?;
@@ -237,12 +282,17 @@ impl PgCharges {
     }
 }
 
-/// Inserts `charge`; returns its `seq`.
-async fn insert<'c>(conn: impl sqlx::PgExecutor<'c>, charge: &Charge) -> Result<u64, sqlx::Error> {
-    let seq: i64 = sqlx::query(
-        "INSERT INTO charges (id, account, provider_key, amount, currency, description, metadata,
-                              source, capture, status, amount_refunded, payment, created)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+/// Inserts `charge`, holding its operation; returns its `seq`, or `None` when the operation
+/// already has a charge (nothing is inserted).
+async fn insert<'c>(
+    conn: impl sqlx::PgExecutor<'c>,
+    charge: &Charge,
+) -> Result<Option<u64>, sqlx::Error> {
+    let row = sqlx::query(
+        "INSERT INTO charges (id, account, provider_key, operation, amount, currency, description,
+                              metadata, source, capture, status, amount_refunded, payment, created)
+         VALUES ($1, $2, $3, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+         ON CONFLICT (account, operation) DO NOTHING
          RETURNING seq",
     )
     .bind(&charge.id)
@@ -259,10 +309,13 @@ async fn insert<'c>(conn: impl sqlx::PgExecutor<'c>, charge: &Charge) -> Result<
     .bind(charge.amount_refunded)
     .bind(&charge.payment)
     .bind(i64::try_from(charge.created).unwrap_or(i64::MAX))
-    .fetch_one(conn)
-    .await?
-    .try_get(0)?;
-    Ok(u64::try_from(seq).unwrap_or(0))
+    .fetch_optional(conn)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let seq: i64 = row.try_get(0)?;
+    Ok(Some(u64::try_from(seq).unwrap_or(0)))
 }
 
 /// The charge `id`, whatever its account, locked for the transaction.
@@ -305,6 +358,8 @@ pub(super) fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
         created: u64::try_from(created).unwrap_or(0),
         provider_key: row.try_get("provider_key")?,
         payment: row.try_get("payment")?,
+        call_key: row.try_get("call_key")?,
+        call_amount: row.try_get("call_amount")?,
         seq: u64::try_from(seq).unwrap_or(0),
     })
 }

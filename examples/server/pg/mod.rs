@@ -29,7 +29,15 @@
 //! until its lease runs out. Then the client's retry claims the key again, finds the charge by its
 //! key and resumes it: the provider, called with the same key, answers with the same payment and
 //! moves no money twice. Without a retry, the reconciler (`reconciler.rs`) settles the charge once
-//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did.
+//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did; and
+//! likewise a charge left `capturing`, `refunding` or `canceling`.
+//!
+//! A run that was not dead but stalled past its lease (its claim taken over by the retry) is
+//! stopped by three things, none of them the lease: the `UNIQUE (account, operation)` index lets
+//! the two runs share one charge row; the request's transaction, which holds the final writes,
+//! commits only with the claim's record, so the stalled run's rolls back (those writes need no
+//! fence); and its provider call, outside every transaction here, carries its claim's fence,
+//! which the provider refuses once the newer run called with a larger one.
 //!
 //! The ledger consumer (`outbox.rs`) takes each event off the outbox and applies it to its balance
 //! in one transaction, where the event's id is recorded as processed: each event changes a
@@ -68,6 +76,9 @@ pub const RECONCILE_AFTER: Duration = Duration::from_secs(120);
 /// How often the ledger consumer looks at an empty outbox.
 pub const OUTBOX_POLL: Duration = Duration::from_millis(200);
 
+/// SQLSTATE `unique_violation`.
+const UNIQUE_VIOLATION: &str = "23505";
+
 /// The bound on creating the schema.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -99,6 +110,17 @@ impl Database {
         };
         match tokio::time::timeout(MIGRATE_TIMEOUT, create).await {
             Ok(Ok(_)) => {}
+            Ok(Err(sqlx::Error::Database(err)))
+                if err.code().as_deref() == Some(UNIQUE_VIOLATION) =>
+            {
+                return Err(format!(
+                    "cannot use PostgreSQL at {DATABASE_URL}: the charges table has two charges \
+                     for one operation, so one charge per operation cannot be enforced ({}); \
+                     keep the one the balance counts, set the other's operation to NULL, and \
+                     start again",
+                    err.message()
+                ));
+            }
             Ok(Err(err)) => return Err(unusable(&err)),
             Err(_) => {
                 return Err(format!(

@@ -7,8 +7,12 @@
 CREATE TABLE IF NOT EXISTS charges (
     id              text        PRIMARY KEY,
     account         text        NOT NULL,
-    -- The provider's idempotency key of the create call: a retry finds its charge by it.
+    -- The provider's idempotency key of the create call.
     provider_key    text        NOT NULL,
+    -- The operation the charge holds: its provider_key, while within the provider's window (a
+    -- retry finds its charge by it); NULL once given up to a new charge of the same key after
+    -- the window. UNIQUE with the account (below): one charge per operation.
+    operation       text,
     amount          bigint      NOT NULL,
     currency        text        NOT NULL,
     description     text,
@@ -20,17 +24,42 @@ CREATE TABLE IF NOT EXISTS charges (
     amount_refunded bigint      NOT NULL DEFAULT 0,
     -- The provider's payment id, once it answered.
     payment         text        NOT NULL DEFAULT '',
+    -- The provider's key of the last capture, refund or cancellation call, and its amount: held
+    -- while the charge is capturing, refunding or canceling, for the retry and the reconciler.
+    call_key        text        NOT NULL DEFAULT '',
+    call_amount     bigint      NOT NULL DEFAULT 0,
     -- Seconds since the Unix epoch, as the API shows it.
     created         bigint      NOT NULL,
     seq             bigserial,
     opened_at       timestamptz NOT NULL DEFAULT statement_timestamp(),
-    -- The last change of status: the reconciler settles charges `authorizing` since long ago.
+    -- The last change of status: the reconciler settles charges in an intermediate state since
+    -- long ago.
     updated_at      timestamptz NOT NULL DEFAULT statement_timestamp()
 );
+
+-- A database made before these columns: each charge holds its operation, as its provider_key.
+-- Should two charges share one (as a run taken over after its lease ran out could leave), the
+-- unique index below cannot be made and start-up stops, naming the pair: settle them by hand
+-- (keep the charge the balance counts, set the other's operation to NULL), then start again.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM information_schema.columns
+                   WHERE table_schema = current_schema() AND table_name = 'charges'
+                     AND column_name = 'operation') THEN
+        ALTER TABLE charges ADD COLUMN operation text;
+        UPDATE charges SET operation = provider_key;
+    END IF;
+END $$;
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
+
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
-CREATE INDEX IF NOT EXISTS charges_provider_key ON charges (account, provider_key);
-CREATE INDEX IF NOT EXISTS charges_authorizing ON charges (updated_at)
-    WHERE status = 'authorizing';
+-- The last line of defence: one charge per operation, whatever ran twice in front of it.
+CREATE UNIQUE INDEX IF NOT EXISTS charges_operation ON charges (account, operation);
+DROP INDEX IF EXISTS charges_provider_key;
+DROP INDEX IF EXISTS charges_authorizing;
+CREATE INDEX IF NOT EXISTS charges_unsettled ON charges (updated_at)
+    WHERE status IN ('authorizing', 'capturing', 'refunding', 'canceling');
 
 -- Every account's available balance per currency, in minor units.
 CREATE TABLE IF NOT EXISTS balances (
@@ -55,5 +84,10 @@ CREATE TABLE IF NOT EXISTS provider_keys (
     key        text        PRIMARY KEY,
     request    text        NOT NULL,
     id         text        NOT NULL,
+    -- The largest fence a call with the key carried: a smaller one is refused. A u64, which
+    -- only numeric holds whole.
+    fence      numeric(20) NOT NULL DEFAULT 0,
     expires_at timestamptz NOT NULL
 );
+ALTER TABLE provider_keys ADD COLUMN IF NOT EXISTS fence numeric(20) NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS provider_keys_expiry ON provider_keys (expires_at);

@@ -8,11 +8,14 @@
 //! | `POST /v1/payments/{id}/capture`, `/cancel` | `200` `{"id"}` |
 //! | `POST /v1/refunds` `{"payment", "amount"}` | `200` `{"id"}` (the refund's) |
 //! | `GET /v1/payments/by-key/{key}?source=&amount=&capture=` | `200` `{"id", "outcome"}`, or `404` |
+//! | `GET /v1/calls/by-key/{key}?request=` | `200` `{"id"}` of the call with that key and request, or `404` |
 //!
 //! Every `POST` needs an `Idempotency-Key` (`400` `idempotency_key_missing` without one); the
 //! provider's [`KeyTable`](super::KeyTable) deduplicates on it, so the same key answers the same
-//! request's first reply again. Refusals are `{"error": code}`: `503` `unavailable` (nothing
+//! request's first reply again. A `POST` may carry its caller's fence in `Idempotency-Fence` (a
+//! decimal `u64`; without it, 0). Refusals are `{"error": code}`: `503` `unavailable` (nothing
 //! happened, retry with the same key), `422` `key_reused` (the key belongs to another request),
+//! `412` `superseded` (the key has seen a larger fence: a later run of the operation called),
 //! `400` for a request the provider cannot read.
 
 use axum::Json;
@@ -27,6 +30,15 @@ use super::{Outcome, Payment, Provider, ProviderError, Source};
 
 /// The header the provider deduplicates on.
 pub const KEY_HEADER: &str = "idempotency-key";
+
+/// The header of the caller's fence.
+pub const FENCE_HEADER: &str = "idempotency-fence";
+
+/// The query of `GET /v1/calls/by-key/{key}`: the call as [`super::Request::describe`] writes it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CallQuery {
+    pub request: String,
+}
 
 /// A new payment's parameters: the body of `POST /v1/payments`, and the query of the lookup.
 #[derive(Debug, Serialize, Deserialize)]
@@ -68,6 +80,7 @@ pub fn router(provider: Provider) -> Router {
     Router::new()
         .route("/v1/payments", post(create_payment))
         .route("/v1/payments/by-key/{key}", get(find_payment))
+        .route("/v1/calls/by-key/{key}", get(find_call))
         .route("/v1/payments/{id}/capture", post(capture))
         .route("/v1/payments/{id}/cancel", post(cancel))
         .route("/v1/refunds", post(refund))
@@ -91,6 +104,7 @@ impl From<ProviderError> for Refusal {
         match err {
             ProviderError::Unavailable => Refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ProviderError::KeyReused => Refusal(StatusCode::UNPROCESSABLE_ENTITY, "key_reused"),
+            ProviderError::Superseded => Refusal(StatusCode::PRECONDITION_FAILED, "superseded"),
         }
     }
 }
@@ -102,6 +116,18 @@ fn key(headers: &HeaderMap) -> Result<&str, Refusal> {
         .and_then(|key| key.to_str().ok())
         .filter(|key| !key.is_empty())
         .ok_or(Refusal(StatusCode::BAD_REQUEST, "idempotency_key_missing"))
+}
+
+/// The request's fence: 0 without one, `400` for one that is not a `u64`.
+fn fence(headers: &HeaderMap) -> Result<u64, Refusal> {
+    match headers.get(FENCE_HEADER) {
+        None => Ok(0),
+        Some(value) => value
+            .to_str()
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or(Refusal(StatusCode::BAD_REQUEST, "fence_invalid")),
+    }
 }
 
 fn source(token: &str) -> Result<Source, Refusal> {
@@ -127,7 +153,13 @@ async fn create_payment(
 ) -> Result<Json<PaymentJson>, Refusal> {
     let source = source(&new.source)?;
     let payment = provider
-        .create_payment(key(&headers)?, source, new.amount, new.capture)
+        .create_payment(
+            key(&headers)?,
+            fence(&headers)?,
+            source,
+            new.amount,
+            new.capture,
+        )
         .await?;
     Ok(payment_json(payment))
 }
@@ -147,12 +179,26 @@ async fn find_payment(
     }
 }
 
+async fn find_call(
+    State(provider): State<Provider>,
+    Path(key): Path<String>,
+    Query(query): Query<CallQuery>,
+) -> Result<Json<IdJson>, Refusal> {
+    let known = provider.find_call_described(&key, &query.request).await?;
+    match known {
+        Some(id) => Ok(Json(IdJson { id })),
+        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_call")),
+    }
+}
+
 async fn capture(
     State(provider): State<Provider>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<IdJson>, Refusal> {
-    provider.capture(key(&headers)?, &id).await?;
+    provider
+        .capture(key(&headers)?, fence(&headers)?, &id)
+        .await?;
     Ok(Json(IdJson { id }))
 }
 
@@ -161,7 +207,9 @@ async fn cancel(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<IdJson>, Refusal> {
-    provider.cancel(key(&headers)?, &id).await?;
+    provider
+        .cancel(key(&headers)?, fence(&headers)?, &id)
+        .await?;
     Ok(Json(IdJson { id }))
 }
 
@@ -171,7 +219,7 @@ async fn refund(
     Json(new): Json<NewRefund>,
 ) -> Result<Json<IdJson>, Refusal> {
     let id = provider
-        .refund(key(&headers)?, &new.payment, new.amount)
+        .refund(key(&headers)?, fence(&headers)?, &new.payment, new.amount)
         .await?;
     Ok(Json(IdJson { id }))
 }

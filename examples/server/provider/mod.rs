@@ -13,7 +13,15 @@
 //! memory, or in Redis or PostgreSQL, where every instance of the service shares them, as they
 //! would share one real provider.
 //!
-//! [`Provider::find_payment`] looks a payment up by the key it was created with, as a real
+//! Every call also carries the caller's fence: the number of the idempotency layer's claim it
+//! runs under ([`tower_idempotency::HeldClaim::fence`]), larger for every later claim of the
+//! client's key. The key table keeps the largest fence each key has seen, in the same atomic step
+//! as the key's claim, and refuses a call with a smaller one ([`ProviderError::Superseded`]):
+//! a run whose lease ran out while it was stalled, and whose key a retry took over, cannot act
+//! after the newer run did. An equal fence is the same claim (the client's own resend), and gets
+//! the first reply.
+//!
+//! [`Provider::find_payment`] and [`Provider::find_call`] look a call up by its key, as a real
 //! provider's API lets a reconciler find out what became of a call whose answer was lost.
 //!
 //! The example calls it over HTTP, as a service calls a real provider: [`api::router`] is its API
@@ -41,6 +49,9 @@ pub use keys::{KeyTable, KeyTableError, Used};
 
 /// How long the provider remembers a key: 24 hours.
 pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How often the expired keys are swept where the key table does not drop them by itself.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// A card token of the test mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,7 +104,7 @@ pub enum Outcome {
     Declined,
 }
 
-/// A call the provider refused; in both cases nothing happened.
+/// A call the provider refused; in every case nothing happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProviderError {
@@ -103,6 +114,10 @@ pub enum ProviderError {
     /// The key was used, within the provider's window, for another request.
     #[error("the idempotency key was used for another request")]
     KeyReused,
+    /// A call with the key carried a larger fence: this one comes from a run that a later claim
+    /// of the client's key took over.
+    #[error("a later run of this operation called the provider: this run was superseded")]
+    Superseded,
 }
 
 /// Where every call stops for good, as a process that dies there would ([`Provider::hang`],
@@ -128,7 +143,7 @@ impl Hang {
 
 /// One call, as its key is bound to it.
 #[derive(Debug, Clone, Copy)]
-enum Request<'a> {
+pub enum Request<'a> {
     CreatePayment {
         source: Source,
         amount: i64,
@@ -148,7 +163,7 @@ enum Request<'a> {
 
 impl Request<'_> {
     /// The operation and all its parameters, as the key table stores them.
-    fn describe(self) -> String {
+    pub fn describe(self) -> String {
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = match self {
@@ -225,10 +240,12 @@ impl Provider {
         }
     }
 
-    /// Creates a payment of `amount` from `source`, authorized only or also captured.
+    /// Creates a payment of `amount` from `source`, authorized only or also captured, under a
+    /// claim numbered `fence`.
     pub async fn create_payment(
         &self,
         key: &str,
+        fence: u64,
         source: Source,
         amount: i64,
         capture: bool,
@@ -241,7 +258,7 @@ impl Provider {
         };
         let unavailable = source == Source::ProviderUnavailable;
         let id = self
-            .call(key, request, unavailable, || self.new_id("py"))
+            .call(key, fence, request, unavailable, || self.new_id("py"))
             .await?;
         Ok(Payment {
             id,
@@ -283,9 +300,69 @@ impl Provider {
             }))
     }
 
+    /// The id a call with `key` answered for `request`, within the provider's window; `None` when
+    /// there is none (no such call reached the provider, or it failed, or the key was used for
+    /// another request). Changes nothing.
+    #[allow(dead_code)] // for tests
+    pub async fn find_call(
+        &self,
+        key: &str,
+        request: Request<'_>,
+    ) -> Result<Option<String>, ProviderError> {
+        self.find_call_described(key, &request.describe()).await
+    }
+
+    /// [`Provider::find_call`] for a request as [`Request::describe`] wrote it.
+    pub async fn find_call_described(
+        &self,
+        key: &str,
+        request: &str,
+    ) -> Result<Option<String>, ProviderError> {
+        let inner = &self.inner;
+        inner.calls.fetch_add(1, Ordering::SeqCst);
+        if !inner.latency.is_zero() {
+            tokio::time::sleep(inner.latency).await;
+        }
+        if self.is_down() {
+            return Err(ProviderError::Unavailable);
+        }
+        let used = inner.keys.get(key).await.map_err(table_unavailable)?;
+        Ok(used
+            .filter(|used| used.request == request)
+            .map(|used| used.id))
+    }
+
+    /// Deletes the keys whose window ended, where the key table does not do it by itself
+    /// (PostgreSQL); returns how many went.
+    pub async fn sweep_keys(&self) -> Result<u64, KeyTableError> {
+        self.inner.keys.sweep().await
+    }
+
+    /// Sweeps the expired keys ([`Provider::sweep_keys`]) every `every` until `stop`, so that the
+    /// key table holds no more than a window's keys.
+    pub async fn sweep_keys_every(
+        self,
+        every: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            match self.sweep_keys().await {
+                Ok(0) => {}
+                Ok(swept) => tracing::debug!(swept, "provider: swept expired keys"),
+                Err(err) => {
+                    tracing::warn!(error = %super::report(&err), "provider: cannot sweep expired keys");
+                }
+            }
+        }
+    }
+
     /// Captures an authorized payment.
-    pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
-        self.call(key, Request::Capture { payment }, false, || {
+    pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+        self.call(key, fence, Request::Capture { payment }, false, || {
             payment.to_owned()
         })
         .await
@@ -296,19 +373,24 @@ impl Provider {
     pub async fn refund(
         &self,
         key: &str,
+        fence: u64,
         payment: &str,
         amount: i64,
     ) -> Result<String, ProviderError> {
         tracing::debug!(payment, amount, "provider: refund");
-        self.call(key, Request::Refund { payment, amount }, false, || {
-            self.new_id("re")
-        })
+        self.call(
+            key,
+            fence,
+            Request::Refund { payment, amount },
+            false,
+            || self.new_id("re"),
+        )
         .await
     }
 
     /// Releases an authorized payment.
-    pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
-        self.call(key, Request::Cancel { payment }, false, || {
+    pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+        self.call(key, fence, Request::Cancel { payment }, false, || {
             payment.to_owned()
         })
         .await
@@ -372,10 +454,12 @@ impl Provider {
     }
 
     /// One call: the id answered before for a key used for the same request, a refusal for a key
-    /// used for another one, or else `effect` run once and its id remembered.
+    /// used for another one or with a larger fence, or else `effect` run once and its id
+    /// remembered.
     async fn call(
         &self,
         key: &str,
+        fence: u64,
         request: Request<'_>,
         unavailable: bool,
         effect: impl FnOnce() -> String,
@@ -395,6 +479,7 @@ impl Provider {
             let used = Used {
                 request: request.clone(),
                 id: effect(),
+                fence,
             };
             let earlier = inner
                 .keys
@@ -411,6 +496,10 @@ impl Provider {
         if earlier.request != request {
             tracing::info!(used_for = %earlier.request, %request, "provider: a key reused for another request");
             return Err(ProviderError::KeyReused);
+        }
+        if fence < earlier.fence {
+            tracing::info!(fence, seen = earlier.fence, %request, "provider: a call from a superseded run");
+            return Err(ProviderError::Superseded);
         }
         Ok(earlier.id)
     }
@@ -454,11 +543,11 @@ mod tests {
     async fn a_repeated_key_gets_the_first_reply_without_a_second_effect() {
         let provider = Provider::default();
         let first = provider
-            .create_payment("k1", Source::Visa, 100, true)
+            .create_payment("k1", 0, Source::Visa, 100, true)
             .await
             .unwrap();
         let again = provider
-            .create_payment("k1", Source::Visa, 100, true)
+            .create_payment("k1", 0, Source::Visa, 100, true)
             .await
             .unwrap();
         assert_eq!(first, again);
@@ -466,7 +555,7 @@ mod tests {
         assert_eq!((provider.calls(), provider.effects()), (2, 1));
 
         let other = provider
-            .create_payment("k2", Source::Visa, 100, false)
+            .create_payment("k2", 0, Source::Visa, 100, false)
             .await
             .unwrap();
         assert_ne!(other.id, first.id);
@@ -475,11 +564,61 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_smaller_fence_is_refused_and_an_equal_or_larger_one_resends() {
+        let provider = Provider::default();
+        let payment = provider
+            .create_payment("k", 20, Source::Visa, 100, true)
+            .await
+            .unwrap();
+        assert_eq!(
+            provider
+                .create_payment("k", 10, Source::Visa, 100, true)
+                .await,
+            Err(ProviderError::Superseded),
+            "a run taken over acts no more"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 20, Source::Visa, 100, true)
+                .await,
+            Ok(payment.clone()),
+            "the same claim's resend"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 30, Source::Visa, 100, true)
+                .await,
+            Ok(payment.clone()),
+            "a later claim of the same request gets the same payment"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 20, Source::Visa, 100, true)
+                .await,
+            Err(ProviderError::Superseded),
+            "the key keeps the largest fence"
+        );
+        assert_eq!(
+            provider
+                .create_payment("k", 40, Source::Visa, 101, true)
+                .await,
+            Err(ProviderError::KeyReused),
+            "another request is refused whatever its fence"
+        );
+        assert_eq!(provider.capture("c", 5, &payment.id).await, Ok(()));
+        assert_eq!(
+            provider.capture("c", 4, &payment.id).await,
+            Err(ProviderError::Superseded)
+        );
+        assert_eq!(provider.effects(), 2, "one payment, one capture");
+    }
+
+    #[tokio::test]
     async fn a_decline_is_a_decided_outcome() {
         let provider = Provider::default();
         for _ in 0..2 {
             let reply = provider
-                .create_payment("k", Source::ChargeDeclined, 100, true)
+                .create_payment("k", 0, Source::ChargeDeclined, 100, true)
                 .await
                 .unwrap();
             assert_eq!(reply.outcome, Outcome::Declined);
@@ -492,7 +631,7 @@ mod tests {
         let provider = Provider::default();
         for _ in 0..2 {
             let reply = provider
-                .create_payment("k", Source::ProviderUnavailable, 100, true)
+                .create_payment("k", 0, Source::ProviderUnavailable, 100, true)
                 .await;
             assert_eq!(reply, Err(ProviderError::Unavailable));
         }
@@ -500,11 +639,11 @@ mod tests {
 
         provider.set_outage(true);
         assert_eq!(
-            provider.capture("c", "py_1").await,
+            provider.capture("c", 0, "py_1").await,
             Err(ProviderError::Unavailable)
         );
         provider.set_outage(false);
-        assert_eq!(provider.capture("c", "py_1").await, Ok(()));
+        assert_eq!(provider.capture("c", 0, "py_1").await, Ok(()));
         assert_eq!((provider.calls(), provider.effects()), (4, 1));
     }
 
@@ -512,40 +651,44 @@ mod tests {
     async fn a_key_is_bound_to_its_operation_and_parameters() {
         let provider = Provider::default();
         let payment = provider
-            .create_payment("k", Source::Visa, 100, true)
+            .create_payment("k", 0, Source::Visa, 100, true)
             .await
             .unwrap();
         let reused = [
-            provider.create_payment("k", Source::Visa, 101, true).await,
-            provider.create_payment("k", Source::Visa, 100, false).await,
             provider
-                .create_payment("k", Source::ChargeDeclined, 100, true)
+                .create_payment("k", 0, Source::Visa, 101, true)
+                .await,
+            provider
+                .create_payment("k", 0, Source::Visa, 100, false)
+                .await,
+            provider
+                .create_payment("k", 0, Source::ChargeDeclined, 100, true)
                 .await,
         ];
         for reply in reused {
             assert_eq!(reply, Err(ProviderError::KeyReused));
         }
         assert_eq!(
-            provider.refund("k", &payment.id, 100).await,
+            provider.refund("k", 0, &payment.id, 100).await,
             Err(ProviderError::KeyReused)
         );
         assert_eq!(
-            provider.capture("k", &payment.id).await,
+            provider.capture("k", 0, &payment.id).await,
             Err(ProviderError::KeyReused)
         );
         assert_eq!(
-            provider.cancel("k", &payment.id).await,
+            provider.cancel("k", 0, &payment.id).await,
             Err(ProviderError::KeyReused)
         );
 
-        let refund = provider.refund("r", &payment.id, 40).await.unwrap();
-        assert_eq!(provider.refund("r", &payment.id, 40).await, Ok(refund));
+        let refund = provider.refund("r", 0, &payment.id, 40).await.unwrap();
+        assert_eq!(provider.refund("r", 0, &payment.id, 40).await, Ok(refund));
         assert_eq!(
-            provider.refund("r", &payment.id, 60).await,
+            provider.refund("r", 0, &payment.id, 60).await,
             Err(ProviderError::KeyReused)
         );
         assert_eq!(
-            provider.refund("r", "py_other", 40).await,
+            provider.refund("r", 0, "py_other", 40).await,
             Err(ProviderError::KeyReused)
         );
         assert_eq!((provider.calls(), provider.effects()), (11, 2));
@@ -559,7 +702,7 @@ mod tests {
             Ok(None)
         );
         let payment = provider
-            .create_payment("k", Source::Visa, 100, false)
+            .create_payment("k", 0, Source::Visa, 100, false)
             .await
             .unwrap();
         assert_eq!(
@@ -571,7 +714,7 @@ mod tests {
             Ok(None),
             "the key was used for another request"
         );
-        provider.refund("r", "py_1", 100).await.unwrap();
+        provider.refund("r", 0, "py_1", 100).await.unwrap();
         assert_eq!(
             provider.find_payment("r", Source::Visa, 100, true).await,
             Ok(None)
@@ -583,23 +726,27 @@ mod tests {
     async fn a_key_is_new_again_after_the_window() {
         let window = Duration::from_secs(60);
         let provider = Provider::with_keys(Duration::ZERO, KeyTable::memory(window));
-        let refund = provider.refund("k", "py_1", 100).await.unwrap();
+        let refund = provider.refund("k", 0, "py_1", 100).await.unwrap();
 
         tokio::time::advance(window - Duration::from_millis(1)).await;
         assert_eq!(
-            provider.create_payment("k", Source::Visa, 100, true).await,
+            provider
+                .create_payment("k", 0, Source::Visa, 100, true)
+                .await,
             Err(ProviderError::KeyReused)
         );
 
         tokio::time::advance(Duration::from_millis(1)).await;
         let payment = provider
-            .create_payment("k", Source::Visa, 100, true)
+            .create_payment("k", 0, Source::Visa, 100, true)
             .await
             .unwrap();
         assert_ne!(payment.id, refund);
         assert_eq!(payment.outcome, Outcome::Captured);
         assert_eq!(
-            provider.create_payment("k", Source::Visa, 100, true).await,
+            provider
+                .create_payment("k", 0, Source::Visa, 100, true)
+                .await,
             Ok(payment)
         );
         assert_eq!((provider.calls(), provider.effects()), (4, 2));
