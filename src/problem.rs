@@ -346,15 +346,40 @@ impl RenderProblem for ProblemJson {
 const PROBLEM_JSON: &str = "application/problem+json";
 
 fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: &str) -> Vec<u8> {
-    let mut body = serde_json::json!({
-        "type": type_uri,
-        "title": title,
-        "status": status.as_u16(),
-    });
-    if !detail.is_empty() {
-        body["detail"] = detail.into();
+    let document = Document {
+        detail,
+        status: status.as_u16(),
+        title,
+        type_uri,
+    };
+    let mut body = Vec::with_capacity(64 + type_uri.len() + title.len() + detail.len());
+    // Writing to a `Vec` fails only if serializing does, and these members always serialize.
+    let _ = serde_json::to_writer(&mut body, &document);
+    body
+}
+
+/// A problem document's members, written straight from the fields: a `serde_json::Value` would
+/// build a map first, the larger part of a 409's cost.
+struct Document<'a> {
+    detail: &'a str,
+    status: u16,
+    title: &'a str,
+    type_uri: &'a str,
+}
+
+impl serde::Serialize for Document<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        // In the order they have always been written: sorted by name.
+        let mut map = serializer.serialize_map(None)?;
+        if !self.detail.is_empty() {
+            map.serialize_entry("detail", self.detail)?;
+        }
+        map.serialize_entry("status", &self.status)?;
+        map.serialize_entry("title", self.title)?;
+        map.serialize_entry("type", self.type_uri)?;
+        map.end()
     }
-    serde_json::to_vec(&body).unwrap_or_default()
 }
 
 /// The response of `problem`, rendered by `renderer`, with what the layer always sets.
