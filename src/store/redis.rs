@@ -32,7 +32,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// A store in Redis: many server instances share one truth. One server (through a
 /// deadpool-redis pool) or a Redis Cluster ([`RedisStore::cluster`]).
 ///
-/// Requires Redis 7.0 or newer; an older server fails every claim with a clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that a
+/// Requires Redis 7.0 or newer: [`RedisStore::check`] refuses an older server with a clear error. Each record is one Redis key, `<prefix>{<record id>}`, hash-tagged so that a
 /// cluster keeps it in one slot; values use the compact binary encoding of [`crate::record`].
 ///
 /// Round trips per request, on one server or a cluster: a new key 2 (the claim script, which

@@ -25,37 +25,43 @@ impl RedisStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        // Redis numbers the claim: the script writes the fence into the token's first half.
-        let token = ClaimToken::new(Fence::new(0));
-        let value = encode_in_flight(&token, fingerprint, SystemTime::now() + lease);
         let key = self.redis_key(id);
-        let lease = millis(lease).to_string();
-        let claim = || {
+        let lease_ms = millis(lease).to_string();
+        // Redis numbers the claim: the script writes the fence into the token's first half.
+        let claim = |token: &ClaimToken| {
+            let value = encode_in_flight(token, fingerprint, SystemTime::now() + lease);
             let script = &self.inner.claim;
             // Sized up front: grown argument by argument, the command would be reallocated each time.
-            let size = 7 + script.hash.len() + 1 + key.len() + value.len() + lease.len();
+            let size = 7 + script.hash.len() + 1 + key.len() + value.len() + lease_ms.len();
             let mut cmd = Cmd::with_capacity(6, size);
             cmd.arg("EVALSHA")
                 .arg(&script.hash)
                 .arg(1)
                 .arg(&key)
-                .arg(value.as_slice())
-                .arg(&lease);
+                .arg(value)
+                .arg(&lease_ms);
             cmd
         };
-        let send = |cmd| async {
+        let (key, claim) = (&key, &claim);
+        let send = |token: ClaimToken| async move {
+            let cmd = claim(&token);
             match self.batched() {
                 Some(single) => self.claim_batched(single, cmd, (key.clone(), token)).await,
                 None => self.claim_direct(cmd, (key.clone(), token)).await,
             }
         };
-        let record = match send(claim()).await {
-            // Redis lost its scripts (a restart, `SCRIPT FLUSH`): nothing ran; load it, once.
+        let mut token = ClaimToken::new(Fence::new(0));
+        let record = match send(token).await {
+            // Redis lost its scripts (a restart, `SCRIPT FLUSH`): nothing ran; load it, once. The
+            // claim is sent again under a token of its own: the first one's release may still be
+            // on its way (a claim answered with an error is released behind), and must not free
+            // this one.
             Err(err) if is_no_script(&err) => {
                 let mut load = redis::cmd("SCRIPT");
                 load.arg("LOAD").arg(self.inner.claim.source);
-                self.run(load_on(self, load, &key)).await?;
-                send(claim()).await?
+                self.run(load_on(self, load, key)).await?;
+                token = ClaimToken::new(Fence::new(0));
+                send(token).await?
             }
             answer => answer?,
         };
@@ -82,7 +88,7 @@ impl RedisStore {
         match self.queue(single, set, Some(claim)).await {
             Ok(Ok(record)) => Vec::<u8>::from_redis_value(record)
                 .map_err(|err| self.redis_error(RedisError::from(err))),
-            Ok(Err(err)) => Err(self.claim_error(err)),
+            Ok(Err(err)) => Err(self.call_error(err)),
             Err(_) => Err(StoreError::Timeout(self.inner.timeout)),
         }
     }
@@ -97,14 +103,14 @@ impl RedisStore {
                 let (answer, acked) = self
                     .replicated(replication, set)
                     .await
-                    .map_err(|err| self.claim_error(err))?;
+                    .map_err(|err| self.call_error(err))?;
                 (answer, Some((acked, replication.replicas)))
             }
             None => {
                 let answer = self
                     .direct::<Value>(set)
                     .await
-                    .map_err(|err| self.claim_error(err))?;
+                    .map_err(|err| self.call_error(err))?;
                 (answer, None)
             }
         };
@@ -226,13 +232,7 @@ impl RedisStore {
         &self,
         call: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        call.await.map_err(|err| {
-            if err.is_timeout() {
-                StoreError::Timeout(self.inner.timeout)
-            } else {
-                self.redis_error(err)
-            }
-        })
+        call.await.map_err(|err| self.call_error(err))
     }
 
     pub(super) fn redis_error(&self, err: RedisError) -> StoreError {
@@ -254,7 +254,8 @@ impl RedisStore {
         }
     }
 
-    fn claim_error(&self, err: RedisError) -> StoreError {
+    /// A call's error: a timeout as such, anything else a Redis failure.
+    fn call_error(&self, err: RedisError) -> StoreError {
         if err.is_timeout() {
             StoreError::Timeout(self.inner.timeout)
         } else {

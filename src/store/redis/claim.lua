@@ -4,7 +4,8 @@
 -- KEYS[1] the record; ARGV[1] the in-flight record with a zero fence (its token's bytes 1..8, the
 -- record's 3..10), ARGV[2] the lease in ms.
 -- An in-flight key expires with its lease, so no earlier claim is there to count on: the clock
--- alone numbers claims, and it does not go back when Redis forgets a key (a restart, a failover).
+-- alone numbers claims. It survives Redis forgetting a key (a restart) while the server's clock
+-- does not go back, and a failover while the new primary's clock is not behind the old one's.
 local record = redis.call('GET', KEYS[1])
 if record then
   return record
