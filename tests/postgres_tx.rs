@@ -240,13 +240,14 @@ impl Fixture {
             .get(0)
     }
 
-    /// The key's row: `(completed, live)`, or `None` when there is none.
+    /// The key's live row: `(completed, live)`, or `None` when there is none (a released claim
+    /// leaves its row expired until the sweep: gone for every call, §10.2).
     async fn record(&self, key: &str) -> Option<(bool, bool)> {
         let id = RecordId::new(b"", key);
         let mut admin = admin(&self.server).await;
         sqlx::query(
             "SELECT completed IS NOT NULL, expires_at > statement_timestamp()
-             FROM idempotency_records WHERE id = $1",
+             FROM idempotency_records WHERE id = $1 AND expires_at > statement_timestamp()",
         )
         .bind(id.as_bytes().as_slice())
         .fetch_optional(&mut admin)

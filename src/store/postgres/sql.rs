@@ -20,6 +20,11 @@ const MIGRATION_LOCK: i64 = 0x746f_7765_725f_6964; // "tower_id"
 /// The database's clock in microseconds since the Unix epoch: a new claim's fence (§5.3).
 const NOW_MICROS: &str = "(extract(epoch FROM statement_timestamp()) * 1000000)::int8";
 
+/// How far ahead of the database's clock (µs) a row's fence may be and still be counted on by
+/// a takeover: a day. Further ahead, the row was written before claims had fences (its first 8
+/// bytes were random), and the clock numbers the claim (§5.3).
+const AHEAD: &str = "86400000000";
+
 /// The fence in a token column or value: its first 8 bytes, big-endian.
 fn fence_of(token: &str) -> String {
     format!("('x' || encode(substring({token} FROM 1 FOR 8), 'hex'))::bit(64)::int8")
@@ -119,9 +124,12 @@ SET fingerprint = $2, completed = $4,
 WHERE id = $1 AND token = $3 AND completed IS NULL"
         );
         // By the token's unique half (bytes 9..16): a claim whose answer was lost is released
-        // without knowing the fence the database gave it.
+        // without knowing the fence the database gave it. The row is expired, not deleted, so
+        // that the next claim takes it over and numbers itself past its fence: a fresh row would
+        // take the fence from its statement's start, which a claim sent before this release but
+        // run after it would have from before (the sweep deletes the row later).
         let release = format!(
-            "DELETE FROM {t}
+            "UPDATE {t} SET expires_at = statement_timestamp()
 WHERE id = $1 AND substring(token FROM 9) = substring($2::bytea FROM 9) AND completed IS NULL
   AND expires_at > statement_timestamp()"
         );
@@ -154,7 +162,7 @@ WHERE id = $1 AND substring(token FROM 9) = substring($2::bytea FROM 9) AND comp
     WHERE NOT EXISTS (SELECT FROM live)
     ON CONFLICT (id) DO UPDATE
     SET fingerprint = excluded.fingerprint,
-        token = CASE WHEN {r_fence} >= {excluded_fence}
+        token = CASE WHEN {r_fence} >= {excluded_fence} AND {r_fence} < {excluded_fence} + {AHEAD}
                      THEN int8send({r_fence} + 1) || substring(excluded.token FROM 9)
                      ELSE excluded.token END,
         completed = NULL, expires_at = excluded.expires_at
