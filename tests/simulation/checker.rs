@@ -18,6 +18,8 @@ pub enum Finding {
     DoubleEffect,
     WrongAnswer,
     LostCompletion,
+    /// A claim of the key had a fence no larger than an earlier claim's (§5.3).
+    FenceNotGrowing,
 }
 
 /// A finding the guarantees rule out.
@@ -47,6 +49,7 @@ pub struct Verdict {
     pub double_effects: [u64; 3],
     pub lost_completions: u64,
     pub wrong_answers: u64,
+    pub stale_fences: u64,
     /// Every finding, allowed or not, for a seed's report.
     pub findings: Vec<String>,
     pub violations: Vec<Violation>,
@@ -68,6 +71,7 @@ pub fn check(history: &History) -> Verdict {
                 Finding::DoubleEffect => verdict.double_effects[mode_index(op.mode)] += 1,
                 Finding::WrongAnswer => verdict.wrong_answers += 1,
                 Finding::LostCompletion => verdict.lost_completions += 1,
+                Finding::FenceNotGrowing => verdict.stale_fences += 1,
             }
             verdict.findings.push(format!(
                 "op-{} ({:?}): {finding:?} under {:?}: {detail}",
@@ -118,6 +122,12 @@ fn findings(op: &OpHistory) -> Vec<(Finding, String)> {
             ));
         }
     }
+    if !op.fences_grew {
+        found.push((
+            Finding::FenceNotGrowing,
+            String::from("a claim's fence was no larger than an earlier claim's"),
+        ));
+    }
     if op.unwritten > 0 {
         found.push((
             Finding::LostCompletion,
@@ -137,7 +147,7 @@ fn findings(op: &OpHistory) -> Vec<(Finding, String)> {
 fn allowed(mode: Mode, finding: Finding, hits: &BTreeSet<Fault>) -> bool {
     let long = hits.iter().any(|fault| fault.is_long());
     match (mode, finding) {
-        (_, Finding::LostCompletion) => false,
+        (_, Finding::LostCompletion | Finding::FenceNotGrowing) => false,
         (Mode::Unfenced, _) => long,
         // A store that restarted empty forgot the record a client's answer came from.
         (_, Finding::WrongAnswer) => hits.contains(&Fault::Restart),

@@ -47,7 +47,7 @@ fn main() {
     );
 
     let mut faults: BTreeMap<store::Fault, u64> = BTreeMap::new();
-    let (mut doubles, mut lost, mut wrong) = ([0; 3], 0, 0);
+    let (mut doubles, mut lost, mut wrong, mut stale) = ([0; 3], 0, 0, 0);
     let mut failing = Vec::new();
     for &seed in &seeds {
         let history = world::run(seed, bugs);
@@ -66,6 +66,7 @@ fn main() {
         }
         lost += verdict.lost_completions;
         wrong += verdict.wrong_answers;
+        stale += verdict.stale_fences;
         if !verdict.violations.is_empty() {
             failing.push((seed, verdict.violations));
         }
@@ -84,7 +85,8 @@ fn main() {
         .first()
         .map_or(String::from("none"), |(seed, _)| format!("seed {seed}"));
     println!(
-        "faults by class: {}; {} of {} seeds violated a guarantee (the first: {first}); {:.1} s",
+        "faults by class: {}; fences that did not grow: {stale}; {} of {} seeds violated a guarantee \
+         (the first: {first}); {:.1} s",
         by_class.join(" "),
         failing.len(),
         seeds.len(),

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_idempotency::store::{Claim, Store, StoreError};
-use tower_idempotency::{BoxStore, ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
+use tower_idempotency::{
+    BoxStore, ClaimToken, Completed, Fence, Fingerprint, MemoryStore, RecordId,
+};
 
 use super::ledger::{Ledger, Staged};
 use super::rng::Rng;
@@ -94,6 +96,8 @@ struct Log {
     unreplicated: Vec<(Instant, RecordId, ClaimToken)>,
     /// The records each instance claimed.
     claimed_by: HashMap<usize, BTreeSet<RecordId>>,
+    /// The fences of each record's claims, in the order they were made.
+    fences: HashMap<RecordId, Vec<Fence>>,
     /// Transactions begun by `prepare`, by token.
     open: HashMap<ClaimToken, Staged>,
     /// How many calls each fault struck.
@@ -253,6 +257,12 @@ impl StoreControl {
         log.hits.get(id).cloned().unwrap_or_default()
     }
 
+    /// The fences of `id`'s claims, in the order they were made.
+    pub fn fences(&self, id: &RecordId) -> Vec<Fence> {
+        let log = self.shared.log.lock().unwrap();
+        log.fences.get(id).cloned().unwrap_or_default()
+    }
+
     pub fn written(&self, token: &ClaimToken) -> Written {
         let log = self.shared.log.lock().unwrap();
         log.written.get(token).copied().unwrap_or_default()
@@ -345,6 +355,7 @@ impl Store for SimStore {
             let mut log = self.shared.log.lock().unwrap();
             log.unreplicated.push((Instant::now(), *id, *token));
             log.claimed_by.entry(self.instance).or_default().insert(*id);
+            log.fences.entry(*id).or_default().push(token.fence());
         }
         if self.shared.replication_wait && matches!(claim, Claim::Claimed(_)) {
             // Answered once the replica has it: a failover meanwhile lost it, and says so.

@@ -68,6 +68,9 @@ pub struct OpHistory {
     /// Runs whose handler finished with a charge, and whose completion the store neither wrote
     /// nor refused, on an instance that did not die.
     pub unwritten: usize,
+    /// Whether every claim of the key had a larger fence than the claim before it (the fences
+    /// themselves come from clocks, and are left out of the digest).
+    pub fences_grew: bool,
 }
 
 #[derive(Debug)]
@@ -84,7 +87,7 @@ impl History {
         let mut hasher = DefaultHasher::new();
         self.instances.hash(&mut hasher);
         for op in &self.ops {
-            (op.op, op.mode, op.gave_up, op.unwritten).hash(&mut hasher);
+            (op.op, op.mode, op.gave_up, op.unwritten, op.fences_grew).hash(&mut hasher);
             for (status, body) in &op.answers {
                 (status.as_u16(), body).hash(&mut hasher);
             }
@@ -220,6 +223,7 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
                 !written.landed && !written.refused && !dead[*instance].load(Ordering::SeqCst)
             })
             .count();
+        let fences = store.fences(&id);
         histories.push(OpHistory {
             op,
             mode: modes[op],
@@ -229,6 +233,7 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
             record,
             hits: store.hits(&id),
             unwritten,
+            fences_grew: fences.windows(2).all(|pair| pair[0] < pair[1]),
         });
     }
     History {
