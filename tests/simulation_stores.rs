@@ -60,7 +60,7 @@ where
         }
     }
     println!(
-        "simulation on {name}: {SEEDS} seeds, {faults} faults, {} violations",
+        "simulation on {name}: {seeds} seeds, {faults} faults, {} violations",
         violations.len()
     );
     assert!(

@@ -370,10 +370,18 @@ fn begin_call(
 /// Moves `charge` along `event` out of the `-ing` state of the call with `call_key`, unless
 /// another run of the same request did already.
 fn end_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
-    if charge.call_key == call_key && !is_busy(charge) {
+    if !waits_on(charge, call_key) {
         return Ok(());
     }
     charge.apply(event)
+}
+
+/// Whether `charge` still waits on the provider call with `call_key`. Once it does not, the call
+/// was settled already (by another run of the request, or the reconciler), and the charge may
+/// have moved on to another call since: a late run of this one must change nothing (with the
+/// charges in memory, its write would otherwise count a refund twice).
+fn waits_on(charge: &Charge, call_key: &str) -> bool {
+    charge.call_key == call_key && is_busy(charge)
 }
 
 /// Whether `charge` waits on a capture, refund or cancellation call.
@@ -446,8 +454,7 @@ pub async fn refund(
     };
     let mut work = Work::begin(&state, &extensions).await?;
     let settle = state.ledger.settle(&mut work, &account, &id, |c| {
-        if c.call_key == call_key && c.status != Status::Refunding {
-            // Another run of this request settled it.
+        if !waits_on(c, &call_key) {
             return Ok(());
         }
         c.amount_refunded += amount;
