@@ -46,6 +46,7 @@ pub struct IdempotencyLayer<St> {
     waits: Waits,
     replays: Option<ReplayCache>,
     store_failures: Arc<Throttle>,
+    unreadable_records: Arc<Throttle>,
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -58,6 +59,7 @@ impl<St> IdempotencyLayer<St> {
             waits: Waits::default(),
             replays: None,
             store_failures: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
+            unreadable_records: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
         }
     }
 
@@ -429,6 +431,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.waits.clone(),
             self.replays.clone(),
             self.store_failures.clone(),
+            self.unreadable_records.clone(),
         )
     }
 }

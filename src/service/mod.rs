@@ -98,6 +98,8 @@ pub(crate) struct Shared<St> {
     /// Claim-time store failures repeat with every request: logged once per interval (shared by
     /// every service of one layer: a router may build one per connection, or per request).
     store_failures: Arc<Throttle>,
+    /// Records that do not open repeat with every retry of their key: logged once per interval.
+    unreadable_records: Arc<Throttle>,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
     /// The records this process completed, for replays without a store call (opt-in).
@@ -113,6 +115,7 @@ impl<S, St> Idempotency<S, St> {
         waits: Waits,
         replays: Option<ReplayCache>,
         store_failures: Arc<Throttle>,
+        unreadable_records: Arc<Throttle>,
     ) -> Self {
         meter::describe();
         Self {
@@ -122,6 +125,7 @@ impl<S, St> Idempotency<S, St> {
                 config,
                 background,
                 store_failures,
+                unreadable_records,
                 waits,
                 replays,
             }),
@@ -320,6 +324,7 @@ impl<St: Store> Shared<St> {
             ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             ProblemKind::CommitRejected => Outcome::CommitRejected,
+            ProblemKind::RecordUnreadable => Outcome::RecordUnreadable,
             _ => Outcome::Rejected,
         };
         (response.map(ResponseBody::full), outcome)
