@@ -199,7 +199,7 @@ pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use held_claim::HeldClaim;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::IdempotencyLayer;
+pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
 pub use problem::ProblemKind;
 pub use record::{
