@@ -19,7 +19,6 @@
 //! 203-byte JSON charge).
 
 #[path = "../tests/support/redis_server.rs"]
-#[allow(dead_code, reason = "the fixture serves the tests too")]
 mod redis_server;
 
 use std::time::Duration;

@@ -16,7 +16,7 @@ use crate::replay_cache::ReplayCache;
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::{Rejection, Scope};
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
-use crate::throttle::Throttle;
+use crate::throttle::LayerThrottles;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -45,8 +45,7 @@ pub struct IdempotencyLayer<St> {
     background: Background,
     waits: Waits,
     replays: Option<ReplayCache>,
-    store_failures: Arc<Throttle>,
-    unreadable_records: Arc<Throttle>,
+    throttles: Arc<LayerThrottles>,
     /// The warning of a layer without a scope, given once per layer.
     unscoped_warning: Arc<Once>,
 }
@@ -60,8 +59,7 @@ impl<St> IdempotencyLayer<St> {
             background: Background::default(),
             waits: Waits::default(),
             replays: None,
-            store_failures: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
-            unreadable_records: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
+            throttles: Arc::new(LayerThrottles::new(STORE_FAILURE_LOG_INTERVAL)),
             unscoped_warning: Arc::new(Once::new()),
         }
     }
@@ -513,8 +511,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.background.clone(),
             self.waits.clone(),
             self.replays.clone(),
-            self.store_failures.clone(),
-            self.unreadable_records.clone(),
+            self.throttles.clone(),
         )
     }
 }

@@ -94,7 +94,7 @@ impl<St: Store> Shared<St> {
     /// Warns of a claim-time store failure, once per interval: it repeats with every request for
     /// as long as the store is away or full.
     fn warn_of_store_failure(&self, err: &StoreError, outcome: Outcome) {
-        let Some(held_back) = self.store_failures.admit() else {
+        let Some(held_back) = self.throttles.store_failures.admit() else {
             return;
         };
         let message = if outcome == Outcome::FailedOpen {
@@ -118,7 +118,7 @@ impl<St: Store> Shared<St> {
         &self,
         err: &(dyn std::error::Error + Send + Sync + 'static),
     ) -> Response<ResponseBody<B>> {
-        if let Some(held_back) = self.unreadable_records.admit() {
+        if let Some(held_back) = self.throttles.unreadable_records.admit() {
             tracing::error!(
                 target: "tower_idempotency",
                 error = %ErrorChain(err),
