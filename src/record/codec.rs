@@ -457,6 +457,41 @@ mod tests {
     }
 
     #[test]
+    fn sealed_round_trips_and_its_prefixes_are_errors() {
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Payload::Sealed(Arc::new(SealedResponse {
+                key_id: "2025-01".into(),
+                nonce: [9; 24],
+                ciphertext: Bytes::from_static(&[5; 40]),
+            }))),
+        };
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes[layout::KIND], KIND_SEALED);
+        assert_eq!(
+            &bytes[layout::COMPLETED_FINGERPRINT],
+            fingerprint().as_bytes()
+        );
+        assert_eq!(bytes.len(), 63 + 7 + 40, "the layout of PROTOCOL §5.4");
+        assert_eq!(
+            Record::decode(Bytes::from(bytes.clone())).unwrap(),
+            Record::Completed(record)
+        );
+        for n in 0..bytes.len() {
+            assert!(
+                Record::decode(Bytes::copy_from_slice(&bytes[..n])).is_err(),
+                "prefix {n}"
+            );
+        }
+        let mut bad_id = bytes.clone();
+        bad_id[35] = b':';
+        assert!(matches!(
+            Record::decode(Bytes::from(bad_id)),
+            Err(DecodeError::Malformed("key id"))
+        ));
+    }
+
+    #[test]
     fn bad_bytes_are_errors_not_panics() {
         let good = Completed {
             fingerprint: fingerprint(),

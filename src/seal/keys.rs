@@ -253,3 +253,32 @@ pub enum OpenError {
     #[error("the record holds a response in clear where a sealed one is required")]
     NotSealed,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_key_lists_are_errors_that_never_show_a_key() {
+        let key = "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=";
+        let cases = [
+            ("", SealKeyError::Malformed { entry: 1 }),
+            ("no-colon", SealKeyError::Malformed { entry: 1 }),
+            ("k1:c2hvcnQ=", SealKeyError::InvalidKey("k1".into())),
+            ("k1:not base64!", SealKeyError::InvalidKey("k1".into())),
+            (&*format!(":{key}"), SealKeyError::InvalidId(String::new())),
+            (
+                &*format!("k1:{key},k1:{key}"),
+                SealKeyError::DuplicateId("k1".into()),
+            ),
+        ];
+        for (list, want) in cases {
+            let err = SealKeys::parse(list).err();
+            assert_eq!(err.as_ref(), Some(&want), "{list:?}");
+            assert!(!err.unwrap().to_string().contains("AQEB"), "{list:?}");
+        }
+        let keys = SealKeys::parse(&format!(" new:{key} , old:{key}")).expect("a list");
+        assert_eq!(keys.ids().collect::<Vec<_>>(), ["new", "old"]);
+        assert!(!format!("{keys:?}").contains("AQEB"));
+    }
+}
