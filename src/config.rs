@@ -30,6 +30,7 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) canonical_json: bool,
     pub(crate) scope: Option<ScopeFn>,
+    pub(crate) tenancy: Tenancy,
     pub(crate) store_policy: PolicyFn,
     pub(crate) keep_set_cookie: bool,
     pub(crate) fail_open: bool,
@@ -53,6 +54,7 @@ impl Default for Config {
             fingerprint_headers: Vec::new(),
             canonical_json: false,
             scope: None,
+            tenancy: Tenancy::Unstated,
             store_policy: Arc::new(|head: &ResponseParts| {
                 default_store_policy(head.status, &head.headers)
             }),
@@ -65,6 +67,17 @@ impl Default for Config {
             retention: None,
         }
     }
+}
+
+/// What the application said of its tenants, for a layer without a scope function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tenancy {
+    /// Nothing: a layer without a scope warns once.
+    Unstated,
+    /// One tenant (`IdempotencyLayer::single_tenant`): no scope is needed, and none is warned of.
+    Single,
+    /// A scope is required (`IdempotencyLayer::require_scope`): a layer without one is refused.
+    ScopeRequired,
 }
 
 impl Config {
@@ -104,6 +117,7 @@ impl fmt::Debug for Config {
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("canonical_json", &self.canonical_json)
             .field("scoped", &self.scope.is_some())
+            .field("tenancy", &self.tenancy)
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fail_open", &self.fail_open)
             .field("retry_after", &self.retry_after)

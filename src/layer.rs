@@ -1,7 +1,7 @@
 //! `IdempotencyLayer`: the builder; its settings live in [`Config`](crate::config::Config).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use http::request::Parts;
@@ -9,14 +9,14 @@ use http::response::Parts as ResponseParts;
 use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
-use crate::config::Config;
+use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
 use crate::replay_cache::ReplayCache;
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::{Rejection, Scope};
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
-use crate::throttle::Throttle;
+use crate::throttle::LayerThrottles;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -45,7 +45,9 @@ pub struct IdempotencyLayer<St> {
     background: Background,
     waits: Waits,
     replays: Option<ReplayCache>,
-    store_failures: Arc<Throttle>,
+    throttles: Arc<LayerThrottles>,
+    /// The warning of a layer without a scope, given once per layer.
+    unscoped_warning: Arc<Once>,
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -57,7 +59,8 @@ impl<St> IdempotencyLayer<St> {
             background: Background::default(),
             waits: Waits::default(),
             replays: None,
-            store_failures: Arc::new(Throttle::new(STORE_FAILURE_LOG_INTERVAL)),
+            throttles: Arc::new(LayerThrottles::new(STORE_FAILURE_LOG_INTERVAL)),
+            unscoped_warning: Arc::new(Once::new()),
         }
     }
 
@@ -149,7 +152,9 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// Default: none, and every key shares one namespace. **That is only right for a
     /// single-tenant service**: with many tenants, one could replay another's response by
-    /// sending its key.
+    /// sending its key. A layer without a scope warns once, when it is applied to a service,
+    /// unless it is declared [`single_tenant`](Self::single_tenant); with
+    /// [`require_scope`](Self::require_scope) it is refused.
     ///
     /// ```
     /// use http::StatusCode;
@@ -172,6 +177,67 @@ impl<St> IdempotencyLayer<St> {
     {
         self.config.scope = Some(Arc::new(scope));
         self
+    }
+
+    /// Refuses a layer without a [`scope`](Self::scope) (`docs/PROTOCOL.md` §3.3): [`check`]
+    /// answers [`ConfigError::ScopeRequired`], and applying the layer to a service panics with
+    /// the same message, at start-up (when the router is built), never per request. For
+    /// multi-tenant services, where forgetting the scope would let a tenant replay another's
+    /// responses. Default: `false`.
+    ///
+    /// [`check`]: Self::check
+    ///
+    /// ```
+    /// use tower_idempotency::{ConfigError, IdempotencyLayer, MemoryStore, Scope};
+    ///
+    /// let forgot = IdempotencyLayer::new(MemoryStore::new()).require_scope(true);
+    /// assert_eq!(forgot.check(), Err(ConfigError::ScopeRequired));
+    ///
+    /// let scoped = forgot.scope(|parts| Ok(Scope::from(parts.uri.path())));
+    /// assert_eq!(scoped.check(), Ok(()));
+    /// ```
+    pub fn require_scope(mut self, required: bool) -> Self {
+        self.config.tenancy = if required {
+            Tenancy::ScopeRequired
+        } else {
+            Tenancy::Unstated
+        };
+        self
+    }
+
+    /// Declares the service single-tenant: every client may share one key space (the keys of one
+    /// tenant's clients, `docs/PROTOCOL.md` §3.3), so a layer without a [`scope`](Self::scope)
+    /// does not warn of it. Undoes [`require_scope`](Self::require_scope).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
+    /// assert_eq!(layer.check(), Ok(()));
+    /// ```
+    pub fn single_tenant(mut self) -> Self {
+        self.config.tenancy = Tenancy::Single;
+        self
+    }
+
+    /// Whether the layer's settings can serve: `Err` names the first that cannot. Call it at
+    /// start-up to turn a misconfiguration into an error of the application's own, rather than
+    /// the panic of applying the layer.
+    ///
+    /// # Errors
+    /// [`ConfigError::ScopeRequired`]: [`require_scope`](Self::require_scope) without a
+    /// [`scope`](Self::scope).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// assert!(IdempotencyLayer::new(MemoryStore::new()).check().is_ok());
+    /// ```
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.config.tenancy == Tenancy::ScopeRequired && self.config.scope.is_none() {
+            return Err(ConfigError::ScopeRequired);
+        }
+        Ok(())
     }
 
     /// Which responses are stored for replay, from the response's head: its status, headers and
@@ -420,7 +486,24 @@ impl<St> IdempotencyLayer<St> {
 impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
+    /// # Panics
+    /// When [`check`](IdempotencyLayer::check) fails: a layer that must not serve as configured
+    /// (a required scope missing) stops the application at start-up instead.
     fn layer(&self, inner: S) -> Self::Service {
+        if let Err(err) = self.check() {
+            panic!("IdempotencyLayer: {err}");
+        }
+        if self.config.scope.is_none() && self.config.tenancy == Tenancy::Unstated {
+            self.unscoped_warning.call_once(|| {
+                tracing::warn!(
+                    target: "tower_idempotency",
+                    "IdempotencyLayer protects routes without a scope: every client shares one \
+                     key space, and a client that sends another tenant's key gets its response. \
+                     Set `.scope(..)` for a multi-tenant service, or `.single_tenant()` to say \
+                     there is one tenant"
+                );
+            });
+        }
         Idempotency::new(
             inner,
             self.store.clone(),
@@ -428,7 +511,7 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.background.clone(),
             self.waits.clone(),
             self.replays.clone(),
-            self.store_failures.clone(),
+            self.throttles.clone(),
         )
     }
 }
@@ -441,4 +524,16 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
             .field("replay_cache", &self.replays)
             .finish()
     }
+}
+
+/// A layer whose settings cannot serve ([`IdempotencyLayer::check`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// [`IdempotencyLayer::require_scope`] is on, and no [`IdempotencyLayer::scope`] is set.
+    #[error(
+        "a scope is required (`require_scope(true)`) and none is set: call `.scope(..)` with the \
+         request's tenant, or `.single_tenant()` if there is one"
+    )]
+    ScopeRequired,
 }

@@ -125,7 +125,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `rejected`, `unprotected`) |
+//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `record_unreadable`, `rejected`, `unprotected`) |
 //! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted`, `rejected` or `codec` |
 //!
 //! One count per covered request (a passthrough of an uncovered method is not counted), one
@@ -180,6 +180,9 @@ pub mod record;
 mod replay_cache;
 mod retention;
 mod scope;
+#[cfg(feature = "seal")]
+#[cfg_attr(docsrs, doc(cfg(feature = "seal")))]
+pub mod seal;
 mod service;
 pub mod store;
 #[cfg(feature = "test-util")]
@@ -196,11 +199,11 @@ pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use held_claim::HeldClaim;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::IdempotencyLayer;
+pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
 pub use problem::ProblemKind;
 pub use record::{
-    ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Record, RecordId,
+    ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,
     StoredResponse, encode_in_flight,
 };
 pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};

@@ -87,7 +87,8 @@ pub(crate) fn outcome(outcome: Outcome) {
             StoreUnavailable,
             FailedOpen,
             HandlerFailed,
-            CommitRejected
+            CommitRejected,
+            RecordUnreadable
         );
         ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
     }
@@ -96,9 +97,9 @@ pub(crate) fn outcome(outcome: Outcome) {
 }
 
 /// The keys of one store operation's calls, by result: `ok`, `full`, `timeout`, `unavailable`,
-/// `aborted`, `codec`, `rejected` (see [`result`]).
+/// `aborted`, `codec`, `rejected`, `unreadable` (see [`result`]).
 #[cfg(feature = "metrics")]
-type CallKeys = [&'static ::metrics::Key; 7];
+type CallKeys = [&'static ::metrics::Key; 8];
 
 /// The [`CallKeys`] of `operation`.
 #[cfg(feature = "metrics")]
@@ -112,6 +113,7 @@ macro_rules! call_keys {
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "aborted"),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "codec"),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => "rejected"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => "unreadable"),
         ];
         &KEYS
     }};
@@ -128,6 +130,7 @@ fn result<T>(result: &Result<T, StoreError>) -> usize {
         Err(StoreError::Aborted(_)) => 4,
         Err(StoreError::Codec(_)) => 5,
         Err(StoreError::Rejected(_)) => 6,
+        Err(StoreError::Unreadable(_)) => 7,
     }
 }
 

@@ -57,6 +57,9 @@ pub enum Outcome {
     ///
     /// [`StoreError::Rejected`]: crate::StoreError::Rejected
     CommitRejected,
+    /// The key's record cannot be opened or trusted (a sealed record that does not open, or one in
+    /// clear where sealed ones are required): 500, neither replayed nor run again.
+    RecordUnreadable,
 }
 
 impl Outcome {
@@ -75,6 +78,7 @@ impl Outcome {
             Outcome::FailedOpen => "failed_open",
             Outcome::HandlerFailed => "handler_failed",
             Outcome::CommitRejected => "commit_rejected",
+            Outcome::RecordUnreadable => "record_unreadable",
         }
     }
 }

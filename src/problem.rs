@@ -49,6 +49,14 @@
 //! unique key), held invalid data, or named an object that does not exist. Nothing was done, and
 //! the key is free again: the same request with this key is refused the same way until the data it
 //! conflicts with changes, and may then be sent again.
+//!
+//! ### record-unreadable
+//! 500 without `Retry-After`: the key holds a record whose response cannot be trusted: sealed
+//! (`SealedStore`) and it does not open (its bytes were changed, it was moved from another key or
+//! scope, or the key that sealed it was retired), or in clear where sealed records are required.
+//! It is not replayed, and the request is not run again: the operation may have run once. Not a
+//! 503: sending the request again gets the same answer until the record expires or the key that
+//! sealed it is restored.
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
@@ -88,10 +96,13 @@ pub enum ProblemKind {
     /// The handler's transaction was refused at commit for a reason that sending the request
     /// again cannot fix (422); nothing was done.
     CommitRejected,
+    /// The key's record cannot be opened or trusted (500): it is not replayed, and the request
+    /// is not run again.
+    RecordUnreadable,
 }
 
 impl ProblemKind {
-    pub(crate) const ALL: [ProblemKind; 10] = [
+    pub(crate) const ALL: [ProblemKind; 11] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::BodyTooLarge,
@@ -102,6 +113,7 @@ impl ProblemKind {
         ProblemKind::StoreUnavailable,
         ProblemKind::HandlerFailed,
         ProblemKind::CommitRejected,
+        ProblemKind::RecordUnreadable,
     ];
 
     pub(crate) fn index(self) -> usize {
@@ -121,7 +133,10 @@ impl ProblemKind {
             ProblemKind::InFlight | ProblemKind::NotReplayable => StatusCode::CONFLICT,
             ProblemKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ProblemKind::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            // A 5xx that clients do not retry for ever: not 503, which says "later".
+            ProblemKind::HandlerFailed | ProblemKind::RecordUnreadable => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -138,6 +153,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => type_uri!("store-unavailable"),
             ProblemKind::HandlerFailed => type_uri!("handler-failed"),
             ProblemKind::CommitRejected => type_uri!("commit-rejected"),
+            ProblemKind::RecordUnreadable => type_uri!("record-unreadable"),
         }
     }
 
@@ -156,6 +172,9 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::HandlerFailed => "The request failed",
             ProblemKind::CommitRejected => "The request's changes were rejected",
+            ProblemKind::RecordUnreadable => {
+                "The stored response for this Idempotency-Key cannot be read"
+            }
         }
     }
 }

@@ -35,7 +35,7 @@ struct Entry {
 
 impl Entry {
     fn size(&self) -> usize {
-        let response = self.completed.response.as_deref();
+        let response = self.completed.plain();
         ENTRY_OVERHEAD + response.map_or(0, |response| response.size())
     }
 }
@@ -115,16 +115,16 @@ impl fmt::Debug for ReplayCache {
 mod tests {
     use super::*;
     use crate::Fingerprint;
-    use crate::record::StoredResponse;
+    use crate::record::{Payload, StoredResponse};
 
     fn completed(body: usize) -> Completed {
         Completed {
             fingerprint: Fingerprint::from_bytes([7; 32]),
-            response: Some(Arc::new(StoredResponse {
+            response: Some(Payload::Plain(Arc::new(StoredResponse {
                 status: http::StatusCode::OK,
                 headers: http::HeaderMap::new(),
                 body: bytes::Bytes::from(vec![b'x'; body]),
-            })),
+            }))),
         }
     }
 

@@ -50,6 +50,25 @@ impl Throttle {
     }
 }
 
+/// The throttled conditions of one layer, shared by every service it builds (a router may build
+/// one per connection, or per request).
+#[derive(Debug)]
+pub(crate) struct LayerThrottles {
+    /// Claim-time store failures: they repeat with every request while the store is away or full.
+    pub(crate) store_failures: Throttle,
+    /// Records that do not open: they repeat with every retry of their key.
+    pub(crate) unreadable_records: Throttle,
+}
+
+impl LayerThrottles {
+    pub(crate) fn new(interval: Duration) -> Self {
+        Self {
+            store_failures: Throttle::new(interval),
+            unreadable_records: Throttle::new(interval),
+        }
+    }
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }

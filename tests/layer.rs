@@ -993,3 +993,29 @@ async fn failed_response_body_gets_500_and_the_retry_is_not_run_again() {
     retry.assert_problem(ProblemKind::NotReplayable, StatusCode::CONFLICT);
     assert_eq!(handler.calls(), 1);
 }
+
+/// `require_scope(true)` without a scope is refused at start-up: `check` names it, and applying
+/// the layer (building the router) panics with the same message rather than serve one key space
+/// to every tenant. With a scope, it serves.
+#[test]
+fn a_required_scope_that_is_missing_stops_the_start_up() {
+    use tower_idempotency::ConfigError;
+    let layer = IdempotencyLayer::new(store()).require_scope(true);
+    assert_eq!(layer.check(), Err(ConfigError::ScopeRequired));
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Router::<()>::new()
+            .route("/", post(|| async { "ok" }))
+            .route_layer(layer.clone())
+    }))
+    .expect_err("a router with the layer is not built");
+    let message = panic
+        .downcast_ref::<String>()
+        .expect("a message")
+        .to_owned();
+    assert!(message.contains("scope"), "{message}");
+    let scoped = layer.scope(|_| Ok(tower_idempotency::Scope::from("t")));
+    assert_eq!(scoped.check(), Ok(()));
+    let _router: Router = Router::new()
+        .route("/", post(|| async { "ok" }))
+        .route_layer(scoped);
+}

@@ -296,3 +296,44 @@ async fn store_refusals_are_warned_of_once_per_layer_whatever_builds_its_service
         "one warning for the layer's 20 services: {warned:?}"
     );
 }
+
+/// A layer without a scope warns once that every client shares one key space, however many
+/// services it builds; a scoped layer, or one declared single-tenant, does not.
+#[tokio::test]
+async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let unscoped = |from: usize| {
+        captured
+            .events()
+            .into_iter()
+            .skip(from)
+            .filter(|e| {
+                e.field("message")
+                    .is_some_and(|m| m.contains("protects routes without a scope"))
+            })
+            .count()
+    };
+    let from = captured.events().len();
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    for n in 0..5 {
+        let svc = service(layer.clone(), Handler::ok(|_| created("ok")));
+        send(&svc, post(&format!("k{n}"), "x")).await;
+    }
+    assert_eq!(unscoped(from), 1, "one warning for the layer's services");
+
+    let from = captured.events().len();
+    let scoped = IdempotencyLayer::new(MemoryStore::new()).scope(|_| Ok(Scope::from("t")));
+    let single = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
+    send(
+        &service(scoped, Handler::ok(|_| created("ok"))),
+        post("k", "x"),
+    )
+    .await;
+    send(
+        &service(single, Handler::ok(|_| created("ok"))),
+        post("k", "x"),
+    )
+    .await;
+    assert_eq!(unscoped(from), 0, "no warning where the tenancy is stated");
+}

@@ -144,7 +144,7 @@ async fn a_missing_table_is_named_at_the_first_call_and_logged_once_with_its_fix
 
     let app = Router::new()
         .route("/charges", post(|| async { StatusCode::CREATED }))
-        .route_layer(IdempotencyLayer::new(store.clone()));
+        .route_layer(IdempotencyLayer::new(store.clone()).single_tenant());
     for n in 0..5 {
         let request = Request::post("/charges")
             .header("idempotency-key", format!("k-{n}"))

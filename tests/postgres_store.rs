@@ -16,8 +16,8 @@ use tokio::time::Instant;
 use tower_idempotency::store::sqlx::{self, Connection, PgConnection, Row};
 use tower_idempotency::store::{Claim, PgStoreError, Store, StoreError};
 use tower_idempotency::{
-    ClaimToken, Completed, Fence, Fingerprint, IdempotencyLayer, Outcome, PgStore, ProblemKind,
-    Record, RecordId, StoredResponse,
+    ClaimToken, Completed, Fence, Fingerprint, IdempotencyLayer, Outcome, Payload, PgStore,
+    ProblemKind, Record, RecordId, StoredResponse,
 };
 
 /// A server with the store's table, and a store on it.
@@ -63,11 +63,11 @@ fn fingerprint(n: u8) -> Fingerprint {
 fn done(n: u8, body: &'static str) -> Completed {
     Completed {
         fingerprint: fingerprint(n),
-        response: Some(Arc::new(StoredResponse {
+        response: Some(Payload::Plain(Arc::new(StoredResponse {
             status: StatusCode::CREATED,
             headers: http::HeaderMap::new(),
             body: bytes::Bytes::from_static(body.as_bytes()),
-        })),
+        }))),
     }
 }
 

@@ -46,6 +46,10 @@
 //! - `GET /metrics` serves the layer's metrics in Prometheus' text format (`prometheus.rs`).
 //! - The idempotency records' store is chosen at start-up, from the environment, behind one
 //!   type ([`tower_idempotency::BoxStore`]): one server, whichever store.
+//! - Its records are sealed ([`tower_idempotency::seal::SealedStore`]): a charge stored for
+//!   replay is encrypted and authenticated under the keys of `IDEMPOTENCY_SEAL_KEYS`
+//!   (`id:base64key,...`, the first sealing, the others still opening: rotation), or, unset, a
+//!   fixed development key that start-up warns of.
 //! - Captures, refunds and cancellations walk one explicit state machine (`state_machine.rs`).
 //! - Every approved charge, capture and refund publishes an event (`charge.succeeded`,
 //!   `charge.captured`, `charge.refunded`; `events.rs`) to an at-least-once queue (`queue/`): a
@@ -202,6 +206,7 @@ use axum::middleware;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind, RedisStore};
 use tracing_subscriber::EnvFilter;
 
@@ -414,6 +419,35 @@ fn env_millis(name: &str) -> Result<Option<Duration>, String> {
     }
 }
 
+/// The development key that seals records when `IDEMPOTENCY_SEAL_KEYS` is unset: fixed, not
+/// random, so that a second instance and a restarted one still open the records. Public: never
+/// for production.
+const DEV_SEAL_KEY: (&str, [u8; 32]) = ("dev-insecure", *b"tower-idempotency development!!!");
+
+/// The keys that seal the idempotency records: `IDEMPOTENCY_SEAL_KEYS`, `id:base64key` entries
+/// separated by commas, the first sealing and every one opening (to rotate, put a new key first
+/// and drop the old one a dedup window later). Unset, the development key, with a warning.
+fn seal_keys() -> Result<SealKeys, Box<dyn Error>> {
+    match env_url("IDEMPOTENCY_SEAL_KEYS") {
+        Some(list) => {
+            let keys =
+                SealKeys::parse(&list).map_err(|err| format!("IDEMPOTENCY_SEAL_KEYS: {err}"))?;
+            let ids: Vec<_> = keys.ids().collect();
+            tracing::info!(?ids, "idempotency records sealed under {:?}", ids[0]);
+            Ok(keys)
+        }
+        None => {
+            let (id, key) = DEV_SEAL_KEY;
+            tracing::warn!(
+                "IDEMPOTENCY_SEAL_KEYS is unset: idempotency records are sealed under the public \
+                 development key {id:?}; set IDEMPOTENCY_SEAL_KEYS=id:base64key (32 bytes, e.g. \
+                 `openssl rand -base64 32`) in production"
+            );
+            Ok(SealKeys::new([SealKey::new(id, key)?])?)
+        }
+    }
+}
+
 /// The environment variable `name`, unless it is unset or empty.
 fn env_url(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|url| !url.is_empty())
@@ -561,6 +595,9 @@ async fn serve(
     store_name: &str,
     shutdown_timeout: Duration,
 ) -> Result<(), Box<dyn Error>> {
+    // Every stored response is sealed: readers of the store see no charge, writers cannot forge
+    // or move one.
+    let store = BoxStore::new(SealedStore::new(store, seal_keys()?));
     let mut idempotency = IdempotencyLayer::new(store);
     // A duplicate of a charge still running waits for it and gets its replay, not a 409.
     if let Some(bound) = env_millis("IDEMPOTENCY_WAIT_MS")? {

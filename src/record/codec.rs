@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 use super::id::ClaimToken;
-use super::model::{Completed, InFlight, Record, StoredResponse};
+use super::model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
 use crate::fingerprint::Fingerprint;
 
 /// The encoding version written by this crate.
@@ -17,6 +17,9 @@ pub const VERSION: u8 = 1;
 const KIND_IN_FLIGHT: u8 = 1;
 const KIND_COMPLETED: u8 = 2;
 const KIND_TOMBSTONE: u8 = 3;
+const KIND_SEALED: u8 = 4;
+/// The longest key id a sealed record names.
+pub(crate) const MAX_KEY_ID_LEN: usize = 64;
 
 /// Where the fields of an encoded record sit, for store scripts that read them in place. Every
 /// record starts with the version and the kind; the rest is per kind.
@@ -32,7 +35,7 @@ pub(crate) mod layout {
 
     /// The encoding version's byte.
     pub(crate) const VERSION: usize = 0;
-    /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone.
+    /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone, 4 sealed.
     pub(crate) const KIND: usize = 1;
     /// An in-flight record's claim token.
     pub(crate) const TOKEN: Range<usize> = 2..18;
@@ -41,7 +44,7 @@ pub(crate) mod layout {
     /// An in-flight record's lease end (unix ms, u64 little-endian), its last field.
     pub(crate) const LEASE_END: Range<usize> =
         IN_FLIGHT_FINGERPRINT.end..IN_FLIGHT_FINGERPRINT.end + 8;
-    /// A completed record's (or a tombstone's) fingerprint.
+    /// A completed record's (a tombstone's, a sealed record's) fingerprint.
     pub(crate) const COMPLETED_FINGERPRINT: Range<usize> = 2..34;
 
     /// The kind byte of an in-flight record.
@@ -82,36 +85,137 @@ impl Completed {
     /// Encodes the record.
     ///
     /// # Errors
-    /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB).
+    /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB) or a sealed
+    /// response's key id is not a valid one.
     pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
-        let Some(response) = &self.response else {
-            return Ok(encode_tombstone(&self.fingerprint));
-        };
-        // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one allocation
-        // with no slack, and `Bytes::from` takes it over without a second one.
-        let headers: usize = (response.headers.iter())
-            .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
-            .sum();
-        let len = layout::COMPLETED_FINGERPRINT.end + 2 + 4 + headers + 4 + response.body.len();
-        let mut out = Vec::with_capacity(len);
-        out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
-        out.extend_from_slice(self.fingerprint.as_bytes());
-        out.extend_from_slice(&response.status.as_u16().to_le_bytes());
-        out.extend_from_slice(&len_u32(response.headers.len())?.to_le_bytes());
-        for (name, value) in &response.headers {
-            let name = name.as_str().as_bytes();
-            // Header names are far shorter than 64 KiB in every HTTP implementation.
-            let name_len = u16::try_from(name.len()).map_err(|_| EncodeError::TooLarge)?;
-            out.extend_from_slice(&name_len.to_le_bytes());
-            out.extend_from_slice(name);
-            out.extend_from_slice(&len_u32(value.len())?.to_le_bytes());
-            out.extend_from_slice(value.as_bytes());
+        match &self.response {
+            None => Ok(encode_tombstone(&self.fingerprint)),
+            Some(Payload::Plain(response)) => {
+                // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one
+                // allocation with no slack, and `Bytes::from` takes it over without a second one.
+                let len = layout::COMPLETED_FINGERPRINT.end + response_len(response);
+                let mut out = Vec::with_capacity(len);
+                out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
+                out.extend_from_slice(self.fingerprint.as_bytes());
+                encode_response(response, &mut out)?;
+                debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
+                Ok(out)
+            }
+            Some(Payload::Sealed(sealed)) => {
+                let ciphertext_len = len_u32(sealed.ciphertext.len())?;
+                let mut out = Vec::with_capacity(
+                    sealed_header_len(&sealed.key_id) + 24 + 4 + sealed.ciphertext.len(),
+                );
+                encode_sealed_header(&self.fingerprint, &sealed.key_id, &mut out)?;
+                out.extend_from_slice(&sealed.nonce);
+                out.extend_from_slice(&ciphertext_len.to_le_bytes());
+                out.extend_from_slice(&sealed.ciphertext);
+                Ok(out)
+            }
         }
-        out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
-        out.extend_from_slice(&response.body);
-        debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
-        Ok(out)
     }
+}
+
+/// The length of a response's encoding by [`encode_response`].
+pub(crate) fn response_len(response: &StoredResponse) -> usize {
+    let headers: usize = (response.headers.iter())
+        .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
+        .sum();
+    2 + 4 + headers + 4 + response.body.len()
+}
+
+/// Appends a response's fields to `out`: status, headers, body. A completed record's bytes after
+/// its fingerprint, and a sealed record's plaintext.
+pub(crate) fn encode_response(
+    response: &StoredResponse,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    out.extend_from_slice(&response.status.as_u16().to_le_bytes());
+    out.extend_from_slice(&len_u32(response.headers.len())?.to_le_bytes());
+    for (name, value) in &response.headers {
+        let name = name.as_str().as_bytes();
+        // Header names are far shorter than 64 KiB in every HTTP implementation.
+        let name_len = u16::try_from(name.len()).map_err(|_| EncodeError::TooLarge)?;
+        out.extend_from_slice(&name_len.to_le_bytes());
+        out.extend_from_slice(name);
+        out.extend_from_slice(&len_u32(value.len())?.to_le_bytes());
+        out.extend_from_slice(value.as_bytes());
+    }
+    out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
+    out.extend_from_slice(&response.body);
+    Ok(())
+}
+
+/// Decodes a response encoded by [`encode_response`], sharing `bytes` for the body and the
+/// header values.
+pub(crate) fn decode_response(bytes: Bytes) -> Result<StoredResponse, DecodeError> {
+    let mut r = Reader(&bytes);
+    let response = read_response(&mut r, &bytes)?;
+    if !r.0.is_empty() {
+        return Err(DecodeError::Malformed("trailing bytes"));
+    }
+    Ok(response)
+}
+
+/// The length of a sealed record's clear header.
+fn sealed_header_len(key_id: &str) -> usize {
+    layout::COMPLETED_FINGERPRINT.end + 1 + key_id.len()
+}
+
+/// Appends a sealed record's clear header to `out`: version, kind, fingerprint and key id. What a
+/// seal authenticates as its associated data, with the record id.
+pub(crate) fn encode_sealed_header(
+    fingerprint: &Fingerprint,
+    key_id: &str,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    if !is_key_id(key_id) {
+        return Err(EncodeError::KeyId);
+    }
+    out.extend_from_slice(&[VERSION, KIND_SEALED]);
+    out.extend_from_slice(fingerprint.as_bytes());
+    // At most 64 bytes: checked above.
+    out.push(key_id.len() as u8);
+    out.extend_from_slice(key_id.as_bytes());
+    Ok(())
+}
+
+/// A key id names a sealing key in a record: 1 to 64 bytes of visible ASCII, without the `:` and
+/// `,` that separate ids from keys in a list.
+pub(crate) fn is_key_id(key_id: &str) -> bool {
+    (1..=MAX_KEY_ID_LEN).contains(&key_id.len())
+        && key_id
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b':' && b != b',')
+}
+
+fn read_response(r: &mut Reader<'_>, bytes: &Bytes) -> Result<StoredResponse, DecodeError> {
+    // Header values and the body are slices of `bytes`, not copies.
+    let shared = |r: &mut Reader<'_>, n: usize| {
+        let start = bytes.len() - r.0.len();
+        r.take(n)?;
+        Ok::<_, DecodeError>(bytes.slice(start..start + n))
+    };
+    let status = StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
+    let count = r.u32()? as usize;
+    // One more than stored: room for the marker a replay adds.
+    let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
+    for _ in 0..count {
+        let name_len = r.u16()? as usize;
+        let name = HeaderName::from_bytes(r.take(name_len)?)
+            .map_err(|_| DecodeError::Malformed("header name"))?;
+        let value_len = r.u32()? as usize;
+        let value = HeaderValue::from_maybe_shared(shared(r, value_len)?)
+            .map_err(|_| DecodeError::Malformed("header value"))?;
+        headers.append(name, value);
+    }
+    let body_len = r.u32()? as usize;
+    let body = shared(r, body_len)?;
+    Ok(StoredResponse {
+        status,
+        headers,
+        body,
+    })
 }
 
 impl Record {
@@ -123,12 +227,6 @@ impl Record {
     /// A [`DecodeError`] when the bytes are not a record of a known version.
     pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
         let mut r = Reader(&bytes);
-        // Header values and the body are slices of `bytes`, not copies.
-        let shared = |r: &mut Reader<'_>, n: usize| {
-            let start = bytes.len() - r.0.len();
-            r.take(n)?;
-            Ok::<_, DecodeError>(bytes.slice(start..start + n))
-        };
         let version = r.u8()?;
         if version != VERSION {
             return Err(DecodeError::Version(version));
@@ -147,29 +245,31 @@ impl Record {
             }
             KIND_COMPLETED => {
                 let fingerprint = r.fingerprint()?;
-                let status =
-                    StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
-                let count = r.u32()? as usize;
-                // One more than stored: room for the marker a replay adds.
-                let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
-                for _ in 0..count {
-                    let name_len = r.u16()? as usize;
-                    let name = HeaderName::from_bytes(r.take(name_len)?)
-                        .map_err(|_| DecodeError::Malformed("header name"))?;
-                    let value_len = r.u32()? as usize;
-                    let value = HeaderValue::from_maybe_shared(shared(&mut r, value_len)?)
-                        .map_err(|_| DecodeError::Malformed("header value"))?;
-                    headers.append(name, value);
-                }
-                let body_len = r.u32()? as usize;
-                let body = shared(&mut r, body_len)?;
+                let response = read_response(&mut r, &bytes)?;
                 Record::Completed(Completed {
                     fingerprint,
-                    response: Some(Arc::new(StoredResponse {
-                        status,
-                        headers,
-                        body,
-                    })),
+                    response: Some(Payload::Plain(Arc::new(response))),
+                })
+            }
+            KIND_SEALED => {
+                let fingerprint = r.fingerprint()?;
+                let key_id_len = r.u8()? as usize;
+                let key_id = std::str::from_utf8(r.take(key_id_len)?)
+                    .ok()
+                    .filter(|id| is_key_id(id))
+                    .ok_or(DecodeError::Malformed("key id"))?
+                    .to_owned();
+                let nonce = r.array()?;
+                let ciphertext_len = r.u32()? as usize;
+                let start = bytes.len() - r.0.len();
+                r.take(ciphertext_len)?;
+                Record::Completed(Completed {
+                    fingerprint,
+                    response: Some(Payload::Sealed(Arc::new(SealedResponse {
+                        key_id,
+                        nonce,
+                        ciphertext: bytes.slice(start..start + ciphertext_len),
+                    }))),
                 })
             }
             KIND_TOMBSTONE => Record::Completed(Completed {
@@ -202,6 +302,10 @@ pub enum EncodeError {
     /// A field is larger than the encoding allows.
     #[error("a record field is too large to encode")]
     TooLarge,
+    /// A sealed response's key id is empty, longer than 64 bytes, or not visible ASCII without
+    /// `:` and `,`.
+    #[error("a sealed record's key id is not valid")]
+    KeyId,
 }
 
 /// Stored bytes are not a record this version understands.
@@ -279,11 +383,11 @@ mod tests {
         headers.append("content-type", HeaderValue::from_static("application/json"));
         let record = Completed {
             fingerprint: fingerprint(),
-            response: Some(Arc::new(StoredResponse {
+            response: Some(Payload::Plain(Arc::new(StoredResponse {
                 status: StatusCode::CREATED,
                 headers,
                 body: Bytes::from_static(b"{\"id\":1}\xff\x00"),
-            })),
+            }))),
         };
         let bytes = record.encode().unwrap();
         assert_eq!(bytes[layout::KIND], KIND_COMPLETED);
@@ -296,7 +400,7 @@ mod tests {
         };
         assert_eq!(decoded, record);
         let values: Vec<_> = decoded
-            .response
+            .plain()
             .unwrap()
             .headers
             .get_all("x-a")
@@ -353,14 +457,49 @@ mod tests {
     }
 
     #[test]
+    fn sealed_round_trips_and_its_prefixes_are_errors() {
+        let record = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Payload::Sealed(Arc::new(SealedResponse {
+                key_id: "2025-01".into(),
+                nonce: [9; 24],
+                ciphertext: Bytes::from_static(&[5; 40]),
+            }))),
+        };
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes[layout::KIND], KIND_SEALED);
+        assert_eq!(
+            &bytes[layout::COMPLETED_FINGERPRINT],
+            fingerprint().as_bytes()
+        );
+        assert_eq!(bytes.len(), 63 + 7 + 40, "the layout of PROTOCOL §5.4");
+        assert_eq!(
+            Record::decode(Bytes::from(bytes.clone())).unwrap(),
+            Record::Completed(record)
+        );
+        for n in 0..bytes.len() {
+            assert!(
+                Record::decode(Bytes::copy_from_slice(&bytes[..n])).is_err(),
+                "prefix {n}"
+            );
+        }
+        let mut bad_id = bytes.clone();
+        bad_id[35] = b':';
+        assert!(matches!(
+            Record::decode(Bytes::from(bad_id)),
+            Err(DecodeError::Malformed("key id"))
+        ));
+    }
+
+    #[test]
     fn bad_bytes_are_errors_not_panics() {
         let good = Completed {
             fingerprint: fingerprint(),
-            response: Some(Arc::new(StoredResponse {
+            response: Some(Payload::Plain(Arc::new(StoredResponse {
                 status: StatusCode::OK,
                 headers: HeaderMap::new(),
                 body: Bytes::from_static(b"abc"),
-            })),
+            }))),
         }
         .encode()
         .unwrap();

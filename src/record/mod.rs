@@ -12,6 +12,7 @@
 //! | in flight | `01 01` token (16) fingerprint (32) lease end, unix ms (u64) |
 //! | completed | `01 02` fingerprint (32) status (u16) header count (u32), per header: name length (u16) name, value length (u32) value; body length (u32) body |
 //! | tombstone | `01 03` fingerprint (32) |
+//! | sealed | `01 04` fingerprint (32) key id length (u8) key id, nonce (24), ciphertext length (u32) ciphertext: a completed record's fields after its fingerprint, encrypted, then the 16-byte tag |
 //!
 //! The claim token sits at bytes 2..18 of an in-flight record, so a store script can fence on it
 //! without decoding the rest.
@@ -20,9 +21,11 @@ mod codec;
 mod id;
 mod model;
 
-pub(crate) use codec::encode_tombstone;
 #[cfg(feature = "redis")]
 pub(crate) use codec::layout;
 pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};
+#[cfg(feature = "seal")]
+pub(crate) use codec::{decode_response, encode_response, encode_sealed_header, response_len};
+pub(crate) use codec::{encode_tombstone, is_key_id};
 pub use id::{ClaimToken, Fence, RecordId};
-pub use model::{Completed, InFlight, Record, StoredResponse};
+pub use model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};

@@ -49,7 +49,78 @@ pub struct Completed {
     /// The response to replay, or `None` for a tombstone: the operation ran, but its response could
     /// not be stored (larger than the response limit, with trailers, or failing while it was read),
     /// so it cannot be replayed.
-    pub response: Option<Arc<StoredResponse>>,
+    pub response: Option<Payload>,
+}
+
+impl Completed {
+    /// A completed record that replays `response`, kept in clear.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{HeaderMap, StatusCode};
+    /// use tower_idempotency::{Completed, Fingerprint, StoredResponse};
+    ///
+    /// let done = Completed::with_response(
+    ///     Fingerprint::from_bytes([1; 32]),
+    ///     StoredResponse { status: StatusCode::CREATED, headers: HeaderMap::new(), body: Bytes::from("{}") },
+    /// );
+    /// assert_eq!(done.plain().unwrap().status, StatusCode::CREATED);
+    /// ```
+    pub fn with_response(fingerprint: Fingerprint, response: StoredResponse) -> Self {
+        Self {
+            fingerprint,
+            response: Some(Payload::Plain(Arc::new(response))),
+        }
+    }
+
+    /// The response in clear, if the record keeps one: `None` for a tombstone and for a sealed
+    /// response.
+    ///
+    /// ```
+    /// use tower_idempotency::{Completed, Fingerprint};
+    ///
+    /// let tombstone = Completed { fingerprint: Fingerprint::from_bytes([1; 32]), response: None };
+    /// assert!(tombstone.plain().is_none());
+    /// ```
+    pub fn plain(&self) -> Option<&Arc<StoredResponse>> {
+        match &self.response {
+            Some(Payload::Plain(response)) => Some(response),
+            _ => None,
+        }
+    }
+}
+
+/// What a completed record keeps of its response: the response itself, or the response sealed
+/// (`docs/PROTOCOL.md` §5.4, §12).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    /// The response in clear.
+    Plain(Arc<StoredResponse>),
+    /// The response encrypted and authenticated under an application key (a `SealedStore`,
+    /// feature `seal`). It is replayed only once opened; a layer that is handed one unopened
+    /// answers `500 record-unreadable` and never runs the request again.
+    Sealed(Arc<SealedResponse>),
+}
+
+/// A sealed response: status, headers and body encrypted and authenticated together with
+/// XChaCha20-Poly1305 under the key `key_id` names. The associated data binds it to its record id
+/// (scope and key), its fingerprint and this header, so that it opens nowhere else.
+///
+/// ```
+/// use bytes::Bytes;
+/// use tower_idempotency::record::SealedResponse;
+///
+/// let sealed = SealedResponse { key_id: "2025-01".into(), nonce: [0; 24], ciphertext: Bytes::new() };
+/// assert_eq!(sealed.key_id, "2025-01");
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct SealedResponse {
+    /// The id of the key it was sealed under: 1 to 64 bytes of visible ASCII, no `:` or `,`.
+    pub key_id: String,
+    /// The nonce it was sealed with.
+    pub nonce: [u8; 24],
+    /// The encrypted response followed by its 16-byte authentication tag.
+    pub ciphertext: Bytes,
 }
 
 /// What a store holds under a key.

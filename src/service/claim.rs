@@ -17,7 +17,7 @@ use crate::key::IdempotencyKey;
 use crate::lease::{ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
-use crate::record::{Completed, Record, RecordId};
+use crate::record::{Completed, Payload, Record, RecordId};
 use crate::store::{Claim, Store, StoreError};
 
 impl<St: Store> Shared<St> {
@@ -76,6 +76,9 @@ impl<St: Store> Shared<St> {
                         .await
                 }
                 Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
+                // A record is there: neither a store failure (fail-open would run the request
+                // over it) nor anything to replay.
+                Err(StoreError::Unreadable(err)) => self.record_unreadable(&*err),
                 Err(err) if config.fail_open => {
                     self.warn_of_store_failure(&err, Outcome::FailedOpen);
                     self.run_unprotected(inner, request()).await
@@ -91,7 +94,7 @@ impl<St: Store> Shared<St> {
     /// Warns of a claim-time store failure, once per interval: it repeats with every request for
     /// as long as the store is away or full.
     fn warn_of_store_failure(&self, err: &StoreError, outcome: Outcome) {
-        let Some(held_back) = self.store_failures.admit() else {
+        let Some(held_back) = self.throttles.store_failures.admit() else {
             return;
         };
         let message = if outcome == Outcome::FailedOpen {
@@ -106,6 +109,28 @@ impl<St: Store> Shared<St> {
             held_back,
             "{message}"
         );
+    }
+
+    /// The 500 of a record that cannot be opened or trusted: not replayed, and the request not run.
+    /// Logged at ERROR once per interval, with why (never the record's contents or a key): it
+    /// means tampering, a retired key, or a writer without the keys.
+    fn record_unreadable<B>(
+        &self,
+        err: &(dyn std::error::Error + Send + Sync + 'static),
+    ) -> Response<ResponseBody<B>> {
+        if let Some(held_back) = self.throttles.unreadable_records.admit() {
+            tracing::error!(
+                target: "tower_idempotency",
+                error = %ErrorChain(err),
+                held_back,
+                "an idempotency record cannot be opened; it is not replayed and its request is not run"
+            );
+        }
+        let detail = String::from(
+            "the stored response for this Idempotency-Key cannot be read, so it is not replayed; \
+             the request was not run again",
+        );
+        self.problem(ProblemKind::RecordUnreadable, detail)
     }
 
     /// The 503 of a claim the store failed or refused: the request was not run.
@@ -179,7 +204,17 @@ impl<St: Store> Shared<St> {
                 self.problem_with(ProblemKind::InFlight, detail, Some(retry_after))
             }
             Record::Completed(Completed {
-                response: Some(stored),
+                response: Some(Payload::Sealed(sealed)),
+                ..
+            }) => {
+                let err = format!(
+                    "a sealed record (key {:?}) reached a layer whose store does not open it",
+                    sealed.key_id
+                );
+                self.record_unreadable(&*Box::<dyn std::error::Error + Send + Sync>::from(err))
+            }
+            Record::Completed(Completed {
+                response: Some(Payload::Plain(stored)),
                 ..
             }) => {
                 let (status, mut headers, body) = match Arc::try_unwrap(stored) {

@@ -17,7 +17,7 @@ use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease::{self, ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
-use crate::record::{ClaimToken, Completed, RecordId, StoredResponse};
+use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse};
 use crate::replay_cache::ReplayCache;
 use crate::store::{Store, StoreError};
 
@@ -135,7 +135,7 @@ impl<St: Store> Shared<St> {
             };
             let completed = Completed {
                 fingerprint,
-                response: stored,
+                response: stored.map(Payload::Plain),
             };
             self.complete(&id, &token, completed, response).await
         }

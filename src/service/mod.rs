@@ -38,7 +38,7 @@ use crate::record::{ClaimToken, RecordId};
 use crate::replay_cache::ReplayCache;
 use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
-use crate::throttle::Throttle;
+use crate::throttle::LayerThrottles;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -95,9 +95,9 @@ pub(crate) struct Shared<St> {
     store: Metered<St>,
     config: Config,
     background: Background,
-    /// Claim-time store failures repeat with every request: logged once per interval (shared by
-    /// every service of one layer: a router may build one per connection, or per request).
-    store_failures: Arc<Throttle>,
+    /// Claim-time store failures and records that do not open repeat with every request: logged
+    /// once per interval (shared by every service of one layer).
+    throttles: Arc<LayerThrottles>,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
     /// The records this process completed, for replays without a store call (opt-in).
@@ -112,7 +112,7 @@ impl<S, St> Idempotency<S, St> {
         background: Background,
         waits: Waits,
         replays: Option<ReplayCache>,
-        store_failures: Arc<Throttle>,
+        throttles: Arc<LayerThrottles>,
     ) -> Self {
         meter::describe();
         Self {
@@ -121,7 +121,7 @@ impl<S, St> Idempotency<S, St> {
                 store: Metered(store),
                 config,
                 background,
-                store_failures,
+                throttles,
                 waits,
                 replays,
             }),
@@ -320,6 +320,7 @@ impl<St: Store> Shared<St> {
             ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             ProblemKind::CommitRejected => Outcome::CommitRejected,
+            ProblemKind::RecordUnreadable => Outcome::RecordUnreadable,
             _ => Outcome::Rejected,
         };
         (response.map(ResponseBody::full), outcome)

@@ -86,6 +86,13 @@ pub enum StoreError {
     /// The stored bytes could not be read or written.
     #[error("a record could not be encoded or decoded")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The key holds a record whose response cannot be trusted: sealed, and it does not open
+    /// (changed, moved from another key, sealed under a retired key), or in clear where sealed
+    /// records are required (a [`SealedStore`](crate::seal::SealedStore), feature `seal`). Not a
+    /// failure of the store: the layer answers `500 record-unreadable`, fail-open or not, and
+    /// neither replays the record nor runs the request.
+    #[error("the record under the key cannot be opened")]
+    Unreadable(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// A place to keep idempotency records, shared by every instance that must agree on them.

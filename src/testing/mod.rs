@@ -184,7 +184,33 @@ macro_rules! store_contract {
             a_waiter_that_goes_away_leaves_nothing_behind,
             a_waiter_runs_when_the_first_request_is_released,
         );
+        $crate::__sealed_cases!(($harness) ($($($attr)*)?));
     };
+}
+
+/// The sealed-record cases of [`store_contract!`], where the crate has the `seal` feature.
+#[cfg(feature = "seal")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __sealed_cases {
+    ($harness:tt $attrs:tt) => {
+        $crate::store_contract!(@cases $harness $attrs
+            sealed_records_replay_and_keep_no_response_in_clear,
+            a_sealed_record_with_a_changed_byte_is_never_replayed,
+            a_sealed_record_moved_to_another_key_or_scope_does_not_open,
+            rotated_keys_open_old_records_and_seal_new_ones,
+            a_record_sealed_under_a_retired_key_is_never_replayed,
+            records_in_clear_and_sealed_records_without_keys_are_not_replayed,
+        );
+    };
+}
+
+/// Without the `seal` feature, no sealed-record cases.
+#[cfg(not(feature = "seal"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __sealed_cases {
+    ($harness:tt $attrs:tt) => {};
 }
 
 /// A margin well inside the lease, for "just before" and "just after" a deadline.

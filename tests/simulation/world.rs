@@ -214,7 +214,7 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
         let record = store
             .record(&id)
             .await
-            .and_then(|completed| completed.response.map(|stored| stored.body.clone()));
+            .and_then(|completed| completed.plain().map(|stored| stored.body.clone()));
         let unwritten = ledger
             .runs(op)
             .into_iter()

@@ -3,16 +3,16 @@
 use super::budget::ENTRY_OVERHEAD;
 use super::expiry::LANES;
 use super::*;
-use crate::record::StoredResponse;
+use crate::record::{Payload, StoredResponse};
 
 fn completed(body: usize) -> Completed {
     Completed {
         fingerprint: Fingerprint::from_bytes([1; 32]),
-        response: Some(Arc::new(StoredResponse {
+        response: Some(Payload::Plain(Arc::new(StoredResponse {
             status: http::StatusCode::OK,
             headers: http::HeaderMap::new(),
             body: bytes::Bytes::from(vec![b'x'; body]),
-        })),
+        }))),
     }
 }
 

@@ -23,7 +23,7 @@ use crate::{
 
 /// Asserts that `replay` repeats `first` byte for byte, marked as a replay.
 #[track_caller]
-fn assert_replay_of(replay: &Reply, first: &Reply) {
+pub(super) fn assert_replay_of(replay: &Reply, first: &Reply) {
     assert_eq!(
         first.outcome,
         Some(Outcome::Executed),

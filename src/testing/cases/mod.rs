@@ -9,11 +9,15 @@
 mod fence;
 mod layer;
 mod options;
+#[cfg(feature = "seal")]
+mod seal;
 mod store;
 mod wait;
 
 pub use fence::*;
 pub use layer::*;
 pub use options::*;
+#[cfg(feature = "seal")]
+pub use seal::*;
 pub use store::*;
 pub use wait::*;

@@ -10,7 +10,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use crate::store::{Claim, Store};
 use crate::testing::{Harness, margin, pattern};
 use crate::{
-    ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId, StoredResponse,
+    ClaimToken, Completed, Fence, Fingerprint, InFlight, Payload, Record, RecordId, StoredResponse,
 };
 
 /// A store call of a case failed: every case runs on a reachable store, which answers.
@@ -93,11 +93,11 @@ fn completed_with_response(fp: Fingerprint) -> Completed {
     body.extend(pattern(1000));
     Completed {
         fingerprint: fp,
-        response: Some(Arc::new(StoredResponse {
+        response: Some(Payload::Plain(Arc::new(StoredResponse {
             status: StatusCode::CREATED,
             headers,
             body: Bytes::from(body),
-        })),
+        }))),
     }
 }
 
@@ -217,11 +217,9 @@ pub async fn store_completed_record_is_returned_intact<H: Harness>(h: H) {
             "§10.1: a completed record comes back exactly as it was written"
         );
         let (got, want) = (
-            got.response
+            got.plain()
                 .expect("§10.1: a completion with a response comes back with it"),
-            done.response
-                .clone()
-                .expect("the case's record has a response"),
+            done.plain().expect("the case's record has a response"),
         );
         assert_eq!(
             header_pairs(&got.headers),
