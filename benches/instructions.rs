@@ -2,7 +2,7 @@
 //! instructions do not move with the machine's other load, so a change of a few hundred shows.
 //!
 //! ```sh
-//! cargo bench --bench instructions                 # every case; needs valgrind
+//! cargo bench --bench instructions                 # every case; needs valgrind and redis-server
 //! PROBE=memory:new-key:500 cargo bench --bench instructions   # one case, without valgrind
 //! ```
 //!
@@ -10,16 +10,26 @@
 //! `oneshot` on a current-thread runtime, one request at a time, a 64-byte JSON body and a
 //! 203-byte JSON `201`. Per request = (Ir of 2,500 requests − Ir of 500) / 2,000, each count a
 //! whole run of this program under `valgrind --tool=callgrind`: start-up, the first requests'
-//! allocations and the runtime's set-up cancel out. Every answer's status is checked.
+//! allocations and the runtime's set-up cancel out. Every answer's status is checked. The stores:
+//! `memory`, `boxed` (the same behind `BoxStore`), `redis` (a `redis-server` of its own, whose
+//! instructions are not counted: only the application's), and each `-sealed` behind `SealedStore`
+//! (feature `seal`). A second table gives the bytes a stored record takes, plain and sealed.
 
 #[allow(dead_code, reason = "shared with benches/layer.rs")]
 mod app;
+#[path = "../tests/support/redis_server.rs"]
+mod redis_server;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use app::{REPLAY_KEY, Variant, app, call, post_request};
+use app::{REPLAY_KEY, Variant, app, call, layered, post_request};
+use axum::Router;
 use axum::http::StatusCode;
+use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
+use tower_idempotency::store::{Claim, Store};
+use tower_idempotency::{BoxStore, Fingerprint, MemoryStore, Record, RecordId, RedisStore};
 
 /// The request counts whose difference is measured.
 const FEW: u64 = 500;
@@ -54,14 +64,20 @@ impl Workload {
 
 /// The cases measured, each against `bare` with the same requests (bare answers the held key's
 /// requests with 201, as it answers a replay's).
-const CASES: [(Variant, Workload); 7] = [
-    (Variant::Bare, Workload::NewKey),
-    (Variant::Bare, Workload::Replay),
-    (Variant::Bare, Workload::Conflict),
-    (Variant::Memory, Workload::NewKey),
-    (Variant::Memory, Workload::Replay),
-    (Variant::Memory, Workload::Conflict),
-    (Variant::Boxed, Workload::NewKey),
+const CASES: [(&str, Workload); 13] = [
+    ("bare", Workload::NewKey),
+    ("bare", Workload::Replay),
+    ("bare", Workload::Conflict),
+    ("memory", Workload::NewKey),
+    ("memory", Workload::Replay),
+    ("memory", Workload::Conflict),
+    ("boxed", Workload::NewKey),
+    ("memory-sealed", Workload::NewKey),
+    ("memory-sealed", Workload::Replay),
+    ("redis", Workload::NewKey),
+    ("redis", Workload::Replay),
+    ("redis-sealed", Workload::NewKey),
+    ("redis-sealed", Workload::Replay),
 ];
 
 fn main() {
@@ -71,17 +87,31 @@ fn main() {
     println!("| case | Ir per request | over bare |");
     println!("|---|---:|---:|");
     let mut bare = std::collections::HashMap::new();
-    for (variant, workload) in CASES {
-        let case = format!("{}:{}", variant.name(), workload.name());
+    for (setup, workload) in CASES {
+        let case = format!("{setup}:{}", workload.name());
         let per_request = (count(&case, MANY) - count(&case, FEW)) / (MANY - FEW);
         let over = match bare.get(workload.name()) {
-            Some(&bare) if variant != Variant::Bare => format!("{:+}", per_request as i64 - bare),
+            Some(&bare) if setup != "bare" => format!("{:+}", per_request as i64 - bare),
             _ => String::new(),
         };
-        if variant == Variant::Bare {
+        if setup == "bare" {
             bare.insert(workload.name(), per_request as i64);
         }
         println!("| {case} | {per_request} | {over} |");
+    }
+    println!();
+    println!("| store | bytes of the replayed record, as stored |");
+    println!("|---|---:|");
+    for setup in ["redis", "redis-sealed"] {
+        let run = Command::new(std::env::current_exe().expect("this program's path"))
+            .env("PROBE", format!("{setup}:replay:1"))
+            .output()
+            .expect("the probe runs");
+        let printed = String::from_utf8_lossy(&run.stdout);
+        let bytes = printed
+            .lines()
+            .find_map(|l| l.strip_prefix("record bytes: "));
+        println!("| {setup} | {} |", bytes.unwrap_or("?"));
     }
 }
 
@@ -110,29 +140,51 @@ fn count(case: &str, requests: u64) -> u64 {
         .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"))
 }
 
-/// Runs `variant:workload:requests` once, checking every answer.
+/// A key that seals, as an application's would be (its bytes do not change the cost).
+fn keys() -> SealKeys {
+    SealKeys::new([SealKey::new("2026-12", [7; 32]).expect("a key")]).expect("keys")
+}
+
+/// The app of `setup`, and the store under any seal (to read a record back as stored).
+fn setup(name: &str, redis: Option<&redis_server::RedisServer>) -> (Router, Option<BoxStore>) {
+    let inner = match (name, redis) {
+        ("bare" | "memory" | "boxed", _) => {
+            let variant = Variant::ALL.into_iter().find(|v| v.name() == name);
+            return (app(variant.expect("a variant")), None);
+        }
+        ("memory-sealed", _) => BoxStore::new(MemoryStore::new()),
+        (_, Some(server)) => BoxStore::new(RedisStore::from_url(&server.url()).expect("a store")),
+        _ => panic!("unknown store {name:?}"),
+    };
+    let app = match name {
+        "redis" => layered(inner.clone()),
+        _ => layered(SealedStore::new(inner.clone(), keys())),
+    };
+    (app, Some(inner))
+}
+
+/// Runs `setup:workload:requests` once, checking every answer; prints the bytes the replay key's
+/// record takes in the store.
 fn run_case(case: &str) {
     let mut parts = case.split(':');
-    let (Some(variant), Some(workload), Some(requests)) =
-        (parts.next(), parts.next(), parts.next())
+    let (Some(name), Some(workload), Some(requests)) = (parts.next(), parts.next(), parts.next())
     else {
-        panic!("PROBE is variant:workload:requests, e.g. memory:new-key:500; got {case:?}");
+        panic!("PROBE is store:workload:requests, e.g. memory:new-key:500; got {case:?}");
     };
-    let variant = Variant::ALL
-        .into_iter()
-        .find(|v| v.name() == variant)
-        .unwrap_or_else(|| panic!("unknown variant {variant:?}"));
     let workload =
         Workload::parse(workload).unwrap_or_else(|| panic!("unknown workload {workload:?}"));
     let requests: u64 = requests.parse().expect("a number of requests");
+    let server = name
+        .starts_with("redis")
+        .then(redis_server::RedisServer::start);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a runtime");
     runtime.block_on(async {
-        let app = app(variant);
-        let expected = match (variant, workload) {
-            (Variant::Bare, _) | (_, Workload::NewKey | Workload::Replay) => StatusCode::CREATED,
+        let (app, store) = setup(name, server.as_ref());
+        let expected = match (name, workload) {
+            ("bare", _) | (_, Workload::NewKey | Workload::Replay) => StatusCode::CREATED,
             (_, Workload::Conflict) => StatusCode::CONFLICT,
         };
         match workload {
@@ -140,7 +192,7 @@ fn run_case(case: &str) {
                 let first = call(&app, post_request(REPLAY_KEY, false)).await;
                 assert_eq!(first, StatusCode::CREATED, "priming the replay key");
             }
-            Workload::Conflict if variant != Variant::Bare => app::hold(&app).await,
+            Workload::Conflict if name != "bare" => app::hold(&app).await,
             _ => {}
         }
         static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -158,6 +210,18 @@ fn run_case(case: &str) {
             };
             let status = call(&app, post_request(key, false)).await;
             assert_eq!(status, expected, "{case}");
+        }
+        if let (Some(store), Workload::Replay) = (store, workload) {
+            let id = RecordId::new(b"", REPLAY_KEY);
+            let fingerprint = Fingerprint::from_bytes([0; 32]);
+            if let Ok(Claim::Existing(Record::Completed(done))) =
+                store.claim(&id, &fingerprint, Duration::from_secs(1)).await
+            {
+                println!(
+                    "record bytes: {}",
+                    done.encode().expect("an encoding").len()
+                );
+            }
         }
     });
 }

@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
 
 pub const PATH: &str = "/v1/charges";
 /// The handler's response: a fixed charge object (203 bytes), as in `benches/http.rs`.
@@ -61,15 +61,26 @@ async fn charge(headers: HeaderMap, body: Bytes) -> impl IntoResponse {
 }
 
 pub fn app(variant: Variant) -> Router {
-    let router = Router::new().route(PATH, post(charge).get(charge));
-    let router = match variant {
-        Variant::Bare => router,
-        Variant::Memory => router.layer(IdempotencyLayer::new(MemoryStore::new())),
-        Variant::Boxed => router.layer(IdempotencyLayer::new(BoxStore::new(MemoryStore::new()))),
-    };
-    // Turn the handlers into services once, as `axum::serve` does per connection. A `Router` called
-    // before that builds its handler's service, and applies its layers, on every request: the
-    // bench would measure `Layer::layer` (the layer's config clone) as part of each call.
+    match variant {
+        Variant::Bare => ready(router()),
+        Variant::Memory => layered(MemoryStore::new()),
+        Variant::Boxed => layered(BoxStore::new(MemoryStore::new())),
+    }
+}
+
+/// The app behind a layer over `store`.
+pub fn layered<St: Store + Clone>(store: St) -> Router {
+    ready(router().layer(IdempotencyLayer::new(store)))
+}
+
+fn router() -> Router {
+    Router::new().route(PATH, post(charge).get(charge))
+}
+
+/// Turns the handlers into services once, as `axum::serve` does per connection. A `Router` called
+/// before that builds its handler's service, and applies its layers, on every request: the bench
+/// would measure `Layer::layer` (the layer's config clone) as part of each call.
+fn ready(router: Router) -> Router {
     router.with_state(())
 }
 
