@@ -114,7 +114,10 @@ pub trait Harness: Send + Sync + 'static {
 ///   tokio's clock;
 /// - `store_contract!(MyHarness::start().await, flavor = "multi_thread")`: real time, for a store
 ///   with a clock of its own (a server), on a multi-threaded runtime;
-/// - `store_contract!(MyHarness::new())`: real time, on a current-thread runtime.
+/// - `store_contract!(MyHarness::new())`: real time, on a current-thread runtime;
+/// - `store_contract!(sealed: MyHarness::new(), start_paused = true)`: for a harness whose store
+///   seals its records itself (a `SealedStore`): every case but the sealed-record ones, which
+///   would seal its records a second time.
 ///
 /// Call it as `tower_idempotency::store_contract!(...)`, or `use tower_idempotency::store_contract;`
 /// first. The [`testing`](crate::testing) module's documentation has a complete example.
@@ -129,8 +132,17 @@ macro_rules! store_contract {
             }
         )*
     };
+    // A store that seals its records itself (a `SealedStore`): every case but the sealed-record
+    // ones, which seal the harness's store once more.
+    (sealed: $harness:expr $(, $($attr:tt)*)?) => {
+        $crate::store_contract!(@general ($harness) ($($($attr)*)?));
+    };
     ($harness:expr $(, $($attr:tt)*)?) => {
-        $crate::store_contract!(@cases ($harness) ($($($attr)*)?)
+        $crate::store_contract!(@general ($harness) ($($($attr)*)?));
+        $crate::__sealed_cases!(($harness) ($($($attr)*)?));
+    };
+    (@general ($harness:expr) $attrs:tt) => {
+        $crate::store_contract!(@cases ($harness) $attrs
             // Store level.
             store_claim_is_exclusive,
             store_claims_are_per_record_id,
@@ -184,7 +196,6 @@ macro_rules! store_contract {
             a_waiter_that_goes_away_leaves_nothing_behind,
             a_waiter_runs_when_the_first_request_is_released,
         );
-        $crate::__sealed_cases!(($harness) ($($($attr)*)?));
     };
 }
 
