@@ -194,6 +194,35 @@ struct Answer {
 }
 
 impl Answer {
+    /// Asserts that this is the answer to a commit a retry cannot fix (PROTOCOL.md §9.9, §7.2):
+    /// 422 `commit-rejected`, with no `Retry-After`. `what` names the attempt.
+    #[track_caller]
+    fn assert_commit_rejected(&self, what: &str) {
+        assert_eq!(
+            self.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{what}: a failed integrity check is the request's answer, not a 503: {}",
+            self.body
+        );
+        assert!(
+            self.problem_type().ends_with("#commit-rejected"),
+            "{what}: {}",
+            self.body
+        );
+        assert_eq!(
+            (self.kind, self.outcome),
+            (
+                Some(ProblemKind::CommitRejected),
+                Some(Outcome::CommitRejected)
+            ),
+            "{what}"
+        );
+        assert_eq!(
+            self.retry_after, None,
+            "{what}: retrying as it is cannot help"
+        );
+    }
+
     /// The `type` member of a problem+json body.
     fn problem_type(&self) -> String {
         serde_json::from_str::<serde_json::Value>(&self.body)
@@ -568,29 +597,7 @@ async fn a_deferred_foreign_key_failing_at_commit_is_rejected_not_unavailable() 
     let f = fixture().await;
     for attempt in 1..=3 {
         let answer = f.send("/charges", "k", "orphan").await;
-        assert_eq!(
-            answer.status,
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "attempt {attempt}: a failed integrity check is the request's answer, not a 503: {}",
-            answer.body
-        );
-        assert!(
-            answer.problem_type().ends_with("#commit-rejected"),
-            "attempt {attempt}: {}",
-            answer.body
-        );
-        assert_eq!(
-            (answer.kind, answer.outcome),
-            (
-                Some(ProblemKind::CommitRejected),
-                Some(Outcome::CommitRejected)
-            ),
-            "attempt {attempt}"
-        );
-        assert_eq!(
-            answer.retry_after, None,
-            "attempt {attempt}: retrying as it is cannot help"
-        );
+        answer.assert_commit_rejected(&format!("attempt {attempt}"));
         assert_ne!(
             answer.body, "orphan",
             "the rolled-back response is not delivered"
@@ -639,19 +646,7 @@ async fn a_deferred_foreign_key_failing_at_commit_is_rejected_not_unavailable() 
 async fn a_unique_violation_at_commit_is_rejected() {
     let f = fixture().await;
     let answer = f.send("/charges", "k", "taken").await;
-    assert_eq!(
-        answer.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        answer.body
-    );
-    assert!(
-        answer.problem_type().ends_with("#commit-rejected"),
-        "{}",
-        answer.body
-    );
-    assert_eq!(answer.kind, Some(ProblemKind::CommitRejected));
-    assert_eq!(answer.retry_after, None);
+    answer.assert_commit_rejected("a unique violation at commit");
     assert_eq!(f.effects("taken").await, 0);
     assert_eq!(f.record("k").await, None, "the claim was released");
 }
@@ -662,18 +657,7 @@ async fn a_unique_violation_at_commit_is_rejected() {
 async fn a_stored_answer_after_a_failed_statement_is_rejected() {
     let f = fixture().await;
     let answer = f.send("/charges", "k", "swallowed").await;
-    assert_eq!(
-        answer.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        answer.body
-    );
-    assert!(
-        answer.problem_type().ends_with("#commit-rejected"),
-        "{}",
-        answer.body
-    );
-    assert_eq!(answer.kind, Some(ProblemKind::CommitRejected));
+    answer.assert_commit_rejected("a stored answer after a failed statement");
     assert_eq!(f.effects("swallowed").await, 0);
     assert_eq!(f.record("k").await, None, "the claim was released");
 }
