@@ -17,8 +17,8 @@
 //! - `memory`: behind `IdempotencyLayer::new(MemoryStore)`;
 //! - `memory+cache`: the same with `replay_cache` on;
 //! - `redis-floor`: no layer, but the handler makes by hand, on one multiplexed connection, the
-//!   Redis calls a layer must make (`SET NX PX GET`, then the crate's fenced completion script),
-//!   and answers replays and 409s from what `GET` returned (`http/redis_floor.rs`): the most any
+//!   Redis calls a layer must make (the crate's claim script, then its fenced completion script),
+//!   and answers replays and 409s from the record the claim returned (`http/redis_floor.rs`): the most any
 //!   Redis layer can reach;
 //! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`;
 //! - `redis+cache`: the same with `replay_cache` on (replays of this process's completions make no
