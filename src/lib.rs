@@ -58,8 +58,8 @@
 //! ```
 //!
 //! # The protocol
-//! The complete contract, in numbered sections that the tests cite, is `docs/PROTOCOL.md` in the
-//! crate's repository. In short:
+//! The complete contract, in numbered sections that the tests cite, is the [`protocol`] module
+//! (`docs/PROTOCOL.md` in the sources). In short:
 //!
 //! - **Which requests.** `POST` and `PATCH` by default ([`IdempotencyLayer::methods`]); everything
 //!   else passes through untouched, with no buffering and no store call.
@@ -176,6 +176,7 @@ mod lease;
 mod meter;
 mod outcome;
 pub mod problem;
+pub mod protocol;
 pub mod record;
 mod replay_cache;
 mod retention;
