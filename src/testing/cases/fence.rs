@@ -171,7 +171,7 @@ pub async fn a_displaced_handler_learns_it_and_has_the_smaller_fence<H: Harness>
     assert_eq!(
         late.outcome,
         Some(Outcome::Executed),
-        "the displaced run still answers its own client: {late:?}"
+        "§9.5: the displaced run still answers its own client (its completion refused and logged): {late:?}"
     );
     let again = send(&second, post("fenced", "100")).await;
     assert_eq!(
