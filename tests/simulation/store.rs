@@ -376,7 +376,23 @@ impl Store for SimStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let reply_lost = self.strike(id).await?;
+        let reply_lost = match self.strike(id).await {
+            Ok(reply_lost) => reply_lost,
+            Err(lost) => {
+                // As `PgStore` does: a transaction whose commit could not be sent rolled back, and
+                // the work is not reported as done.
+                let mut log = self.shared.log.lock().unwrap();
+                if log.open.get(token).is_some_and(|staged| !staged.is_empty()) {
+                    log.open.remove(token);
+                    // The layer is told: it answers 503, and the retry runs again.
+                    log.written.entry(*token).or_default().refused = true;
+                    return Err(StoreError::Aborted(
+                        "the commit was lost; the work rolled back".into(),
+                    ));
+                }
+                return Err(lost);
+            }
+        };
         let written = self.inner().complete(id, token, completed, ttl).await?;
         let aborted = {
             let mut log = self.shared.log.lock().unwrap();
