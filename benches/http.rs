@@ -70,21 +70,14 @@
 //! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench --all-features --bench http`, which
 //! fails on any MISMATCH (statuses, replay markers, handler counts) and checks no timing.
 
-#[cfg(feature = "postgres")]
 #[path = "http/postgres_floor.rs"]
 mod postgres_floor;
-#[cfg(feature = "postgres")]
-#[path = "../tests/support/postgres_server.rs"]
-mod postgres_server;
-#[cfg(feature = "postgres")]
 #[path = "http/postgres_stats.rs"]
 mod postgres_stats;
 #[path = "http/process.rs"]
 mod process;
 #[path = "http/redis_floor.rs"]
 mod redis_floor;
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
 #[path = "http/report.rs"]
 mod report;
 #[path = "http/settings.rs"]
@@ -109,13 +102,14 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::serve::ListenerExt;
 use process::{ChildrenUse, CpuClocks, resident_kib, status_field};
-use redis_server::RedisServer;
 use report::{check, load_average, ms, print_machine, print_report};
 use settings::{
     REPLAY_CACHE_BYTES, REPLAY_CACHE_ENTRIES, Settings, StoreServer, Variant, Workload,
 };
 use stores::{StoreServers, StoreUse};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+use test_servers::redis_server::RedisServer;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency_redis::RedisStore;
 use wrk::{WrkResult, lua_script, run_wrk};
 
 const PATH: &str = "/v1/charges";
@@ -255,17 +249,17 @@ fn run() -> Result<bool, String> {
     runtime
         .block_on(redis_store.check())
         .map_err(|e| format!("RedisStore::check: {e}"))?;
-    let redis_client = tower_idempotency::deadpool_redis::redis::Client::open(redis.url())
+    let redis_client = deadpool_redis::redis::Client::open(redis.url())
         .map_err(|e| format!("redis client: {e}"))?;
 
     // The PostgreSQL server of the fixture (fsync off, like the Redis server's lack of
     // persistence): a private server on a free port, never the shared one.
     // It loads `pg_stat_statements`, which counts each run's statements.
-    #[cfg(feature = "postgres")]
     let (postgres, postgres_store, postgres_stats) = {
-        let server = postgres_server::PostgresServer::start_with(postgres_stats::SERVER_ARGS);
+        let server =
+            test_servers::postgres_server::PostgresServer::start_with(postgres_stats::SERVER_ARGS);
         let _runtime = runtime.enter();
-        let store = tower_idempotency::PgStore::connect(&server.url())
+        let store = tower_idempotency_postgres::PgStore::connect(&server.url())
             .map_err(|e| format!("{e}"))?
             .with_sweep_interval(None);
         runtime
@@ -282,9 +276,7 @@ fn run() -> Result<bool, String> {
     let stores = StoreServers {
         redis: &redis,
         redis_pid,
-        #[cfg(feature = "postgres")]
         postgres: &postgres_stats,
-        #[cfg(feature = "postgres")]
         runtime: &runtime,
     };
 
@@ -320,7 +312,6 @@ fn run() -> Result<bool, String> {
                     .dedup_window(window)
                     .replay_cache(REPLAY_CACHE_ENTRIES, REPLAY_CACHE_BYTES),
             ),
-            #[cfg(feature = "postgres")]
             Variant::PostgresFloor => postgres_floor::postgres_app(
                 runtime
                     .block_on(postgres_floor::pool(&postgres.url()))
@@ -329,13 +320,8 @@ fn run() -> Result<bool, String> {
                 executions.clone(),
                 holds.clone(),
             ),
-            #[cfg(feature = "postgres")]
             Variant::Postgres => {
                 app.layer(IdempotencyLayer::new(postgres_store.clone()).dedup_window(window))
-            }
-            #[cfg(not(feature = "postgres"))]
-            Variant::Postgres | Variant::PostgresFloor => {
-                unreachable!("not in Variant::ALL without the postgres feature")
             }
         };
         // Outermost, the same in every variant: one relaxed atomic add per request.

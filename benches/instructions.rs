@@ -17,8 +17,6 @@
 
 #[allow(dead_code, reason = "shared with benches/layer.rs")]
 mod app;
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +27,8 @@ use axum::Router;
 use axum::http::StatusCode;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{BoxStore, Fingerprint, MemoryStore, Record, RecordId, RedisStore};
+use tower_idempotency::{BoxStore, Fingerprint, MemoryStore, Record, RecordId};
+use tower_idempotency_redis::RedisStore;
 
 /// The request counts whose difference is measured.
 const FEW: u64 = 500;
@@ -146,7 +145,10 @@ fn keys() -> SealKeys {
 }
 
 /// The app of `setup`, and the store under any seal (to read a record back as stored).
-fn setup(name: &str, redis: Option<&redis_server::RedisServer>) -> (Router, Option<BoxStore>) {
+fn setup(
+    name: &str,
+    redis: Option<&test_servers::redis_server::RedisServer>,
+) -> (Router, Option<BoxStore>) {
     let inner = match (name, redis) {
         ("bare" | "memory" | "boxed", _) => {
             let variant = Variant::ALL.into_iter().find(|v| v.name() == name);
@@ -176,7 +178,7 @@ fn run_case(case: &str) {
     let requests: u64 = requests.parse().expect("a number of requests");
     let server = name
         .starts_with("redis")
-        .then(redis_server::RedisServer::start);
+        .then(test_servers::redis_server::RedisServer::start);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -21,19 +21,15 @@
 //!
 //! A run started by `cargo test --benches` (no `--bench` argument) does nothing.
 
-#[path = "../tests/support/redis_cluster.rs"]
-mod redis_cluster;
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use redis_cluster::RedisCluster;
-use redis_server::RedisServer;
+use test_servers::redis_cluster::RedisCluster;
+use test_servers::redis_server::RedisServer;
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Fingerprint, RecordId, RedisStore};
+use tower_idempotency::{Completed, Fingerprint, RecordId};
+use tower_idempotency_redis::RedisStore;
 
 const LEASE: Duration = Duration::from_secs(30);
 const WINDOW: Duration = Duration::from_secs(600);

@@ -112,10 +112,11 @@
 //! protected request (target `tower_idempotency`; keys and scopes appear only hashed).
 //!
 //! # Stores
-//! [`MemoryStore`] for one process and for tests; `RedisStore` (feature `redis`, Redis 7.0 or
-//! newer) for many instances behind a load balancer; [`BoxStore`] for a store chosen at run time,
+//! [`MemoryStore`] for one process and for tests; `RedisStore` (crate `tower-idempotency-redis`,
+//! Redis 7.0 or newer) or `PgStore` (crate `tower-idempotency-postgres`) for many instances
+//! behind a load balancer; [`BoxStore`] for a store chosen at run time,
 //! behind one type. Write your own by implementing [`Store`], and run the crate's contract suite on
-//! it (feature `test-util`: `testing` and `store_contract!`); the record encoding in
+//! it (crate `tower-idempotency-test`, `store_contract!`); the record encoding in
 //! [`Record::decode`] and [`Completed::encode`] is there for stores that keep bytes.
 //!
 //! # Metrics
@@ -133,10 +134,10 @@
 //! key, scope or other part of a request is ever a label.
 //!
 //! # The client's half
-//! With the `client` feature, `client::IdempotentRetryLayer` wraps an HTTP client (hyper-util's,
-//! or any tower service): it names each operation with one key, sends the same bytes on every
-//! attempt, and retries connection failures, timeouts, `409`, `429`, `503` and other transient
-//! `5xx`, after the server's `Retry-After` or a backoff with full jitter, within a deadline.
+//! The crate `tower-idempotency-client` wraps an HTTP client (hyper-util's, or any tower service):
+//! it names each operation with one key, sends the same bytes on every attempt, and retries
+//! connection failures, timeouts, `409`, `429`, `503` and other transient `5xx`, after the
+//! server's `Retry-After` or a backoff with full jitter, within a deadline.
 //!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
@@ -144,23 +145,15 @@
 //! attempt is retried by the redelivery.
 //!
 //! # Features
-//! - `axum` (default): the [`IdempotencyKey`] extractor.
-//! - `redis` (default): `RedisStore` on deadpool-redis.
+//! - `axum` (default): the [`IdempotencyKey`] and [`HeldClaim`] extractors.
 //! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
-//! - `test-util`: the store contract suite (`testing` and `store_contract!`),
-//!   for stores written outside the crate.
-//! - `postgres`: `PgStore` on sqlx: records in a PostgreSQL table.
-//! - `client`: the client's half, `client::IdempotentRetryLayer`: one key per operation, the same
-//!   key and body on every attempt, retries of what may not have happened, honouring `Retry-After`.
+//! - `seal`: [`seal::SealedStore`], records encrypted and authenticated at rest.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
-#[cfg(feature = "client")]
-#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
-pub mod client;
 mod config;
 pub mod consumer;
 mod detach;
@@ -186,9 +179,6 @@ mod scope;
 pub mod seal;
 mod service;
 pub mod store;
-#[cfg(feature = "test-util")]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
-pub mod testing;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
@@ -205,13 +195,9 @@ pub use outcome::Outcome;
 pub use problem::ProblemKind;
 pub use record::{
     ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,
-    StoredResponse, encode_in_flight,
+    StoredResponse,
 };
 pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
 pub use scope::{Rejection, Scope};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
 pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
-#[cfg(feature = "postgres")]
-pub use store::{PgStore, PgTx};
-#[cfg(feature = "redis")]
-pub use store::{RedisStore, deadpool_redis};

@@ -11,8 +11,8 @@ use axum::body::Body;
 use axum::extract::Extension;
 use axum::routing::post;
 use http::{Request, StatusCode, Uri};
-use tower_idempotency::testing::{Counting, Faulty, Harness, Prepared, send};
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Outcome};
+use tower_idempotency_test::{Counting, Faulty, Harness, Prepared, send};
 
 /// The one app, built once for any store: `/v1/slow` takes two leases;
 /// `/v1/charges/unavailable` answers 503 (not stored); every answer says whether the store's
@@ -161,9 +161,9 @@ impl Harness for Shared {
 }
 
 mod boxed_contract {
-    tower_idempotency::store_contract!(super::Boxed::default(), start_paused = true);
+    tower_idempotency_test::store_contract!(super::Boxed::default(), start_paused = true);
 }
 
 mod arc_contract {
-    tower_idempotency::store_contract!(super::Shared::default(), start_paused = true);
+    tower_idempotency_test::store_contract!(super::Shared::default(), start_paused = true);
 }

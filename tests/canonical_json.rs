@@ -5,8 +5,8 @@
 use axum::body::Body;
 use http::header::CONTENT_TYPE;
 use http::{Method, Request, StatusCode};
-use tower_idempotency::testing::{Handler, created, keyed, send, service};
 use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency_test::{Handler, created, keyed, send, service};
 
 fn request(key: &str, content_type: &str, body: &'static str) -> Request<Body> {
     keyed(Method::POST, "/v1/charges", key)

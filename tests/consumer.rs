@@ -1,11 +1,6 @@
 //! The idempotent consumer on every store: the memory store on paused time, Redis on a
 //! `redis-server` of its own.
 
-#[path = "support/redis_cluster.rs"]
-mod redis_cluster;
-#[path = "support/redis_server.rs"]
-mod redis_server;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,7 +8,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tower_idempotency::consumer::{DedupError, Deduplicator, Processed};
 use tower_idempotency::store::Claim;
-use tower_idempotency::{Fingerprint, MemoryStore, RecordId, RedisStore, Store};
+use tower_idempotency::{Fingerprint, MemoryStore, RecordId, Store};
+use tower_idempotency_redis::RedisStore;
 
 /// Applies an event's amount to a balance and counts the applications.
 #[derive(Clone, Default)]
@@ -301,8 +297,8 @@ mod memory {
 }
 
 mod redis {
-    use super::redis_server::RedisServer;
     use super::*;
+    use test_servers::redis_server::RedisServer;
 
     fn store(server: &RedisServer) -> RedisStore {
         RedisStore::from_url(&server.url()).unwrap()
@@ -352,8 +348,8 @@ mod redis {
 /// The consumer on a Redis Cluster of three masters and three replicas: the message ids of one
 /// consumer spread over every master.
 mod cluster {
-    use super::redis_cluster::RedisCluster;
     use super::*;
+    use test_servers::redis_cluster::RedisCluster;
 
     fn store(prefix: &str) -> RedisStore {
         RedisStore::cluster(RedisCluster::shared().urls())

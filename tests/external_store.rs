@@ -1,5 +1,5 @@
 //! A store written as a user outside the crate writes one, with nothing but the public API, runs
-//! the exported contract suite (`tower_idempotency::testing`, feature `test-util`) in one line.
+//! the exported contract suite (`tower_idempotency_test`, feature `test-util`) in one line.
 //!
 //! `TinyStore` is a `HashMap` behind a `Mutex`, expiring on tokio time: the smallest store that
 //! keeps the contract (PROTOCOL.md §10.1, §10.2).
@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_idempotency::store::{Claim, Store, StoreError};
-use tower_idempotency::testing::Harness;
 use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId};
+use tower_idempotency_test::Harness;
 
 /// What one key holds, and until when.
 #[derive(Debug)]
@@ -142,4 +142,4 @@ impl Harness for TinyHarness {
     }
 }
 
-tower_idempotency::store_contract!(TinyHarness::default(), start_paused = true);
+tower_idempotency_test::store_contract!(TinyHarness::default(), start_paused = true);

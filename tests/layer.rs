@@ -15,12 +15,12 @@ use http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
-use tower_idempotency::testing::{
-    Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
-    service, spawn_send, status_handler, status_request, streamed,
-};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
+};
+use tower_idempotency_test::{
+    Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
+    service, spawn_send, status_handler, status_request, streamed,
 };
 
 type Store = Counting<MemoryStore>;

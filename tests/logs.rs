@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use http::HeaderValue;
 use http::Method;
-use tower_idempotency::testing::{Faulty, Handler, created, keyed, post, send, service};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
+use tower_idempotency_test::{Faulty, Handler, created, keyed, post, send, service};
 
 /// One captured event: its target, and every field (its spans' and its own) as text.
 #[derive(Debug, Clone)]

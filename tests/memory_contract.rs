@@ -1,14 +1,14 @@
 //! The store contract on [`MemoryStore`], on paused tokio time, run as any store runs it (the
-//! exported suite, `tower_idempotency::testing`), plus what only the memory store does (it refuses
+//! exported suite, `tower_idempotency_test`), plus what only the memory store does (it refuses
 //! new claims when full).
 
 use std::time::Duration;
 
 use http::Method;
-use tower_idempotency::testing::{
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
+use tower_idempotency_test::{
     Counting, Handler, Harness, Reply, created, keyed, post, send, service,
 };
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
 
 /// The memory store on paused tokio time: a 30 s lease and a 24 h dedup window.
 #[derive(Debug)]
@@ -42,7 +42,7 @@ impl Harness for MemoryHarness {
     // `advance` is the default: a sleep, instant on paused time.
 }
 
-tower_idempotency::store_contract!(MemoryHarness::new(), start_paused = true);
+tower_idempotency_test::store_contract!(MemoryHarness::new(), start_paused = true);
 
 /// A full memory store refuses new claims with 503 rather than evict a live record: earlier keys
 /// still replay. Once records expire, new claims work again.

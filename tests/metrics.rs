@@ -11,10 +11,8 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 use tokio::sync::Notify;
 use tower::BoxError;
-use tower_idempotency::testing::{
-    Faulty, Handler, created, keyed, post, respond, send, spawn_send,
-};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
+use tower_idempotency_test::{Faulty, Handler, created, keyed, post, respond, send, spawn_send};
 
 /// Counters by outcome, and histogram sample counts by `(operation, result)`.
 #[derive(Debug, Default)]
@@ -111,14 +109,14 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
     let _recording = metrics::set_default_local_recorder(&recorder);
 
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let svc = tower_idempotency::testing::service(
+    let svc = tower_idempotency_test::service(
         IdempotencyLayer::new(MemoryStore::new())
             .response_body_limit(8)
             .key_required(false)
             .scope(|parts| Ok(Scope::from(parts.uri.path()))),
         handler(started.clone(), gate.clone()),
     );
-    let outcome = |reply: tower_idempotency::testing::Reply| reply.outcome;
+    let outcome = |reply: tower_idempotency_test::Reply| reply.outcome;
 
     assert_eq!(
         outcome(send(&svc, post("k1", "x")).await),
@@ -178,7 +176,7 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
 
     let down = Faulty::new(MemoryStore::new());
     down.fail(true);
-    let closed = tower_idempotency::testing::service(
+    let closed = tower_idempotency_test::service(
         IdempotencyLayer::new(down.clone()),
         handler(started.clone(), gate.clone()),
     );
@@ -191,7 +189,7 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
         outcome(send(&closed, no_key).await),
         Some(Outcome::Rejected)
     );
-    let open = tower_idempotency::testing::service(
+    let open = tower_idempotency_test::service(
         IdempotencyLayer::new(down).fail_open(true),
         handler(started, gate),
     );
@@ -202,9 +200,9 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
 
     let rejecting = Faulty::new(MemoryStore::new());
     rejecting.reject_completions(true);
-    let rejected = tower_idempotency::testing::service(
+    let rejected = tower_idempotency_test::service(
         IdempotencyLayer::new(rejecting),
-        Handler::ok(|_| tower_idempotency::testing::created("ok")),
+        Handler::ok(|_| tower_idempotency_test::created("ok")),
     );
     assert_eq!(
         outcome(send(&rejected, post("k8", "x")).await),
@@ -214,9 +212,9 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
     // its answer.
     let aborting = Faulty::new(MemoryStore::new());
     aborting.abort_completions(true);
-    let aborted = tower_idempotency::testing::service(
+    let aborted = tower_idempotency_test::service(
         IdempotencyLayer::new(aborting),
-        Handler::ok(|_| tower_idempotency::testing::created("ok")),
+        Handler::ok(|_| tower_idempotency_test::created("ok")),
     );
     assert_eq!(
         outcome(send(&aborted, post("k9", "x")).await),

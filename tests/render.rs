@@ -13,10 +13,10 @@ use http::{HeaderName, HeaderValue, Method, Request, StatusCode};
 use tokio::sync::Notify;
 use tower::BoxError;
 use tower_idempotency::problem::{Problem, ProblemJson, RenderProblem, RenderedProblem};
-use tower_idempotency::testing::{
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency_test::{
     Faulty, Handler, Reply, created, gated_handler, keyed, post, send, service, spawn_send,
 };
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
 
 /// Every kind, each with the outcome its response carries.
 const KINDS: [(ProblemKind, Outcome); 10] = [

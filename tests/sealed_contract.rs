@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tower_idempotency::MemoryStore;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
-use tower_idempotency::testing::Harness;
+use tower_idempotency_test::Harness;
 
 /// A sealed memory store on paused tokio time: a 30 s lease and a 24 h dedup window.
 #[derive(Debug)]
@@ -39,4 +39,4 @@ impl Harness for SealedHarness {
     }
 }
 
-tower_idempotency::store_contract!(sealed: SealedHarness::new(), start_paused = true);
+tower_idempotency_test::store_contract!(sealed: SealedHarness::new(), start_paused = true);

@@ -3,8 +3,6 @@
 //! store, slower (a run takes seconds, not a millisecond), so fewer seeds, run side by side. Real
 //! time makes a seed's history vary from run to run; the guarantees must hold all the same.
 
-mod support;
-
 #[path = "simulation/checker.rs"]
 #[allow(dead_code, reason = "shared with the simulation on the memory store")]
 mod checker;
@@ -23,12 +21,14 @@ mod world;
 
 use std::time::Duration;
 
+use deadpool_redis::redis;
+use sqlx::postgres::PgPoolOptions;
 use store::Backend;
-use support::postgres_server::PostgresServer;
-use support::redis_server::RedisServer;
-use tower_idempotency::deadpool_redis::redis;
-use tower_idempotency::store::sqlx::postgres::PgPoolOptions;
-use tower_idempotency::{BoxStore, PgStore, RedisStore};
+use test_servers::postgres_server::PostgresServer;
+use test_servers::redis_server::RedisServer;
+use tower_idempotency::BoxStore;
+use tower_idempotency_postgres::PgStore;
+use tower_idempotency_redis::RedisStore;
 use world::Bugs;
 
 /// The lease on real time: short, so that a run's leases run out in seconds.
@@ -135,7 +135,7 @@ async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
                 forget: Box::new(move || {
                     let (pool, truncate) = (pool.clone(), format!("TRUNCATE {table}"));
                     Box::pin(async move {
-                        tower_idempotency::store::sqlx::query(&truncate)
+                        sqlx::query(&truncate)
                             .execute(&pool)
                             .await
                             .expect("the run's records forgotten");

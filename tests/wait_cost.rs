@@ -7,13 +7,11 @@
 //! either on the layer that runs the first (it tells the wait when it completes) or on a second
 //! layer over the same store, as another instance of the service would (the wait polls).
 
-mod support;
-
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::testing::{Counting, Handler, created, post, send, service};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Store};
+use tower_idempotency_test::{Counting, Handler, created, post, send, service};
 
 const HANDLER: Duration = Duration::from_millis(1500);
 const ARRIVAL: Duration = Duration::from_millis(500);
@@ -90,16 +88,16 @@ async fn wait_cost_memory() {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 async fn wait_cost_redis() {
-    let server = support::redis_server::RedisServer::start();
-    let store = tower_idempotency::RedisStore::from_url(&server.url()).expect("a store");
+    let server = test_servers::redis_server::RedisServer::start();
+    let store = tower_idempotency_redis::RedisStore::from_url(&server.url()).expect("a store");
     measure("redis", store).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 async fn wait_cost_postgres() {
-    let server = support::postgres_server::PostgresServer::start();
-    let store = tower_idempotency::PgStore::connect(&server.url()).expect("a store");
+    let server = test_servers::postgres_server::PostgresServer::start();
+    let store = tower_idempotency_postgres::PgStore::connect(&server.url()).expect("a store");
     store.migrate().await.expect("the table");
     measure("postgres", store).await;
 }
@@ -107,8 +105,8 @@ async fn wait_cost_postgres() {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 async fn wait_cost_postgres_notifying() {
-    let server = support::postgres_server::PostgresServer::start();
-    let store = tower_idempotency::PgStore::connect(&server.url())
+    let server = test_servers::postgres_server::PostgresServer::start();
+    let store = tower_idempotency_postgres::PgStore::connect(&server.url())
         .expect("a store")
         .with_notifications(true);
     store.migrate().await.expect("the table");

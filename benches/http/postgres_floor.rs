@@ -16,7 +16,7 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use tower_idempotency::store::sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
+use sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
 
 use super::{CHARGE, PATH, created};
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use tower_idempotency::store::sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
+use sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
 
 /// The server setting that loads `pg_stat_statements` (it counts in shared memory, at once).
 pub const SERVER_ARGS: &[&str] = &["-c", "shared_preload_libraries=pg_stat_statements"];

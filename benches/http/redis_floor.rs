@@ -17,14 +17,14 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use tower_idempotency::deadpool_redis::redis;
+use deadpool_redis::redis;
 
 use super::{CHARGE, PATH, created};
 
 /// The crate's claim script: the fence number a layer's claim must get.
-const CLAIM: &str = include_str!("../../src/store/redis/claim.lua");
+const CLAIM: &str = include_str!("../../stores/redis/src/claim.lua");
 /// The crate's completion script: the fence a layer's completion must make.
-const COMPLETE: &str = include_str!("../../src/store/redis/complete.lua");
+const COMPLETE: &str = include_str!("../../stores/redis/src/complete.lua");
 /// A claim's lease, as the layer's default.
 const LEASE_MS: u64 = 30_000;
 /// The lease of the conflict workload's held claim. A layer renews a running claim's lease; the

@@ -33,9 +33,7 @@ impl Variant {
         Variant::RedisFloor,
         Variant::Redis,
         Variant::RedisCache,
-        #[cfg(feature = "postgres")]
         Variant::PostgresFloor,
-        #[cfg(feature = "postgres")]
         Variant::Postgres,
     ];
 

@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-#[cfg(feature = "postgres")]
 use super::postgres_stats::PostgresStats;
 use super::process::{CpuClocks, resident_kib};
-use super::redis_server::RedisServer;
 use super::settings::StoreServer;
+use test_servers::redis_server::RedisServer;
 
 /// Redis commands the harness itself sends (left out of the per-request counts).
 const HARNESS_COMMANDS: &[&str] = &["info", "config|resetstat", "dbsize"];
@@ -16,9 +15,7 @@ const HARNESS_COMMANDS: &[&str] = &["info", "config|resetstat", "dbsize"];
 pub struct StoreServers<'a> {
     pub redis: &'a RedisServer,
     pub redis_pid: u32,
-    #[cfg(feature = "postgres")]
     pub postgres: &'a PostgresStats,
-    #[cfg(feature = "postgres")]
     pub runtime: &'a tokio::runtime::Runtime,
 }
 
@@ -80,10 +77,7 @@ impl StoreServers<'_> {
     fn cpu_ns(&self, server: StoreServer, clocks: &CpuClocks) -> u64 {
         match server {
             StoreServer::Redis => clocks.process_ns(Some(self.redis_pid)),
-            #[cfg(feature = "postgres")]
             StoreServer::Postgres => clocks.tree_ns(self.postgres.postmaster),
-            #[cfg(not(feature = "postgres"))]
-            StoreServer::Postgres => 0,
         }
     }
 
@@ -107,7 +101,6 @@ impl StoreServers<'_> {
 
     /// Postgres statements per request: each is one round trip (a statement prepared on its
     /// connection before is bound and run in one).
-    #[cfg(feature = "postgres")]
     fn postgres_calls(&self, requests: f64) -> Result<(BTreeMap<String, f64>, f64), String> {
         let counts = self.runtime.block_on(self.postgres.calls())?;
         let calls: BTreeMap<String, f64> = counts
@@ -118,18 +111,7 @@ impl StoreServers<'_> {
         Ok((calls, round_trips))
     }
 
-    #[cfg(feature = "postgres")]
     fn reset_postgres(&self) -> Result<(), String> {
         self.runtime.block_on(self.postgres.reset())
-    }
-
-    #[cfg(not(feature = "postgres"))]
-    fn postgres_calls(&self, _: f64) -> Result<(BTreeMap<String, f64>, f64), String> {
-        Ok((BTreeMap::new(), 0.0))
-    }
-
-    #[cfg(not(feature = "postgres"))]
-    fn reset_postgres(&self) -> Result<(), String> {
-        Ok(())
     }
 }

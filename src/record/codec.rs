@@ -13,7 +13,7 @@ use super::model::{Completed, InFlight, Payload, Record, SealedResponse, StoredR
 use crate::fingerprint::Fingerprint;
 
 /// The encoding version written by this crate.
-pub const VERSION: u8 = 1;
+const VERSION: u8 = 1;
 const KIND_IN_FLIGHT: u8 = 1;
 const KIND_COMPLETED: u8 = 2;
 const KIND_TOMBSTONE: u8 = 3;
@@ -21,56 +21,65 @@ const KIND_SEALED: u8 = 4;
 /// The longest key id a sealed record names.
 pub(crate) const MAX_KEY_ID_LEN: usize = 64;
 
-/// Where the fields of an encoded record sit, for store scripts that read them in place. Every
-/// record starts with the version and the kind; the rest is per kind.
-#[cfg_attr(
-    not(test),
-    allow(
-        dead_code,
-        reason = "the Redis scripts use these offsets; tests check that they agree"
-    )
-)]
-pub(crate) mod layout {
+/// Where the fields of an encoded record sit, for stores whose server-side scripts read or write
+/// records in place (the table is in the [module docs](super)): a Redis script fences on an
+/// in-flight record's kind and token, and renews its lease end, without decoding the rest. Every
+/// record starts with the version and the kind; the rest is per kind. Fixed for version 1.
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use tower_idempotency::record::{ClaimToken, Fence, Record, layout};
+/// use tower_idempotency::Fingerprint;
+///
+/// let token = ClaimToken::new(Fence::new(7));
+/// let bytes = layout::in_flight(&token, &Fingerprint::from_bytes([1; 32]), SystemTime::now() + Duration::from_secs(30));
+/// assert_eq!(bytes[layout::KIND], layout::IN_FLIGHT);
+/// assert_eq!(&bytes[layout::TOKEN], token.as_bytes());
+/// assert!(matches!(Record::decode(bytes.into()), Ok(Record::InFlight(_))));
+/// ```
+pub mod layout {
     use std::ops::Range;
+    use std::time::SystemTime;
+
+    use super::{ClaimToken, Fingerprint, KIND_IN_FLIGHT, VERSION, unix_millis};
 
     /// The encoding version's byte.
-    pub(crate) const VERSION: usize = 0;
+    pub const VERSION_BYTE: usize = 0;
     /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone, 4 sealed.
-    pub(crate) const KIND: usize = 1;
+    pub const KIND: usize = 1;
     /// An in-flight record's claim token.
-    pub(crate) const TOKEN: Range<usize> = 2..18;
+    pub const TOKEN: Range<usize> = 2..18;
     /// An in-flight record's fingerprint.
-    pub(crate) const IN_FLIGHT_FINGERPRINT: Range<usize> = TOKEN.end..TOKEN.end + 32;
+    pub const IN_FLIGHT_FINGERPRINT: Range<usize> = TOKEN.end..TOKEN.end + 32;
     /// An in-flight record's lease end (unix ms, u64 little-endian), its last field.
-    pub(crate) const LEASE_END: Range<usize> =
-        IN_FLIGHT_FINGERPRINT.end..IN_FLIGHT_FINGERPRINT.end + 8;
+    pub const LEASE_END: Range<usize> = IN_FLIGHT_FINGERPRINT.end..IN_FLIGHT_FINGERPRINT.end + 8;
     /// A completed record's (a tombstone's, a sealed record's) fingerprint.
-    pub(crate) const COMPLETED_FINGERPRINT: Range<usize> = 2..34;
+    pub const COMPLETED_FINGERPRINT: Range<usize> = 2..34;
 
     /// The kind byte of an in-flight record.
-    pub(crate) const IN_FLIGHT: u8 = super::KIND_IN_FLIGHT;
+    pub const IN_FLIGHT: u8 = KIND_IN_FLIGHT;
 
     /// The length of an in-flight record.
-    pub(crate) const IN_FLIGHT_LEN: usize = LEASE_END.end;
+    pub const IN_FLIGHT_LEN: usize = LEASE_END.end;
 
-    /// `range`, 1-based and inclusive as Lua's `string.sub` takes it.
-    pub(crate) const fn lua(range: Range<usize>) -> (usize, usize) {
-        (range.start + 1, range.end)
+    /// An in-flight record claimed with `token`, whose lease ends at `lease_end`.
+    pub fn in_flight(
+        token: &ClaimToken,
+        fingerprint: &Fingerprint,
+        lease_end: SystemTime,
+    ) -> Vec<u8> {
+        let mut out = Vec::with_capacity(IN_FLIGHT_LEN);
+        out.extend_from_slice(&[VERSION, KIND_IN_FLIGHT]);
+        out.extend_from_slice(token.as_bytes());
+        out.extend_from_slice(fingerprint.as_bytes());
+        out.extend_from_slice(&lease_end_bytes(lease_end));
+        out
     }
-}
 
-/// Encodes an in-flight record whose lease ends at `lease_end`.
-pub fn encode_in_flight(
-    token: &ClaimToken,
-    fingerprint: &Fingerprint,
-    lease_end: SystemTime,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(layout::IN_FLIGHT_LEN);
-    out.extend_from_slice(&[VERSION, KIND_IN_FLIGHT]);
-    out.extend_from_slice(token.as_bytes());
-    out.extend_from_slice(fingerprint.as_bytes());
-    out.extend_from_slice(&unix_millis(lease_end).to_le_bytes());
-    out
+    /// The bytes of a lease end, as [`LEASE_END`] holds them.
+    pub fn lease_end_bytes(lease_end: SystemTime) -> [u8; 8] {
+        unix_millis(lease_end).to_le_bytes()
+    }
 }
 
 /// Encodes a tombstone: a completed record without a response. Unlike a response, it always fits.
@@ -219,7 +228,7 @@ fn read_response(r: &mut Reader<'_>, bytes: &Bytes) -> Result<StoredResponse, De
 }
 
 impl Record {
-    /// Decodes a record written by [`encode_in_flight`] or [`Completed::encode`], sharing the
+    /// Decodes a record written by [`layout::in_flight`] or [`Completed::encode`], sharing the
     /// buffer for the body and header values. The lease of an
     /// in-flight record is measured against the current wall clock.
     ///
@@ -290,7 +299,7 @@ fn len_u32(len: usize) -> Result<u32, EncodeError> {
 }
 
 /// Milliseconds since the Unix epoch (0 before it).
-pub fn unix_millis(time: SystemTime) -> u64 {
+fn unix_millis(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
@@ -432,9 +441,9 @@ mod tests {
     fn in_flight_round_trips_with_the_token_at_a_fixed_offset() {
         let token = ClaimToken::new(Fence::new(1));
         let end = SystemTime::now() + Duration::from_secs(30);
-        let bytes = encode_in_flight(&token, &fingerprint(), end);
+        let bytes = layout::in_flight(&token, &fingerprint(), end);
         assert_eq!(bytes.len(), layout::IN_FLIGHT_LEN);
-        assert_eq!(bytes[layout::VERSION], VERSION);
+        assert_eq!(bytes[layout::VERSION_BYTE], VERSION);
         assert_eq!(bytes[layout::KIND], layout::IN_FLIGHT);
         assert_eq!(&bytes[layout::TOKEN], token.as_bytes());
         assert_eq!(

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::hex::Hex;
-use crate::key::IdempotencyKey;
 
 /// The identity of a record: a 128-bit digest of the scope and the key.
 ///
@@ -65,11 +64,6 @@ impl RecordId {
         }
     }
 
-    /// The id of an [`IdempotencyKey`] inside `scope`.
-    pub fn for_key(scope: &[u8], key: &IdempotencyKey) -> Self {
-        Self::new(scope, key.as_str())
-    }
-
     /// The id's bytes.
     pub const fn as_bytes(&self) -> &[u8; 16] {
         &self.id
@@ -81,13 +75,15 @@ impl RecordId {
         self.scope
     }
 
-    /// A short, non-reversible tag of the id for logs (the first 8 hex characters).
-    pub fn short(&self) -> String {
-        self.tag().to_string()
-    }
-
-    /// [`RecordId::short`] without the allocation, for log fields.
-    pub(crate) fn tag(&self) -> Hex<'_> {
+    /// A short, non-reversible tag of the id for logs: the first 8 hex characters.
+    ///
+    /// ```
+    /// use tower_idempotency::RecordId;
+    ///
+    /// let id = RecordId::new(b"acct_1", "order-42");
+    /// assert_eq!(id.tag().to_string(), id.to_string()[..8]);
+    /// ```
+    pub fn tag(&self) -> impl fmt::Display + '_ {
         Hex(&self.id[..4])
     }
 }
@@ -187,13 +183,29 @@ impl ClaimToken {
 
     /// The same claim with the fence a store chose for it: stores that number claims themselves
     /// (Redis, PostgreSQL) send the token's unique half and learn the fence from the answer.
-    pub(crate) fn with_fence(mut self, fence: Fence) -> Self {
+    ///
+    /// ```
+    /// use tower_idempotency::{ClaimToken, Fence};
+    ///
+    /// let token = ClaimToken::new(Fence::new(1)).with_fence(Fence::new(9));
+    /// assert_eq!(token.fence(), Fence::new(9));
+    /// ```
+    #[must_use]
+    pub fn with_fence(mut self, fence: Fence) -> Self {
         self.0[..8].copy_from_slice(&fence.0.to_be_bytes());
         self
     }
 
-    /// The half that tells claims apart, without the fence (bytes 8..16).
-    pub(crate) fn unique_half(&self) -> &[u8] {
+    /// The half that tells claims apart, without the fence (bytes 8..16): what a store that
+    /// numbers claims itself matches a release or renewal on.
+    ///
+    /// ```
+    /// use tower_idempotency::{ClaimToken, Fence};
+    ///
+    /// let token = ClaimToken::new(Fence::new(1));
+    /// assert_eq!(token.with_fence(Fence::new(2)).unique_half(), token.unique_half());
+    /// ```
+    pub fn unique_half(&self) -> &[u8] {
         &self.0[8..]
     }
 }
@@ -311,7 +323,7 @@ mod tests {
                 .bytes()
                 .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
         );
-        assert_eq!(id.short(), printed[..8]);
+        assert_eq!(id.tag().to_string(), printed[..8]);
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //!
 //! A record is either [`InFlight`] (claimed, the handler is running) or [`Completed`] (the handler
 //! ran; its response, if it could be stored). [`RecordId`] names a record and [`ClaimToken`] fences
-//! the writes of the claim that made it; its [`Fence`] numbers the claims of a key. Stores that keep bytes (Redis) use [`encode_in_flight`],
-//! [`Completed::encode`] and [`Record::decode`]; the memory store keeps the typed values.
+//! the writes of the claim that made it; its [`Fence`] numbers the claims of a key.
+//! Stores that keep bytes (Redis, PostgreSQL) use [`Completed::encode`] and [`Record::decode`],
+//! and [`layout`] where a server-side script reads records in place; the memory store keeps the
+//! typed values.
 //!
 //! Encoding, version 1 (integers little-endian):
 //!
@@ -21,9 +23,8 @@ mod codec;
 mod id;
 mod model;
 
-#[cfg(feature = "redis")]
-pub(crate) use codec::layout;
-pub use codec::{DecodeError, EncodeError, VERSION, encode_in_flight, unix_millis};
+pub use codec::layout;
+pub use codec::{DecodeError, EncodeError};
 #[cfg(feature = "seal")]
 pub(crate) use codec::{decode_response, encode_response, encode_sealed_header, response_len};
 pub(crate) use codec::{encode_tombstone, is_key_id};

@@ -146,7 +146,30 @@ impl SealKeys {
     /// The nonce is a keyed hash of everything sealed (the associated data and the plaintext),
     /// not a random draw: the same completion sealed twice is the same bytes, as a store expects
     /// of a completion sent again, and two different plaintexts never share a nonce under a key.
-    pub(crate) fn seal(
+    /// [`SealedStore`](super::SealedStore) calls it on every completion; [`SealKeys::open`]
+    /// undoes it.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{HeaderMap, StatusCode};
+    /// use tower_idempotency::seal::{SealKey, SealKeys};
+    /// use tower_idempotency::{Fingerprint, RecordId, StoredResponse};
+    ///
+    /// let keys = SealKeys::new([SealKey::new("k1", [7; 32])?])?;
+    /// let id = RecordId::new(b"acct_1", "order-42");
+    /// let fingerprint = Fingerprint::from_bytes([1; 32]);
+    /// let response = StoredResponse {
+    ///     status: StatusCode::CREATED,
+    ///     headers: HeaderMap::new(),
+    ///     body: Bytes::from_static(b"charged"),
+    /// };
+    /// let sealed = keys.seal(&id, &fingerprint, &response)?;
+    /// assert_eq!(keys.open(&id, &fingerprint, &sealed)?, response);
+    /// // Bound to its record: it opens under no other id.
+    /// assert!(keys.open(&RecordId::new(b"acct_2", "order-42"), &fingerprint, &sealed).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn seal(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
@@ -172,8 +195,9 @@ impl SealKeys {
         })
     }
 
-    /// Opens `sealed`, the response of the record `id` with `fingerprint`.
-    pub(crate) fn open(
+    /// Opens `sealed`, the response of the record `id` with `fingerprint`: the response, or why
+    /// it cannot be trusted ([`SealKeys::seal`] has an example).
+    pub fn open(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,

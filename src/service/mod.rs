@@ -210,7 +210,7 @@ where
                 Err(rejection) => return reject_with(rejection),
             },
         };
-        let id = RecordId::for_key(scope.as_bytes(), &key);
+        let id = RecordId::new(scope.as_bytes(), key.as_str());
         let span = tracing::info_span!(
             target: "tower_idempotency",
             "idempotency",

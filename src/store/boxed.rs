@@ -101,7 +101,8 @@ impl<S: Store> DynStore for S {
 /// allocation per store call; clones share the store.
 ///
 /// ```
-/// use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RedisStore};
+/// use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
+/// use tower_idempotency_redis::RedisStore;
 ///
 /// fn store(redis_url: Option<&str>) -> Result<BoxStore, Box<dyn std::error::Error>> {
 ///     Ok(match redis_url {

@@ -9,8 +9,8 @@
 //! no record left, it writes the completion (the work ran, so its result is kept); where the key
 //! already holds exactly this completion (sent again after its answer was lost), it writes nothing.
 //!
-//! Each method's documentation says what the contract suite ([`testing`](crate::testing), feature
-//! `test-util`) checks of it; `docs/PROTOCOL.md` §10.1 and §10.2 are the rules in full.
+//! Each method's documentation says what the contract suite (the crate `tower-idempotency-test`)
+//! checks of it; `docs/PROTOCOL.md` §10.1 and §10.2 are the rules in full.
 //!
 //! Stores know nothing of HTTP services: the idempotent consumer uses the same trait.
 //!
@@ -19,26 +19,12 @@
 
 mod boxed;
 mod memory;
-#[cfg(feature = "postgres")]
-mod postgres;
-#[cfg(feature = "redis")]
-mod redis;
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use boxed::BoxStore;
-/// The deadpool-redis crate this store is built on, so users need not match its version.
-#[cfg(feature = "redis")]
-pub use deadpool_redis;
 pub use memory::MemoryStore;
-#[cfg(feature = "postgres")]
-pub use postgres::{PgStore, PgStoreError, PgTx, PgTxError};
-#[cfg(feature = "redis")]
-pub use redis::{RedisStore, RedisStoreError};
-/// The sqlx crate this store is built on, so users need not match its version.
-#[cfg(feature = "postgres")]
-pub use sqlx;
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};

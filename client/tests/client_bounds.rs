@@ -1,0 +1,180 @@
+//! The client layer's bounds, against the server layer in process on paused time: the attempts,
+//! the per-attempt timeout, the deadline, the retry budget, the backoff and the body limit, and
+//! what the caller gets when they end the retries (PROTOCOL.md §14.4, §14.5).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode};
+use support::{Fault, Link, always, attempts, charge, charges, layer, server, unavailable_once};
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency_client::{Error, IdempotentRetryLayer};
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_past_the_deadline_returns_the_answer_at_once() {
+    let (server, runs) = server(Duration::ZERO, unavailable_once("60".into()));
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(layer().deadline(Duration::from_secs(30)))
+        .service(link.clone());
+    let started = tokio::time::Instant::now();
+
+    let response = client.oneshot(charge("x")).await.unwrap();
+
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(attempts(&response).count(), 1);
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "no wait that could not end in time"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn failures_to_the_end_are_an_error_with_the_attempt_count() {
+    let (server, runs) = server(Duration::ZERO, charges());
+    let link = Link::new(server, [Fault::Refuse; 5]);
+    let client = ServiceBuilder::new()
+        .layer(layer().max_attempts(3))
+        .service(link.clone());
+
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+
+    assert!(
+        matches!(err, Error::Transport { attempts: 3, .. }),
+        "{err:?}"
+    );
+    let source = std::error::Error::source(&err).unwrap();
+    let io = source.downcast_ref::<std::io::Error>().unwrap();
+    assert_eq!(
+        io.kind(),
+        std::io::ErrorKind::ConnectionRefused,
+        "the source is kept"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_ends_an_attempt_that_runs_past_it() {
+    let (server, _runs) = server(Duration::ZERO, charges());
+    let link = Link::new(server, [Fault::Stall; 5]);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(4))
+                .deadline(Duration::from_secs(10)),
+        )
+        .service(link.clone());
+
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+
+    // Attempts at 0 s and 4 s time out on their own; the one at 8 s meets the deadline at 10 s.
+    let Error::TimedOut { attempts, elapsed } = err else {
+        panic!("{err:?}")
+    };
+    assert_eq!((attempts, elapsed), (3, Duration::from_secs(10)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_last_attempt_that_times_out_is_a_timeout_error() {
+    let (server, _runs) = server(Duration::ZERO, charges());
+    let link = Link::new(server, [Fault::Stall; 2]);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(1))
+                .max_attempts(2),
+        )
+        .service(link.clone());
+
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+
+    let Error::TimedOut { attempts, elapsed } = err else {
+        panic!("{err:?}")
+    };
+    assert_eq!((attempts, elapsed), (2, Duration::from_secs(2)));
+}
+
+/// A slow handler past the deadline: the 409s are waited on until the next wait would pass the
+/// deadline, and that 409 is the answer; the handler still ran once.
+#[tokio::test(start_paused = true)]
+async fn a_409_whose_wait_would_pass_the_deadline_is_the_answer() {
+    let (server, runs) = server(Duration::from_secs(3600), charges());
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(4))
+                .deadline(Duration::from_secs(10)),
+        )
+        .service(link.clone());
+
+    let response = client.oneshot(charge("x")).await.unwrap();
+
+    // Timeouts at 4 s and 8 s; at 8 s a 409 with `Retry-After: 1`; at 9 s another, and a second
+    // more would reach the deadline.
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(attempts(&response).count(), 4);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_limit_is_an_error_and_nothing_is_sent() {
+    let (server, _runs) = server(Duration::ZERO, charges());
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(layer().body_limit(8))
+        .service(link.clone());
+
+    let err = client.oneshot(charge("amount=100")).await.unwrap_err();
+
+    assert!(matches!(err, Error::BodyTooLarge { limit: 8 }), "{err:?}");
+    assert_eq!(err.attempts(), 0);
+    assert!(link.sent().is_empty());
+}
+
+/// With tower's budget: the first operation deposits, and a budget with no reserve and no share
+/// of retries refuses its retry.
+#[tokio::test(start_paused = true)]
+async fn a_spent_retry_budget_stops_the_retries() {
+    let (server, _runs) = server(Duration::ZERO, always(503, HeaderMap::new()));
+    let link = Link::new(server, []);
+    let budget = Arc::new(tower::retry::budget::TpsBudget::new(
+        Duration::from_secs(1),
+        0,
+        0.0,
+    ));
+    let client = ServiceBuilder::new()
+        .layer(layer().budget(budget))
+        .service(link.clone());
+
+    let response = client.oneshot(charge("x")).await.unwrap();
+
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(attempts(&response).count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn backoff_waits_stay_within_their_doubling_bounds() {
+    let (server, _runs) = server(Duration::ZERO, always(502, HeaderMap::new()));
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::new()
+                .backoff(Duration::from_millis(100), Duration::from_millis(300))
+                .max_attempts(5),
+        )
+        .service(link.clone());
+
+    let response = client.oneshot(charge("x")).await.unwrap();
+
+    assert_eq!(attempts(&response).count(), 5);
+    let bounds = [100, 200, 300, 300].map(Duration::from_millis);
+    for (gap, bound) in link.gaps().into_iter().zip(bounds) {
+        assert!(gap <= bound, "{gap:?} over {bound:?}");
+    }
+}

@@ -1,0 +1,352 @@
+//! The queue on a Redis Stream (Redis 6.2 or newer, for `XAUTOCLAIM`).
+//!
+//! | step | command |
+//! |---|---|
+//! | publish | `XADD <stream> MAXLEN ~ 1000000 * event <json>` (shared connection) |
+//! | start, and when the group is gone (`NOGROUP`: Redis restarted empty) | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (from the start: nothing published before the group existed is missed) |
+//! | take over the stale | `XAUTOCLAIM <stream> <group> <consumer> <min_idle> <cursor> COUNT <batch>` |
+//! | receive new | `XREADGROUP GROUP <group> <consumer> COUNT <batch> BLOCK <block> STREAMS <stream> >` |
+//! | done | `XACK <stream> <group> <id>` |
+//! | graceful stop | `XGROUP DELCONSUMER`, only when nothing is pending for the consumer |
+//!
+//! Each consumer reads, claims and acks on a dedicated connection: its `BLOCK` never holds up the
+//! shared connection that publishing and the balances use.
+//!
+//! Retention: the stream is trimmed to about [`MAX_LEN`] entries (`MAXLEN ~`). An entry trimmed
+//! while still pending is reported as deleted and dropped; keep the stream far longer than the
+//! group's backlog can grow.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use deadpool_redis::redis::{self, Cmd, FromRedisValue, Value};
+
+use super::super::redis_conn::{Conn, RedisConn, RedisFailure, TIMEOUT, broken};
+use super::{ConsumerConfig, Delivery, QueueError};
+
+/// About how many entries the stream keeps.
+pub const MAX_LEN: usize = 1_000_000;
+
+/// The stream entry's field that carries the message.
+const FIELD: &str = "event";
+
+/// A stream entry as Redis returns it: the id and the flat field/value list (nil when deleted).
+type Entry = (String, Option<Vec<String>>);
+
+/// A Redis Stream and its consumer group; clones share the connection.
+#[derive(Clone)]
+pub struct RedisQueue {
+    conn: RedisConn,
+    stream: Arc<str>,
+    group: Arc<str>,
+}
+
+impl RedisQueue {
+    /// The queue on `stream`, read by consumer group `group`, which is created if missing.
+    pub async fn connect(conn: RedisConn, stream: &str, group: &str) -> Result<Self, QueueError> {
+        let queue = Self {
+            conn,
+            stream: stream.into(),
+            group: group.into(),
+        };
+        queue.create_group().await?;
+        Ok(queue)
+    }
+
+    /// Creates the consumer group, and the stream with it, unless the group exists. It reads from
+    /// the start of the stream: nothing published before the group existed is missed.
+    async fn create_group(&self) -> Result<(), RedisFailure> {
+        let mut create = redis::cmd("XGROUP");
+        create
+            .arg("CREATE")
+            .arg(&*self.stream)
+            .arg(&*self.group)
+            .arg("0")
+            .arg("MKSTREAM");
+        match self.query::<()>(create).await {
+            Err(RedisFailure::Redis(err)) if err.code() == Some("BUSYGROUP") => Ok(()),
+            created => created,
+        }
+    }
+
+    /// `XADD`s a message; returns its entry id.
+    pub async fn publish(&self, payload: &str) -> Result<String, QueueError> {
+        let mut add = redis::cmd("XADD");
+        add.arg(&*self.stream)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(MAX_LEN)
+            .arg("*")
+            .arg(FIELD)
+            .arg(payload);
+        Ok(self.query(add).await?)
+    }
+
+    /// A consumer of the group, on a connection of its own.
+    pub async fn consumer(
+        &self,
+        name: &str,
+        config: ConsumerConfig,
+    ) -> Result<RedisConsumer, QueueError> {
+        let mut consumer = RedisConsumer {
+            queue: self.clone(),
+            name: name.to_owned(),
+            config,
+            connection: None,
+            cursor: String::from("0-0"),
+        };
+        consumer.connection().await?;
+        Ok(consumer)
+    }
+
+    /// The group's pending messages plus its lag (entries not delivered yet).
+    pub async fn backlog(&self) -> Result<usize, QueueError> {
+        let mut info = redis::cmd("XINFO");
+        info.arg("GROUPS").arg(&*self.stream);
+        let groups: Vec<HashMap<String, Value>> = self.query(info).await?;
+        let group = groups.iter().find(|group| {
+            group
+                .get("name")
+                .and_then(|name| String::from_redis_value_ref(name).ok())
+                .is_some_and(|name| *name == *self.group)
+        });
+        let Some(group) = group else { return Ok(0) };
+        let number = |field: &str| {
+            group
+                .get(field)
+                .and_then(|value| usize::from_redis_value_ref(value).ok())
+        };
+        let pending = number("pending").unwrap_or(0);
+        let lag = match number("lag") {
+            Some(lag) => lag,
+            // Redis cannot tell the lag after some deletions: count the undelivered entries.
+            None => {
+                let last = group
+                    .get("last-delivered-id")
+                    .and_then(|id| String::from_redis_value_ref(id).ok())
+                    .unwrap_or_else(|| String::from("0-0"));
+                let mut range = redis::cmd("XRANGE");
+                range.arg(&*self.stream).arg(format!("({last}")).arg("+");
+                let entries: Vec<Entry> = self.query(range).await?;
+                entries.len()
+            }
+        };
+        Ok(pending + lag)
+    }
+
+    /// How many times the pending entry `id` was delivered (`XPENDING`).
+    pub async fn delivery_count(&self, id: &str) -> Result<Option<u64>, QueueError> {
+        let mut pending = redis::cmd("XPENDING");
+        pending
+            .arg(&*self.stream)
+            .arg(&*self.group)
+            .arg(id)
+            .arg(id)
+            .arg(1);
+        let entries: Vec<(String, String, u64, u64)> = self.query(pending).await?;
+        Ok(entries.first().map(|(_, _, _, deliveries)| *deliveries))
+    }
+
+    /// The stream's length (`XLEN`): every message published, unless trimmed.
+    pub async fn published(&self) -> Result<usize, QueueError> {
+        let mut len = redis::cmd("XLEN");
+        len.arg(&*self.stream);
+        Ok(self.query(len).await?)
+    }
+
+    async fn query<T: FromRedisValue + Send>(&self, command: Cmd) -> Result<T, RedisFailure> {
+        self.conn
+            .run(move |mut c| async move { command.query_async(&mut c).await })
+            .await
+    }
+}
+
+/// A consumer of a [`RedisQueue`]'s group. Dropping it without [`RedisConsumer::close`] leaves its
+/// pending entries for the others to take over.
+pub struct RedisConsumer {
+    queue: RedisQueue,
+    name: String,
+    config: ConsumerConfig,
+    /// Dedicated: only this consumer's commands, one at a time.
+    connection: Option<Conn>,
+    /// Where the next `XAUTOCLAIM` goes on scanning the group's pending entries.
+    cursor: String,
+}
+
+impl RedisConsumer {
+    /// Stale pending entries taken over (`XAUTOCLAIM`), or else new ones (`XREADGROUP`).
+    ///
+    /// When the group is gone (Redis restarted empty, or the stream was deleted), creates it again
+    /// and returns nothing: the next receive reads the stream from its start.
+    pub async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
+        match self.receive_in_group().await {
+            Err(RedisFailure::Redis(err)) if err.code() == Some("NOGROUP") => {
+                tracing::warn!(
+                    consumer = %self.name,
+                    group = %self.queue.group,
+                    "the consumer group is gone; creating it again"
+                );
+                self.queue.create_group().await?;
+                self.cursor = String::from("0-0");
+                Ok(Vec::new())
+            }
+            received => Ok(received?),
+        }
+    }
+
+    async fn receive_in_group(&mut self) -> Result<Vec<Delivery>, RedisFailure> {
+        let min_idle = u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX);
+        let mut claim = redis::cmd("XAUTOCLAIM");
+        claim
+            .arg(&*self.queue.stream)
+            .arg(&*self.queue.group)
+            .arg(&self.name)
+            .arg(min_idle)
+            .arg(&self.cursor)
+            .arg("COUNT")
+            .arg(self.config.batch);
+        // Redis 7 lists entries deleted while pending apart (and forgets them); Redis 6.2 returns
+        // them with nil fields.
+        let (cursor, claimed, _deleted): (String, Vec<Entry>, Vec<String>) =
+            self.query(&claim).await?;
+        self.cursor = cursor;
+        if !claimed.is_empty() {
+            tracing::info!(
+                consumer = %self.name,
+                messages = claimed.len(),
+                "took over messages another consumer left pending"
+            );
+            return Ok(claimed.into_iter().map(delivery).collect());
+        }
+
+        // `BLOCK 0` would wait forever.
+        let block = u64::try_from(self.config.block.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP")
+            .arg(&*self.queue.group)
+            .arg(&self.name)
+            .arg("COUNT")
+            .arg(self.config.batch)
+            .arg("BLOCK")
+            .arg(block)
+            .arg("STREAMS")
+            .arg(&*self.queue.stream)
+            .arg(">");
+        let streams: Option<Vec<(String, Vec<Entry>)>> = self.query(&read).await?;
+        Ok(streams
+            .into_iter()
+            .flatten()
+            .flat_map(|(_, entries)| entries)
+            .map(delivery)
+            .collect())
+    }
+
+    /// `XACK`s entry `id`.
+    pub async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
+        let mut ack = redis::cmd("XACK");
+        ack.arg(&*self.queue.stream).arg(&*self.queue.group).arg(id);
+        self.query::<i64>(&ack).await?;
+        Ok(())
+    }
+
+    /// Leaves the group, unless entries are still pending for this consumer: those stay, to be
+    /// taken over after `min_idle`.
+    pub async fn close(mut self) {
+        let mut pending = redis::cmd("XPENDING");
+        pending
+            .arg(&*self.queue.stream)
+            .arg(&*self.queue.group)
+            .arg("-")
+            .arg("+")
+            .arg(1)
+            .arg(&self.name);
+        match self
+            .query::<Vec<(String, String, u64, u64)>>(&pending)
+            .await
+        {
+            Ok(entries) if entries.is_empty() => {
+                let mut delete = redis::cmd("XGROUP");
+                delete
+                    .arg("DELCONSUMER")
+                    .arg(&*self.queue.stream)
+                    .arg(&*self.queue.group)
+                    .arg(&self.name);
+                if let Err(err) = self.query::<i64>(&delete).await {
+                    tracing::debug!(error = %super::super::report(&err), "could not leave the group");
+                }
+            }
+            Ok(_) => tracing::info!(
+                consumer = %self.name,
+                "stopping with messages pending; another consumer takes them over"
+            ),
+            Err(err) => {
+                tracing::debug!(error = %super::super::report(&err), "could not leave the group")
+            }
+        }
+    }
+
+    async fn connection(&mut self) -> Result<&mut Conn, RedisFailure> {
+        let connection = match self.connection.take() {
+            Some(connection) => connection,
+            None => {
+                self.queue
+                    .conn
+                    .dedicated(self.config.block + TIMEOUT)
+                    .await?
+            }
+        };
+        Ok(self.connection.insert(connection))
+    }
+
+    /// Runs `command` on the dedicated connection; drops the connection when it broke.
+    async fn query<T: FromRedisValue>(&mut self, command: &Cmd) -> Result<T, RedisFailure> {
+        let bound = self.config.block + TIMEOUT;
+        let connection = self.connection().await?;
+        match tokio::time::timeout(bound, command.query_async(connection)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) => {
+                if broken(&err) {
+                    self.connection = None;
+                }
+                Err(err.into())
+            }
+            Err(_) => {
+                self.connection = None;
+                Err(RedisFailure::Timeout(bound))
+            }
+        }
+    }
+}
+
+fn delivery((id, fields): Entry) -> Delivery {
+    let payload = fields.and_then(|fields| {
+        fields
+            .chunks_exact(2)
+            .find(|pair| pair[0] == FIELD)
+            .map(|pair| pair[1].clone())
+    });
+    Delivery { id, payload }
+}
+
+impl fmt::Debug for RedisQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisQueue")
+            .field("conn", &self.conn)
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
+impl fmt::Debug for RedisConsumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConsumer")
+            .field("queue", &self.queue)
+            .field("name", &self.name)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

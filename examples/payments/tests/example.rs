@@ -1,0 +1,1569 @@
+//! The payments example (`examples/server`), driven in-process with `oneshot`: every scenario runs
+//! on the in-memory store and on Redis (a private `redis-server` per test).
+
+use example_payments as server;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use test_servers::redis_server::RedisServer;
+use tower::ServiceExt;
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
+use tower_idempotency_redis::RedisStore;
+
+use server::provider::{self, KeyTable};
+use server::redis_conn::RedisConn;
+use server::{AppState, Provider, app};
+
+const ALICE: &str = "sk_test_alice";
+const BOB: &str = "sk_test_bob";
+/// The example's documented limits: characters of `description`, bytes of a request body.
+const DESCRIPTION_LIMIT: usize = 1000;
+const REQUEST_LIMIT: usize = 64 * 1024;
+
+/// One app on one store, and the means to call it.
+struct Harness {
+    state: AppState,
+    router: Router,
+    records: Records,
+    redis: Option<RedisServer>,
+    /// Numbers the keys of [`Harness::charge`].
+    keys: AtomicUsize,
+}
+
+/// Where the idempotency layer keeps its records.
+enum Records {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+/// The prefix of the layer's records in Redis: the store's default.
+const RECORDS_PREFIX: &str = "idempotency:";
+
+/// How long the provider remembers a key in the scenarios that let its window run out.
+const SHORT_WINDOW: Duration = Duration::from_millis(100);
+
+impl Harness {
+    fn memory() -> Self {
+        Self::on(
+            AppState::new(Duration::ZERO),
+            Records::Memory(MemoryStore::new()),
+            None,
+        )
+    }
+
+    /// The layer's records and the provider's keys in one Redis, as `main` puts them when
+    /// `REDIS_URL` is set.
+    async fn redis() -> Self {
+        let server = RedisServer::start();
+        let store = RedisStore::from_url(&server.url()).expect("a valid URL");
+        store.check().await.expect("the fixture's Redis answers");
+        let mut harness = Self::on(
+            AppState::new(Duration::ZERO),
+            Records::Redis(store),
+            Some(server),
+        );
+        harness.provider_window(provider::WINDOW);
+        harness
+    }
+
+    fn on(state: AppState, records: Records, redis: Option<RedisServer>) -> Self {
+        let router = Self::app(&state, &records);
+        Self {
+            state,
+            router,
+            records,
+            redis,
+            keys: AtomicUsize::new(0),
+        }
+    }
+
+    fn app(state: &AppState, records: &Records) -> Router {
+        let store = match records {
+            Records::Memory(store) => BoxStore::new(store.clone()),
+            Records::Redis(store) => BoxStore::new(store.clone()),
+        };
+        app(state.clone(), IdempotencyLayer::new(store))
+    }
+
+    /// A new provider that remembers its keys for `window`, beside the layer's records.
+    fn provider_window(&mut self, window: Duration) {
+        let keys = match &self.redis {
+            Some(server) => {
+                let conn = RedisConn::open(&server.url()).expect("a valid URL");
+                KeyTable::redis(conn, server::PROVIDER_PREFIX, window)
+            }
+            None => KeyTable::memory(window),
+        };
+        let provider = Provider::with_keys(Duration::ZERO, keys);
+        self.state = self.state.clone().with_provider(provider);
+        self.router = Self::app(&self.state, &self.records);
+    }
+
+    fn provider(&self) -> &Provider {
+        &self.state.provider
+    }
+
+    /// The provider's `(calls, effects)`.
+    fn provider_counts(&self) -> (usize, usize) {
+        (self.provider().calls(), self.provider().effects())
+    }
+
+    /// Forgets every idempotency record (a flushed Redis, a dedup window that ran out), keeping the
+    /// ledger and the provider.
+    fn lose_idempotency_records(&mut self) {
+        match &self.redis {
+            Some(server) => {
+                let deleted = server.command(&[
+                    "EVAL",
+                    "local keys = redis.call('KEYS', ARGV[1]) \
+                     for _, key in ipairs(keys) do redis.call('DEL', key) end \
+                     return #keys",
+                    "0",
+                    &format!("{RECORDS_PREFIX}*"),
+                ]);
+                assert!(deleted.as_integer().is_some(), "{deleted:?}");
+            }
+            None => {
+                self.records = Records::Memory(MemoryStore::new());
+                self.router = Self::app(&self.state, &self.records);
+            }
+        }
+    }
+
+    /// Lets the layer's and the provider's dedup windows run out; the provider's must be short.
+    async fn pass_the_windows(&mut self) {
+        let window = self.provider().window();
+        assert!(
+            window <= Duration::from_secs(1),
+            "{window:?}: shorten it first"
+        );
+        self.lose_idempotency_records();
+        tokio::time::sleep(window + Duration::from_millis(20)).await;
+    }
+
+    /// Checks what every scenario must leave behind.
+    fn finish(self) {
+        if let Some(server) = &self.redis {
+            assert_eq!(
+                server.keys_without_ttl(),
+                Vec::<String>::new(),
+                "every Redis key must expire"
+            );
+        }
+    }
+
+    fn post(&self, path: &str) -> Call<'_> {
+        Call::new(self, Method::POST, path)
+    }
+
+    fn get(&self, path: &str) -> Call<'_> {
+        Call::new(self, Method::GET, path)
+    }
+
+    /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
+    /// A charge of `amount` euro cents, authorized only; its id.
+    async fn authorized(&self, api_key: &str, amount: i64) -> String {
+        let body =
+            json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
+        let charge = self.charge(api_key, body).await;
+        assert_eq!(charge["status"], "authorized");
+        charge["id"].as_str().expect("a charge id").to_owned()
+    }
+
+    async fn charge(&self, api_key: &str, body: Value) -> Value {
+        let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
+        let reply = self
+            .post("/v1/charges")
+            .auth(api_key)
+            .key(&key)
+            .json(body)
+            .send()
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+        reply.json
+    }
+
+    async fn charge_status(&self, api_key: &str, id: &str) -> Value {
+        let reply = self
+            .get(&format!("/v1/charges/{id}"))
+            .auth(api_key)
+            .send()
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json
+    }
+}
+
+/// One request being built.
+struct Call<'a> {
+    harness: &'a Harness,
+    request: axum::http::request::Builder,
+    body: Body,
+}
+
+impl<'a> Call<'a> {
+    fn new(harness: &'a Harness, method: Method, path: &str) -> Self {
+        Self {
+            harness,
+            request: Request::builder().method(method).uri(path),
+            body: Body::empty(),
+        }
+    }
+
+    fn auth(mut self, api_key: &str) -> Self {
+        self.request = self
+            .request
+            .header("authorization", format!("Bearer {api_key}"));
+        self
+    }
+
+    fn header(mut self, name: &str, value: &str) -> Self {
+        self.request = self.request.header(name, value);
+        self
+    }
+
+    fn key(self, key: &str) -> Self {
+        self.header("idempotency-key", key)
+    }
+
+    fn json(mut self, body: Value) -> Self {
+        self.request = self.request.header("content-type", "application/json");
+        self.body = Body::from(body.to_string());
+        self
+    }
+
+    /// A form body, as Stripe's SDKs send it.
+    fn form(mut self, body: &str) -> Self {
+        self.request = self
+            .request
+            .header("content-type", "application/x-www-form-urlencoded");
+        self.body = Body::from(body.to_owned());
+        self
+    }
+
+    fn raw(mut self, body: &'static str) -> Self {
+        self.body = Body::from(body);
+        self
+    }
+
+    fn raw_owned(mut self, body: String) -> Self {
+        self.body = Body::from(body);
+        self
+    }
+
+    async fn send(self) -> Reply {
+        let request = self.request.body(self.body).expect("a valid request");
+        let response = self
+            .harness
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .expect("the router is infallible");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("a readable body")
+            .to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Reply {
+            status,
+            headers,
+            bytes,
+            json,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    bytes: Bytes,
+    json: Value,
+}
+
+impl Reply {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn content_type(&self) -> &str {
+        self.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+    }
+
+    /// The `code` of an API error.
+    fn error_code(&self) -> &str {
+        self.json["error"]["code"].as_str().unwrap_or_default()
+    }
+
+    fn assert_error(&self, status: StatusCode, kind: &str, code: &str) {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(self.content_type(), "application/json", "{}", self.text());
+        assert_eq!(self.json["error"]["type"], kind, "{}", self.text());
+        assert_eq!(self.error_code(), code, "{}", self.text());
+        assert!(
+            self.json["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{}",
+            self.text()
+        );
+    }
+}
+
+fn visa(amount: i64) -> Value {
+    json!({ "amount": amount, "currency": "eur", "source": "tok_visa" })
+}
+
+fn ids(list: &Value) -> Vec<&str> {
+    list["data"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|charge| charge["id"].as_str().expect("an id"))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios: each runs on both stores.
+
+async fn no_or_empty_bearer_is_401(h: &mut Harness) {
+    let cases: [Option<&str>; 5] = [
+        None,
+        Some("Bearer"),
+        Some("Bearer "),
+        Some("Bearer    "),
+        Some("Basic c2tfdGVzdDo="),
+    ];
+    for authorization in cases {
+        for method in [Method::POST, Method::GET] {
+            let mut call = Call::new(h, method.clone(), "/v1/charges").key("k-401");
+            if let Some(value) = authorization {
+                call = call.header("authorization", value);
+            }
+            let reply = call.json(visa(100)).send().await;
+            reply.assert_error(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "missing_api_key",
+            );
+            assert!(!reply.replayed());
+        }
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn a_charge_without_idempotency_key_is_400(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .json(visa(100))
+        .send()
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn create_is_201_with_the_charge(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-1")
+        .json(json!({
+            "amount": 1999,
+            "currency": "EUR",
+            "source": "tok_visa",
+            "description": "a red bicycle",
+        }))
+        .send()
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    assert!(!reply.replayed());
+    let charge = &reply.json;
+    let id = charge["id"].as_str().expect("an id");
+    assert!(id.starts_with("ch_"), "{id}");
+    assert_eq!(charge["object"], "charge");
+    assert_eq!(charge["amount"], 1999);
+    assert_eq!(charge["currency"], "eur");
+    assert_eq!(charge["description"], "a red bicycle");
+    assert_eq!(charge["status"], "captured");
+    assert_eq!(charge["captured"], true);
+    assert_eq!(charge["amount_refunded"], 0);
+    assert!(
+        charge["created"]
+            .as_u64()
+            .is_some_and(|t| t > 1_600_000_000)
+    );
+    assert_eq!(h.provider_counts(), (1, 1));
+
+    assert_eq!(&h.charge_status(ALICE, id).await, charge);
+}
+
+async fn a_retry_replays_the_charge(h: &mut Harness) {
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-2")
+            .json(visa(500))
+    };
+    let first = create().send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+    assert_eq!(h.provider_counts(), (1, 1), "the provider was called once");
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
+}
+
+/// The layer's refusal of a reused key, as Stripe answers it: 400 `idempotency_error` (which a
+/// Stripe SDK raises as its `IdempotencyError`), in a problem+json document that carries the
+/// `error` member, and `Stripe-Should-Retry: false`.
+async fn the_same_key_with_another_amount_is_400_idempotency_error(h: &mut Harness) {
+    h.post("/v1/charges")
+        .auth(ALICE)
+        .key("order-3")
+        .json(visa(500))
+        .send()
+        .await;
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-3")
+        .json(visa(600))
+        .send()
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.content_type(), "application/problem+json");
+    assert_eq!(reply.json["error"]["type"], "idempotency_error");
+    assert_eq!(reply.error_code(), "idempotency_key_reused");
+    assert_eq!(reply.json["error"]["message"], reply.json["detail"]);
+    assert!(
+        reply.json["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("#mismatch")),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.json["status"], 400);
+    assert_eq!(reply.header("stripe-should-retry"), Some("false"));
+    assert_eq!(h.provider_counts(), (1, 1));
+}
+
+/// Form bodies, as Stripe's SDKs send them: a charge with Stripe's nested metadata, replayed for
+/// the same bytes. The layer fingerprints the raw bytes, so the same charge written another way
+/// (its parameters in another order, or as JSON) under the same key is another request: 400.
+async fn form_bodies_charge_and_replay_by_their_bytes(h: &mut Harness) {
+    let body = "amount=2000&currency=usd&source=tok_visa&description=a+red+bicycle\
+                &metadata[order_id]=6735&metadata%5Bgift%5D=yes";
+    let create = |body: &str| h.post("/v1/charges").auth(ALICE).key("form-1").form(body);
+    let first = create(body).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json["object"], "charge");
+    assert_eq!(first.json["amount"], 2000);
+    assert_eq!(first.json["currency"], "usd");
+    assert_eq!(first.json["description"], "a red bicycle");
+    assert_eq!(
+        first.json["metadata"],
+        json!({ "order_id": "6735", "gift": "yes" })
+    );
+    let retry = create(body).send().await;
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes);
+
+    let reordered = "currency=usd&amount=2000&source=tok_visa&description=a+red+bicycle\
+                     &metadata[order_id]=6735&metadata%5Bgift%5D=yes";
+    let as_json = json!({
+        "amount": 2000, "currency": "usd", "source": "tok_visa", "description": "a red bicycle",
+        "metadata": { "order_id": "6735", "gift": "yes" },
+    });
+    for other in [
+        create(reordered).send().await,
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("form-1")
+            .json(as_json.clone())
+            .send()
+            .await,
+    ] {
+        assert_eq!(other.status, StatusCode::BAD_REQUEST, "{}", other.text());
+        assert_eq!(other.json["error"]["type"], "idempotency_error");
+    }
+    assert_eq!(h.provider_counts(), (1, 1), "charged once");
+
+    // JSON, with a key of its own, makes the same charge.
+    let json_charge = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("json-1")
+        .json(as_json)
+        .send()
+        .await;
+    assert_eq!(json_charge.status, StatusCode::CREATED);
+    assert_eq!(json_charge.json["metadata"], first.json["metadata"]);
+
+    // `capture=false` authorizes; a form refund takes part of a captured charge.
+    let authorized = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("form-2")
+        .form("amount=500&currency=eur&source=tok_visa&capture=false")
+        .send()
+        .await;
+    assert_eq!(
+        authorized.json["status"],
+        "authorized",
+        "{}",
+        authorized.text()
+    );
+    let id = first.json["id"].as_str().expect("an id");
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("form-refund")
+        .form("amount=500")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+    assert_eq!(refund.json["amount"], 500);
+}
+
+/// A form's values are checked as JSON's are, and a parameter the API does not know is refused, as
+/// Stripe refuses it.
+async fn form_parameters_are_checked(h: &mut Harness) {
+    let create = |key: &str, body: &str| h.post("/v1/charges").auth(ALICE).key(key).form(body);
+    let reply = create("bad-1", "amount=ten&currency=eur&source=tok_visa")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert_eq!(reply.json["error"]["param"], "amount");
+    let reply = create(
+        "bad-2",
+        "amount=100&currency=eur&source=tok_visa&customer=cus_1",
+    )
+    .send()
+    .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_unknown",
+    );
+    let reply = create(
+        "bad-3",
+        "amount=100&currency=eur&source=tok_visa&capture=maybe",
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "capture", "{}", reply.text());
+    let many: String = (0..51).map(|i| format!("&metadata[k{i}]=v")).collect();
+    let reply = create(
+        "bad-4",
+        &format!("amount=100&currency=eur&source=tok_visa{many}"),
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "metadata", "{}", reply.text());
+    let long = "x".repeat(501);
+    let reply = create(
+        "bad-5",
+        &format!("amount=100&currency=eur&source=tok_visa&metadata[k]={long}"),
+    )
+    .send()
+    .await;
+    assert_eq!(reply.json["error"]["param"], "metadata", "{}", reply.text());
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn a_decline_is_402_and_replayed(h: &mut Harness) {
+    let body = json!({ "amount": 700, "currency": "usd", "source": "tok_chargeDeclined" });
+    let decline = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-4")
+            .json(body.clone())
+    };
+    let first = decline().send().await;
+    first.assert_error(StatusCode::PAYMENT_REQUIRED, "card_error", "card_declined");
+    assert!(!first.replayed());
+    let retry = decline().send().await;
+    assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes);
+    assert_eq!(h.provider_counts(), (1, 1), "the provider was called once");
+
+    let id = first.json["error"]["charge"]
+        .as_str()
+        .expect("the failed charge");
+    let charge = h.charge_status(ALICE, id).await;
+    assert_eq!(charge["status"], "failed");
+    assert_eq!(charge["captured"], false);
+}
+
+async fn provider_unavailable_is_503_and_a_retry_runs_again(h: &mut Harness) {
+    let body = json!({ "amount": 700, "currency": "usd", "source": "tok_pspUnavailable" });
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-5")
+            .json(body.clone())
+    };
+    let first = create().send().await;
+    first.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "api_error",
+        "provider_unavailable",
+    );
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!retry.replayed(), "a 503 is not stored");
+    // Each request's provider call is retried by the client layer (3 attempts, the provider's
+    // 503 is worth another try) before the charge gives up: two requests, six calls.
+    assert_eq!(
+        h.provider_counts(),
+        (6, 0),
+        "three provider calls per request"
+    );
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert!(ids(&list.json).is_empty(), "nothing was recorded");
+}
+
+async fn two_accounts_with_one_key_get_two_charges(h: &mut Harness) {
+    let create = |api_key| {
+        h.post("/v1/charges")
+            .auth(api_key)
+            .key("shared-key")
+            .json(visa(100))
+    };
+    let alice = create(ALICE).send().await;
+    let bob = create(BOB).send().await;
+    assert_eq!(alice.status, StatusCode::CREATED);
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert!(!bob.replayed(), "Bob never sees Alice's record");
+    assert_ne!(alice.json["id"], bob.json["id"]);
+    assert_eq!(h.provider_counts(), (2, 2));
+
+    let alice_list = h.get("/v1/charges").auth(ALICE).send().await;
+    let bob_list = h.get("/v1/charges").auth(BOB).send().await;
+    assert_eq!(ids(&alice_list.json), [alice.json["id"].as_str().unwrap()]);
+    assert_eq!(ids(&bob_list.json), [bob.json["id"].as_str().unwrap()]);
+}
+
+async fn the_list_is_newest_first_and_per_account(h: &mut Harness) {
+    let mut created = Vec::new();
+    for amount in [100, 200, 300] {
+        created.push(h.charge(ALICE, visa(amount)).await["id"].clone());
+    }
+    let bob = h.charge(BOB, visa(400)).await;
+
+    let reply = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.json["object"], "list");
+    let newest_first: Vec<&str> = created
+        .iter()
+        .rev()
+        .map(|id| id.as_str().unwrap())
+        .collect();
+    assert_eq!(ids(&reply.json), newest_first);
+    let amounts: Vec<&Value> = reply.json["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| &c["amount"])
+        .collect();
+    assert_eq!(amounts, [&json!(300), &json!(200), &json!(100)]);
+
+    let reply = h.get("/v1/charges").auth(BOB).send().await;
+    assert_eq!(ids(&reply.json), [bob["id"].as_str().unwrap()]);
+}
+
+async fn another_accounts_charge_is_404(h: &mut Harness) {
+    let id = &h.authorized(ALICE, 100).await;
+
+    let reply = h.get(&format!("/v1/charges/{id}")).auth(BOB).send().await;
+    reply.assert_error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "resource_missing",
+    );
+    let reply = h.get("/v1/charges/ch_nope").auth(ALICE).send().await;
+    reply.assert_error(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "resource_missing",
+    );
+    // Nor can Bob act on it.
+    for action in ["capture", "refunds", "cancel"] {
+        let reply = h
+            .post(&format!("/v1/charges/{id}/{action}"))
+            .auth(BOB)
+            .key(&format!("bob-{action}"))
+            .send()
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{action}: {}",
+            reply.text()
+        );
+    }
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "authorized");
+}
+
+async fn capture_an_authorized_charge(h: &mut Harness) {
+    let charge = h
+        .charge(
+            ALICE,
+            json!({ "amount": 1500, "currency": "eur", "source": "tok_visa", "capture": false }),
+        )
+        .await;
+    assert_eq!(charge["status"], "authorized");
+    assert_eq!(charge["captured"], false);
+    let id = charge["id"].as_str().unwrap();
+    let path = format!("/v1/charges/{id}/capture");
+
+    let reply = h.post(&path).auth(ALICE).send().await;
+    assert_eq!(
+        reply.status,
+        StatusCode::BAD_REQUEST,
+        "capture needs a key too"
+    );
+
+    let capture = || h.post(&path).auth(ALICE).key("capture-1");
+    let captured = capture().send().await;
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+    assert_eq!(captured.json["status"], "captured");
+    assert_eq!(captured.json["captured"], true);
+    assert_eq!(captured.json["id"], id);
+    assert_eq!(h.provider_counts(), (2, 2));
+
+    let retry = capture().send().await;
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, captured.bytes);
+
+    let again = h.post(&path).auth(ALICE).key("capture-2").send().await;
+    again.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    assert_eq!(
+        h.provider_counts(),
+        (2, 2),
+        "no provider call for a refused capture"
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "captured");
+}
+
+async fn partial_refunds_then_the_rest(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().unwrap();
+    let path = format!("/v1/charges/{id}/refunds");
+
+    let partial = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-1")
+        .json(json!({ "amount": 300 }))
+        .send()
+        .await;
+    assert_eq!(partial.status, StatusCode::CREATED, "{}", partial.text());
+    assert_eq!(partial.json["object"], "refund");
+    assert_eq!(partial.json["amount"], 300);
+    assert_eq!(partial.json["charge"], id);
+    assert!(partial.json["id"].as_str().unwrap().starts_with("re_"));
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "captured");
+    assert_eq!(after["amount_refunded"], 300);
+
+    let over = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-2")
+        .json(json!({ "amount": 701 }))
+        .send()
+        .await;
+    over.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "amount_too_large",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["amount_refunded"], 300);
+
+    // No amount: the rest.
+    let rest = h.post(&path).auth(ALICE).key("refund-3").send().await;
+    assert_eq!(rest.status, StatusCode::CREATED, "{}", rest.text());
+    assert_eq!(rest.json["amount"], 700);
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "refunded");
+    assert_eq!(after["amount_refunded"], 1000);
+    assert_eq!(after["captured"], true);
+
+    let again = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-4")
+        .json(json!({ "amount": 1 }))
+        .send()
+        .await;
+    again.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    // The charge, a refund, a refund.
+    assert_eq!(h.provider_counts(), (3, 3));
+
+    let bad = h
+        .post(&path)
+        .auth(ALICE)
+        .key("refund-5")
+        .json(json!({ "amount": 0 }))
+        .send()
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+async fn a_refund_needs_a_captured_charge(h: &mut Harness) {
+    let id = &h.authorized(ALICE, 1000).await;
+    let reply = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("refund-authorized")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+}
+
+async fn cancel_an_authorized_charge(h: &mut Harness) {
+    let id = &h.authorized(ALICE, 1000).await;
+
+    let canceled = h
+        .post(&format!("/v1/charges/{id}/cancel"))
+        .auth(ALICE)
+        .key("cancel-1")
+        .send()
+        .await;
+    assert_eq!(canceled.status, StatusCode::OK, "{}", canceled.text());
+    assert_eq!(canceled.json["status"], "canceled");
+    assert_eq!(canceled.json["captured"], false);
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "canceled");
+
+    let capture = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("capture-canceled")
+        .send()
+        .await;
+    capture.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+
+    // A captured charge cannot be canceled (refund it instead).
+    let captured = h.charge(ALICE, visa(1000)).await;
+    let id = captured["id"].as_str().unwrap();
+    let reply = h
+        .post(&format!("/v1/charges/{id}/cancel"))
+        .auth(ALICE)
+        .key("cancel-captured")
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "captured");
+}
+
+async fn invalid_input_is_400(h: &mut Harness) {
+    let cases: [(&str, &str, Option<&str>); 14] = [
+        ("not json", "invalid_json", None),
+        ("", "invalid_json", None),
+        ("[1, 2]", "parameter_invalid", None),
+        (
+            r#"{"currency": "eur", "source": "tok_visa"}"#,
+            "parameter_missing",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": 0, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": -5, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("amount"),
+        ),
+        (
+            r#"{"amount": 10.5, "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            None,
+        ),
+        (
+            r#"{"amount": "ten", "currency": "eur", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            None,
+        ),
+        (
+            r#"{"amount": 100, "source": "tok_visa"}"#,
+            "parameter_missing",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eu", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "e1r", "source": "tok_visa"}"#,
+            "parameter_invalid",
+            Some("currency"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur"}"#,
+            "parameter_missing",
+            Some("source"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur", "source": "tok_nope"}"#,
+            "parameter_invalid",
+            Some("source"),
+        ),
+        (
+            r#"{"amount": 100, "currency": "eur", "source": "tok_visa", "capture": "yes"}"#,
+            "parameter_invalid",
+            None,
+        ),
+    ];
+    for (i, (body, code, param)) in cases.into_iter().enumerate() {
+        let reply = h
+            .post("/v1/charges")
+            .auth(ALICE)
+            .key(&format!("invalid-{i}"))
+            .raw(body)
+            .send()
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{body}: {}",
+            reply.text()
+        );
+        reply.assert_error(StatusCode::BAD_REQUEST, "invalid_request_error", code);
+        if let Some(param) = param {
+            assert_eq!(reply.json["error"]["param"], param, "{body}");
+        }
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+async fn reads_need_no_key_and_are_never_stored(h: &mut Harness) {
+    let list = || h.get("/v1/charges").auth(ALICE).key("read-key");
+    let empty = list().send().await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert!(ids(&empty.json).is_empty());
+    let charge = h.charge(ALICE, visa(100)).await;
+    let after = list().send().await;
+    assert!(!after.replayed());
+    assert_eq!(ids(&after.json), [charge["id"].as_str().unwrap()]);
+}
+
+async fn a_lost_record_is_caught_by_the_provider(h: &mut Harness) {
+    fn create(h: &Harness) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-6")
+            .json(visa(900))
+    }
+    let first = create(h).send().await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    h.lose_idempotency_records();
+    let retry = create(h).send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed(), "the layer had forgotten the key");
+    assert_eq!(retry.json["id"], first.json["id"], "the same charge");
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "the provider saw the same derived key and did nothing the second time"
+    );
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json).len(), 1);
+}
+
+async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
+    let id = &h.authorized(ALICE, 1000).await;
+    let capture = || {
+        h.post(&format!("/v1/charges/{id}/capture"))
+            .auth(ALICE)
+            .key("capture-outage")
+    };
+
+    h.provider().set_outage(true);
+    let down = capture().send().await;
+    down.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "api_error",
+        "provider_unavailable",
+    );
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "authorized");
+
+    h.provider().set_outage(false);
+    let retry = capture().send().await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(retry.json["status"], "captured");
+    // The authorization, the capture in the outage (three attempts of the client layer, each a
+    // 503), and the capture after it.
+    assert_eq!(h.provider_counts(), (5, 2));
+}
+
+/// A provider down for a moment (two calls) is retried by the client layer within the request:
+/// the charge and a capture each succeed at the first request, with one payment and one capture.
+async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harness) {
+    h.provider().set_down_for(2);
+    let created = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-blip")
+        .json(json!({ "amount": 900, "currency": "eur", "source": "tok_visa", "capture": false }))
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(created.json["status"], "authorized");
+    assert_eq!(h.provider_counts(), (3, 1), "two 503s, then the payment");
+
+    let id = created.json["id"].as_str().expect("an id").to_owned();
+    h.provider().set_down_for(1);
+    let captured = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("capture-blip")
+        .send()
+        .await;
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+    assert_eq!(captured.json["status"], "captured");
+    assert_eq!(h.provider_counts(), (5, 2), "one 503, then the capture");
+}
+
+/// The key of a refund, reused for a charge once both windows ran out: a new charge, not the
+/// refund's (nor a 500).
+async fn a_key_reused_after_the_window_for_another_operation_is_a_new_charge(h: &mut Harness) {
+    h.provider_window(SHORT_WINDOW);
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().unwrap();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("reused-1")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+
+    h.pass_the_windows().await;
+    let reused = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("reused-1")
+        .json(visa(700))
+        .send()
+        .await;
+    assert_eq!(reused.status, StatusCode::CREATED, "{}", reused.text());
+    assert!(!reused.replayed());
+    assert_ne!(reused.json["id"], charge["id"]);
+    assert_eq!(reused.json["amount"], 700);
+    assert_eq!(reused.json["status"], "captured");
+    assert_eq!(h.charge_status(ALICE, id).await["status"], "refunded");
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json).len(), 2);
+}
+
+/// A key reused for another amount once both windows ran out: a new charge of that amount.
+async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mut Harness) {
+    h.provider_window(SHORT_WINDOW);
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("reused-2")
+            .json(visa(amount))
+    }
+    let first = create(h, 900).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let id = first.json["id"].as_str().unwrap();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("refund-reused-2")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+
+    h.pass_the_windows().await;
+    let reused = create(h, 1200).send().await;
+    assert_eq!(reused.status, StatusCode::CREATED, "{}", reused.text());
+    assert!(!reused.replayed());
+    assert_ne!(reused.json["id"], first.json["id"]);
+    assert_eq!(reused.json["amount"], 1200);
+    assert_eq!(reused.json["status"], "captured");
+    assert_eq!(reused.json["amount_refunded"], 0);
+}
+
+/// A key the layer forgot but the provider still holds, reused for another amount: the
+/// provider's own refusal, as an API error, and nothing charged.
+async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(h: &mut Harness) {
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("reused-3")
+            .json(visa(amount))
+    }
+    let first = create(h, 900).send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+
+    h.lose_idempotency_records();
+    let reused = create(h, 1200).send().await;
+    reused.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "nothing charged the second time"
+    );
+    let list = h.get("/v1/charges").auth(ALICE).send().await;
+    assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
+
+    // The same request as the first, once the layer forgot the refusal too, is still the
+    // first charge.
+    h.lose_idempotency_records();
+    let same = create(h, 900).send().await;
+    assert_eq!(same.status, StatusCode::CREATED, "{}", same.text());
+    assert_eq!(same.json["id"], first.json["id"]);
+}
+
+/// A key the layer forgot but the provider still holds, reused for another operation: refused
+/// too, and the charge it was aimed at is left as it was.
+async fn a_key_reused_within_the_providers_window_for_another_operation_is_refused(
+    h: &mut Harness,
+) {
+    let id = &h.authorized(ALICE, 1000).await;
+    let capture = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("reused-4")
+        .send()
+        .await;
+    assert_eq!(capture.status, StatusCode::OK, "{}", capture.text());
+
+    h.lose_idempotency_records();
+    let refund = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("reused-4")
+        .send()
+        .await;
+    refund.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    let after = h.charge_status(ALICE, id).await;
+    assert_eq!(after["status"], "captured", "rolled back");
+    assert_eq!(after["amount_refunded"], 0);
+    h.lose_idempotency_records();
+    let create = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("reused-4")
+        .json(visa(1000))
+        .send()
+        .await;
+    create.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(h.provider_counts(), (4, 2));
+}
+
+async fn amounts_out_of_bounds_are_400(h: &mut Harness) {
+    for (i, amount) in [100_000_000, i64::MAX].into_iter().enumerate() {
+        let reply = h
+            .post("/v1/charges")
+            .auth(ALICE)
+            .key(&format!("too-much-{i}"))
+            .json(visa(amount))
+            .send()
+            .await;
+        reply.assert_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "parameter_invalid",
+        );
+        assert_eq!(reply.json["error"]["param"], "amount", "{}", reply.text());
+    }
+    assert_eq!(h.provider_counts(), (0, 0));
+    let largest = h.charge(ALICE, visa(99_999_999)).await;
+    assert_eq!(largest["amount"], 99_999_999);
+}
+
+async fn a_description_over_the_bound_is_400(h: &mut Harness) {
+    let reply = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("long-description")
+        .json(json!({
+            "amount": 100,
+            "currency": "eur",
+            "source": "tok_visa",
+            "description": "x".repeat(DESCRIPTION_LIMIT + 1),
+        }))
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert_eq!(
+        reply.json["error"]["param"],
+        "description",
+        "{}",
+        reply.text()
+    );
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+/// The largest valid charge, with the description whose JSON grows the most (every character a
+/// control character, escaped as `\u00XX`), padded to the largest body: its 201 replays.
+async fn the_largest_valid_charge_replays_byte_for_byte(h: &mut Harness) {
+    let description = "\u{1}".repeat(DESCRIPTION_LIMIT);
+    let body = json!({
+        "amount": 99_999_999,
+        "currency": "eur",
+        "source": "tok_visa",
+        "capture": false,
+        "description": description,
+    })
+    .to_string();
+    let padding = REQUEST_LIMIT - body.len();
+    let body = format!("{}{body}", " ".repeat(padding));
+    assert_eq!(body.len(), REQUEST_LIMIT);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("largest")
+            .raw_owned(body.clone())
+    };
+    let first = create().send().await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json["description"], description.as_str());
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+    assert_eq!(h.provider_counts(), (1, 1));
+}
+
+/// The largest request with the bad value whose quote in the error grows the most (DEL, raw in
+/// JSON, quoted as `\\u{7f}`): its 400 replays too.
+async fn the_largest_invalid_charge_replays_byte_for_byte(h: &mut Harness) {
+    let prefix = r#"{"currency": "eur", "source": "tok_visa", "amount": ""#;
+    let suffix = r#""}"#;
+    let value = "\u{7f}".repeat(REQUEST_LIMIT - prefix.len() - suffix.len());
+    let body = format!("{prefix}{value}{suffix}");
+    assert_eq!(body.len(), REQUEST_LIMIT);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("largest-invalid")
+            .raw_owned(body.clone())
+    };
+    let first = create().send().await;
+    first.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_invalid",
+    );
+    assert!(
+        first.bytes.len() > 6 * REQUEST_LIMIT,
+        "{}",
+        first.bytes.len()
+    );
+    let retry = create().send().await;
+    assert_eq!(retry.status, StatusCode::BAD_REQUEST, "{}", retry.text());
+    assert!(retry.replayed());
+    assert_eq!(retry.bytes, first.bytes, "the same body, byte for byte");
+
+    let over = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("over-the-limit")
+        .raw_owned(format!(" {body}"))
+        .send()
+        .await;
+    assert_eq!(
+        over.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        over.text()
+    );
+    assert_eq!(h.provider_counts(), (0, 0));
+}
+
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let mut harness = super::Harness::memory();
+                    super::$scenario(&mut harness).await;
+                    harness.finish();
+                }
+            )*
+        }
+
+        mod redis {
+            $(
+                #[tokio::test]
+                async fn $scenario() {
+                    let mut harness = super::Harness::redis().await;
+                    super::$scenario(&mut harness).await;
+                    harness.finish();
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    no_or_empty_bearer_is_401,
+    a_charge_without_idempotency_key_is_400,
+    create_is_201_with_the_charge,
+    a_retry_replays_the_charge,
+    the_same_key_with_another_amount_is_400_idempotency_error,
+    form_bodies_charge_and_replay_by_their_bytes,
+    form_parameters_are_checked,
+    a_decline_is_402_and_replayed,
+    provider_unavailable_is_503_and_a_retry_runs_again,
+    two_accounts_with_one_key_get_two_charges,
+    the_list_is_newest_first_and_per_account,
+    another_accounts_charge_is_404,
+    capture_an_authorized_charge,
+    partial_refunds_then_the_rest,
+    a_refund_needs_a_captured_charge,
+    cancel_an_authorized_charge,
+    invalid_input_is_400,
+    reads_need_no_key_and_are_never_stored,
+    a_lost_record_is_caught_by_the_provider,
+    a_provider_outage_rolls_a_capture_back,
+    a_provider_down_for_a_moment_is_retried_within_the_request,
+    a_key_reused_after_the_window_for_another_operation_is_a_new_charge,
+    a_key_reused_after_the_window_for_another_amount_is_a_new_charge,
+    a_key_reused_within_the_providers_window_for_another_amount_is_refused,
+    a_key_reused_within_the_providers_window_for_another_operation_is_refused,
+    amounts_out_of_bounds_are_400,
+    a_description_over_the_bound_is_400,
+    the_largest_valid_charge_replays_byte_for_byte,
+    the_largest_invalid_charge_replays_byte_for_byte,
+);
+
+/// The provider charges, then its answer never comes (it hangs once the payment is made): the
+/// client layer's attempt times out and its retry, with the same key, gets the provider's first
+/// reply from its key table. One request, one payment. On paused time, the attempt timeout costs
+/// no real time.
+#[tokio::test(start_paused = true)]
+async fn a_provider_answer_lost_to_the_attempt_timeout_is_retried_and_charged_once() {
+    let h = Harness::memory();
+    h.provider().hang(Some(provider::Hang::AfterEffect));
+    let started = tokio::time::Instant::now();
+    let created = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-lost")
+        .json(visa(1200))
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(created.json["status"], "captured");
+    assert_eq!(
+        h.provider_counts(),
+        (2, 1),
+        "the retry was answered from the provider's keys"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(3) && waited < Duration::from_secs(4),
+        "one attempt timeout (3 s) and a short backoff: {waited:?}"
+    );
+    h.finish();
+}
+
+/// Two instances on one Redis: the provider's keys are one table, so a retry that reaches the
+/// other instance after the layer forgot the key finds the first payment, or the refusal.
+#[tokio::test]
+async fn two_instances_on_one_redis_share_the_providers_keys() {
+    let mut first = Harness::redis().await;
+    let url = first.redis.as_ref().expect("a Redis").url();
+    let second = Harness::on(
+        AppState::new(Duration::ZERO).with_provider(Provider::with_keys(
+            Duration::ZERO,
+            KeyTable::redis(
+                RedisConn::open(&url).expect("a valid URL"),
+                server::PROVIDER_PREFIX,
+                provider::WINDOW,
+            ),
+        )),
+        Records::Redis(RedisStore::from_url(&url).expect("a valid URL")),
+        None,
+    );
+    fn create(h: &Harness, amount: i64) -> Call<'_> {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("shared")
+            .json(visa(amount))
+    }
+    let charged = create(&first, 900).send().await;
+    assert_eq!(charged.status, StatusCode::CREATED, "{}", charged.text());
+
+    first.lose_idempotency_records();
+    let retry = create(&second, 900).send().await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(retry.json["id"], charged.json["id"], "the same payment");
+    assert_eq!(second.provider_counts(), (1, 0), "nothing charged again");
+
+    first.lose_idempotency_records();
+    let other = create(&second, 1200).send().await;
+    other.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(second.provider_counts(), (2, 0));
+    first.finish();
+}
+
+/// `GET /metrics`: the layer's counters and store latencies in Prometheus' text format, with no
+/// API key, and nothing of a request (key, account) in a label.
+#[tokio::test]
+async fn metrics_are_served_in_prometheus_text() {
+    let (recorder, handle) = server::prometheus::recorder();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let state = AppState::new(Duration::ZERO).with_metrics(handle);
+    let h = Harness::on(state, Records::Memory(MemoryStore::new()), None);
+    let create = || {
+        h.post("/v1/charges")
+            .auth(ALICE)
+            .key("order-metrics")
+            .json(visa(500))
+    };
+    assert_eq!(create().send().await.status, StatusCode::CREATED);
+    assert!(create().send().await.replayed());
+    let other = h
+        .post("/v1/charges")
+        .auth(ALICE)
+        .key("order-metrics")
+        .json(visa(600))
+        .send()
+        .await;
+    assert_eq!(other.status, StatusCode::BAD_REQUEST);
+
+    let reply = h.get("/metrics").send().await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(reply.content_type().starts_with("text/plain"));
+    let text = reply.text();
+    for line in [
+        "idempotency_requests_total{outcome=\"executed\"} 1",
+        "idempotency_requests_total{outcome=\"replayed\"} 1",
+        "idempotency_requests_total{outcome=\"mismatch\"} 1",
+        "idempotency_store_call_duration_seconds_count{operation=\"claim\",result=\"ok\"} 3",
+        "idempotency_store_call_duration_seconds_count{operation=\"complete\",result=\"ok\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("idempotency_store_call_duration_seconds_bucket{operation=\"claim\",result=\"ok\",le=\"0.001\"}"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("order-metrics") && !text.contains("acct_"),
+        "{text}"
+    );
+    h.finish();
+}
+
+/// A route the API does not have answers as Stripe's does: `404` with
+/// `{"error": {"type": "invalid_request_error", "message": "Unrecognized request URL (POST: ...)"}}`,
+/// so that an SDK call to an endpoint the example lacks raises a clear error (not "Invalid JSON
+/// received from the Stripe API"). No key or API key is needed to learn that.
+#[tokio::test]
+async fn an_unknown_route_is_404_in_stripes_form() {
+    let h = Harness::memory();
+    let refund = h
+        .post("/v1/refunds")
+        .auth(ALICE)
+        .key("refund-1")
+        .form("charge=ch_1&amount=100")
+        .send()
+        .await;
+    assert_eq!(refund.status, StatusCode::NOT_FOUND, "{}", refund.text());
+    assert!(refund.content_type().starts_with("application/json"));
+    assert_eq!(refund.json["error"]["type"], "invalid_request_error");
+    let message = refund.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("Unrecognized request URL (POST: /v1/refunds)."),
+        "{message}"
+    );
+    let unknown = h.get("/v2/nothing").send().await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    let message = unknown.json["error"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.starts_with("Unrecognized request URL (GET: /v2/nothing)."),
+        "{message}"
+    );
+    assert_eq!(h.provider_counts(), (0, 0), "nothing ran");
+    h.finish();
+}

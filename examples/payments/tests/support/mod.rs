@@ -1,0 +1,35 @@
+#![allow(dead_code)]
+//! What the tests share: the package's binaries, run as processes, and a proxy that cuts answers
+//! off.
+
+pub mod cut_proxy;
+
+use std::path::PathBuf;
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// The path of one of this package's binaries: `server` (the payments server) or `client`,
+/// which Cargo builds before it runs the tests.
+pub fn binary(name: &str) -> PathBuf {
+    PathBuf::from(match name {
+        "server" => env!("CARGO_BIN_EXE_example-payments"),
+        "client" => env!("CARGO_BIN_EXE_client"),
+        other => panic!("no binary named {other}"),
+    })
+}
+
+/// Waits for `child` to exit, killing it after `bound`.
+pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(status) = child.try_wait().expect("the child can be waited on") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example did not exit within {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

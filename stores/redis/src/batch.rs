@@ -1,0 +1,235 @@
+//! Commands from concurrent requests, sent to Redis together.
+//!
+//! Each request's command would otherwise be its own write to the socket and its own read by
+//! Redis: on a busy server, most of a round trip's cost is those system calls, on both sides.
+//! Commands queued while other requests are still being polled go out as one pipeline instead:
+//! one write, one read by Redis, one reply read back. Order is kept: a command queued after
+//! another is sent after it.
+//!
+//! A claim whose caller stops waiting (its timeout, or its client went away and the request was
+//! dropped) may still claim its key. The pipeline then releases that claim, fenced by its token,
+//! behind the claim on the same connection, so the key is not held for a request that
+//! will never run until its lease runs out. A command whose caller is gone before it is sent is
+//! not sent at all.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::task::Poll;
+use std::time::Duration;
+
+use deadpool_redis::redis::aio::MultiplexedConnection;
+use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::calls::claimed_fence;
+use tower_idempotency::record::ClaimToken;
+
+/// How long a release behind an abandoned claim waits for its answer (nobody else waits for it).
+const RELEASE_BOUND: Duration = Duration::from_secs(30);
+
+/// A claim's Redis key and token: what releasing it takes.
+pub(super) type ClaimRef = (String, ClaimToken);
+
+/// The commands waiting for the next pipeline.
+#[derive(Default)]
+pub(super) struct Batch {
+    queue: Mutex<Vec<Queued>>,
+}
+
+struct Queued {
+    cmd: Cmd,
+    reply: oneshot::Sender<RedisResult<Value>>,
+    /// For a claim's `SET`: the claim to release if its caller stops waiting.
+    claim: Option<ClaimRef>,
+}
+
+/// A batch taken from the queue, ready to be sent.
+pub(super) struct Pipeline {
+    pipe: redis::Pipeline,
+    replies: Vec<oneshot::Sender<RedisResult<Value>>>,
+    claims: Vec<Option<ClaimRef>>,
+}
+
+impl Batch {
+    /// Queues `cmd`. Returns where its answer will arrive, and whether it is the first of a new
+    /// batch: the caller then takes and sends the batch.
+    pub(super) fn push(
+        &self,
+        cmd: Cmd,
+        claim: Option<ClaimRef>,
+    ) -> (oneshot::Receiver<RedisResult<Value>>, bool) {
+        let (reply, answer) = oneshot::channel();
+        let mut queue = self.lock();
+        queue.push(Queued { cmd, reply, claim });
+        (answer, queue.len() == 1)
+    }
+
+    /// Takes every queued command whose caller still waits, in order.
+    pub(super) fn take(&self) -> Pipeline {
+        let queued = {
+            let mut queue = self.lock();
+            // The next batch is likely about as large: spare it the regrowth.
+            let capacity = queue.len();
+            std::mem::replace(&mut *queue, Vec::with_capacity(capacity))
+        };
+        let mut pipe = redis::Pipeline::with_capacity(queued.len());
+        // Each command gets its own answer, errors included, rather than the first error for all.
+        pipe.ignore_errors();
+        let mut replies = Vec::with_capacity(queued.len());
+        let mut claims = Vec::with_capacity(queued.len());
+        for Queued { cmd, reply, claim } in queued {
+            if reply.is_closed() {
+                continue;
+            }
+            pipe.add_command(cmd);
+            replies.push(reply);
+            claims.push(claim);
+        }
+        Pipeline {
+            pipe,
+            replies,
+            claims,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Queued>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Pipeline {
+    /// Answers every command with the error that kept the batch from being sent (nothing was
+    /// sent, so nothing was claimed), and returns it.
+    pub(super) fn fail(self, err: &(dyn std::error::Error + 'static)) -> RedisError {
+        let err = RedisError::from((
+            redis::ErrorKind::Io,
+            "no Redis connection for the pipeline",
+            err.to_string(),
+        ));
+        for reply in self.replies {
+            let _ = reply.send(Err(err.clone()));
+        }
+        err
+    }
+
+    /// Sends the batch, answered by `deadline`, and hands each command its answer (or the error
+    /// that failed the batch), releasing (with `release`, the fenced release script) the claims
+    /// whose callers stopped waiting. Returns the error that failed the whole batch, for the
+    /// caller to act on.
+    pub(super) async fn send(
+        self,
+        connection: MultiplexedConnection,
+        deadline: Instant,
+        release: &'static str,
+    ) -> Option<RedisError> {
+        let Self {
+            pipe,
+            mut replies,
+            mut claims,
+        } = self;
+        if replies.is_empty() {
+            return None;
+        }
+        let mut sending = connection.clone();
+        let query = tokio::time::timeout_at(
+            deadline,
+            pipe.query_async::<Vec<RedisResult<Value>>>(&mut sending),
+        );
+        let answers = {
+            let mut query = std::pin::pin!(query);
+            loop {
+                let event = std::future::poll_fn(|cx| {
+                    // The pipeline first: it is on the connection before any release.
+                    if let Poll::Ready(answers) = query.as_mut().poll(cx) {
+                        return Poll::Ready(Event::Answered(answers));
+                    }
+                    // A claim whose caller stopped waiting. Each open claim's channel holds this
+                    // task's waker, rather than a future of its own per claim.
+                    for (i, reply) in replies.iter_mut().enumerate() {
+                        if claims[i].is_some() && reply.poll_closed(cx).is_ready() {
+                            return Poll::Ready(Event::Left(i));
+                        }
+                    }
+                    Poll::Pending
+                })
+                .await;
+                match event {
+                    Event::Answered(answers) => break answers,
+                    Event::Left(i) => {
+                        if let Some(claim) = claims[i].take() {
+                            release_behind(&connection, claim, release);
+                        }
+                    }
+                }
+            }
+        };
+        let failure = match answers {
+            Ok(Ok(answers)) if answers.len() == replies.len() => {
+                for ((reply, claim), answer) in replies.into_iter().zip(claims).zip(answers) {
+                    // The claim script answers with the record now under the key: this
+                    // claim's when it carries the claim's token.
+                    let claimed = claim.as_ref().is_some_and(|(_, token)| {
+                        matches!(&answer, Ok(Value::BulkString(record))
+                            if claimed_fence(record, token).is_some())
+                    });
+                    if reply.send(answer).is_err()
+                        && claimed
+                        && let Some(claim) = claim
+                    {
+                        release_behind(&connection, claim, release);
+                    }
+                }
+                return None;
+            }
+            Ok(Ok(answers)) => RedisError::from((
+                redis::ErrorKind::Parse,
+                "a pipeline's answer count does not match its commands",
+                format!("{} commands, {} answers", replies.len(), answers.len()),
+            )),
+            Ok(Err(err)) => err,
+            Err(_) => RedisError::from(super::calls::io_timeout()),
+        };
+        // Nobody will run these claims (their callers answer 503): release them behind the SETs.
+        for (reply, claim) in replies.into_iter().zip(claims) {
+            let _ = reply.send(Err(failure.clone()));
+            if let Some(claim) = claim {
+                release_behind(&connection, claim, release);
+            }
+        }
+        Some(failure)
+    }
+}
+
+/// What a pipeline in flight waits for next.
+enum Event<A> {
+    /// Redis answered the pipeline (or its deadline passed).
+    Answered(A),
+    /// The caller of the claim at this index stopped waiting.
+    Left(usize),
+}
+
+/// The fenced release of `claim` as one `EVAL` of the release script's `source`: it needs no
+/// script cache, so it is one command wherever it is sent.
+pub(super) fn release_eval(source: &str, (key, token): ClaimRef) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(source)
+        .arg(1)
+        .arg(key)
+        .arg(token.as_bytes().as_slice());
+    cmd
+}
+
+/// Releases `claim` on `connection`, behind the pipeline that sent its `SET`. `EVAL`, not
+/// `EVALSHA`: a `NOSCRIPT` fallback would be a second, later command. Fenced by the claim's token,
+/// the release does nothing where the `SET` did not claim.
+fn release_behind(
+    connection: &MultiplexedConnection,
+    (key, token): ClaimRef,
+    release: &'static str,
+) {
+    let mut connection = connection.clone();
+    let cmd = release_eval(release, (key, token));
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(RELEASE_BOUND, cmd.query_async::<i64>(&mut connection)).await;
+    });
+}

@@ -1,0 +1,22 @@
+//! The store contract suite on `RedisStore`, each case on a `redis-server` of its own.
+//!
+//! Redis keeps its own clock, so these cases run on real time with a short lease and window
+//! (the memory suite runs the same cases on paused time).
+//!
+//! The suite is the exported one (`tower_idempotency_test`, feature `test-util`);
+//! `support::contract` names it beside the `redis-server` fixture, as a store test of this
+//! repository does.
+
+mod support;
+
+use support::RedisHarness;
+use test_servers::redis_server::RedisServer;
+use tower_idempotency_redis::RedisStore;
+
+fn harness() -> RedisHarness<RedisServer> {
+    let server = RedisServer::start();
+    let store = RedisStore::from_url(&server.url()).expect("a store");
+    RedisHarness::new(server, store)
+}
+
+tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");

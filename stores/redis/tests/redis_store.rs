@@ -1,0 +1,591 @@
+//! `RedisStore` against a real `redis-server` of its own: round trips, many instances, faults.
+//!
+//! Each test starts its own server on a free port (tests/support/redis_server.rs), so the tests run
+//! in parallel and can stop, kill, restart and pause it. Without `redis-server` on PATH they fail.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::post;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use test_servers::redis_server::RedisServer;
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_idempotency::store::{Claim, Store};
+use tower_idempotency::{Completed, Fingerprint, IdempotencyLayer, Outcome, Record, RecordId};
+use tower_idempotency_redis::RedisStore;
+
+/// A charge handler that counts its runs and can be held until the test releases it.
+#[derive(Clone, Default)]
+struct Handler {
+    runs: Arc<AtomicUsize>,
+    started: Arc<Notify>,
+    gate: Option<Arc<Notify>>,
+}
+
+impl Handler {
+    fn gated() -> Self {
+        Self {
+            gate: Some(Arc::new(Notify::new())),
+            ..Self::default()
+        }
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn release(&self) {
+        if let Some(gate) = &self.gate {
+            gate.notify_one();
+        }
+    }
+
+    fn app(&self, layer: IdempotencyLayer<RedisStore>) -> Router {
+        let handler = self.clone();
+        Router::new()
+            .route(
+                "/charges",
+                post(move |body: String| {
+                    let handler = handler.clone();
+                    async move {
+                        let n = handler.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        handler.started.notify_one();
+                        if let Some(gate) = &handler.gate {
+                            gate.notified().await;
+                        }
+                        (
+                            StatusCode::CREATED,
+                            [("x-run", n.to_string())],
+                            format!("charge {n}: {body}"),
+                        )
+                    }
+                }),
+            )
+            .layer(layer)
+    }
+}
+
+fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::from_url(&server.url())
+        .expect("a valid url")
+        .with_timeout(Duration::from_millis(500))
+}
+
+fn layer(server: &RedisServer) -> IdempotencyLayer<RedisStore> {
+    IdempotencyLayer::new(store(server))
+}
+
+fn charge(key: &str, body: &str) -> Request<Body> {
+    Request::post("/charges")
+        .header("idempotency-key", key)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+async fn send(app: &Router, request: Request<Body>) -> (StatusCode, Option<Outcome>, String) {
+    let response: Response<_> = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let outcome = response.extensions().get::<Outcome>().copied();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, outcome, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Commands the server ran since the last reset, without the bookkeeping of the test itself.
+/// `INFO commandstats` also counts the calls a script makes: the claim script's `GET`, `TIME` and
+/// `SET`, and the completion script's `GET` and `SET`, appear beside their `EVALSHA`s, though only
+/// an `EVALSHA` is a round trip.
+fn commands(server: &RedisServer) -> HashMap<String, u64> {
+    let mut stats = server.info_commandstats();
+    stats.retain(|name, _| !matches!(name.as_str(), "config|resetstat" | "info"));
+    stats
+}
+
+/// The round trips of the commands `commands` saw: every command but those run inside scripts
+/// (the store sends no `GET`, `SET`, `TIME` or `DEL` of its own: its calls are scripts).
+fn round_trips(stats: &HashMap<String, u64>) -> u64 {
+    stats
+        .iter()
+        .filter(|(name, _)| !matches!(name.as_str(), "get" | "set" | "time" | "del"))
+        .map(|(_, calls)| calls)
+        .sum()
+}
+
+fn assert_every_key_has_a_ttl(server: &RedisServer) {
+    assert_eq!(
+        server.keys_without_ttl(),
+        Vec::<String>::new(),
+        "keys without a TTL"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_are_at_the_floor() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let app = handler.app(layer(&server));
+    // Warm up: the first use connects and loads the completion script.
+    assert_eq!(
+        send(&app, charge("warm-up", "x")).await.0,
+        StatusCode::CREATED
+    );
+
+    server.config_resetstat();
+    assert_eq!(
+        send(&app, charge("k1", "100")).await.1,
+        Some(Outcome::Executed)
+    );
+    let stats = commands(&server);
+    // Two EVALSHAs: the claim (GET, TIME for the fence, SET) and the completion (GET, SET).
+    assert_eq!(
+        stats,
+        HashMap::from([
+            ("evalsha".into(), 2),
+            ("get".into(), 2),
+            ("time".into(), 1),
+            ("set".into(), 2)
+        ])
+    );
+    assert_eq!(round_trips(&stats), 2, "new key");
+
+    server.config_resetstat();
+    assert_eq!(
+        send(&app, charge("k1", "100")).await.1,
+        Some(Outcome::Replayed)
+    );
+    let claim_of_a_live_record = HashMap::from([("evalsha".into(), 1), ("get".into(), 1)]);
+    assert_eq!(commands(&server), claim_of_a_live_record, "replay");
+
+    server.config_resetstat();
+    assert_eq!(
+        send(&app, charge("k1", "200")).await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(commands(&server), claim_of_a_live_record, "422");
+
+    let gated = Handler::gated();
+    let gated_app = gated.app(layer(&server));
+    let first = tokio::spawn({
+        let app = gated_app.clone();
+        async move { send(&app, charge("k2", "100")).await }
+    });
+    gated.started.notified().await;
+    server.config_resetstat();
+    let (status, outcome, _) = send(&gated_app, charge("k2", "100")).await;
+    assert_eq!(
+        (status, outcome),
+        (StatusCode::CONFLICT, Some(Outcome::InFlight))
+    );
+    assert_eq!(commands(&server), claim_of_a_live_record, "409");
+    gated.release();
+    assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
+    assert_eq!(gated.runs(), 1);
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_one_truth_under_200_concurrent_retries() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    // Two instances behind a load balancer: each its own layer, store and pool, on one Redis.
+    let apps = [handler.app(layer(&server)), handler.app(layer(&server))];
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let app = apps[i % 2].clone();
+            tokio::spawn(async move { send(&app, charge("same-key", "100 EUR")).await })
+        })
+        .collect();
+    let mut by_outcome: HashMap<Option<Outcome>, usize> = HashMap::new();
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let (status, outcome, body) = task.await.unwrap();
+        match outcome {
+            Some(Outcome::Executed | Outcome::Replayed) => {
+                assert_eq!(status, StatusCode::CREATED);
+                bodies.push(body);
+            }
+            Some(Outcome::InFlight) => assert_eq!(status, StatusCode::CONFLICT),
+            other => panic!("unexpected outcome {other:?} ({status})"),
+        }
+        *by_outcome.entry(outcome).or_default() += 1;
+    }
+    assert_eq!(handler.runs(), 1, "exactly one execution: {by_outcome:?}");
+    assert_eq!(
+        by_outcome.get(&Some(Outcome::Executed)),
+        Some(&1),
+        "{by_outcome:?}"
+    );
+    assert!(
+        bodies.iter().all(|b| b == "charge 1: 100 EUR"),
+        "every 201 is the one charge"
+    );
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_gives_503_and_the_store_recovers_by_itself() {
+    let mut server = RedisServer::start();
+    let handler = Handler::default();
+    let app = handler.app(layer(&server));
+    assert_eq!(
+        send(&app, charge("before", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.stop();
+    let (status, outcome, body) = send(&app, charge("while-down", "1")).await;
+    assert_eq!(
+        (status, outcome),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(Outcome::StoreUnavailable)
+        )
+    );
+    assert!(body.contains("store-unavailable"), "{body}");
+    assert_eq!(handler.runs(), 1, "fail closed: the handler did not run");
+
+    server.restart();
+    // The same application, the same store: no restart needed.
+    assert_eq!(
+        send(&app, charge("while-down", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(
+        send(&app, charge("while-down", "1")).await.1,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(handler.runs(), 2);
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_gives_503_within_the_timeout() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let app = handler.app(layer(&server));
+    assert_eq!(
+        send(&app, charge("before", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.pause();
+    let started = Instant::now();
+    let (status, _, _) = send(&app, charge("while-paused", "1")).await;
+    let waited = started.elapsed();
+    server.resume();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        waited >= Duration::from_millis(450) && waited < Duration::from_millis(1500),
+        "{waited:?}"
+    );
+    assert_eq!(handler.runs(), 1);
+
+    // Once Redis answers again, so does the store.
+    assert_eq!(
+        send(&app, charge("while-paused", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(handler.runs(), 2);
+}
+
+/// Captures the layer's log lines (the runtime is single-threaded, so a thread-local subscriber sees
+/// the detached handler task too).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn redis_killed_while_the_handler_runs() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let mut server = RedisServer::start();
+    let handler = Handler::gated();
+    let layer = layer(&server);
+    let pending = layer.shutdown_handle();
+    let app = handler.app(layer);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, charge("k", "100")).await }
+    });
+    handler.started.notified().await;
+    server.kill();
+    handler.release();
+
+    // The client still gets the handler's response, though it could not be stored yet.
+    let (status, outcome, body) = first.await.unwrap();
+    assert_eq!(
+        (status, outcome),
+        (StatusCode::CREATED, Some(Outcome::Executed))
+    );
+    assert_eq!(body, "charge 1: 100");
+    assert!(
+        logs.text().contains("store write failed"),
+        "logged: {}",
+        logs.text()
+    );
+
+    // While Redis is down, a retry is refused and does not run the handler.
+    assert_eq!(
+        send(&app, charge("k", "100")).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(handler.runs(), 1);
+
+    // A Redis without persistence comes back empty, claim and all. The completion is still being
+    // retried, and it lands in the empty key: the handler did run, so a retry must not run it
+    // again.
+    server.restart();
+    tokio::time::timeout(Duration::from_secs(10), pending.wait())
+        .await
+        .expect("the pending completion lands once Redis is back");
+    let (status, outcome, body) = send(&app, charge("k", "100")).await;
+    assert_eq!(
+        (status, outcome, body.as_str()),
+        (
+            StatusCode::CREATED,
+            Some(Outcome::Replayed),
+            "charge 1: 100"
+        )
+    );
+    assert_eq!(handler.runs(), 1);
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_does_not_break_anything() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let app = handler.app(layer(&server));
+    assert_eq!(
+        send(&app, charge("a", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert!(server.command(&["SCRIPT", "FLUSH"]).is_ok());
+    assert_eq!(
+        send(&app, charge("b", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(
+        send(&app, charge("b", "1")).await.1,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(
+        send(&app, charge("a", "1")).await.1,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(handler.runs(), 2);
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_owner_that_lost_its_lease_cannot_overwrite_the_new_owner() {
+    let server = RedisServer::start();
+    let (old_instance, new_instance) = (store(&server), store(&server));
+    let id = RecordId::new(b"acct", "k");
+    let fingerprint = Fingerprint::from_bytes([3; 32]);
+    let lease = Duration::from_millis(200);
+
+    let Claim::Claimed(old) = old_instance.claim(&id, &fingerprint, lease).await.unwrap() else {
+        panic!("a new key is free")
+    };
+    // The old owner stalls (a GC pause, a SIGSTOP) past its lease; another instance claims.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let Claim::Claimed(new) = new_instance
+        .claim(&id, &fingerprint, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the expired claim frees the key")
+    };
+
+    let stale = Completed {
+        fingerprint,
+        response: None,
+    };
+    assert!(
+        !old_instance
+            .complete(&id, &old, &stale, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    assert!(!old_instance.renew(&id, &old, lease).await.unwrap());
+    assert!(!old_instance.release(&id, &old).await.unwrap());
+    let Claim::Existing(Record::InFlight(record)) =
+        new_instance.claim(&id, &fingerprint, lease).await.unwrap()
+    else {
+        panic!("the new owner's claim is intact")
+    };
+    assert!(record.lease_remaining > Duration::from_secs(25));
+
+    assert!(
+        new_instance
+            .complete(&id, &new, &stale, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        old_instance.claim(&id, &fingerprint, lease).await.unwrap(),
+        Claim::Existing(Record::Completed(_))
+    ));
+    assert_every_key_has_a_ttl(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_server_and_an_unreachable_one() {
+    let mut server = RedisServer::start();
+    store(&server)
+        .check()
+        .await
+        .expect("Redis 7 passes the check");
+    server.stop();
+    let err = store(&server)
+        .check()
+        .await
+        .expect_err("a stopped server fails the check");
+    assert!(!err.to_string().is_empty());
+    assert!(RedisStore::from_url("not a url").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_the_claim_does_not_leave_its_key_claimed() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let store = RedisStore::from_url(&server.url())
+        .unwrap()
+        .with_timeout(Duration::from_secs(10));
+    let app = handler.app(IdempotencyLayer::new(store));
+    assert_eq!(
+        send(&app, charge("warm-up", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.pause();
+    let request = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, charge("k", "1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The client disconnects: the server drops the request's future while its SET is queued.
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
+    server.resume();
+
+    // The SET claimed the key once Redis resumed, and the release queued behind it freed it.
+    assert_eq!(
+        send(&app, charge("k", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(handler.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_command_fails_only_its_own_claim_in_a_shared_pipeline() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    // A key of the wrong type: `SET ... GET` on it fails with WRONGTYPE.
+    let poisoned = RecordId::new(b"", "poisoned");
+    assert!(matches!(
+        server.command(&[
+            "HSET",
+            &format!("idempotency:{{{poisoned}}}"),
+            "field",
+            "value"
+        ]),
+        test_servers::redis_server::RespValue::Integer(1)
+    ));
+    let fingerprint = Fingerprint::from_bytes([7; 32]);
+    // Claims started together go out in shared pipelines.
+    let claims: Vec<_> = (0..64)
+        .map(|i| {
+            let store = store.clone();
+            let id = if i == 32 {
+                poisoned
+            } else {
+                RecordId::new(b"", &format!("key-{i}"))
+            };
+            tokio::spawn(async move {
+                store
+                    .claim(&id, &fingerprint, Duration::from_secs(30))
+                    .await
+            })
+        })
+        .collect();
+    for (i, claim) in claims.into_iter().enumerate() {
+        let claim = claim.await.unwrap();
+        if i == 32 {
+            let Err(err) = claim else {
+                panic!("the claim on the poisoned key succeeded")
+            };
+            assert!(format!("{err:?}").contains("WRONGTYPE"), "{err:?}");
+        } else {
+            assert!(
+                matches!(claim, Ok(Claim::Claimed(_))),
+                "claim {i}: {claim:?}"
+            );
+        }
+    }
+}
+
+/// Redis numbers each claim from its own clock (§5.3): after the server lost every record and
+/// every script (a restart without persistence), the same key's next claim still has a larger
+/// fence, and the claim script is loaded again on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_grows_across_a_server_that_forgot_everything() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    let id = RecordId::new(b"", "fenced");
+    let fingerprint = Fingerprint::from_bytes([1; 32]);
+    let lease = Duration::from_secs(30);
+    let Ok(Claim::Claimed(first)) = store.claim(&id, &fingerprint, lease).await else {
+        panic!("§10.1 claim: a new key is claimed");
+    };
+
+    server.flushall();
+    assert!(server.command(&["SCRIPT", "FLUSH"]).is_ok());
+    let Ok(Claim::Claimed(second)) = store.claim(&id, &fingerprint, lease).await else {
+        panic!("§10.1 claim: a forgotten key is claimed again, the claim script reloaded");
+    };
+    assert!(
+        second.fence() > first.fence(),
+        "§5.3: the fence grows across a server that forgot the key: {:?} after {:?}",
+        second.fence(),
+        first.fence()
+    );
+    assert!(
+        !store.renew(&id, &first, lease).await.expect("renew"),
+        "§5.3: the forgotten claim's token fences nothing of the new one"
+    );
+    assert!(
+        store.release(&id, &second).await.expect("release"),
+        "§10.1 release: the claim's own release"
+    );
+}

@@ -1,0 +1,264 @@
+//! Store wrappers for the cases: [`Counting`] counts calls, [`Faulty`] injects failures.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::Extensions;
+
+use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::{ClaimToken, Completed, Fingerprint, RecordId};
+
+/// How often each store method was called.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Calls {
+    /// Calls of [`Store::claim`].
+    pub claim: usize,
+    /// Calls of [`Store::complete`].
+    pub complete: usize,
+    /// Calls of [`Store::renew`].
+    pub renew: usize,
+    /// Calls of [`Store::release`].
+    pub release: usize,
+}
+
+impl Calls {
+    /// Calls of every method but [`Store::prepare`].
+    pub fn total(&self) -> usize {
+        self.claim + self.complete + self.renew + self.release
+    }
+}
+
+#[derive(Debug, Default)]
+struct CallCounters {
+    claim: AtomicUsize,
+    complete: AtomicUsize,
+    renew: AtomicUsize,
+    release: AtomicUsize,
+}
+
+/// A store that counts the calls of each method, then delegates.
+#[derive(Debug, Clone)]
+pub struct Counting<St> {
+    inner: St,
+    counters: Arc<CallCounters>,
+}
+
+impl<St> Counting<St> {
+    /// Counts the calls made to `inner`. Clones share the counts.
+    pub fn new(inner: St) -> Self {
+        Self {
+            inner,
+            counters: Arc::default(),
+        }
+    }
+
+    /// How often each method was called so far.
+    pub fn calls(&self) -> Calls {
+        Calls {
+            claim: self.counters.claim.load(Ordering::SeqCst),
+            complete: self.counters.complete.load(Ordering::SeqCst),
+            renew: self.counters.renew.load(Ordering::SeqCst),
+            release: self.counters.release.load(Ordering::SeqCst),
+        }
+    }
+
+    /// The store that the calls reach.
+    pub fn inner(&self) -> &St {
+        &self.inner
+    }
+}
+
+impl<St: Store> Store for Counting<St> {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.counters.claim.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(id, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.counters.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(id, token, completed, ttl).await
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.counters.renew.fetch_add(1, Ordering::SeqCst);
+        self.inner.renew(id, token, lease).await
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
+        self.inner.prepare(id, token, extensions);
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.counters.release.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(id, token).await
+    }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.inner.changed(id)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    /// Every call fails.
+    all: AtomicBool,
+    /// Complete, renew and release fail; claims work.
+    writes: AtomicBool,
+    /// Every call waits this long before it reaches the store.
+    delay: Mutex<Option<Duration>>,
+    /// Every call fails as a store that gave up waiting does.
+    time_out: AtomicBool,
+    /// Completions roll back: the claim is released and `complete` answers `Aborted`.
+    abort: AtomicBool,
+    /// Completions are refused for good: the claim is released and `complete` answers `Rejected`.
+    reject: AtomicBool,
+}
+
+/// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prepared(pub ClaimToken);
+
+/// A store whose calls fail with [`StoreError::Unavailable`] (or time out) while a shared flag is
+/// set, or are slowed down; otherwise it delegates. Clones share the flags.
+#[derive(Debug, Clone)]
+pub struct Faulty<St> {
+    inner: St,
+    faults: Arc<Faults>,
+}
+
+impl<St> Faulty<St> {
+    /// `inner`, with no fault injected yet.
+    pub fn new(inner: St) -> Self {
+        Self {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+
+    /// Makes every call fail (`true`) or work (`false`).
+    pub fn fail(&self, failing: bool) {
+        self.faults.all.store(failing, Ordering::SeqCst);
+    }
+
+    /// Makes complete, renew and release fail (`true`) or work (`false`); claims keep working.
+    pub fn fail_writes(&self, failing: bool) {
+        self.faults.writes.store(failing, Ordering::SeqCst);
+    }
+
+    /// Makes every call fail with [`StoreError::Timeout`] (`true`) or work (`false`).
+    pub fn time_out(&self, timing_out: bool) {
+        self.faults.time_out.store(timing_out, Ordering::SeqCst);
+    }
+
+    /// Makes every completion roll back as a transactional store's does when its commit fails:
+    /// the claim is released and `complete` answers [`StoreError::Aborted`].
+    pub fn abort_completions(&self, aborting: bool) {
+        self.faults.abort.store(aborting, Ordering::SeqCst);
+    }
+
+    /// Makes every completion be refused as a transactional store's is when the work's writes
+    /// break a rule of the database: the claim is released and `complete` answers
+    /// [`StoreError::Rejected`].
+    pub fn reject_completions(&self, rejecting: bool) {
+        self.faults.reject.store(rejecting, Ordering::SeqCst);
+    }
+
+    /// Makes every call wait `delay` before it reaches the store.
+    pub fn delay(&self, delay: Option<Duration>) {
+        *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
+    }
+
+    async fn enter(&self, write: bool) -> Result<(), StoreError> {
+        let delay = *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
+        if self.faults.time_out.load(Ordering::SeqCst) {
+            return Err(StoreError::Timeout(Duration::from_secs(1)));
+        }
+        if self.faults.all.load(Ordering::SeqCst)
+            || (write && self.faults.writes.load(Ordering::SeqCst))
+        {
+            return Err(StoreError::Unavailable(Box::new(std::io::Error::other(
+                "injected store failure",
+            ))));
+        }
+        Ok(())
+    }
+}
+
+impl<St: Store> Store for Faulty<St> {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.enter(false).await?;
+        self.inner.claim(id, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.enter(true).await?;
+        if self.faults.abort.load(Ordering::SeqCst) {
+            self.inner.release(id, token).await?;
+            return Err(StoreError::Aborted(Box::new(std::io::Error::other(
+                "injected failed commit",
+            ))));
+        }
+        if self.faults.reject.load(Ordering::SeqCst) {
+            self.inner.release(id, token).await?;
+            return Err(StoreError::Rejected(Box::new(std::io::Error::other(
+                "injected integrity violation",
+            ))));
+        }
+        self.inner.complete(id, token, completed, ttl).await
+    }
+
+    async fn renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.enter(true).await?;
+        self.inner.renew(id, token, lease).await
+    }
+
+    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
+        extensions.insert(Prepared(*token));
+        self.inner.prepare(id, token, extensions);
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.enter(true).await?;
+        self.inner.release(id, token).await
+    }
+
+    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.inner.changed(id)
+    }
+}
