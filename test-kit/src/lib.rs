@@ -3,13 +3,13 @@
 //!
 //! A store is done when it passes this suite (`docs/PROTOCOL.md` §10.7). Write a [`Harness`] for
 //! the store, then invoke [`store_contract!`](crate::store_contract) in an integration test: it
-//! expands to one `#[tokio::test]` per case in [`cases`], each with a fresh harness. The crate's
+//! expands to one `#[tokio::test]` per case of the contract, each with a fresh harness. The crate's
 //! own `MemoryStore` and `RedisStore` run the suite exactly this way.
 //!
 //! ```
 //! use std::time::Duration;
 //! use tower_idempotency::MemoryStore;
-//! use tower_idempotency_test::{Harness, cases};
+//! use tower_idempotency_test::Harness;
 //!
 //! /// A store on tokio's clock, run on paused time: a 30 s lease and a 24 h window cost nothing.
 //! #[derive(Debug)]
@@ -36,12 +36,7 @@
 //! // In `tests/my_store_contract.rs`, this line is the whole suite: one test per case.
 //! tower_idempotency_test::store_contract!(MyHarness { store: MemoryStore::new() }, start_paused = true);
 //!
-//! // One case can also be run on its own.
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
-//! # async fn main() {
-//! cases::store_claim_is_exclusive(MyHarness { store: MemoryStore::new() }).await;
-//! cases::key_is_new_again_after_the_dedup_window(MyHarness { store: MemoryStore::new() }).await;
-//! # }
+//! # fn main() {}
 //! ```
 //!
 //! The generated tests use the calling crate's `tokio`: its dev-dependency needs the `macros` and
@@ -75,6 +70,8 @@ use tower::ServiceBuilder;
 use tower_idempotency::store::Store;
 use tower_idempotency::{Idempotency, IdempotencyLayer};
 
+// Public for `store_contract!`'s expansion only: the cases are its, not an API.
+#[doc(hidden)]
 pub mod cases;
 mod handler;
 mod stores;
@@ -109,7 +106,7 @@ pub trait Harness: Send + Sync + 'static {
 }
 
 /// The store contract suite: expands, where it is invoked, to one
-/// `#[tokio::test]` per case of [`cases`](crate::cases), each calling the case
+/// `#[tokio::test]` per case of the contract, each calling the case
 /// with a fresh harness from the first argument (evaluated inside the async test, so it may
 /// `.await`). The other arguments are the `#[tokio::test]` attribute's:
 ///
