@@ -2,8 +2,10 @@
 //! instructions do not move with the machine's other load, so a change of a few hundred shows.
 //!
 //! ```sh
-//! cargo bench --bench instructions                 # every case; needs valgrind and redis-server
+//! cargo bench --all-features --bench instructions  # every case; valgrind, redis-server, PostgreSQL
 //! PROBE=memory:new-key:500 cargo bench --bench instructions   # one case, without valgrind
+//! INSTRUCTIONS_CASES=redis,redis-floor cargo bench --bench instructions   # some stores only
+//! INSTRUCTIONS_QUICK=1 cargo bench --all-features --bench instructions    # every case once, natively
 //! ```
 //!
 //! The requests are those of `benches/layer.rs` (`benches/app`): an axum `Router` driven with
@@ -14,20 +16,41 @@
 //! `memory`, `boxed` (the same behind `BoxStore`), `redis` (a `redis-server` of its own, whose
 //! instructions are not counted: only the application's), and each `-sealed` behind `SealedStore`
 //! (feature `seal`). A second table gives the bytes a stored record takes, plain and sealed.
+//!
+//! A remote store is measured against its floor: the same requests to the same router, whose
+//! handler makes by hand the store calls any layer must make (the floors of `benches/http.rs`,
+//! `http/redis_floor.rs` and `http/postgres_floor.rs`, included as they are): `redis-floor`, the
+//! claim script's `EVALSHA` and the fenced completion's on one redis-rs multiplexed connection;
+//! `postgres-floor`, the claim and completion statements through a sqlx pool like the store's. The
+//! layer over its floor is what the layer itself costs a request on that store. `postgres` and
+//! `postgres-floor` run on a private PostgreSQL server
+//! (`test-servers`: `initdb` once, on a free port, `fsync` off); the store's
+//! background sweep is off, as it is no request's work.
+//!
+//! `INSTRUCTIONS_QUICK=1` runs every case once with a few requests, natively, checking every
+//! answer and counting nothing: the CI smoke.
 
 #[allow(dead_code, reason = "shared with benches/layer.rs")]
 mod app;
+#[path = "http/postgres_floor.rs"]
+mod postgres_floor;
+#[path = "http/redis_floor.rs"]
+mod redis_floor;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use app::{REPLAY_KEY, Variant, app, call, layered, post_request};
+use app::{CHARGE, PATH, REPLAY_KEY, Variant, app, call, layered, post_request};
 use axum::Router;
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use deadpool_redis::redis;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{BoxStore, Fingerprint, MemoryStore, Record, RecordId};
+use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
 /// The request counts whose difference is measured.
@@ -62,41 +85,73 @@ impl Workload {
 }
 
 /// The cases measured, each against `bare` with the same requests (bare answers the held key's
-/// requests with 201, as it answers a replay's).
-const CASES: [(&str, Workload); 13] = [
-    ("bare", Workload::NewKey),
-    ("bare", Workload::Replay),
-    ("bare", Workload::Conflict),
-    ("memory", Workload::NewKey),
-    ("memory", Workload::Replay),
-    ("memory", Workload::Conflict),
-    ("boxed", Workload::NewKey),
-    ("memory-sealed", Workload::NewKey),
-    ("memory-sealed", Workload::Replay),
-    ("redis", Workload::NewKey),
-    ("redis", Workload::Replay),
-    ("redis-sealed", Workload::NewKey),
-    ("redis-sealed", Workload::Replay),
-];
+/// requests with 201, as it answers a replay's), and a layer on a remote store against its floor.
+fn cases() -> Vec<(&'static str, Workload)> {
+    let mut cases = vec![
+        ("bare", Workload::NewKey),
+        ("bare", Workload::Replay),
+        ("bare", Workload::Conflict),
+        ("memory", Workload::NewKey),
+        ("memory", Workload::Replay),
+        ("memory", Workload::Conflict),
+        ("boxed", Workload::NewKey),
+        ("memory-sealed", Workload::NewKey),
+        ("memory-sealed", Workload::Replay),
+        ("redis-floor", Workload::NewKey),
+        ("redis-floor", Workload::Replay),
+        ("redis", Workload::NewKey),
+        ("redis", Workload::Replay),
+        ("redis-sealed", Workload::NewKey),
+        ("redis-sealed", Workload::Replay),
+        ("postgres-floor", Workload::NewKey),
+        ("postgres-floor", Workload::Replay),
+        ("postgres", Workload::NewKey),
+        ("postgres", Workload::Replay),
+    ];
+    // `INSTRUCTIONS_CASES=redis,redis-floor`: only those stores (and bare, the reference).
+    if let Ok(only) = std::env::var("INSTRUCTIONS_CASES") {
+        let only: Vec<&str> = only.split(',').map(str::trim).collect();
+        cases.retain(|(setup, _)| *setup == "bare" || only.contains(setup));
+    }
+    cases
+}
+
+/// The floor a layered case is measured against: the same store's calls made by hand.
+fn floor_of(setup: &str) -> Option<&'static str> {
+    match setup.strip_suffix("-sealed").unwrap_or(setup) {
+        "redis" => Some("redis-floor"),
+        "postgres" => Some("postgres-floor"),
+        _ => None,
+    }
+}
 
 fn main() {
     if let Ok(case) = std::env::var("PROBE") {
         return run_case(&case);
     }
-    println!("| case | Ir per request | over bare |");
-    println!("|---|---:|---:|");
-    let mut bare = std::collections::HashMap::new();
-    for (setup, workload) in CASES {
+    if std::env::var_os("INSTRUCTIONS_QUICK").is_some() {
+        return quick();
+    }
+    println!("| case | Ir per request | over bare | over its floor |");
+    println!("|---|---:|---:|---:|");
+    let mut measured = std::collections::HashMap::new();
+    for (setup, workload) in cases() {
         let case = format!("{setup}:{}", workload.name());
-        let per_request = (count(&case, MANY) - count(&case, FEW)) / (MANY - FEW);
-        let over = match bare.get(workload.name()) {
-            Some(&bare) if setup != "bare" => format!("{:+}", per_request as i64 - bare),
-            _ => String::new(),
+        let per_request = ((count(&case, MANY) - count(&case, FEW)) / (MANY - FEW)) as i64;
+        measured.insert((setup, workload.name()), per_request);
+        let over = |reference: &str| {
+            measured
+                .get(&(reference, workload.name()))
+                .map(|reference| format!("{:+}", per_request - reference))
+                .unwrap_or_default()
         };
-        if setup == "bare" {
-            bare.insert(workload.name(), per_request as i64);
-        }
-        println!("| {case} | {per_request} | {over} |");
+        let over_bare = if setup == "bare" {
+            String::new()
+        } else {
+            over("bare")
+        };
+        let over_floor = floor_of(setup).map(over).unwrap_or_default();
+        println!("| {case} | {per_request} | {over_bare} | {over_floor} |");
     }
     println!();
     println!("| store | bytes of the replayed record, as stored |");
@@ -111,6 +166,24 @@ fn main() {
             .lines()
             .find_map(|l| l.strip_prefix("record bytes: "));
         println!("| {setup} | {} |", bytes.unwrap_or("?"));
+    }
+}
+
+/// Every case once, natively, with a few requests: each answer is checked, nothing counted.
+fn quick() {
+    let exe = std::env::current_exe().expect("this program's path");
+    for (setup, workload) in cases() {
+        let case = format!("{setup}:{}:20", workload.name());
+        let run = Command::new(&exe)
+            .env("PROBE", &case)
+            .output()
+            .expect("the probe runs");
+        assert!(
+            run.status.success(),
+            "{case} failed:\n{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        println!("{case}: answered as expected");
     }
 }
 
@@ -144,18 +217,94 @@ fn keys() -> SealKeys {
     SealKeys::new([SealKey::new("2026-12", [7; 32]).expect("a key")]).expect("keys")
 }
 
+/// The store servers a case runs on, each its own process on a free port.
+#[derive(Default)]
+struct Servers {
+    redis: Option<test_servers::redis_server::RedisServer>,
+    postgres: Option<test_servers::postgres_server::PostgresServer>,
+}
+
+impl Servers {
+    fn for_setup(name: &str) -> Self {
+        Servers {
+            redis: name
+                .starts_with("redis")
+                .then(test_servers::redis_server::RedisServer::start),
+            postgres: name
+                .starts_with("postgres")
+                .then(test_servers::postgres_server::PostgresServer::start),
+        }
+    }
+
+    fn redis_url(&self) -> String {
+        self.redis.as_ref().expect("a redis-server").url()
+    }
+
+    fn postgres_url(&self) -> String {
+        self.postgres.as_ref().expect("a PostgreSQL server").url()
+    }
+}
+
+/// A 201 with `body` as JSON, marked as a replay when `replayed`: how the floors answer (as in
+/// `benches/http.rs`, whose floors this bench includes).
+fn created(body: Bytes, replayed: bool) -> axum::response::Response {
+    let mut response = (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response();
+    if replayed {
+        response.headers_mut().insert(
+            "idempotent-replayed",
+            header::HeaderValue::from_static("true"),
+        );
+    }
+    response
+}
+
+/// The floors' records live as long as the layer's default dedup window.
+const WINDOW_MS: u64 = 24 * 60 * 60 * 1000;
+
 /// The app of `setup`, and the store under any seal (to read a record back as stored).
-fn setup(
-    name: &str,
-    redis: Option<&test_servers::redis_server::RedisServer>,
-) -> (Router, Option<BoxStore>) {
-    let inner = match (name, redis) {
-        ("bare" | "memory" | "boxed", _) => {
+async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
+    let counter = || std::sync::Arc::new(AtomicU64::new(0));
+    let inner = match name {
+        "bare" | "memory" | "boxed" => {
             let variant = Variant::ALL.into_iter().find(|v| v.name() == name);
             return (app(variant.expect("a variant")), None);
         }
-        ("memory-sealed", _) => BoxStore::new(MemoryStore::new()),
-        (_, Some(server)) => BoxStore::new(RedisStore::from_url(&server.url()).expect("a store")),
+        "redis-floor" => {
+            let client = redis::Client::open(servers.redis_url()).expect("a redis client");
+            let connection = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("a multiplexed connection");
+            let floor = redis_floor::redis_app(connection, WINDOW_MS, counter(), counter());
+            return (floor.with_state(()), None);
+        }
+        "postgres-floor" => {
+            let url = servers.postgres_url();
+            // The store's own table, so the floor's rows pay for its constraints and index.
+            let store = PgStore::connect(&url)
+                .expect("a store")
+                .with_sweep_interval(None);
+            store.migrate().await.expect("the store's table");
+            let pool = postgres_floor::pool(&url).await.expect("a pool");
+            let floor = postgres_floor::postgres_app(pool, WINDOW_MS, counter(), counter());
+            return (floor.with_state(()), None);
+        }
+        "postgres" => {
+            let store = PgStore::connect(&servers.postgres_url())
+                .expect("a store")
+                .with_sweep_interval(None);
+            store.migrate().await.expect("the store's table");
+            return (layered(store.clone()), Some(BoxStore::new(store)));
+        }
+        "memory-sealed" => BoxStore::new(MemoryStore::new()),
+        "redis" | "redis-sealed" => {
+            BoxStore::new(RedisStore::from_url(&servers.redis_url()).expect("a store"))
+        }
         _ => panic!("unknown store {name:?}"),
     };
     let app = match name {
@@ -176,15 +325,13 @@ fn run_case(case: &str) {
     let workload =
         Workload::parse(workload).unwrap_or_else(|| panic!("unknown workload {workload:?}"));
     let requests: u64 = requests.parse().expect("a number of requests");
-    let server = name
-        .starts_with("redis")
-        .then(test_servers::redis_server::RedisServer::start);
+    let servers = Servers::for_setup(name);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a runtime");
     runtime.block_on(async {
-        let (app, store) = setup(name, server.as_ref());
+        let (app, store) = setup(name, &servers).await;
         let expected = match (name, workload) {
             ("bare", _) | (_, Workload::NewKey | Workload::Replay) => StatusCode::CREATED,
             (_, Workload::Conflict) => StatusCode::CONFLICT,

@@ -5,35 +5,11 @@
 #[path = "../examples/render.rs"]
 mod example;
 
-use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use http_body_util::BodyExt;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use serde_json::Value;
-use tower::ServiceExt;
-
-async fn send(app: &Router, request: Request<Body>) -> (StatusCode, String, String) {
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .map_or(String::new(), |value| {
-            value.to_str().expect("ASCII").to_owned()
-        });
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a body")
-        .to_bytes();
-    (
-        status,
-        content_type,
-        String::from_utf8(body.to_vec()).expect("UTF-8"),
-    )
-}
+use tower_idempotency_test::send;
 
 fn order(key: Option<&str>) -> Request<Body> {
     let mut request = Request::post("/v1/orders").header("content-type", "application/json");
@@ -59,10 +35,12 @@ async fn errors_come_in_the_api_format_and_metrics_in_prometheus_text() {
     metrics::set_global_recorder(recorder).expect("the only recorder");
     let app = example::app(handle);
 
-    let (status, content_type, body) = send(&app, order(None)).await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let missing = send(&app, order(None)).await;
+    let body = String::from_utf8_lossy(&missing.body);
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
     assert_eq!(
-        content_type, "application/json",
+        missing.header("content-type"),
+        Some("application/json"),
         "the API's format, not problem+json"
     );
     let error: Value = serde_json::from_str(&body).expect("JSON");
@@ -76,11 +54,13 @@ async fn errors_come_in_the_api_format_and_metrics_in_prometheus_text() {
 
     let first = send(&app, order(Some("order-1"))).await;
     let retry = send(&app, order(Some("order-1"))).await;
-    assert_eq!(first.0, StatusCode::CREATED);
-    assert_eq!(retry, first, "the replay, byte for byte");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body, "the replay, byte for byte");
 
-    let (status, _, text) = send(&app, Request::get("/metrics").body(Body::empty()).unwrap()).await;
-    assert_eq!(status, StatusCode::OK);
+    let metrics = send(&app, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert_eq!(metrics.status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&metrics.body);
     for line in [
         r#"idempotency_requests_total{outcome="rejected"} 1"#,
         r#"idempotency_requests_total{outcome="executed"} 1"#,

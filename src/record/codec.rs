@@ -157,6 +157,7 @@ pub(crate) fn encode_response(
 
 /// Decodes a response encoded by [`encode_response`], sharing `bytes` for the body and the
 /// header values.
+#[cfg(feature = "seal")]
 pub(crate) fn decode_response(bytes: Bytes) -> Result<StoredResponse, DecodeError> {
     let mut r = Reader(&bytes);
     let response = read_response(&mut r, &bytes)?;

@@ -23,10 +23,12 @@ mod codec;
 mod id;
 mod model;
 
+pub(crate) use codec::encode_tombstone;
 pub use codec::layout;
 pub use codec::{DecodeError, EncodeError};
 #[cfg(feature = "seal")]
-pub(crate) use codec::{decode_response, encode_response, encode_sealed_header, response_len};
-pub(crate) use codec::{encode_tombstone, is_key_id};
+pub(crate) use codec::{
+    decode_response, encode_response, encode_sealed_header, is_key_id, response_len,
+};
 pub use id::{ClaimToken, Fence, RecordId};
 pub use model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};

@@ -118,6 +118,10 @@ struct Shared {
     failovers: AtomicU64,
     ledger: Arc<Ledger>,
     log: Mutex<Log>,
+    /// A completion's record write and its transaction's commit are one step, as in a database:
+    /// a restart waits for the steps under way, so that it never forgets a record whose effects
+    /// then commit, or the effects of a record it kept.
+    commit_gate: tokio::sync::RwLock<()>,
 }
 
 /// One instance's handle on the shared store: a dead instance's calls never finish.
@@ -164,6 +168,7 @@ impl StoreControl {
                 delay: lease / 10,
                 failovers: AtomicU64::new(0),
                 ledger,
+                commit_gate: tokio::sync::RwLock::new(()),
                 log: Mutex::default(),
             }),
         }
@@ -179,6 +184,7 @@ impl StoreControl {
 
     /// The store comes back empty: every record, and the effects committed with records, gone.
     pub async fn restart(&self) {
+        let _no_commit_under_way = self.shared.commit_gate.write().await;
         if let Some(fresh) = (self.shared.forget)().await {
             *self.shared.inner.lock().unwrap() = fresh;
         }
@@ -393,6 +399,7 @@ impl Store for SimStore {
                 return Err(lost);
             }
         };
+        let commit = self.shared.commit_gate.read().await;
         let written = self.inner().complete(id, token, completed, ttl).await?;
         let aborted = {
             let mut log = self.shared.log.lock().unwrap();
@@ -409,6 +416,7 @@ impl Store for SimStore {
             entry.refused |= !written;
             aborted
         };
+        drop(commit);
         if aborted {
             // As `PgStore` does: a fenced-out completion rolled the work back.
             return Err(StoreError::Aborted(
