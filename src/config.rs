@@ -5,16 +5,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::request::Parts;
-use http::response::Parts as ResponseParts;
-use http::{HeaderMap, HeaderName, Method, StatusCode};
+use http::{HeaderName, Method, StatusCode};
 
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::retention::Retention;
-use crate::scope::{Rejection, Scope};
-
-pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync>;
-pub(crate) type PolicyFn = Arc<dyn Fn(&ResponseParts) -> bool + Send + Sync>;
+use crate::scope::ScopeRequest;
+use crate::store_policy::{DefaultStorePolicy, StorePolicy};
 
 /// The layer's settings; see each builder method of [`IdempotencyLayer`](crate::IdempotencyLayer)
 /// for its default.
@@ -29,9 +25,9 @@ pub(crate) struct Config {
     pub(crate) response_body_limit: usize,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) canonical_json: bool,
-    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) scope: Option<Arc<dyn ScopeRequest>>,
     pub(crate) tenancy: Tenancy,
-    pub(crate) store_policy: PolicyFn,
+    pub(crate) store_policy: Arc<dyn StorePolicy>,
     pub(crate) keep_set_cookie: bool,
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
@@ -55,9 +51,7 @@ impl Default for Config {
             canonical_json: false,
             scope: None,
             tenancy: Tenancy::Unstated,
-            store_policy: Arc::new(|head: &ResponseParts| {
-                default_store_policy(head.status, &head.headers)
-            }),
+            store_policy: Arc::new(DefaultStorePolicy),
             keep_set_cookie: false,
             fail_open: false,
             retry_after: Duration::from_secs(1),
@@ -84,24 +78,6 @@ impl Config {
     pub(crate) fn status(&self, kind: ProblemKind) -> StatusCode {
         self.statuses[kind.index()]
     }
-}
-
-/// The default store policy: every 2xx, 3xx and 4xx response is stored except 408, 409, 425 and
-/// 429 (which a retry may well change); 1xx and 5xx are not. A policy of your own
-/// ([`IdempotencyLayer::store_policy`](crate::IdempotencyLayer::store_policy)) can start from it.
-///
-/// ```
-/// use http::{HeaderMap, StatusCode};
-/// use tower_idempotency::default_store_policy;
-///
-/// let none = HeaderMap::new();
-/// assert!(default_store_policy(StatusCode::CREATED, &none));
-/// assert!(default_store_policy(StatusCode::PAYMENT_REQUIRED, &none));
-/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS, &none));
-/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE, &none));
-/// ```
-pub fn default_store_policy(status: StatusCode, _headers: &HeaderMap) -> bool {
-    (200..500).contains(&status.as_u16()) && !matches!(status.as_u16(), 408 | 409 | 425 | 429)
 }
 
 impl fmt::Debug for Config {

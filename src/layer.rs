@@ -4,8 +4,6 @@ use std::fmt;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use http::request::Parts;
-use http::response::Parts as ResponseParts;
 use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
@@ -14,8 +12,9 @@ use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
 use crate::replay_cache::ReplayCache;
 use crate::retention::{Retention, RetentionFormat};
-use crate::scope::{Rejection, Scope};
+use crate::scope::ScopeRequest;
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
+use crate::store_policy::StorePolicy;
 use crate::throttle::LayerThrottles;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
@@ -158,12 +157,13 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// ```
     /// use http::StatusCode;
+    /// use http::request::Parts;
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore, Rejection, Scope};
     ///
     /// #[derive(Clone)]
     /// struct Account(String);
     ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|parts| {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|parts: &Parts| {
     ///     match parts.extensions.get::<Account>() {
     ///         Some(account) => Ok(Scope::from(account.0.as_str())),
     ///         None => Err(Rejection::from(StatusCode::UNAUTHORIZED)),
@@ -171,10 +171,7 @@ impl<St> IdempotencyLayer<St> {
     /// });
     /// # let _ = layer;
     /// ```
-    pub fn scope<F>(mut self, scope: F) -> Self
-    where
-        F: Fn(&Parts) -> Result<Scope, Rejection> + Send + Sync + 'static,
-    {
+    pub fn scope(mut self, scope: impl ScopeRequest) -> Self {
         self.config.scope = Some(Arc::new(scope));
         self
     }
@@ -193,7 +190,7 @@ impl<St> IdempotencyLayer<St> {
     /// let forgot = IdempotencyLayer::new(MemoryStore::new()).require_scope(true);
     /// assert_eq!(forgot.check(), Err(ConfigError::ScopeRequired));
     ///
-    /// let scoped = forgot.scope(|parts| Ok(Scope::from(parts.uri.path())));
+    /// let scoped = forgot.scope(|parts: &http::request::Parts| Ok(Scope::from(parts.uri.path())));
     /// assert_eq!(scoped.check(), Ok(()));
     /// ```
     pub fn require_scope(mut self, required: bool) -> Self {
@@ -244,7 +241,7 @@ impl<St> IdempotencyLayer<St> {
     /// extensions, before the body is read. A response that is not stored releases the claim, so a
     /// retry runs the handler again. A response with `Cache-Control: no-store` is never stored,
     /// whatever the policy says.
-    /// Default: [`default_store_policy`](crate::default_store_policy) (2xx, 3xx and 4xx except 408,
+    /// Default: [`DefaultStorePolicy`](crate::DefaultStorePolicy) (2xx, 3xx and 4xx except 408,
     /// 409, 425 and 429).
     ///
     /// The extensions let a handler mark one response by type, without a header that would reach
@@ -252,7 +249,8 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// ```
     /// use axum::{Router, http::StatusCode, response::IntoResponse, routing::post};
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, default_store_policy};
+    /// use http::response::Parts;
+    /// use tower_idempotency::{DefaultStorePolicy, IdempotencyLayer, MemoryStore, StorePolicy};
     ///
     /// /// Put in a response's extensions: a retry should run the handler again.
     /// #[derive(Clone)]
@@ -265,16 +263,12 @@ impl<St> IdempotencyLayer<St> {
     ///     response
     /// }
     ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
-    ///     default_store_policy(head.status, &head.headers)
-    ///         && head.extensions.get::<DoNotStore>().is_none()
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head: &Parts| {
+    ///     DefaultStorePolicy.store(head) && head.extensions.get::<DoNotStore>().is_none()
     /// });
     /// let app: Router = Router::new().route("/v1/quotes", post(create)).route_layer(layer);
     /// ```
-    pub fn store_policy<F>(mut self, policy: F) -> Self
-    where
-        F: Fn(&ResponseParts) -> bool + Send + Sync + 'static,
-    {
+    pub fn store_policy(mut self, policy: impl StorePolicy) -> Self {
         self.config.store_policy = Arc::new(policy);
         self
     }

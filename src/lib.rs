@@ -179,10 +179,10 @@ mod scope;
 pub mod seal;
 mod service;
 pub mod store;
+mod store_policy;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
-pub use config::default_store_policy;
 pub use detach::Shutdown;
 #[cfg(feature = "axum")]
 pub use extract::{MissingClaimExtension, MissingKeyExtension};
@@ -198,6 +198,7 @@ pub use record::{
     StoredResponse,
 };
 pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
-pub use scope::{Rejection, Scope};
+pub use scope::{Rejection, Scope, ScopeRequest};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
 pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
+pub use store_policy::{DefaultStorePolicy, StorePolicy};

@@ -126,7 +126,7 @@ impl Rejection {
     /// use http::StatusCode;
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore, Rejection, Scope};
     ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|parts| {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|parts: &http::request::Parts| {
     ///     match parts.headers.get("x-account") {
     ///         Some(account) => Ok(Scope::from(account.as_bytes())),
     ///         None => Err(Rejection::new((
@@ -172,5 +172,36 @@ impl From<StatusCode> for Rejection {
 impl From<Response<Bytes>> for Rejection {
     fn from(response: Response<Bytes>) -> Self {
         Self(Box::new(response.map(RejectionBody::Full)))
+    }
+}
+
+/// Names the scope of a request's key from the request's head (its authenticated principal, a
+/// tenant header), or refuses the request with a [`Rejection`] (`docs/PROTOCOL.md` §3.3).
+///
+/// Implemented for closures `Fn(&http::request::Parts) -> Result<Scope, Rejection>`; set it with
+/// [`IdempotencyLayer::scope`](crate::IdempotencyLayer::scope).
+///
+/// ```
+/// use http::request::Parts;
+/// use tower_idempotency::{Rejection, Scope, ScopeRequest};
+///
+/// let by_tenant = |parts: &Parts| match parts.headers.get("x-tenant") {
+///     Some(tenant) => Ok(Scope::from(tenant.as_bytes())),
+///     None => Err(Rejection::from(http::StatusCode::UNAUTHORIZED)),
+/// };
+/// let (head, ()) = http::Request::builder().header("x-tenant", "t1").body(()).unwrap().into_parts();
+/// assert_eq!(by_tenant.scope(&head).unwrap(), Scope::from("t1"));
+/// ```
+pub trait ScopeRequest: Send + Sync + 'static {
+    /// The scope of the request with this head, or why it is refused.
+    fn scope(&self, request: &http::request::Parts) -> Result<Scope, Rejection>;
+}
+
+impl<F> ScopeRequest for F
+where
+    F: Fn(&http::request::Parts) -> Result<Scope, Rejection> + Send + Sync + 'static,
+{
+    fn scope(&self, request: &http::request::Parts) -> Result<Scope, Rejection> {
+        self(request)
     }
 }

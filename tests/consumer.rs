@@ -255,9 +255,10 @@ mod memory {
         use tower_idempotency::{IdempotencyLayer, Scope};
 
         let store = MemoryStore::new();
-        let app = Router::new()
-            .route("/", post(|| async { "ok" }))
-            .layer(IdempotencyLayer::new(store.clone()).scope(|_| Ok(Scope::from("ledger"))));
+        let app = Router::new().route("/", post(|| async { "ok" })).layer(
+            IdempotencyLayer::new(store.clone())
+                .scope(|_: &http::request::Parts| Ok(Scope::from("ledger"))),
+        );
         let request = http::Request::post("/")
             .header("idempotency-key", "evt_1")
             .body(Body::empty())

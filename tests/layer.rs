@@ -754,8 +754,10 @@ async fn fingerprint_headers_are_opt_in() {
 #[tokio::test(start_paused = true)]
 async fn store_policy_is_configurable_and_no_store_wins() {
     let handler = status_handler();
-    let layer = IdempotencyLayer::new(MemoryStore::new())
-        .store_policy(|head| head.status == StatusCode::CREATED || head.status.is_server_error());
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).store_policy(|head: &http::response::Parts| {
+            head.status == StatusCode::CREATED || head.status.is_server_error()
+        });
     let svc = service(layer, handler.clone());
 
     for _ in 0..2 {
@@ -791,10 +793,11 @@ async fn store_policy_reads_a_marker_in_the_response_extensions() {
         }
         response
     });
-    let layer = IdempotencyLayer::new(MemoryStore::new()).store_policy(|head| {
-        tower_idempotency::default_store_policy(head.status, &head.headers)
-            && head.extensions.get::<DoNotStore>().is_none()
-    });
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).store_policy(|head: &http::response::Parts| {
+            tower_idempotency::DefaultStorePolicy::stores(head.status)
+                && head.extensions.get::<DoNotStore>().is_none()
+        });
     let svc = service(layer, handler.clone());
     let request = |key: &str, volatile: bool| {
         let builder = keyed(Method::POST, "/", key);
@@ -830,7 +833,7 @@ async fn store_policy_reads_a_marker_in_the_response_extensions() {
 async fn scope_rejection_is_the_applications_response() {
     let store = store();
     let handler = echo();
-    let layer = IdempotencyLayer::new(store.clone()).scope(|_| {
+    let layer = IdempotencyLayer::new(store.clone()).scope(|_: &http::request::Parts| {
         let response = Response::builder()
             .status(StatusCode::FORBIDDEN)
             .header("x-reason", "suspended")
@@ -871,7 +874,7 @@ async fn scope_rejection_from_into_response_and_streamed_bodies() {
     }
     let store = store();
     let handler = echo();
-    let layer = IdempotencyLayer::new(store.clone()).scope(|parts| {
+    let layer = IdempotencyLayer::new(store.clone()).scope(|parts: &http::request::Parts| {
         match parts.headers.get("x-case").map(|v| v.as_bytes()) {
             Some(b"into-response") => Err(Rejection::new(Unauthorized)),
             Some(b"tuple") => Err(Rejection::new((StatusCode::FORBIDDEN, "suspended"))),
@@ -926,7 +929,7 @@ async fn scope_rejection_from_into_response_and_streamed_bodies() {
 /// and an empty body (and no stale `Content-Length`).
 #[tokio::test(start_paused = true)]
 async fn scope_rejection_with_a_failing_body_is_sent_empty() {
-    let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|_| {
+    let layer = IdempotencyLayer::new(MemoryStore::new()).scope(|_: &http::request::Parts| {
         let chunks: Vec<Result<Bytes, std::io::Error>> =
             vec![Ok(Bytes::from("par")), Err(std::io::Error::other("cut"))];
         let body = Body::from_stream(futures_util::stream::iter(chunks));
@@ -1013,7 +1016,7 @@ fn a_required_scope_that_is_missing_stops_the_start_up() {
         .expect("a message")
         .to_owned();
     assert!(message.contains("scope"), "{message}");
-    let scoped = layer.scope(|_| Ok(tower_idempotency::Scope::from("t")));
+    let scoped = layer.scope(|_: &http::request::Parts| Ok(tower_idempotency::Scope::from("t")));
     assert_eq!(scoped.check(), Ok(()));
     let _router: Router = Router::new()
         .route("/", post(|| async { "ok" }))

@@ -123,8 +123,9 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
     let raw_key = "raw-key-4f1c9e";
     let body = "card=4242424242424242";
     let svc = service(
-        IdempotencyLayer::new(MemoryStore::new())
-            .scope(|parts| Ok(Scope::from(parts.uri.path().trim_start_matches('/')))),
+        IdempotencyLayer::new(MemoryStore::new()).scope(|parts: &http::request::Parts| {
+            Ok(Scope::from(parts.uri.path().trim_start_matches('/')))
+        }),
         Handler::ok(|call| created(format!("call {}", call.n))),
     );
     let request = |scope: &str, key: &str, body: &'static str| {
@@ -323,7 +324,8 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
     assert_eq!(unscoped(from), 1, "one warning for the layer's services");
 
     let from = captured.events().len();
-    let scoped = IdempotencyLayer::new(MemoryStore::new()).scope(|_| Ok(Scope::from("t")));
+    let scoped = IdempotencyLayer::new(MemoryStore::new())
+        .scope(|_: &http::request::Parts| Ok(Scope::from("t")));
     let single = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
     send(
         &service(scoped, Handler::ok(|_| created("ok"))),

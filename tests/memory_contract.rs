@@ -100,9 +100,11 @@ async fn one_scope_filling_its_share_leaves_other_scopes_served() {
     let window = Duration::from_secs(600);
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
     let scoped = |store: MemoryStore| {
-        let layer = IdempotencyLayer::new(store)
-            .dedup_window(window)
-            .scope(|parts| Ok(Scope::from(parts.uri.path().trim_start_matches('/'))));
+        let layer = IdempotencyLayer::new(store).dedup_window(window).scope(
+            |parts: &http::request::Parts| {
+                Ok(Scope::from(parts.uri.path().trim_start_matches('/')))
+            },
+        );
         service(layer, handler.clone())
     };
     let charge = |tenant: &str, key: &str| {

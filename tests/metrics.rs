@@ -113,7 +113,7 @@ async fn every_outcome_and_store_call_is_counted_exactly() {
         IdempotencyLayer::new(MemoryStore::new())
             .response_body_limit(8)
             .key_required(false)
-            .scope(|parts| Ok(Scope::from(parts.uri.path()))),
+            .scope(|parts: &http::request::Parts| Ok(Scope::from(parts.uri.path()))),
         handler(started.clone(), gate.clone()),
     );
     let outcome = |reply: tower_idempotency_test::Reply| reply.outcome;

@@ -135,7 +135,7 @@ async fn a_response_larger_than_the_byte_bound_is_not_cached() {
 async fn scopes_never_share_entries() {
     let store = store();
     let handler = echo();
-    let layer = cached(&store).scope(|parts| {
+    let layer = cached(&store).scope(|parts: &http::request::Parts| {
         let account = parts
             .headers
             .get("x-account")

@@ -33,7 +33,7 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
                 .any(|d| d.trim().eq_ignore_ascii_case("no-store"))
         })
     });
-    if no_store || !(config.store_policy)(&parts) {
+    if no_store || !config.store_policy.store(&parts) {
         return Handled::NotStored(Response::from_parts(parts, body));
     }
     let limit = config.response_body_limit;

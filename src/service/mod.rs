@@ -205,7 +205,7 @@ where
         let (parts, body) = req.into_parts();
         let scope = match &config.scope {
             None => Scope::default(),
-            Some(scope) => match scope(&parts) {
+            Some(scope) => match scope.scope(&parts) {
                 Ok(scope) => scope,
                 Err(rejection) => return reject_with(rejection),
             },

@@ -910,9 +910,11 @@ pub async fn scopes_never_see_each_others_records<H: Harness>(h: H) {
             call.n
         ))
     });
-    let layer = layer(&h, store.clone()).scope(|parts| match parts.headers.get("x-account") {
-        Some(account) => Ok(Scope::from(account.as_bytes())),
-        None => Err(Rejection::from(StatusCode::UNAUTHORIZED)),
+    let layer = layer(&h, store.clone()).scope(|parts: &http::request::Parts| {
+        match parts.headers.get("x-account") {
+            Some(account) => Ok(Scope::from(account.as_bytes())),
+            None => Err(Rejection::from(StatusCode::UNAUTHORIZED)),
+        }
     });
     let svc = service(layer, handler.clone());
     let request = |account: Option<&str>, body: &'static str| {

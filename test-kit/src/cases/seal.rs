@@ -159,8 +159,9 @@ pub async fn a_sealed_record_moved_to_another_key_or_scope_does_not_open<H: Harn
     let handler = Handler::ok(|call| created(format!("call {}", call.n)));
     let store = h.store();
     let sealed = SealedStore::new(store.clone(), keys(&["k1"]));
-    let scoped =
-        layer(&h, sealed).scope(|parts| Ok(Scope::from(parts.uri.path().trim_start_matches('/'))));
+    let scoped = layer(&h, sealed).scope(|parts: &http::request::Parts| {
+        Ok(Scope::from(parts.uri.path().trim_start_matches('/')))
+    });
     let svc = service(scoped, handler.clone());
     let request = |tenant: &str, key: &str| {
         keyed(Method::POST, &format!("/{tenant}"), key)
