@@ -149,6 +149,23 @@ async fn timed<T>(
     answer
 }
 
+/// Without the `metrics` feature: no keys, and a call is only awaited.
+#[cfg(not(feature = "metrics"))]
+macro_rules! call_keys {
+    ($operation:literal) => {
+        ()
+    };
+}
+
+/// Without the `metrics` feature: awaits `call`, timing nothing.
+#[cfg(not(feature = "metrics"))]
+async fn timed<T>(
+    (): (),
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    call.await
+}
+
 /// A store whose calls are timed: the layer and the consumer call their store through it.
 #[derive(Clone)]
 pub(crate) struct Metered<St>(pub(crate) St);
@@ -159,7 +176,6 @@ impl<St: fmt::Debug> fmt::Debug for Metered<St> {
     }
 }
 
-#[cfg(feature = "metrics")]
 impl<St: Store> Store for Metered<St> {
     async fn claim(
         &self,
@@ -199,53 +215,6 @@ impl<St: Store> Store for Metered<St> {
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         timed(call_keys!("release"), self.0.release(id, token)).await
-    }
-
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.0.changed(id)
-    }
-}
-
-#[cfg(not(feature = "metrics"))]
-impl<St: Store> Store for Metered<St> {
-    fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        self.0.claim(id, fingerprint, lease)
-    }
-
-    fn complete(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        completed: &Completed,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.0.complete(id, token, completed, ttl)
-    }
-
-    fn renew(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.0.renew(id, token, lease)
-    }
-
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
-        self.0.prepare(id, token, extensions);
-    }
-
-    fn release(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.0.release(id, token)
     }
 
     fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
