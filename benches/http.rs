@@ -15,13 +15,13 @@
 //!
 //! - `bare`: no layer;
 //! - `memory`: behind `IdempotencyLayer::new(MemoryStore)`;
-//! - `memory+cache`: the same with `replay_cache` on;
+//! - `memory+cache`: the same behind a `ReplayCache`;
 //! - `redis-floor`: no layer, but the handler makes by hand, on one multiplexed connection, the
 //!   Redis calls a layer must make (the crate's claim script, then its fenced completion script),
 //!   and answers replays and 409s from the record the claim returned (`http/redis_floor.rs`): the most any
 //!   Redis layer can reach;
 //! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`;
-//! - `redis+cache`: the same with `replay_cache` on (replays of this process's completions make no
+//! - `redis+cache`: the same behind a `ReplayCache` (replays of this process's completions make no
 //!   Redis call);
 //! - with the `postgres` feature: `postgres-floor`, the claim and completion statements by hand on
 //!   a pool like the store's, in the store's own table (`http/postgres_floor.rs`), and `postgres`,
@@ -108,6 +108,7 @@ use settings::{
 };
 use stores::{StoreServers, StoreUse};
 use test_servers::redis_server::RedisServer;
+use tower_idempotency::store::ReplayCache;
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 use wrk::{WrkResult, lua_script, run_wrk};
@@ -292,9 +293,12 @@ fn run() -> Result<bool, String> {
                 app.layer(IdempotencyLayer::new(memory_store.clone()).dedup_window(window))
             }
             Variant::MemoryCache => app.layer(
-                IdempotencyLayer::new(memory_store.clone())
-                    .dedup_window(window)
-                    .replay_cache(REPLAY_CACHE_ENTRIES, REPLAY_CACHE_BYTES),
+                IdempotencyLayer::new(ReplayCache::new(
+                    memory_store.clone(),
+                    REPLAY_CACHE_ENTRIES,
+                    REPLAY_CACHE_BYTES,
+                ))
+                .dedup_window(window),
             ),
             Variant::RedisFloor => redis_floor::redis_app(
                 runtime
@@ -308,9 +312,12 @@ fn run() -> Result<bool, String> {
                 app.layer(IdempotencyLayer::new(redis_store.clone()).dedup_window(window))
             }
             Variant::RedisCache => app.layer(
-                IdempotencyLayer::new(redis_store.clone())
-                    .dedup_window(window)
-                    .replay_cache(REPLAY_CACHE_ENTRIES, REPLAY_CACHE_BYTES),
+                IdempotencyLayer::new(ReplayCache::new(
+                    redis_store.clone(),
+                    REPLAY_CACHE_ENTRIES,
+                    REPLAY_CACHE_BYTES,
+                ))
+                .dedup_window(window),
             ),
             Variant::PostgresFloor => postgres_floor::postgres_app(
                 runtime

@@ -10,7 +10,6 @@ use tower_layer::Layer;
 use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
-use crate::replay_cache::ReplayCache;
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::ScopeRequest;
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
@@ -43,7 +42,6 @@ pub struct IdempotencyLayer<St> {
     config: Config,
     background: Background,
     waits: Waits,
-    replays: Option<ReplayCache>,
     throttles: Arc<LayerThrottles>,
     /// The warning of a layer without a scope, given once per layer.
     unscoped_warning: Arc<Once>,
@@ -57,7 +55,6 @@ impl<St> IdempotencyLayer<St> {
             config: Config::default(),
             background: Background::default(),
             waits: Waits::default(),
-            replays: None,
             throttles: Arc::new(LayerThrottles::new(STORE_FAILURE_LOG_INTERVAL)),
             unscoped_warning: Arc::new(Once::new()),
         }
@@ -351,47 +348,6 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// Keeps the records this process completes in memory, up to about `max_entries` records and
-    /// `max_bytes` bytes (of stored responses, headers and a little bookkeeping), so that a replay
-    /// of one is answered without a store call. A replay from the cache is the store's answer: the
-    /// same bytes, a different request with the key still gets `422`, and keys of different scopes
-    /// never share an entry. Either bound at zero turns the cache off; when a bound is reached, the
-    /// least useful entries are evicted (S3-FIFO), and their replays ask the store again.
-    ///
-    /// Default: off (every replay asks the store). Turn it on when replays are frequent (clients
-    /// or queues that retry after timeouts, webhooks redelivered) and the store's round trip
-    /// matters: with Redis or PostgreSQL, a replay then costs about what a memory store's does.
-    ///
-    /// **Why a copy is right, and until when.** A completed record never changes until it
-    /// expires, so a copy answers as the store would for as long as the store keeps the record.
-    /// Only records this process completed are cached, because their expiry is known: the copy's
-    /// deadline is the [`dedup_window`](Self::dedup_window) from just before the completion was
-    /// sent, on this process's monotonic clock, and the store counts the window from when it
-    /// received the write, a moment later; the copy dies first. A record read from the store (a
-    /// replay of another instance's request) is not cached: the store does not say when it
-    /// expires. A completion the store did not take at once (failed and retried, or refused) is
-    /// not cached either.
-    ///
-    /// **When the store loses data** (a flushed or failed-over Redis, a restored database), the
-    /// cache may still replay a record the store forgot, until the copy's deadline: the protocol
-    /// promised that replay for the whole window anyway, and the request is not run twice. In a
-    /// **multi-instance deployment** each instance caches only its own completions: a retry that
-    /// reaches another instance asks the store, and gets the same record. Only a store that drops
-    /// a record before its window ends (and a new request claims the key on another instance) can
-    /// make the instances answer differently, as it would without the cache.
-    ///
-    /// ```
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
-    ///
-    /// // Up to 10 000 records and 64 MiB.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).replay_cache(10_000, 64 << 20);
-    /// # let _ = layer;
-    /// ```
-    pub fn replay_cache(mut self, max_entries: usize, max_bytes: usize) -> Self {
-        self.replays = ReplayCache::new(max_entries, max_bytes);
-        self
-    }
-
     /// The number of keys that duplicates are waiting on now, across this layer's services
     /// ([`wait_for_in_flight`](Self::wait_for_in_flight)).
     ///
@@ -504,7 +460,6 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             self.config.clone(),
             self.background.clone(),
             self.waits.clone(),
-            self.replays.clone(),
             self.throttles.clone(),
         )
     }
@@ -515,7 +470,6 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
         f.debug_struct("IdempotencyLayer")
             .field("store", &self.store)
             .field("config", &self.config)
-            .field("replay_cache", &self.replays)
             .finish()
     }
 }

@@ -171,7 +171,6 @@ mod outcome;
 pub mod problem;
 pub mod protocol;
 pub mod record;
-mod replay_cache;
 mod retention;
 mod scope;
 #[cfg(feature = "seal")]

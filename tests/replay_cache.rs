@@ -1,4 +1,4 @@
-//! The replay cache (`IdempotencyLayer::replay_cache`), on a counting `MemoryStore` and paused
+//! The replay cache (`store::ReplayCache`), on a counting `MemoryStore` and paused
 //! time: a replay of a record this process completed makes no store call, answers exactly as the
 //! store would (replay, 422), dies with the record, stays within its bounds, and never crosses
 //! scopes. PROTOCOL.md §6.7.
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use http::{Method, StatusCode};
+use tower_idempotency::store::ReplayCache;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
 use tower_idempotency_test::{Counting, Handler, created, keyed, post, send, service};
 
@@ -20,8 +21,8 @@ fn echo() -> Handler {
     Handler::ok(|call| created(format!("call {}", call.n)))
 }
 
-fn cached(store: &Store) -> IdempotencyLayer<Store> {
-    IdempotencyLayer::new(store.clone()).replay_cache(100, 1 << 20)
+fn cached(store: &Store) -> IdempotencyLayer<ReplayCache<Store>> {
+    IdempotencyLayer::new(ReplayCache::new(store.clone(), 100, 1 << 20))
 }
 
 #[tokio::test(start_paused = true)]
@@ -100,7 +101,7 @@ async fn the_entry_dies_with_the_record() {
 async fn the_entry_bound_evicts() {
     let store = store();
     let svc = service(
-        IdempotencyLayer::new(store.clone()).replay_cache(2, 1 << 20),
+        IdempotencyLayer::new(ReplayCache::new(store.clone(), 2, 1 << 20)),
         echo(),
     );
     let keys: Vec<String> = (0..6).map(|n| format!("k{n}")).collect();
@@ -121,7 +122,7 @@ async fn a_response_larger_than_the_byte_bound_is_not_cached() {
     let store = store();
     let large = Handler::ok(|_| created(vec![b'x'; 4096]));
     let svc = service(
-        IdempotencyLayer::new(store.clone()).replay_cache(100, 1024),
+        IdempotencyLayer::new(ReplayCache::new(store.clone(), 100, 1024)),
         large,
     );
     send(&svc, post("k", "x")).await;

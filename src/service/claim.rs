@@ -60,9 +60,6 @@ impl<St: Store> Shared<St> {
                 .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
                 .flatten()
                 .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
-            if let Some(completed) = self.replays.as_ref().and_then(|replays| replays.get(&id)) {
-                return self.answer_existing(Record::Completed(completed), &fingerprint);
-            }
             let claim = self.claim_or_wait(&id, &fingerprint).await;
             // Only a request that reaches the handler is put back together: a replay, a 409 or a
             // 422 answers without it.

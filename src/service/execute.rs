@@ -18,7 +18,6 @@ use crate::lease::{self, ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse};
-use crate::replay_cache::ReplayCache;
 use crate::store::{Store, StoreError};
 
 impl<St: Store> Shared<St> {
@@ -175,12 +174,7 @@ impl<St: Store> Shared<St> {
         (response, outcome): (Response<ResponseBody<B>>, Outcome),
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
-        // Before the write: the store counts the window from a later moment, so the copy dies first.
-        let cached_until = self.replays.as_ref().and(ReplayCache::deadline(ttl));
         let written = self.store.complete(id, token, &completed, ttl).await;
-        if let (Some(replays), Some(until), Ok(true)) = (&self.replays, cached_until, &written) {
-            replays.insert(*id, completed.clone(), until);
-        }
         self.notify_waiters(id);
         if let Err(StoreError::Rejected(err)) = &written {
             tracing::error!(

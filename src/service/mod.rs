@@ -35,7 +35,6 @@ use crate::meter::{self, Metered};
 use crate::outcome::Outcome;
 use crate::problem::{self, Problem, ProblemKind};
 use crate::record::{ClaimToken, RecordId};
-use crate::replay_cache::ReplayCache;
 use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
 use crate::throttle::LayerThrottles;
@@ -100,8 +99,6 @@ pub(crate) struct Shared<St> {
     throttles: Arc<LayerThrottles>,
     /// The keys that duplicates are waiting on (shared by every service of one layer).
     waits: Waits,
-    /// The records this process completed, for replays without a store call (opt-in).
-    replays: Option<ReplayCache>,
 }
 
 impl<S, St> Idempotency<S, St> {
@@ -111,7 +108,6 @@ impl<S, St> Idempotency<S, St> {
         config: Config,
         background: Background,
         waits: Waits,
-        replays: Option<ReplayCache>,
         throttles: Arc<LayerThrottles>,
     ) -> Self {
         meter::describe();
@@ -123,7 +119,6 @@ impl<S, St> Idempotency<S, St> {
                 background,
                 throttles,
                 waits,
-                replays,
             }),
         }
     }

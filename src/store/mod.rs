@@ -19,12 +19,14 @@
 
 mod boxed;
 mod memory;
+mod replay_cache;
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use boxed::BoxStore;
 pub use memory::MemoryStore;
+pub use replay_cache::ReplayCache;
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};
