@@ -59,9 +59,10 @@ use futures_util::FutureExt;
 use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
-use crate::lease::{Held, panic_message};
+use crate::lease::Held;
 use crate::meter::Metered;
 use crate::record::{Completed, Record, RecordId};
+use crate::report::panic_message;
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
 

@@ -1,7 +1,6 @@
 //! Running work under a claim: lease renewal while the work runs, and fenced writes retried
 //! within a bound. Shared by the HTTP layer and the consumer.
 
-use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -10,6 +9,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
 use crate::record::{ClaimToken, RecordId};
+use crate::report::ErrorChain;
 use crate::store::{Store, StoreError};
 
 /// The first pause before a failed store write is tried again; it doubles after each failure, up
@@ -225,28 +225,4 @@ pub(crate) fn not_written(what: &'static str) {
         operation = what,
         "the record no longer carries this claim; nothing written"
     );
-}
-
-/// Displays an error with its sources.
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(err) = source {
-            write!(f, ": {err}")?;
-            source = err.source();
-        }
-        Ok(())
-    }
-}
-
-/// The message of a caught panic.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(not a string)")
 }

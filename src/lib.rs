@@ -171,6 +171,7 @@ mod outcome;
 pub mod problem;
 pub mod protocol;
 pub mod record;
+mod report;
 mod retention;
 mod scope;
 #[cfg(feature = "seal")]

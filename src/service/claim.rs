@@ -14,10 +14,10 @@ use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::lease::{ErrorChain, panic_message};
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{Completed, Payload, Record, RecordId};
+use crate::report::{ErrorChain, panic_message};
 use crate::store::{Claim, Store, StoreError};
 
 impl<St: Store> Shared<St> {

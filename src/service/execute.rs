@@ -14,10 +14,11 @@ use super::{Handler, Shared, StorableBody, finish, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
 use crate::held_claim::{CheckHeld, HeldClaim};
-use crate::lease::{self, ErrorChain, panic_message};
+use crate::lease;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse};
+use crate::report::{ErrorChain, panic_message};
 use crate::store::{Store, StoreError};
 
 impl<St: Store> Shared<St> {

@@ -257,7 +257,7 @@ async fn read_rejection<B>(
         Err(err) => {
             tracing::error!(
                 target: "tower_idempotency",
-                error = %crate::lease::ErrorChain(&*err),
+                error = %crate::report::ErrorChain(&*err),
                 "the scope function's rejection body failed; sending it empty"
             );
             parts.headers.remove(http::header::CONTENT_LENGTH);

@@ -27,8 +27,8 @@ use tracing::Instrument;
 
 use super::Shared;
 use crate::fingerprint::Fingerprint;
-use crate::lease::ErrorChain;
 use crate::record::{InFlight, Record, RecordId};
+use crate::report::ErrorChain;
 use crate::store::{Claim, Store, StoreError};
 
 /// How long the shared wait lets pass before it first asks the store again: each waiter has just
