@@ -1022,3 +1022,32 @@ fn a_required_scope_that_is_missing_stops_the_start_up() {
         .route("/", post(|| async { "ok" }))
         .route_layer(scoped);
 }
+
+/// The task that watches a key for its waiting duplicates is the layer's work like any other:
+/// `Shutdown` counts it, and waits for it (PROTOCOL.md §6.6, §9.4).
+#[tokio::test(start_paused = true)]
+async fn shutdown_counts_the_task_that_watches_a_key_for_its_waiters() {
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(5));
+    let shutdown = layer.shutdown_handle();
+    let svc = service(
+        layer.clone(),
+        gated_handler(started.clone(), gate.clone(), "done"),
+    );
+    let first = spawn_send(&svc, post_request("k", "x"));
+    started.notified().await;
+    assert_eq!(shutdown.running(), 1, "the first request's work");
+    let duplicate = spawn_send(&svc, post_request("k", "x"));
+    while layer.waiting() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(shutdown.running(), 2, "and the watch of its key");
+    gate.notify_one();
+    let (first, duplicate) = (first.await.unwrap(), duplicate.await.unwrap());
+    assert_eq!(duplicate.body, first.body, "the waiter got the replay");
+    tokio::time::timeout(Duration::from_secs(1), shutdown.clone().wait())
+        .await
+        .expect("nothing left running");
+    assert_eq!(shutdown.running(), 0);
+}

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::Shared;
 use crate::fingerprint::Fingerprint;
@@ -177,7 +176,8 @@ impl<St: Store> Shared<St> {
                     });
                     keys.insert(*id, watch.clone());
                     let task = self.clone().watch(*id, *fingerprint, watch.clone());
-                    tokio::spawn(task.instrument(tracing::Span::current()));
+                    // Counted for `Shutdown`, like every task the layer starts.
+                    self.background.spawn(task);
                     watch
                 }
             };
