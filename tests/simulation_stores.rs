@@ -108,6 +108,7 @@ async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
                         None
                     })
                 }),
+                real_time: true,
             }
         }
     })
@@ -142,6 +143,7 @@ async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
                         None
                     })
                 }),
+                real_time: true,
             }
         }
     })

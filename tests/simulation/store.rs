@@ -38,13 +38,19 @@ pub enum Fault {
     Failover,
     /// An instance died, its handlers and detached work with it.
     Death,
+    /// On real time, the machine itself held the run's tasks back for longer than a delay may
+    /// last (a loaded CI machine): a stall no one injected, but a stall all the same.
+    Starved,
 }
 
 impl Fault {
     /// Whether the fault can outlast a lease (or forget a claim): then an unfenced effect may run
     /// twice, by the protocol's own terms (PROTOCOL.md §9.6).
     pub fn is_long(self) -> bool {
-        matches!(self, Fault::Stall | Fault::Restart | Fault::Death)
+        matches!(
+            self,
+            Fault::Stall | Fault::Restart | Fault::Death | Fault::Starved
+        )
     }
 }
 
@@ -65,6 +71,8 @@ pub type Forget =
 pub struct Backend {
     pub store: BoxStore,
     pub forget: Forget,
+    /// On tokio's real clock (a server's store), where the machine's load can stall a run.
+    pub real_time: bool,
 }
 
 impl Backend {
@@ -73,6 +81,7 @@ impl Backend {
         Self {
             store: BoxStore::new(MemoryStore::new()),
             forget: Box::new(|| Box::pin(async { Some(BoxStore::new(MemoryStore::new())) })),
+            real_time: false,
         }
     }
 }
@@ -195,6 +204,17 @@ impl StoreControl {
             log.hits.entry(id).or_default().insert(Fault::Restart);
         }
         *log.counts.entry(Fault::Restart).or_default() += 1;
+    }
+
+    /// The machine held the run back (`Fault::Starved`): every record claimed so far may have
+    /// had a handler outlast its lease.
+    pub fn starved(&self) {
+        let mut log = self.shared.log.lock().unwrap();
+        let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
+        for id in claimed {
+            log.hits.entry(id).or_default().insert(Fault::Starved);
+        }
+        *log.counts.entry(Fault::Starved).or_default() += 1;
     }
 
     /// A replica takes over without the claims made within the replication lag.

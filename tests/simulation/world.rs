@@ -132,6 +132,7 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
         stall: if rng.chance(300) { 50 } else { 0 },
     };
     let ledger = Arc::new(Ledger::new(modes.clone(), bugs.unguarded_effects));
+    let real_time = backend.real_time;
     let store = StoreControl::new(
         backend,
         rng.fork(),
@@ -154,6 +155,21 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
             ServiceBuilder::new().layer(layer).service(handler)
         })
         .collect();
+
+    // On real time, a watchdog: a tick that comes late by more than the longest injected delay
+    // means the machine stalled the run, and the stall is recorded as the fault it is.
+    let watchdog = real_time.then(|| {
+        let (store, tick, bound) = (store.clone(), lease / 40, lease / 10);
+        tokio::spawn(async move {
+            loop {
+                let before = tokio::time::Instant::now();
+                tokio::time::sleep(tick).await;
+                if before.elapsed() > tick + bound {
+                    store.starved();
+                }
+            }
+        })
+    });
 
     // The world's own faults, each in about a third of the runs, in the first two leases.
     if rng.chance(300) {
@@ -206,6 +222,10 @@ pub async fn world(seed: u64, bugs: Bugs, backend: Backend, lease: Duration) -> 
         if !dead.load(Ordering::SeqCst) {
             let _ = tokio::time::timeout(times(lease, 60.0), shutdown.wait()).await;
         }
+    }
+
+    if let Some(watchdog) = watchdog {
+        watchdog.abort();
     }
 
     let mut histories = Vec::new();
