@@ -39,6 +39,8 @@ pin_project! {
         // The trailers are boxed: they are rare, and unboxed they would triple the size of every
         // response body (and of every future that holds one).
         Chained { prefix: Option<Bytes>, trailers: Option<Box<HeaderMap>>, rest: Pin<Box<B>> },
+        // A whole body that ends with trailers (a gRPC response's, first or replayed).
+        Trailed { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
     }
 }
 
@@ -63,6 +65,19 @@ impl<B> ResponseBody<B> {
         Self {
             kind: Kind::Full {
                 body: Full::new(bytes),
+            },
+        }
+    }
+
+    /// A whole body: `bytes`, then `trailers` if there are any (without them, as `full`).
+    pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Self {
+        let Some(trailers) = trailers else {
+            return Self::full(bytes);
+        };
+        Self {
+            kind: Kind::Trailed {
+                data: Some(bytes).filter(|b| !b.is_empty()),
+                trailers: Some(Box::new(trailers)),
             },
         }
     }
@@ -149,6 +164,13 @@ where
                     rest.as_mut().poll_frame(cx)
                 }
             }
+            KindProj::Trailed { data, trailers } => {
+                if let Some(bytes) = data.take() {
+                    Poll::Ready(Some(Ok(Frame::data(bytes))))
+                } else {
+                    Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t))))
+                }
+            }
         }
     }
 
@@ -161,6 +183,7 @@ where
                 trailers,
                 rest,
             } => prefix.is_none() && trailers.is_none() && rest.is_end_stream(),
+            Kind::Trailed { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
 
@@ -177,6 +200,9 @@ where
                     hint.set_upper(upper + extra);
                 }
                 hint
+            }
+            Kind::Trailed { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
     }
@@ -196,5 +222,23 @@ mod tests {
         );
         assert_eq!(body.size_hint().exact(), Some(6));
         assert_eq!(body.collect().await.unwrap().to_bytes(), "abcdef");
+    }
+
+    #[tokio::test]
+    async fn a_trailed_body_yields_its_data_then_its_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = ResponseBody::<Full<Bytes>>::with_trailers(
+            Bytes::from_static(b"abc"),
+            Some(trailers.clone()),
+        );
+        assert_eq!(body.size_hint().exact(), Some(3));
+        assert!(!body.is_end_stream());
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "abc");
+
+        let without = ResponseBody::<Full<Bytes>>::with_trailers(Bytes::new(), None);
+        assert!(without.is_end_stream(), "no trailers: a plain, empty body");
     }
 }

@@ -91,8 +91,9 @@
 //! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
 //!   response says `Cache-Control: no-store` or the policy, which sees the response's status,
 //!   headers and extensions, says otherwise ([`IdempotencyLayer::store_policy`]); headers minus
-//!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
-//!   response over the response limit is delivered and leaves a tombstone: never a second run.
+//!   hop-by-hop headers, `Date` and `Set-Cookie`; the body, and the trailers if it ended with some.
+//!   Others release the claim: a retry runs again. A response over the response limit (body and
+//!   trailers) is delivered and leaves a tombstone: never a second run.
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
 //! - **Opt-in.** A duplicate of a request in flight can wait for its replay instead of getting 409
 //!   ([`IdempotencyLayer::wait_for_in_flight`]); responses can state when their key's record

@@ -160,6 +160,7 @@ macro_rules! store_contract {
             store_concurrent_claims_have_one_winner,
             store_fences_grow_with_every_claim_of_a_key,
             store_first_claims_are_numbered_by_the_clock,
+            store_completed_record_keeps_its_trailers,
             // Through the layer.
             replay_is_byte_identical_through_a_router,
             replay_is_byte_identical_through_service_builder,
@@ -187,6 +188,8 @@ macro_rules! store_contract {
             retried_write_gives_up_once_another_claim_holds_the_key,
             a_displaced_handler_learns_it_and_has_the_smaller_fence,
             a_running_handler_still_holds_its_claim,
+            trailers_are_stored_and_replayed,
+            trailers_count_against_the_response_limit,
             // Opt-in options.
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,

@@ -12,6 +12,7 @@ mod options;
 #[cfg(feature = "seal")]
 mod seal;
 mod store;
+mod trailers;
 mod wait;
 
 pub use fence::*;
@@ -20,4 +21,5 @@ pub use options::*;
 #[cfg(feature = "seal")]
 pub use seal::*;
 pub use store::*;
+pub use trailers::*;
 pub use wait::*;
