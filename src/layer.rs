@@ -41,7 +41,7 @@ use crate::throttle::LayerThrottles;
 #[derive(Clone)]
 pub struct IdempotencyLayer<St> {
     store: St,
-    config: Config,
+    pub(crate) config: Config,
     background: Background,
     waits: Waits,
     replays: Option<ReplayCache>,
@@ -226,7 +226,8 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// # Errors
     /// [`ConfigError::ScopeRequired`]: [`require_scope`](Self::require_scope) without a
-    /// [`scope`](Self::scope).
+    /// [`scope`](Self::scope). With the `grpc` feature, `ConfigError::GrpcMethods`: a gRPC mode
+    /// (`grpc`) whose methods are not gRPC paths.
     ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -236,6 +237,9 @@ impl<St> IdempotencyLayer<St> {
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.config.tenancy == Tenancy::ScopeRequired && self.config.scope.is_none() {
             return Err(ConfigError::ScopeRequired);
+        }
+        if let Some(dialect) = &self.config.dialect {
+            dialect.check()?;
         }
         Ok(())
     }
@@ -536,4 +540,10 @@ pub enum ConfigError {
          request's tenant, or `.single_tenant()` if there is one"
     )]
     ScopeRequired,
+    /// [`IdempotencyLayer::grpc`] named a method that is not a gRPC path
+    /// (`/package.Service/Method`), or none.
+    #[cfg(feature = "grpc")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+    #[error("gRPC mode: {0}")]
+    GrpcMethods(String),
 }

@@ -139,6 +139,13 @@
 //! attempt, and retries connection failures, timeouts, `409`, `429`, `503` and other transient
 //! `5xx`, after the server's `Retry-After` or a backoff with full jitter, within a deadline.
 //!
+//! # gRPC
+//! With the `grpc` feature, `IdempotencyLayer::grpc` protects the unary methods of a tonic service
+//! it names: the key from the `idempotency-key` metadata entry, answers stored and replayed with
+//! their initial metadata, message and trailers, the layer's own answers gRPC statuses with
+//! `google.rpc.RetryInfo` where they say "later" (`grpc` module, PROTOCOL §16). With `client`
+//! too, `client::GrpcRetryLayer` is the client's half over tonic's `Channel`.
+//!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
 //! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
@@ -153,6 +160,8 @@
 //! - `postgres`: `PgStore` on sqlx: records in a PostgreSQL table.
 //! - `client`: the client's half, `client::IdempotentRetryLayer`: one key per operation, the same
 //!   key and body on every attempt, retries of what may not have happened, honouring `Retry-After`.
+//! - `grpc`: gRPC mode for tonic services (`IdempotencyLayer::grpc`, the `grpc` module); with
+//!   `client`, `client::GrpcRetryLayer`. Brings tonic (without its transport) and prost.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -165,10 +174,14 @@ pub mod client;
 mod config;
 pub mod consumer;
 mod detach;
+mod dialect;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;
 mod future;
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 mod held_claim;
 mod hex;
 mod key;

@@ -18,6 +18,9 @@ pub(super) enum Handled<B> {
     NotStored(Response<B>),
     /// The whole body and its trailers, within the response limit.
     Buffered(ResponseParts, Bytes, Option<HeaderMap>),
+    /// Read whole, but the dialect does not store it (a gRPC status that a retry may change):
+    /// deliver it, release the claim.
+    Declined(Response<ResponseBody<B>>),
     /// The body (with its trailers) outgrew the response limit: deliver it, keep a tombstone.
     Unstorable(Response<ResponseBody<B>>),
     /// The body failed while it was read; the handler did run.
@@ -78,6 +81,12 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
         }
     }
     let bytes = chunks.into_bytes();
+    if let Some(dialect) = &config.dialect
+        && !dialect.stores(&parts, trailers.as_ref())
+    {
+        let body = ResponseBody::with_trailers(bytes, trailers);
+        return Handled::Declined(Response::from_parts(parts, body));
+    }
     Handled::Buffered(parts, bytes, trailers)
 }
 

@@ -125,6 +125,10 @@ impl<St: Store> Shared<St> {
                     let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
                     return self.release(&id, &token, response).await;
                 }
+                Ok(Ok(Handled::Declined(response))) => {
+                    let response = finish(response, Outcome::NotStored);
+                    return self.release(&id, &token, response).await;
+                }
                 Ok(Err(err)) => {
                     return self
                         .fail(&id, &token, format!("the handler failed: {err}"))

@@ -142,6 +142,7 @@ macro_rules! store_contract {
         $crate::__sealed_cases!(($harness) ($($($attr)*)?));
     };
     (@general ($harness:expr) $attrs:tt) => {
+        $crate::__grpc_cases!(($harness) $attrs);
         $crate::store_contract!(@cases ($harness) $attrs
             // Store level.
             store_claim_is_exclusive,
@@ -224,6 +225,26 @@ macro_rules! __sealed_cases {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __sealed_cases {
+    ($harness:tt $attrs:tt) => {};
+}
+
+/// The gRPC mode's cases of [`store_contract!`], where the crate has the `grpc` feature.
+#[cfg(feature = "grpc")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __grpc_cases {
+    ($harness:tt $attrs:tt) => {
+        $crate::store_contract!(@cases $harness $attrs
+            grpc_answers_replay_with_their_trailers,
+        );
+    };
+}
+
+/// Without the `grpc` feature, no gRPC cases.
+#[cfg(not(feature = "grpc"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __grpc_cases {
     ($harness:tt $attrs:tt) => {};
 }
 

@@ -1,5 +1,5 @@
-//! Cases of responses that end with trailers (PROTOCOL.md §5.4, §8.4, §8.5): stored whole and
-//! replayed byte for byte on every store.
+//! Cases of responses that end with trailers (PROTOCOL.md §5.4, §8.4, §8.5) and, with the `grpc`
+//! feature, of the gRPC mode (§16): stored whole and replayed byte for byte on every store.
 
 use std::convert::Infallible;
 
@@ -231,4 +231,106 @@ pub async fn trailers_count_against_the_response_limit<H: Harness>(h: H) {
     let replay = whole(&svc, request("exact", "7")).await;
     assert_whole_replay(&replay, &exact);
     assert_eq!(handler.calls(), 2, "§8.4: each key ran once");
+}
+
+/// The gRPC mode over the store (§16): a unary answer with initial metadata, a message and
+/// trailers is replayed byte for byte; a trailers-only answer of a stored status is replayed; an
+/// answer whose status a retry may change releases the claim, in the trailers or trailers-only.
+#[cfg(feature = "grpc")]
+pub async fn grpc_answers_replay_with_their_trailers<H: Harness>(h: H) {
+    let handler = Handler::ok(|call| {
+        let grpc = |status: &'static str| {
+            Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", status)
+                .body(Body::empty())
+                .expect("a response")
+        };
+        match call.parts.uri.path() {
+            "/t.Pay/NotFound" => grpc("5"),
+            "/t.Pay/Busy" => grpc("10"),
+            "/t.Pay/Down" => Response::builder()
+                .header("content-type", "application/grpc")
+                .body(trailed(b"", fields(&[("grpc-status", "14")])))
+                .expect("a response"),
+            _ => Response::builder()
+                .header("content-type", "application/grpc")
+                .header("x-call", call.n.to_string())
+                .body(trailed(
+                    b"\0\0\0\0\x04\x0a\x02ch",
+                    fields(&[
+                        ("grpc-status", "0"),
+                        ("grpc-message", ""),
+                        ("x-ledger", "1"),
+                        ("x-ledger", "2"),
+                    ]),
+                ))
+                .expect("a response"),
+        }
+    });
+    let svc = service(
+        layer(&h, h.store()).grpc([
+            "/t.Pay/Charge",
+            "/t.Pay/NotFound",
+            "/t.Pay/Busy",
+            "/t.Pay/Down",
+        ]),
+        handler.clone(),
+    );
+    let call = |path: &str, key: &str| {
+        keyed(Method::POST, path, key)
+            .header("content-type", "application/grpc")
+            .body(Body::from(&b"\0\0\0\0\x02\x08\x64"[..]))
+            .expect("a request")
+    };
+
+    let first = whole(&svc, call("/t.Pay/Charge", "g1")).await;
+    assert_eq!(
+        first.trailers.as_ref().map(|t| t["grpc-status"].clone()),
+        Some(HeaderValue::from_static("0")),
+        "the handler's status reaches the first client in the trailers"
+    );
+    let replay = whole(&svc, call("/t.Pay/Charge", "g1")).await;
+    assert_whole_replay(&replay, &first);
+
+    let not_found = whole(&svc, call("/t.Pay/NotFound", "g2")).await;
+    let again = whole(&svc, call("/t.Pay/NotFound", "g2")).await;
+    assert_whole_replay(&again, &not_found);
+    assert_eq!(
+        again.headers["grpc-status"], "5",
+        "§16.5: trailers-only NOT_FOUND is stored"
+    );
+
+    for (path, key) in [("/t.Pay/Busy", "g3"), ("/t.Pay/Down", "g4")] {
+        for _ in 0..2 {
+            let answer = whole(&svc, call(path, key)).await;
+            assert_eq!(
+                answer.outcome,
+                Some(Outcome::NotStored),
+                "§16.5: ABORTED and UNAVAILABLE release the claim: {path}"
+            );
+        }
+    }
+    assert_eq!(
+        handler.calls(),
+        1 + 1 + 2 + 2,
+        "§16.5: stored answers ran once, released ones every time"
+    );
+
+    // A request message that differs: the layer's own answer, a trailers-only status.
+    let other = keyed(Method::POST, "/t.Pay/Charge", "g1")
+        .header("content-type", "application/grpc")
+        .body(Body::from(&b"\0\0\0\0\x02\x08\x65"[..]))
+        .expect("a request");
+    let mismatch = whole(&svc, other).await;
+    assert_eq!(
+        (mismatch.status, mismatch.problem),
+        (StatusCode::OK, Some(ProblemKind::Mismatch)),
+        "§16.4: the layer answers over HTTP 200"
+    );
+    assert_eq!(
+        mismatch.headers["grpc-status"], "9",
+        "§16.4: FAILED_PRECONDITION"
+    );
+    assert!(mismatch.body.is_empty(), "§16.4: trailers-only");
 }
