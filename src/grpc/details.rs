@@ -137,7 +137,10 @@ pub(crate) fn error_info(status: &RpcStatus) -> Option<ErrorInfo> {
 }
 
 /// Base64 as gRPC's `-bin` metadata reads it: the standard alphabet, padded or not.
-#[allow(dead_code, reason = "the client's half is to read it")]
+#[cfg_attr(
+    not(feature = "client"),
+    allow(dead_code, reason = "the client's half reads it")
+)]
 const BIN_METADATA: GeneralPurpose = GeneralPurpose::new(
     &base64::alphabet::STANDARD,
     GeneralPurposeConfig::new()
@@ -147,7 +150,10 @@ const BIN_METADATA: GeneralPurpose = GeneralPurpose::new(
 
 /// The `google.rpc.Status` in a `grpc-status-details-bin` value; `None` when it is not base64 of
 /// one. (Not `tonic::Status::from_header_map`, which panics on a value that is not base64.)
-#[allow(dead_code, reason = "the client's half is to read it")]
+#[cfg_attr(
+    not(feature = "client"),
+    allow(dead_code, reason = "the client's half reads it")
+)]
 pub(crate) fn from_header(value: &[u8]) -> Option<RpcStatus> {
     let bytes = BIN_METADATA.decode(value).ok()?;
     decode(&bytes)

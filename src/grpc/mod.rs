@@ -82,6 +82,8 @@ use bytes::Bytes;
 use http::response::Parts as ResponseParts;
 use http::{HeaderMap, HeaderName, Method, Response, Uri};
 
+#[cfg(feature = "client")]
+pub(crate) use details::{from_header as status_details, retry_delay as details_retry_delay};
 pub use status::{code_for, is_stored};
 
 use crate::IdempotencyLayer;
