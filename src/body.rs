@@ -70,14 +70,14 @@ impl<B> ResponseBody<B> {
     }
 
     /// A whole body: `bytes`, then `trailers` if there are any (without them, as `full`).
-    pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Self {
+    pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         let Some(trailers) = trailers else {
             return Self::full(bytes);
         };
         Self {
             kind: Kind::Trailed {
                 data: Some(bytes).filter(|b| !b.is_empty()),
-                trailers: Some(Box::new(trailers)),
+                trailers: Some(trailers),
             },
         }
     }
@@ -201,8 +201,12 @@ where
                 }
                 hint
             }
+            // No exact size: a length would keep hyper from sending the trailers over HTTP/1.1
+            // (chunked), and add a `content-length` the handler did not send.
             Kind::Trailed { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+                let mut hint = SizeHint::new();
+                hint.set_lower(data.as_ref().map_or(0, |d| d.len() as u64));
+                hint
             }
         }
     }
@@ -230,9 +234,14 @@ mod tests {
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         let body = ResponseBody::<Full<Bytes>>::with_trailers(
             Bytes::from_static(b"abc"),
-            Some(trailers.clone()),
+            Some(Box::new(trailers.clone())),
         );
-        assert_eq!(body.size_hint().exact(), Some(3));
+        assert_eq!(body.size_hint().lower(), 3);
+        assert_eq!(
+            body.size_hint().upper(),
+            None,
+            "no length: trailers go chunked"
+        );
         assert!(!body.is_end_stream());
         let collected = body.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));

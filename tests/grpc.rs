@@ -167,6 +167,12 @@ async fn a_retry_gets_the_same_charge_metadata_and_trailers_byte_for_byte() {
         "§16.6: initial metadata"
     );
     assert_eq!(wire_retry.headers["idempotent-replayed"], "true");
+    assert!(
+        !wire_first.headers.contains_key("content-length")
+            && !wire_retry.headers.contains_key("content-length"),
+        "no length that tonic does not send: {:?}",
+        wire_first.headers
+    );
     assert_eq!(wire_retry.body, wire_first.body, "§16.6: the message bytes");
     assert_eq!(
         Charge::decode(&wire_first.body[5..]).unwrap().id,

@@ -274,13 +274,13 @@ where
             }
             Err(frame) => {
                 if let Ok(fields) = frame.into_trailers() {
-                    trailers = Some(fields);
+                    trailers = Some(Box::new(fields));
                     break;
                 }
             }
         }
     }
-    note_answer(&mut parts, trailers.as_ref());
+    note_answer(&mut parts, trailers.as_deref());
     let body = ResponseBody::with_trailers(data.freeze(), trailers);
     Ok(Response::from_parts(parts, body))
 }

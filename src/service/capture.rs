@@ -16,8 +16,9 @@ use crate::config::Config;
 pub(super) enum Handled<B> {
     /// The store policy or `Cache-Control: no-store` says: do not store; release the claim.
     NotStored(Response<B>),
-    /// The whole body and its trailers, within the response limit.
-    Buffered(ResponseParts, Bytes, Option<HeaderMap>),
+    /// The whole body and its trailers, within the response limit. (The trailers boxed: a future
+    /// that holds this stays under the allocator's per-thread cache size.)
+    Buffered(ResponseParts, Bytes, Option<Box<HeaderMap>>),
     /// Read whole, but the dialect does not store it (a gRPC status that a retry may change):
     /// deliver it, release the claim.
     Declined(Response<ResponseBody<B>>),
@@ -74,7 +75,7 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
                         return Handled::Unstorable(Response::from_parts(parts, body));
                     }
                     // Trailers end a body (http-body): a server sends nothing after them.
-                    trailers = Some(fields);
+                    trailers = Some(Box::new(fields));
                     break;
                 }
             },
@@ -82,7 +83,7 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
     }
     let bytes = chunks.into_bytes();
     if let Some(dialect) = &config.dialect
-        && !dialect.stores(&parts, trailers.as_ref())
+        && !dialect.stores(&parts, trailers.as_deref())
     {
         let body = ResponseBody::with_trailers(bytes, trailers);
         return Handled::Declined(Response::from_parts(parts, body));

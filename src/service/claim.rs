@@ -231,6 +231,7 @@ impl<St: Store> Shared<St> {
                     }
                 };
                 headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                let trailers = trailers.map(Box::new);
                 let mut response = Response::new(ResponseBody::with_trailers(body, trailers));
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;

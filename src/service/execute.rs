@@ -97,7 +97,7 @@ impl<St: Store> Shared<St> {
                         status: parts.status,
                         headers: replayable_headers(&parts.headers, config.keep_set_cookie),
                         body: body.clone(),
-                        trailers: trailers.clone(),
+                        trailers: trailers.as_deref().cloned(),
                     };
                     let body = ResponseBody::with_trailers(body, trailers);
                     let response = Response::from_parts(parts, body);
