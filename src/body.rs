@@ -39,6 +39,8 @@ pin_project! {
         // The trailers are boxed: they are rare, and unboxed they would triple the size of every
         // response body (and of every future that holds one).
         Chained { prefix: Option<Bytes>, trailers: Option<Box<HeaderMap>>, rest: Pin<Box<B>> },
+        // A whole body that ends with trailers (a gRPC response's, first or replayed).
+        Trailed { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
     }
 }
 
@@ -67,17 +69,30 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn inner(body: B) -> Self {
+    /// A whole body: `bytes`, then `trailers` if there are any; for middleware that reads an
+    /// answer whole before it passes it on (the gRPC client half does).
+    pub fn with_trailers(bytes: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
+        let Some(trailers) = trailers else {
+            return Self::full(bytes);
+        };
+        Self {
+            kind: Kind::Trailed {
+                data: Some(bytes).filter(|b| !b.is_empty()),
+                trailers: Some(trailers),
+            },
+        }
+    }
+
+    /// `body`, passed through as it comes.
+    pub fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
         }
     }
 
-    pub(crate) fn chained(
-        prefix: Bytes,
-        trailers: Option<Box<HeaderMap>>,
-        rest: Pin<Box<B>>,
-    ) -> Self {
+    /// `prefix` (bytes already read of a body), then `trailers` if any, then the `rest` of the
+    /// body as it comes.
+    pub fn chained(prefix: Bytes, trailers: Option<Box<HeaderMap>>, rest: Pin<Box<B>>) -> Self {
         let prefix = Some(prefix).filter(|p| !p.is_empty());
         Self {
             kind: Kind::Chained {
@@ -149,6 +164,13 @@ where
                     rest.as_mut().poll_frame(cx)
                 }
             }
+            KindProj::Trailed { data, trailers } => {
+                if let Some(bytes) = data.take() {
+                    Poll::Ready(Some(Ok(Frame::data(bytes))))
+                } else {
+                    Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t))))
+                }
+            }
         }
     }
 
@@ -161,6 +183,7 @@ where
                 trailers,
                 rest,
             } => prefix.is_none() && trailers.is_none() && rest.is_end_stream(),
+            Kind::Trailed { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
 
@@ -176,6 +199,13 @@ where
                 if let Some(upper) = rest.upper() {
                     hint.set_upper(upper + extra);
                 }
+                hint
+            }
+            // No exact size: a length would keep hyper from sending the trailers over HTTP/1.1
+            // (chunked), and add a `content-length` the handler did not send.
+            Kind::Trailed { data, .. } => {
+                let mut hint = SizeHint::new();
+                hint.set_lower(data.as_ref().map_or(0, |d| d.len() as u64));
                 hint
             }
         }
@@ -196,5 +226,28 @@ mod tests {
         );
         assert_eq!(body.size_hint().exact(), Some(6));
         assert_eq!(body.collect().await.unwrap().to_bytes(), "abcdef");
+    }
+
+    #[tokio::test]
+    async fn a_trailed_body_yields_its_data_then_its_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = ResponseBody::<Full<Bytes>>::with_trailers(
+            Bytes::from_static(b"abc"),
+            Some(Box::new(trailers.clone())),
+        );
+        assert_eq!(body.size_hint().lower(), 3);
+        assert_eq!(
+            body.size_hint().upper(),
+            None,
+            "no length: trailers go chunked"
+        );
+        assert!(!body.is_end_stream());
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "abc");
+
+        let without = ResponseBody::<Full<Bytes>>::with_trailers(Bytes::new(), None);
+        assert!(without.is_end_stream(), "no trailers: a plain, empty body");
     }
 }

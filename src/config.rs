@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
+use crate::dialect::Dialect;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::retention::Retention;
 use crate::scope::ScopeRequest;
@@ -35,6 +36,8 @@ pub(crate) struct Config {
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
     pub(crate) render: Arc<dyn RenderProblem>,
     pub(crate) retention: Option<Retention>,
+    /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
+    pub(crate) dialect: Option<Arc<dyn Dialect>>,
 }
 
 impl Default for Config {
@@ -59,6 +62,7 @@ impl Default for Config {
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
             render: Arc::new(ProblemJson),
             retention: None,
+            dialect: None,
         }
     }
 }
@@ -99,6 +103,7 @@ impl fmt::Debug for Config {
             .field("retry_after", &self.retry_after)
             .field("wait", &self.wait)
             .field("retention", &self.retention)
+            .field("dialect", &self.dialect)
             .finish_non_exhaustive()
     }
 }

@@ -39,7 +39,7 @@ use crate::throttle::LayerThrottles;
 #[derive(Clone)]
 pub struct IdempotencyLayer<St> {
     store: St,
-    config: Config,
+    pub(crate) config: Config,
     background: Background,
     waits: Waits,
     throttles: Arc<LayerThrottles>,
@@ -143,7 +143,7 @@ impl<St> IdempotencyLayer<St> {
 
     /// The scope of each request's key, from its parts (usually the authenticated account that an
     /// outer layer put in the extensions). Keys of different scopes never see each other's
-    /// records. The function may refuse a request with a [`Rejection`] (a 401 when there is no
+    /// records. The function may refuse a request with a [`Rejection`](crate::Rejection) (a 401 when there is no
     /// principal): nothing is claimed, and the client gets the rejection.
     ///
     /// Default: none, and every key shares one namespace. **That is only right for a
@@ -220,7 +220,8 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// # Errors
     /// [`ConfigError::ScopeRequired`]: [`require_scope`](Self::require_scope) without a
-    /// [`scope`](Self::scope).
+    /// [`scope`](Self::scope). With the `grpc` feature, `ConfigError::GrpcMethods`: a gRPC mode
+    /// (`grpc`) whose methods are not gRPC paths.
     ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -230,6 +231,9 @@ impl<St> IdempotencyLayer<St> {
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.config.tenancy == Tenancy::ScopeRequired && self.config.scope.is_none() {
             return Err(ConfigError::ScopeRequired);
+        }
+        if let Some(dialect) = &self.config.dialect {
+            dialect.check()?;
         }
         Ok(())
     }
@@ -381,7 +385,7 @@ impl<St> IdempotencyLayer<St> {
     /// 422, 500, 503) are written: the body and its headers, per problem, in the API's own error
     /// format. The layer keeps the status, `Cache-Control: no-store`, `Retry-After`, and the
     /// [`ProblemKind`] and [`Outcome`](crate::Outcome) in the extensions. A scope function's
-    /// [`Rejection`] is the application's own response and is not rendered.
+    /// [`Rejection`](crate::Rejection) is the application's own response and is not rendered.
     /// Default: [`ProblemJson`](crate::problem::ProblemJson), RFC 9457
     /// `application/problem+json`.
     ///
@@ -484,4 +488,10 @@ pub enum ConfigError {
          request's tenant, or `.single_tenant()` if there is one"
     )]
     ScopeRequired,
+    /// [`IdempotencyLayer::grpc`] named a method that is not a gRPC path
+    /// (`/package.Service/Method`), or none.
+    #[cfg(feature = "grpc")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+    #[error("gRPC mode: {0}")]
+    GrpcMethods(String),
 }

@@ -91,14 +91,15 @@
 //! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
 //!   response says `Cache-Control: no-store` or the policy, which sees the response's status,
 //!   headers and extensions, says otherwise ([`IdempotencyLayer::store_policy`]); headers minus
-//!   hop-by-hop headers, `Date` and `Set-Cookie`. Others release the claim: a retry runs again. A
-//!   response over the response limit is delivered and leaves a tombstone: never a second run.
+//!   hop-by-hop headers, `Date` and `Set-Cookie`; the body, and the trailers if it ended with some.
+//!   Others release the claim: a retry runs again. A response over the response limit (body and
+//!   trailers) is delivered and leaves a tombstone: never a second run.
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
 //! - **Opt-in.** A duplicate of a request in flight can wait for its replay instead of getting 409
 //!   ([`IdempotencyLayer::wait_for_in_flight`]); responses can state when their key's record
 //!   expires ([`IdempotencyLayer::retention_header`]); JSON bodies can count by their RFC 8785
 //!   canonical form rather than their bytes ([`IdempotencyLayer::canonical_json`]); replays of
-//!   records this process completed can skip the store ([`IdempotencyLayer::replay_cache`]).
+//!   records this process completed can skip the store ([`store::ReplayCache`]).
 //!
 //! # Where to put the layer
 //! Inside authentication (so the scope function can read the principal), and inside compression
@@ -139,6 +140,14 @@
 //! connection failures, timeouts, `409`, `429`, `503` and other transient `5xx`, after the
 //! server's `Retry-After` or a backoff with full jitter, within a deadline.
 //!
+//! # gRPC
+//! With the `grpc` feature, `IdempotencyLayer::grpc` protects the unary methods of a tonic service
+//! it names: the key from the `idempotency-key` metadata entry, answers stored and replayed with
+//! their initial metadata, message and trailers, the layer's own answers gRPC statuses with
+//! `google.rpc.RetryInfo` where they say "later" (`grpc` module, PROTOCOL §16).
+//! `tower-idempotency-client`'s `GrpcRetryLayer` (its `grpc` feature) is the client's half over
+//! tonic's `Channel`.
+//!
 //! # Queue consumers
 //! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
 //! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
@@ -148,6 +157,8 @@
 //! - `axum` (default): the [`IdempotencyKey`] and [`HeldClaim`] extractors.
 //! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
 //! - `seal`: [`seal::SealedStore`], records encrypted and authenticated at rest.
+//! - `grpc`: gRPC mode for tonic services ([`IdempotencyLayer::grpc`], the [`grpc`] module).
+//!   Brings tonic (without its transport) and prost.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -157,10 +168,14 @@ mod body;
 mod config;
 pub mod consumer;
 mod detach;
+mod dialect;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;
 mod future;
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 mod held_claim;
 mod hex;
 mod key;

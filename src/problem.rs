@@ -30,8 +30,8 @@
 //!
 //! ### not-replayable
 //! 409 without `Retry-After`: the request with this key completed, but its response could not be
-//! stored (larger than the response limit, carrying trailers, or failing while it was produced), so
-//! it cannot be replayed. The operation ran once; look its result up.
+//! stored (larger than the response limit, or failing while it was produced), so it cannot be
+//! replayed. The operation ran once; look its result up.
 //!
 //! ### store-unavailable
 //! 503 with `Retry-After`: the idempotency store could not be reached in time (or is full), so the

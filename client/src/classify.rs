@@ -26,6 +26,9 @@ pub(crate) enum Reason {
     Gateway,
     /// Another 5xx (not 501 or 505): the server failed; with the key, a retry replays or reruns.
     ServerError,
+    /// gRPC `ABORTED`: the key's first call is still running, or the server hit a conflict.
+    #[cfg_attr(not(feature = "grpc"), allow(dead_code, reason = "a gRPC answer's"))]
+    Aborted,
 }
 
 impl Reason {
@@ -39,6 +42,7 @@ impl Reason {
             Reason::Unavailable => "unavailable",
             Reason::Gateway => "gateway",
             Reason::ServerError => "server_error",
+            Reason::Aborted => "aborted",
         }
     }
 }
@@ -54,6 +58,11 @@ pub(crate) struct Retryable {
 pub(crate) fn classify<B>(result: &Result<Response<B>, BoxError>) -> Option<Retryable> {
     match result {
         Ok(response) => {
+            // A gRPC answer is judged by its `grpc-status` (`client::grpc`), not its HTTP 200.
+            #[cfg(feature = "grpc")]
+            if let Some(answer) = response.extensions().get::<super::grpc::GrpcAnswer>() {
+                return answer.retryable();
+            }
             let reason = retryable_status(response.status())?;
             Some(Retryable {
                 reason,

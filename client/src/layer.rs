@@ -31,7 +31,7 @@ use super::service::IdempotentRetry;
 /// ```
 #[derive(Clone, Default)]
 pub struct IdempotentRetryLayer {
-    config: Config,
+    pub(crate) config: Config,
 }
 
 /// The layer's settings, shared by every request of a service.

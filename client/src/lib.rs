@@ -95,6 +95,11 @@
 //! jitter on top of the exponential base instead of drawing the whole wait at random, and does not
 //! say how long it waits, which the deadline and `Retry-After` need to know.
 //!
+//! # gRPC
+//! With the `grpc` feature, [`IdempotentRetryLayer::grpc`] makes the same layer for a tonic
+//! transport (`Channel`): the named unary methods retried with one `idempotency-key`, judged by
+//! their `grpc-status` and the `RetryInfo` the server sends (the [`grpc`] module).
+//!
 //! # Bodies
 //! The request body is read into memory before the first attempt (up to
 //! [`IdempotentRetryLayer::body_limit`]; over it, [`Error::BodyTooLarge`] and nothing is sent),
@@ -105,11 +110,15 @@
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backoff;
 mod classify;
 mod error;
 mod future;
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 mod info;
 mod layer;
 mod policy;
@@ -117,6 +126,8 @@ mod service;
 
 pub use error::Error;
 pub use future::ResponseFuture;
+#[cfg(feature = "grpc")]
+pub use grpc::{GrpcRetry, GrpcRetryLayer};
 pub use info::Attempts;
 pub use layer::IdempotentRetryLayer;
 pub use service::IdempotentRetry;

@@ -18,6 +18,9 @@ const KIND_IN_FLIGHT: u8 = 1;
 const KIND_COMPLETED: u8 = 2;
 const KIND_TOMBSTONE: u8 = 3;
 const KIND_SEALED: u8 = 4;
+/// A completed record whose response ended with trailers: kind 2's fields, then the trailers.
+/// Kind 2 stays the encoding of a response without them, so such records keep their bytes.
+const KIND_COMPLETED_WITH_TRAILERS: u8 = 5;
 /// The longest key id a sealed record names.
 pub(crate) const MAX_KEY_ID_LEN: usize = 64;
 
@@ -45,7 +48,8 @@ pub mod layout {
 
     /// The encoding version's byte.
     pub const VERSION_BYTE: usize = 0;
-    /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone, 4 sealed.
+    /// The record kind's byte: 1 in flight, 2 completed, 3 tombstone, 4 sealed, 5 completed with
+    /// trailers.
     pub const KIND: usize = 1;
     /// An in-flight record's claim token.
     pub const TOKEN: Range<usize> = 2..18;
@@ -104,7 +108,11 @@ impl Completed {
                 // allocation with no slack, and `Bytes::from` takes it over without a second one.
                 let len = layout::COMPLETED_FINGERPRINT.end + response_len(response);
                 let mut out = Vec::with_capacity(len);
-                out.extend_from_slice(&[VERSION, KIND_COMPLETED]);
+                let kind = match response.trailers {
+                    None => KIND_COMPLETED,
+                    Some(_) => KIND_COMPLETED_WITH_TRAILERS,
+                };
+                out.extend_from_slice(&[VERSION, kind]);
                 out.extend_from_slice(self.fingerprint.as_bytes());
                 encode_response(response, &mut out)?;
                 debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
@@ -127,21 +135,36 @@ impl Completed {
 
 /// The length of a response's encoding by [`encode_response`].
 pub(crate) fn response_len(response: &StoredResponse) -> usize {
-    let headers: usize = (response.headers.iter())
-        .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
-        .sum();
-    2 + 4 + headers + 4 + response.body.len()
+    let fields = |map: &HeaderMap| -> usize {
+        let entries: usize = (map.iter())
+            .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
+            .sum();
+        4 + entries
+    };
+    let trailers = response.trailers.as_ref().map_or(0, fields);
+    2 + fields(&response.headers) + 4 + response.body.len() + trailers
 }
 
-/// Appends a response's fields to `out`: status, headers, body. A completed record's bytes after
-/// its fingerprint, and a sealed record's plaintext.
+/// Appends a response's fields to `out`: status, headers, body, and the trailers when it has
+/// them. A completed record's bytes after its fingerprint, and a sealed record's plaintext.
 pub(crate) fn encode_response(
     response: &StoredResponse,
     out: &mut Vec<u8>,
 ) -> Result<(), EncodeError> {
     out.extend_from_slice(&response.status.as_u16().to_le_bytes());
-    out.extend_from_slice(&len_u32(response.headers.len())?.to_le_bytes());
-    for (name, value) in &response.headers {
+    encode_fields(&response.headers, out)?;
+    out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
+    out.extend_from_slice(&response.body);
+    if let Some(trailers) = &response.trailers {
+        encode_fields(trailers, out)?;
+    }
+    Ok(())
+}
+
+/// Appends header (or trailer) fields: their count, then each name and value.
+fn encode_fields(fields: &HeaderMap, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+    out.extend_from_slice(&len_u32(fields.len())?.to_le_bytes());
+    for (name, value) in fields {
         let name = name.as_str().as_bytes();
         // Header names are far shorter than 64 KiB in every HTTP implementation.
         let name_len = u16::try_from(name.len()).map_err(|_| EncodeError::TooLarge)?;
@@ -150,17 +173,19 @@ pub(crate) fn encode_response(
         out.extend_from_slice(&len_u32(value.len())?.to_le_bytes());
         out.extend_from_slice(value.as_bytes());
     }
-    out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
-    out.extend_from_slice(&response.body);
     Ok(())
 }
 
 /// Decodes a response encoded by [`encode_response`], sharing `bytes` for the body and the
-/// header values.
+/// header values: with trailers when fields follow the body (a sealed record's plaintext says so
+/// by its length alone, as one sealed before trailers were kept has none).
 #[cfg(feature = "seal")]
 pub(crate) fn decode_response(bytes: Bytes) -> Result<StoredResponse, DecodeError> {
     let mut r = Reader(&bytes);
-    let response = read_response(&mut r, &bytes)?;
+    let mut response = read_response(&mut r, &bytes)?;
+    if !r.0.is_empty() {
+        response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
+    }
     if !r.0.is_empty() {
         return Err(DecodeError::Malformed("trailing bytes"));
     }
@@ -199,33 +224,42 @@ pub(crate) fn is_key_id(key_id: &str) -> bool {
             .all(|b| b.is_ascii_graphic() && b != b':' && b != b',')
 }
 
+/// Reads a response's status, headers and body; its trailers, if any, are the caller's to read.
 fn read_response(r: &mut Reader<'_>, bytes: &Bytes) -> Result<StoredResponse, DecodeError> {
-    // Header values and the body are slices of `bytes`, not copies.
-    let shared = |r: &mut Reader<'_>, n: usize| {
-        let start = bytes.len() - r.0.len();
-        r.take(n)?;
-        Ok::<_, DecodeError>(bytes.slice(start..start + n))
-    };
     let status = StatusCode::from_u16(r.u16()?).map_err(|_| DecodeError::Malformed("status"))?;
-    let count = r.u32()? as usize;
     // One more than stored: room for the marker a replay adds.
-    let mut headers = HeaderMap::with_capacity(count.min(64) + 1);
+    let headers = read_fields(r, bytes, 1)?;
+    let body_len = r.u32()? as usize;
+    let body = shared(r, bytes, body_len)?;
+    Ok(StoredResponse {
+        status,
+        headers,
+        body,
+        trailers: None,
+    })
+}
+
+/// The next `n` bytes, as a slice of `bytes` (not a copy): header values and the body.
+fn shared(r: &mut Reader<'_>, bytes: &Bytes, n: usize) -> Result<Bytes, DecodeError> {
+    let start = bytes.len() - r.0.len();
+    r.take(n)?;
+    Ok(bytes.slice(start..start + n))
+}
+
+/// Reads header (or trailer) fields written by `encode_fields`, with room for `spare` more.
+fn read_fields(r: &mut Reader<'_>, bytes: &Bytes, spare: usize) -> Result<HeaderMap, DecodeError> {
+    let count = r.u32()? as usize;
+    let mut fields = HeaderMap::with_capacity(count.min(64) + spare);
     for _ in 0..count {
         let name_len = r.u16()? as usize;
         let name = HeaderName::from_bytes(r.take(name_len)?)
             .map_err(|_| DecodeError::Malformed("header name"))?;
         let value_len = r.u32()? as usize;
-        let value = HeaderValue::from_maybe_shared(shared(r, value_len)?)
+        let value = HeaderValue::from_maybe_shared(shared(r, bytes, value_len)?)
             .map_err(|_| DecodeError::Malformed("header value"))?;
-        headers.append(name, value);
+        fields.append(name, value);
     }
-    let body_len = r.u32()? as usize;
-    let body = shared(r, body_len)?;
-    Ok(StoredResponse {
-        status,
-        headers,
-        body,
-    })
+    Ok(fields)
 }
 
 impl Record {
@@ -253,9 +287,12 @@ impl Record {
                     lease_remaining,
                 })
             }
-            KIND_COMPLETED => {
+            kind @ (KIND_COMPLETED | KIND_COMPLETED_WITH_TRAILERS) => {
                 let fingerprint = r.fingerprint()?;
-                let response = read_response(&mut r, &bytes)?;
+                let mut response = read_response(&mut r, &bytes)?;
+                if kind == KIND_COMPLETED_WITH_TRAILERS {
+                    response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
+                }
                 Record::Completed(Completed {
                     fingerprint,
                     response: Some(Payload::Plain(Arc::new(response))),
@@ -397,6 +434,7 @@ mod tests {
                 status: StatusCode::CREATED,
                 headers,
                 body: Bytes::from_static(b"{\"id\":1}\xff\x00"),
+                trailers: None,
             }))),
         };
         let bytes = record.encode().unwrap();
@@ -509,6 +547,7 @@ mod tests {
                 status: StatusCode::OK,
                 headers: HeaderMap::new(),
                 body: Bytes::from_static(b"abc"),
+                trailers: None,
             }))),
         }
         .encode()
@@ -530,5 +569,126 @@ mod tests {
         let mut trailing = good.clone();
         trailing.push(0);
         assert!(Record::decode(Bytes::from(trailing)).is_err());
+    }
+
+    fn grpc_trailers() -> HeaderMap {
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("0"));
+        trailers.append("x-trace", HeaderValue::from_static("a"));
+        trailers.append("x-trace", HeaderValue::from_static("b"));
+        trailers.append("x-sig-bin", HeaderValue::from_static("AAEC"));
+        trailers
+    }
+
+    #[test]
+    fn trailers_round_trip_in_a_kind_of_their_own() {
+        let mut headers = HeaderMap::new();
+        headers.append("content-type", HeaderValue::from_static("application/grpc"));
+        let response = StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::from_static(b"\x00\x00\x00\x00\x02\x08\x01"),
+            trailers: Some(grpc_trailers()),
+        };
+        let record = Completed::with_response(fingerprint(), response.clone());
+        let bytes = record.encode().unwrap();
+        assert_eq!(bytes[layout::KIND], KIND_COMPLETED_WITH_TRAILERS);
+        assert_eq!(
+            bytes.len(),
+            layout::COMPLETED_FINGERPRINT.end + response_len(&response)
+        );
+        let Record::Completed(decoded) = Record::decode(Bytes::from(bytes.clone())).unwrap() else {
+            panic!("not completed")
+        };
+        assert_eq!(decoded, record);
+        let trailers = decoded.plain().unwrap().trailers.clone().unwrap();
+        let names: Vec<_> = trailers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("grpc-status", &b"0"[..]),
+                ("x-trace", b"a"),
+                ("x-trace", b"b"),
+                ("x-sig-bin", b"AAEC")
+            ],
+            "every value, in order"
+        );
+        for n in 0..bytes.len() {
+            assert!(
+                Record::decode(Bytes::copy_from_slice(&bytes[..n])).is_err(),
+                "prefix {n}"
+            );
+        }
+
+        // An empty trailers frame is kept as one: it is not "no trailers".
+        let empty = Completed::with_response(
+            fingerprint(),
+            StoredResponse {
+                trailers: Some(HeaderMap::new()),
+                ..response
+            },
+        );
+        let bytes = empty.encode().unwrap();
+        assert_eq!(bytes[layout::KIND], KIND_COMPLETED_WITH_TRAILERS);
+        assert_eq!(
+            Record::decode(Bytes::from(bytes)).unwrap(),
+            Record::Completed(empty)
+        );
+    }
+
+    #[test]
+    fn a_record_written_before_trailers_were_kept_still_decodes() {
+        // Kind 2 as every earlier release wrote it: status 201, one header, a 2-byte body.
+        let mut old = vec![1, 2];
+        old.extend_from_slice(&[7; 32]);
+        old.extend_from_slice(&201u16.to_le_bytes());
+        old.extend_from_slice(&1u32.to_le_bytes());
+        old.extend_from_slice(&1u16.to_le_bytes());
+        old.extend_from_slice(b"a");
+        old.extend_from_slice(&1u32.to_le_bytes());
+        old.extend_from_slice(b"b");
+        old.extend_from_slice(&2u32.to_le_bytes());
+        old.extend_from_slice(b"ok");
+        let Record::Completed(done) = Record::decode(Bytes::from(old.clone())).unwrap() else {
+            panic!("not completed")
+        };
+        let response = done.plain().unwrap();
+        assert_eq!(response.status, StatusCode::CREATED);
+        assert_eq!(response.headers["a"], "b");
+        assert_eq!(response.body, "ok");
+        assert_eq!(response.trailers, None);
+        // And a response without trailers is still written so, byte for byte.
+        assert_eq!(done.encode().unwrap(), old);
+    }
+
+    #[test]
+    fn a_sealed_plaintext_has_trailers_only_when_they_follow_the_body() {
+        let without = StoredResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"abc"),
+            trailers: None,
+        };
+        let with = StoredResponse {
+            trailers: Some(grpc_trailers()),
+            ..without.clone()
+        };
+        for response in [without, with] {
+            let mut plaintext = Vec::new();
+            encode_response(&response, &mut plaintext).unwrap();
+            assert_eq!(plaintext.len(), response_len(&response));
+            let decoded = decode_response(Bytes::from(plaintext.clone())).unwrap();
+            assert_eq!(decoded, response);
+            for n in 0..plaintext.len() {
+                if let Ok(prefix) = decode_response(Bytes::copy_from_slice(&plaintext[..n])) {
+                    // Only the plaintext without its trailer block reads as a response.
+                    assert_eq!(prefix.trailers, None, "prefix {n}");
+                    assert!(response.trailers.is_some(), "prefix {n}");
+                }
+            }
+        }
     }
 }

@@ -15,6 +15,7 @@
 //! | completed | `01 02` fingerprint (32) status (u16) header count (u32), per header: name length (u16) name, value length (u32) value; body length (u32) body |
 //! | tombstone | `01 03` fingerprint (32) |
 //! | sealed | `01 04` fingerprint (32) key id length (u8) key id, nonce (24), ciphertext length (u32) ciphertext: a completed record's fields after its fingerprint, encrypted, then the 16-byte tag |
+//! | completed with trailers | `01 05`, then a completed record's fields, then the trailers: count (u32), per trailer: name length (u16) name, value length (u32) value |
 //!
 //! The claim token sits at bytes 2..18 of an in-flight record, so a store script can fence on it
 //! without decoding the rest.

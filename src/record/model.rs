@@ -9,7 +9,7 @@ use http::{HeaderMap, StatusCode};
 
 use crate::fingerprint::Fingerprint;
 
-/// A stored response: status, headers (every value, in order) and body.
+/// A stored response: status, headers (every value, in order), body and trailers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredResponse {
     /// The status code.
@@ -18,17 +18,21 @@ pub struct StoredResponse {
     pub headers: HeaderMap,
     /// The body bytes.
     pub body: Bytes,
+    /// The trailers the body ended with (every value, in order), or `None` when it ended without
+    /// a trailers frame. A gRPC response's status is in them (`grpc-status`, `grpc-message`).
+    pub trailers: Option<HeaderMap>,
 }
 
 impl StoredResponse {
-    /// The bytes this response holds in a store, roughly: body, header names and values.
+    /// The bytes this response holds in a store, roughly: body, header and trailer names and
+    /// values.
     pub fn size(&self) -> usize {
-        self.body.len()
-            + self
-                .headers
-                .iter()
+        let fields = |map: &HeaderMap| {
+            map.iter()
                 .map(|(name, value)| name.as_str().len() + value.len() + 8)
                 .sum::<usize>()
+        };
+        self.body.len() + fields(&self.headers) + self.trailers.as_ref().map_or(0, fields)
     }
 }
 
@@ -47,8 +51,8 @@ pub struct Completed {
     /// The fingerprint of the request that ran.
     pub fingerprint: Fingerprint,
     /// The response to replay, or `None` for a tombstone: the operation ran, but its response could
-    /// not be stored (larger than the response limit, with trailers, or failing while it was read),
-    /// so it cannot be replayed.
+    /// not be stored (larger than the response limit, or failing while it was read), so it cannot
+    /// be replayed.
     pub response: Option<Payload>,
 }
 
@@ -62,7 +66,12 @@ impl Completed {
     ///
     /// let done = Completed::with_response(
     ///     Fingerprint::from_bytes([1; 32]),
-    ///     StoredResponse { status: StatusCode::CREATED, headers: HeaderMap::new(), body: Bytes::from("{}") },
+    ///     StoredResponse {
+    ///         status: StatusCode::CREATED,
+    ///         headers: HeaderMap::new(),
+    ///         body: Bytes::from("{}"),
+    ///         trailers: None,
+    ///     },
     /// );
     /// assert_eq!(done.plain().unwrap().status, StatusCode::CREATED);
     /// ```

@@ -35,7 +35,7 @@ use crate::store::{Claim, Store, StoreError};
 /// let inner = MemoryStore::new();
 /// let store = SealedStore::new(inner.clone(), SealKeys::new([SealKey::new("k1", [7; 32])?])?);
 /// let (id, fp, lease) = (RecordId::new(b"acct_1", "order-42"), Fingerprint::from_bytes([1; 32]), Duration::from_secs(30));
-/// let response = StoredResponse { status: StatusCode::CREATED, headers: HeaderMap::new(), body: Bytes::from("secret") };
+/// let response = StoredResponse { status: StatusCode::CREATED, headers: HeaderMap::new(), body: Bytes::from("secret"), trailers: None };
 ///
 /// let Claim::Claimed(token) = store.claim(&id, &fp, lease).await? else { unreachable!() };
 /// store.complete(&id, &token, &Completed::with_response(fp, response.clone()), Duration::from_secs(60)).await?;

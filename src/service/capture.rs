@@ -16,15 +16,20 @@ use crate::config::Config;
 pub(super) enum Handled<B> {
     /// The store policy or `Cache-Control: no-store` says: do not store; release the claim.
     NotStored(Response<B>),
-    /// The whole body, within the response limit.
-    Buffered(ResponseParts, Bytes),
-    /// The body outgrew the response limit (or carries trailers): deliver it, keep a tombstone.
+    /// The whole body and its trailers, within the response limit. (The trailers boxed: a future
+    /// that holds this stays under the allocator's per-thread cache size.)
+    Buffered(ResponseParts, Bytes, Option<Box<HeaderMap>>),
+    /// Read whole, but the dialect does not store it (a gRPC status that a retry may change):
+    /// deliver it, release the claim.
+    Declined(Response<ResponseBody<B>>),
+    /// The body (with its trailers) outgrew the response limit: deliver it, keep a tombstone.
     Unstorable(Response<ResponseBody<B>>),
     /// The body failed while it was read; the handler did run.
     BodyFailed(String),
 }
 
-/// Reads the response body up to the response limit, or decides it is not to be stored.
+/// Reads the response body and its trailers up to the response limit (trailers count against it,
+/// name and value bytes), or decides that it is not to be stored.
 pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response<B>) -> Handled<B> {
     let (parts, body) = response.into_parts();
     let no_store = parts.headers.get_all(CACHE_CONTROL).iter().any(|v| {
@@ -45,6 +50,7 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
         ));
     }
     let mut chunks = Chunks::default();
+    let mut trailers = None;
     loop {
         match body.frame().await {
             None => break,
@@ -59,15 +65,37 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
                     }
                 }
                 Err(frame) => {
-                    // Trailers cannot be replayed faithfully: deliver them, keep a tombstone.
-                    let trailers = frame.into_trailers().ok().map(Box::new);
-                    let body = ResponseBody::chained(chunks.into_bytes(), trailers, body);
-                    return Handled::Unstorable(Response::from_parts(parts, body));
+                    let Ok(fields) = frame.into_trailers() else {
+                        // A frame neither data nor trailers: skipped, as hyper skips it.
+                        continue;
+                    };
+                    if chunks.len + fields_len(&fields) > limit {
+                        let (prefix, fields) = (chunks.into_bytes(), Some(Box::new(fields)));
+                        let body = ResponseBody::chained(prefix, fields, body);
+                        return Handled::Unstorable(Response::from_parts(parts, body));
+                    }
+                    // Trailers end a body (http-body): a server sends nothing after them.
+                    trailers = Some(Box::new(fields));
+                    break;
                 }
             },
         }
     }
-    Handled::Buffered(parts, chunks.into_bytes())
+    let bytes = chunks.into_bytes();
+    if let Some(dialect) = &config.dialect
+        && !dialect.stores(&parts, trailers.as_deref())
+    {
+        let body = ResponseBody::with_trailers(bytes, trailers);
+        return Handled::Declined(Response::from_parts(parts, body));
+    }
+    Handled::Buffered(parts, bytes, trailers)
+}
+
+/// The bytes trailers count for against the response limit: their names and values.
+fn fields_len(fields: &HeaderMap) -> usize {
+    (fields.iter())
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum()
 }
 
 /// Reads a whole body of at most `limit` bytes. (Not `BodyExt::collect`: a body of one chunk, the

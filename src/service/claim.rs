@@ -214,20 +214,22 @@ impl<St: Store> Shared<St> {
                 response: Some(Payload::Plain(stored)),
                 ..
             }) => {
-                let (status, mut headers, body) = match Arc::try_unwrap(stored) {
+                let (status, mut headers, body, trailers) = match Arc::try_unwrap(stored) {
                     // Decoded for this request (a shared store): moved, not copied.
-                    Ok(stored) => (stored.status, stored.headers, stored.body),
+                    Ok(stored) => (stored.status, stored.headers, stored.body, stored.trailers),
                     // Shared with the store (the memory store): copied, with room for the marker.
                     Err(stored) => {
                         let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
                         for (name, value) in &stored.headers {
                             headers.append(name, value.clone());
                         }
-                        (stored.status, headers, stored.body.clone())
+                        let trailers = stored.trailers.clone();
+                        (stored.status, headers, stored.body.clone(), trailers)
                     }
                 };
                 headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                let mut response = Response::new(ResponseBody::full(body));
+                let trailers = trailers.map(Box::new);
+                let mut response = Response::new(ResponseBody::with_trailers(body, trailers));
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;
                 finish(response, Outcome::Replayed)

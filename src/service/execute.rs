@@ -91,14 +91,16 @@ impl<St: Store> Shared<St> {
             // claim is released instead. The answer's outcome is counted once the write decided
             // it: a completion that does not commit answers otherwise.
             let (stored, response) = match result {
-                Ok(Ok(Handled::Buffered(mut parts, body))) => {
+                Ok(Ok(Handled::Buffered(mut parts, body, trailers))) => {
                     self.stamp_retention(&mut parts.headers);
                     let stored = StoredResponse {
                         status: parts.status,
                         headers: replayable_headers(&parts.headers, config.keep_set_cookie),
                         body: body.clone(),
+                        trailers: trailers.as_deref().cloned(),
                     };
-                    let response = Response::from_parts(parts, ResponseBody::full(body));
+                    let body = ResponseBody::with_trailers(body, trailers);
+                    let response = Response::from_parts(parts, body);
                     (Some(Arc::new(stored)), (response, Outcome::Executed))
                 }
                 Ok(Ok(Handled::Unstorable(mut response))) => {
@@ -121,6 +123,10 @@ impl<St: Store> Shared<St> {
                 }
                 Ok(Ok(Handled::NotStored(response))) => {
                     let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
+                    return self.release(&id, &token, response).await;
+                }
+                Ok(Ok(Handled::Declined(response))) => {
+                    let response = finish(response, Outcome::NotStored);
                     return self.release(&id, &token, response).await;
                 }
                 Ok(Err(err)) => {

@@ -175,7 +175,9 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = &self.shared.config;
 
-        if !config.methods.contains(req.method()) {
+        if !config.methods.contains(req.method())
+            || (config.dialect.as_ref()).is_some_and(|dialect| !dialect.covers(req.uri()))
+        {
             return ResponseFuture::passthrough(
                 inner.call(req.map(RequestBody::passthrough)),
                 None,
@@ -307,7 +309,10 @@ impl<St: Store> Shared<St> {
     ) -> (Response<ResponseBody<B>>, Outcome) {
         let problem =
             Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
-        let response = problem::respond(&problem, &*self.config.render);
+        let response = match &self.config.dialect {
+            Some(dialect) => dialect.respond(&problem),
+            None => problem::respond(&problem, &*self.config.render),
+        };
         let outcome = match kind {
             ProblemKind::InFlight => Outcome::InFlight,
             ProblemKind::Mismatch => Outcome::Mismatch,

@@ -249,6 +249,7 @@ mod tests {
                 status: http::StatusCode::OK,
                 headers: http::HeaderMap::new(),
                 body: bytes::Bytes::from(vec![b'x'; body]),
+                trailers: None,
             }))),
         }
     }

@@ -149,6 +149,7 @@ macro_rules! store_contract {
         );
     };
     (@general ($harness:expr) $attrs:tt) => {
+        $crate::__grpc_cases!(($harness) $attrs);
         $crate::store_contract!(@cases ($harness) $attrs
             // Store level.
             store_claim_is_exclusive,
@@ -167,6 +168,7 @@ macro_rules! store_contract {
             store_concurrent_claims_have_one_winner,
             store_fences_grow_with_every_claim_of_a_key,
             store_first_claims_are_numbered_by_the_clock,
+            store_completed_record_keeps_its_trailers,
             // Through the layer.
             replay_is_byte_identical_through_a_router,
             replay_is_byte_identical_through_service_builder,
@@ -194,6 +196,8 @@ macro_rules! store_contract {
             retried_write_gives_up_once_another_claim_holds_the_key,
             a_displaced_handler_learns_it_and_has_the_smaller_fence,
             a_running_handler_still_holds_its_claim,
+            trailers_are_stored_and_replayed,
+            trailers_count_against_the_response_limit,
             // Opt-in options.
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
@@ -204,6 +208,26 @@ macro_rules! store_contract {
             a_waiter_runs_when_the_first_request_is_released,
         );
     };
+}
+
+/// The gRPC mode's cases of [`store_contract!`], with this crate's `grpc` feature.
+#[cfg(feature = "grpc")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __grpc_cases {
+    ($harness:tt $attrs:tt) => {
+        $crate::store_contract!(@cases $harness $attrs
+            grpc_answers_replay_with_their_trailers,
+        );
+    };
+}
+
+/// Without the `grpc` feature, no gRPC cases.
+#[cfg(not(feature = "grpc"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __grpc_cases {
+    ($harness:tt $attrs:tt) => {};
 }
 
 /// A margin well inside the lease, for "just before" and "just after" a deadline.

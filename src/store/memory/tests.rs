@@ -12,6 +12,7 @@ fn completed(body: usize) -> Completed {
             status: http::StatusCode::OK,
             headers: http::HeaderMap::new(),
             body: bytes::Bytes::from(vec![b'x'; body]),
+            trailers: None,
         }))),
     }
 }

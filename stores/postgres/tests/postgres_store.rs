@@ -67,6 +67,7 @@ fn done(n: u8, body: &'static str) -> Completed {
             status: StatusCode::CREATED,
             headers: http::HeaderMap::new(),
             body: bytes::Bytes::from_static(body.as_bytes()),
+            trailers: None,
         }))),
     }
 }

@@ -11,6 +11,7 @@ mod layer;
 mod options;
 mod seal;
 mod store;
+mod trailers;
 mod wait;
 
 pub use fence::*;
@@ -18,4 +19,5 @@ pub use layer::*;
 pub use options::*;
 pub use seal::*;
 pub use store::*;
+pub use trailers::*;
 pub use wait::*;

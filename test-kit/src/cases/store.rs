@@ -97,6 +97,7 @@ fn completed_with_response(fp: Fingerprint) -> Completed {
             status: StatusCode::CREATED,
             headers,
             body: Bytes::from(body),
+            trailers: None,
         }))),
     }
 }

@@ -1,0 +1,33 @@
+//! A protocol spoken over HTTP with rules of its own, such as gRPC (`IdempotencyLayer::grpc`,
+//! feature `grpc`): which requests it covers besides their method, how the layer's own answers
+//! are written, and which whole responses are stored. The layer without one speaks plain HTTP.
+
+use std::fmt;
+
+use bytes::Bytes;
+use http::response::Parts as ResponseParts;
+use http::{HeaderMap, Response, Uri};
+
+use crate::layer::ConfigError;
+use crate::problem::Problem;
+
+/// The rules of a protocol over HTTP, consulted by the layer where plain HTTP has its own.
+#[cfg_attr(
+    not(feature = "grpc"),
+    allow(dead_code, reason = "implemented by the gRPC mode only")
+)]
+pub(crate) trait Dialect: Send + Sync + fmt::Debug + 'static {
+    /// Whether a request of a covered method is covered: otherwise it passes through (§1.2).
+    fn covers(&self, uri: &Uri) -> bool;
+
+    /// The layer's own answer for `problem`, with its `ProblemKind` in the extensions: in place
+    /// of a rendered problem, its status, `Cache-Control` and `Retry-After`.
+    fn respond(&self, problem: &Problem) -> Response<Bytes>;
+
+    /// Whether a whole response, read within the response limit, is stored: its head and its
+    /// trailers, if it ended with some. Asked after the store policy, which sees the head only.
+    fn stores(&self, head: &ResponseParts, trailers: Option<&HeaderMap>) -> bool;
+
+    /// Whether the dialect's settings can serve (`IdempotencyLayer::check`).
+    fn check(&self) -> Result<(), ConfigError>;
+}
