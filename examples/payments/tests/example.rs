@@ -3,25 +3,23 @@
 
 use example_payments as server;
 
+mod support;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Method, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::http::{Method, StatusCode};
 use serde_json::{Value, json};
 use test_servers::redis_server::RedisServer;
-use tower::ServiceExt;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
 use server::provider::{self, KeyTable};
 use server::redis_conn::RedisConn;
 use server::{AppState, Provider, app};
+use support::api::{ALICE, BOB, Call, authorize, create_charge, visa};
 
-const ALICE: &str = "sk_test_alice";
-const BOB: &str = "sk_test_bob";
 /// The example's documented limits: characters of `description`, bytes of a request body.
 const DESCRIPTION_LIMIT: usize = 1000;
 const REQUEST_LIMIT: usize = 64 * 1024;
@@ -158,31 +156,25 @@ impl Harness {
         }
     }
 
-    fn post(&self, path: &str) -> Call<'_> {
-        Call::new(self, Method::POST, path)
+    fn post(&self, path: &str) -> Call {
+        Call::post(&self.router, path)
     }
 
-    fn get(&self, path: &str) -> Call<'_> {
-        Call::new(self, Method::GET, path)
+    fn get(&self, path: &str) -> Call {
+        Call::get(&self.router, path)
     }
 
-    /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
     /// A charge of `amount` euro cents, authorized only; its id.
     async fn authorized(&self, api_key: &str, amount: i64) -> String {
-        let body =
-            json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
-        let charge = self.charge(api_key, body).await;
+        let charge = self.charge(api_key, authorize(amount)).await;
         assert_eq!(charge["status"], "authorized");
         charge["id"].as_str().expect("a charge id").to_owned()
     }
 
+    /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
     async fn charge(&self, api_key: &str, body: Value) -> Value {
         let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
-        let reply = self
-            .post("/v1/charges")
-            .auth(api_key)
-            .key(&key)
-            .json(body)
+        let reply = create_charge(&self.router, api_key, &key, &body)
             .send()
             .await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
@@ -198,144 +190,6 @@ impl Harness {
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         reply.json
     }
-}
-
-/// One request being built.
-struct Call<'a> {
-    harness: &'a Harness,
-    request: axum::http::request::Builder,
-    body: Body,
-}
-
-impl<'a> Call<'a> {
-    fn new(harness: &'a Harness, method: Method, path: &str) -> Self {
-        Self {
-            harness,
-            request: Request::builder().method(method).uri(path),
-            body: Body::empty(),
-        }
-    }
-
-    fn auth(mut self, api_key: &str) -> Self {
-        self.request = self
-            .request
-            .header("authorization", format!("Bearer {api_key}"));
-        self
-    }
-
-    fn header(mut self, name: &str, value: &str) -> Self {
-        self.request = self.request.header(name, value);
-        self
-    }
-
-    fn key(self, key: &str) -> Self {
-        self.header("idempotency-key", key)
-    }
-
-    fn json(mut self, body: Value) -> Self {
-        self.request = self.request.header("content-type", "application/json");
-        self.body = Body::from(body.to_string());
-        self
-    }
-
-    /// A form body, as Stripe's SDKs send it.
-    fn form(mut self, body: &str) -> Self {
-        self.request = self
-            .request
-            .header("content-type", "application/x-www-form-urlencoded");
-        self.body = Body::from(body.to_owned());
-        self
-    }
-
-    fn raw(mut self, body: &'static str) -> Self {
-        self.body = Body::from(body);
-        self
-    }
-
-    fn raw_owned(mut self, body: String) -> Self {
-        self.body = Body::from(body);
-        self
-    }
-
-    async fn send(self) -> Reply {
-        let request = self.request.body(self.body).expect("a valid request");
-        let response = self
-            .harness
-            .router
-            .clone()
-            .oneshot(request)
-            .await
-            .expect("the router is infallible");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("a readable body")
-            .to_bytes();
-        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Reply {
-            status,
-            headers,
-            bytes,
-            json,
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    bytes: Bytes,
-    json: Value,
-}
-
-impl Reply {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.bytes).into_owned()
-    }
-
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    fn content_type(&self) -> &str {
-        self.headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-    }
-
-    /// The `code` of an API error.
-    fn error_code(&self) -> &str {
-        self.json["error"]["code"].as_str().unwrap_or_default()
-    }
-
-    fn assert_error(&self, status: StatusCode, kind: &str, code: &str) {
-        assert_eq!(self.status, status, "{}", self.text());
-        assert_eq!(self.content_type(), "application/json", "{}", self.text());
-        assert_eq!(self.json["error"]["type"], kind, "{}", self.text());
-        assert_eq!(self.error_code(), code, "{}", self.text());
-        assert!(
-            self.json["error"]["message"]
-                .as_str()
-                .is_some_and(|m| !m.is_empty()),
-            "{}",
-            self.text()
-        );
-    }
-}
-
-fn visa(amount: i64) -> Value {
-    json!({ "amount": amount, "currency": "eur", "source": "tok_visa" })
 }
 
 fn ids(list: &Value) -> Vec<&str> {
@@ -360,7 +214,7 @@ async fn no_or_empty_bearer_is_401(h: &mut Harness) {
     ];
     for authorization in cases {
         for method in [Method::POST, Method::GET] {
-            let mut call = Call::new(h, method.clone(), "/v1/charges").key("k-401");
+            let mut call = Call::new(&h.router, method.clone(), "/v1/charges").key("k-401");
             if let Some(value) = authorization {
                 call = call.header("authorization", value);
             }
@@ -739,12 +593,7 @@ async fn another_accounts_charge_is_404(h: &mut Harness) {
 }
 
 async fn capture_an_authorized_charge(h: &mut Harness) {
-    let charge = h
-        .charge(
-            ALICE,
-            json!({ "amount": 1500, "currency": "eur", "source": "tok_visa", "capture": false }),
-        )
-        .await;
+    let charge = h.charge(ALICE, authorize(1500)).await;
     assert_eq!(charge["status"], "authorized");
     assert_eq!(charge["captured"], false);
     let id = charge["id"].as_str().unwrap();
@@ -1005,7 +854,7 @@ async fn reads_need_no_key_and_are_never_stored(h: &mut Harness) {
 }
 
 async fn a_lost_record_is_caught_by_the_provider(h: &mut Harness) {
-    fn create(h: &Harness) -> Call<'_> {
+    fn create(h: &Harness) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("order-6")
@@ -1063,7 +912,7 @@ async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harn
         .post("/v1/charges")
         .auth(ALICE)
         .key("order-blip")
-        .json(json!({ "amount": 900, "currency": "eur", "source": "tok_visa", "capture": false }))
+        .json(authorize(900))
         .send()
         .await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
@@ -1118,7 +967,7 @@ async fn a_key_reused_after_the_window_for_another_operation_is_a_new_charge(h: 
 /// A key reused for another amount once both windows ran out: a new charge of that amount.
 async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mut Harness) {
     h.provider_window(SHORT_WINDOW);
-    fn create(h: &Harness, amount: i64) -> Call<'_> {
+    fn create(h: &Harness, amount: i64) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("reused-2")
@@ -1148,7 +997,7 @@ async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mu
 /// A key the layer forgot but the provider still holds, reused for another amount: the
 /// provider's own refusal, as an API error, and nothing charged.
 async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(h: &mut Harness) {
-    fn create(h: &Harness, amount: i64) -> Call<'_> {
+    fn create(h: &Harness, amount: i64) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("reused-3")
@@ -1292,7 +1141,7 @@ async fn the_largest_valid_charge_replays_byte_for_byte(h: &mut Harness) {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("largest")
-            .raw_owned(body.clone())
+            .raw(body.clone())
     };
     let first = create().send().await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
@@ -1316,7 +1165,7 @@ async fn the_largest_invalid_charge_replays_byte_for_byte(h: &mut Harness) {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("largest-invalid")
-            .raw_owned(body.clone())
+            .raw(body.clone())
     };
     let first = create().send().await;
     first.assert_error(
@@ -1338,7 +1187,7 @@ async fn the_largest_invalid_charge_replays_byte_for_byte(h: &mut Harness) {
         .post("/v1/charges")
         .auth(ALICE)
         .key("over-the-limit")
-        .raw_owned(format!(" {body}"))
+        .raw(format!(" {body}"))
         .send()
         .await;
     assert_eq!(
@@ -1457,7 +1306,7 @@ async fn two_instances_on_one_redis_share_the_providers_keys() {
         Records::Redis(RedisStore::from_url(&url).expect("a valid URL")),
         None,
     );
-    fn create(h: &Harness, amount: i64) -> Call<'_> {
+    fn create(h: &Harness, amount: i64) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
             .key("shared")

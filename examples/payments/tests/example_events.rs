@@ -7,31 +7,30 @@
 
 use example_payments as server;
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::http::StatusCode;
 use serde_json::{Value, json};
 use test_servers::redis_server::RedisServer;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceExt;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_redis::RedisStore;
 
-use server::auth::Account;
 use server::balance::{Applied, Available, BalanceError, Fault};
 use server::consumer::{Counts, Handled, LedgerConsumer, deduplicator};
 use server::events::{EventType, PaymentEvent};
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
 use server::redis_conn::RedisConn;
 use server::{AppState, Balances, app};
+use support::api::{ALICE, BOB, Call, account, create_charge, visa};
 
 /// How long a message stays pending before another consumer takes it over, in these tests.
 const MIN_IDLE: Duration = Duration::from_millis(300);
@@ -39,15 +38,6 @@ const MIN_IDLE: Duration = Duration::from_millis(300);
 const BLOCK: Duration = Duration::from_millis(50);
 /// How long a test waits for the consumers to get somewhere.
 const PATIENCE: Duration = Duration::from_secs(60);
-
-/// API keys: what a client sends.
-const ALICE: &str = "sk_test_alice";
-const BOB: &str = "sk_test_bob";
-
-/// The account id an API key stands for: what the events, the ledger and Redis know.
-fn account(api_key: &str) -> String {
-    Account::for_api_key(api_key).id().to_owned()
-}
 
 /// A queue, the balances and the consumers' store, on one backend.
 struct Env<St> {
@@ -542,78 +532,9 @@ async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone>(env: Env
     assert_eq!(env.applied_count(&account(ALICE)).await, 2);
 }
 
-/// One HTTP answer.
-struct Reply {
-    status: StatusCode,
-    replayed: bool,
-    json: Value,
-}
-
-async fn send(
-    router: &Router,
-    method: Method,
-    path: &str,
-    api_key: Option<&str>,
-    key: Option<&str>,
-    body: Option<Value>,
-) -> Reply {
-    let mut request = Request::builder().method(method).uri(path);
-    if let Some(api_key) = api_key {
-        request = request.header("authorization", format!("Bearer {api_key}"));
-    }
-    if let Some(key) = key {
-        request = request.header("idempotency-key", key);
-    }
-    let body = match body {
-        Some(body) => {
-            request = request.header("content-type", "application/json");
-            Body::from(body.to_string())
-        }
-        None => Body::empty(),
-    };
-    let response = router
-        .clone()
-        .oneshot(request.body(body).expect("a valid request"))
-        .await
-        .expect("the router is infallible");
-    let status = response.status();
-    let replayed = response.headers().contains_key("idempotent-replayed");
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a readable body")
-        .to_bytes();
-    Reply {
-        status,
-        replayed,
-        json: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    }
-}
-
-async fn post(router: &Router, api_key: &str, path: &str, key: &str, body: Value) -> Reply {
-    send(
-        router,
-        Method::POST,
-        path,
-        Some(api_key),
-        Some(key),
-        Some(body),
-    )
-    .await
-}
-
 async fn balance_json(router: &Router, api_key: &str) -> Value {
-    let reply = send(
-        router,
-        Method::GET,
-        "/v1/balance",
-        Some(api_key),
-        None,
-        None,
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.json);
+    let reply = Call::get(router, "/v1/balance").auth(api_key).send().await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     reply.json
 }
 
@@ -626,45 +547,27 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     let consumer = env.start("ledger").await;
 
     let charge = |amount: i64, currency: &str, capture: bool| json!({ "amount": amount, "currency": currency, "source": "tok_visa", "capture": capture });
-    let first = post(
-        &router,
-        ALICE,
-        "/v1/charges",
-        "k1",
-        charge(2500, "eur", true),
-    )
-    .await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.json);
+    let first = create_charge(&router, ALICE, "k1", &charge(2500, "eur", true))
+        .send()
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
     let c1 = first.json["id"].as_str().unwrap().to_owned();
-    let authorized = post(
-        &router,
-        ALICE,
-        "/v1/charges",
-        "k2",
-        charge(1000, "eur", false),
-    )
-    .await;
+    let authorized = create_charge(&router, ALICE, "k2", &charge(1000, "eur", false))
+        .send()
+        .await;
     assert_eq!(authorized.json["status"], "authorized");
     let c2 = authorized.json["id"].as_str().unwrap().to_owned();
-    post(&router, BOB, "/v1/charges", "k1", charge(300, "eur", true)).await;
-    post(
-        &router,
-        ALICE,
-        "/v1/charges",
-        "k3",
-        charge(700, "usd", true),
-    )
-    .await;
+    create_charge(&router, BOB, "k1", &charge(300, "eur", true))
+        .send()
+        .await;
+    create_charge(&router, ALICE, "k3", &charge(700, "usd", true))
+        .send()
+        .await;
     // Replays: the layer answers, no handler runs, nothing is published.
-    let replay = post(
-        &router,
-        ALICE,
-        "/v1/charges",
-        "k1",
-        charge(2500, "eur", true),
-    )
-    .await;
-    assert!(replay.replayed);
+    let replay = create_charge(&router, ALICE, "k1", &charge(2500, "eur", true))
+        .send()
+        .await;
+    assert!(replay.replayed());
     assert_eq!(replay.json, first.json);
     env.drained().await;
 
@@ -682,24 +585,20 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     );
 
     for _ in 0..2 {
-        let captured = post(
-            &router,
-            ALICE,
-            &format!("/v1/charges/{c2}/capture"),
-            "k4",
-            json!({}),
-        )
-        .await;
-        assert_eq!(captured.status, StatusCode::OK, "{}", captured.json);
-        let refund = post(
-            &router,
-            ALICE,
-            &format!("/v1/charges/{c1}/refunds"),
-            "k5",
-            json!({ "amount": 500 }),
-        )
-        .await;
-        assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.json);
+        let captured = Call::post(&router, &format!("/v1/charges/{c2}/capture"))
+            .auth(ALICE)
+            .key("k4")
+            .json(json!({}))
+            .send()
+            .await;
+        assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+        let refund = Call::post(&router, &format!("/v1/charges/{c1}/refunds"))
+            .auth(ALICE)
+            .key("k5")
+            .json(json!({ "amount": 500 }))
+            .send()
+            .await;
+        assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
     }
     assert_eq!(env.queue.published().await.unwrap(), 6);
 
@@ -709,16 +608,11 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
         state,
         IdempotencyLayer::new(BoxStore::new((env.http_store)("lost"))),
     );
-    let again = post(
-        &forgetful,
-        ALICE,
-        "/v1/charges",
-        "k1",
-        charge(2500, "eur", true),
-    )
-    .await;
-    assert_eq!(again.status, StatusCode::CREATED, "{}", again.json);
-    assert!(!again.replayed, "the handler ran again");
+    let again = create_charge(&forgetful, ALICE, "k1", &charge(2500, "eur", true))
+        .send()
+        .await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text());
+    assert!(!again.replayed(), "the handler ran again");
     assert_eq!(again.json["id"], c1.as_str());
     assert_eq!(env.queue.published().await.unwrap(), 7);
     env.drained().await;
@@ -738,7 +632,7 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
         balance_json(&router, "sk_test_carol").await,
         json!({ "object": "balance", "available": [] })
     );
-    let anonymous = send(&router, Method::GET, "/v1/balance", None, None, None).await;
+    let anonymous = Call::get(&router, "/v1/balance").send().await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
 
     let counts = consumer.stop().await;
@@ -800,11 +694,6 @@ on_both_queues!(
     an_overflowing_event_is_dropped_not_retried,
 );
 
-/// A charge for 10.00 EUR, captured.
-fn ten_euros() -> Value {
-    json!({ "amount": 1000, "currency": "eur", "source": "tok_visa" })
-}
-
 /// While the stream's Redis is stalled, every charge is answered after at most one publish
 /// timeout: no charge waits for another's publish. The events wait in the outbox and reach the
 /// ledger once Redis is back.
@@ -824,8 +713,10 @@ async fn a_stalled_redis_does_not_serialise_charges() {
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
-    let warm_up = post(&router, ALICE, "/v1/charges", "warm-up", ten_euros()).await;
-    assert_eq!(warm_up.status, StatusCode::CREATED, "{}", warm_up.json);
+    let warm_up = create_charge(&router, ALICE, "warm-up", &visa(1000))
+        .send()
+        .await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{}", warm_up.text());
 
     redis.pause();
     let stalled_at = tokio::time::Instant::now();
@@ -833,14 +724,9 @@ async fn a_stalled_redis_does_not_serialise_charges() {
         .map(|n| {
             let router = router.clone();
             tokio::spawn(async move {
-                let reply = post(
-                    &router,
-                    ALICE,
-                    "/v1/charges",
-                    &format!("stall-{n}"),
-                    ten_euros(),
-                )
-                .await;
+                let reply = create_charge(&router, ALICE, &format!("stall-{n}"), &visa(1000))
+                    .send()
+                    .await;
                 (reply.status, stalled_at.elapsed())
             })
         })
@@ -893,15 +779,19 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
     let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
-    let before = post(&router, ALICE, "/v1/charges", "before", ten_euros()).await;
-    assert_eq!(before.status, StatusCode::CREATED, "{}", before.json);
+    let before = create_charge(&router, ALICE, "before", &visa(1000))
+        .send()
+        .await;
+    assert_eq!(before.status, StatusCode::CREATED, "{}", before.text());
     env.drained().await;
     assert_eq!(env.balance(&account(ALICE)).await, eur(1000));
 
     env.redis.as_mut().expect("a Redis environment").restart();
     let restarted_at = tokio::time::Instant::now();
-    let after = post(&router, ALICE, "/v1/charges", "after", ten_euros()).await;
-    assert_eq!(after.status, StatusCode::CREATED, "{}", after.json);
+    let after = create_charge(&router, ALICE, "after", &visa(1000))
+        .send()
+        .await;
+    assert_eq!(after.status, StatusCode::CREATED, "{}", after.text());
     while env
         .balances
         .get(&account(ALICE))

@@ -17,34 +17,33 @@
 
 use example_payments as server;
 
+mod support;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
-use serde_json::{Value, json};
+use axum::http::StatusCode;
+use serde_json::Value;
 use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceExt;
 use tower_idempotency::{
     BoxStore, Claim, ClaimToken, Completed, Fingerprint, IdempotencyLayer, MemoryStore, RecordId,
     Store, StoreError,
 };
 use tower_idempotency_redis::RedisStore;
 
-use server::auth::Account;
 use server::consumer::deduplicator;
 use server::pg::{Database, Reconciler, outbox};
 use server::provider::KeyTable;
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
 use server::redis_conn::RedisConn;
 use server::{AppState, Balances, Ledger, LedgerConsumer, Provider, app};
+use support::api::{ALICE, Call, Reply, account, create_charge, visa};
 
 /// The idempotency layer's lease here: short, so that each repetition takes about a second.
 const LEASE: Duration = Duration::from_millis(300);
@@ -56,8 +55,6 @@ const REPETITIONS: usize = 20;
 const PATIENCE: Duration = Duration::from_secs(30);
 /// A reconciler that stays out of the way until the test runs a round itself.
 const NEVER: Duration = Duration::from_secs(3600);
-
-const ALICE: &str = "sk_test_alice";
 
 /// A store whose lease renewals fail while `stalled` is set: the claim's lease runs out in the
 /// store while its handler is still running, as behind a stalled network or a locked table.
@@ -350,12 +347,11 @@ impl Pair {
 
     /// Alice's balance in euro cents.
     async fn balance(&self) -> i64 {
-        let account = Account::for_api_key(ALICE);
         let available = self
             .a
             .state
             .balances
-            .get(account.id())
+            .get(&account(ALICE))
             .await
             .expect("the balance");
         available
@@ -363,37 +359,6 @@ impl Pair {
             .filter(|a| a.currency == "eur")
             .map(|a| a.amount)
             .sum()
-    }
-}
-
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    json: Value,
-    text: String,
-}
-
-async fn send(router: &Router, key: &str, body: &Value) -> Reply {
-    let request = Request::builder()
-        .method(Method::POST)
-        .uri("/v1/charges")
-        .header("authorization", format!("Bearer {ALICE}"))
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("a request");
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a body")
-        .to_bytes();
-    Reply {
-        status,
-        json: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        text: String::from_utf8_lossy(&bytes).into_owned(),
     }
 }
 
@@ -411,16 +376,16 @@ async fn client(router: Router, key: String, body: Value, first: Option<Reply>) 
     let deadline = Instant::now() + PATIENCE;
     let mut reply = match first {
         Some(reply) => reply,
-        None => send(&router, &key, &body).await,
+        None => create_charge(&router, ALICE, &key, &body).send().await,
     };
     while retries_after(&reply) {
         assert!(
             Instant::now() < deadline,
             "the client never got an answer: {}",
-            reply.text
+            reply.text()
         );
         tokio::time::sleep(RETRY_EVERY).await;
-        reply = send(&router, &key, &body).await;
+        reply = create_charge(&router, ALICE, &key, &body).send().await;
     }
     reply
 }
@@ -460,7 +425,8 @@ impl Ending {
             if !that_charge && !clear_error {
                 faults.push(format!(
                     "a client ended with {} {}",
-                    reply.status, reply.text
+                    reply.status,
+                    reply.text()
                 ));
             }
         }
@@ -470,7 +436,7 @@ impl Ending {
 
 /// One repetition: a charge of `amount` under `key`, whose first run is displaced by the retry's.
 async fn repetition(pair: &Pair, key: &str, amount: i64) -> Ending {
-    let body = json!({ "amount": amount, "currency": "eur", "source": "tok_visa" });
+    let body = visa(amount);
     let payments_before = pair.payments();
     let balance_before = pair.balance().await;
 
@@ -481,29 +447,23 @@ async fn repetition(pair: &Pair, key: &str, amount: i64) -> Ending {
     pair.stalled.store(true, Ordering::SeqCst);
 
     // The first attempt, on instance A: claimed, and stalled right after its claim.
-    let first = tokio::spawn({
-        let (router, key, body) = (pair.a.router.clone(), key.to_owned(), body.clone());
-        async move { send(&router, &key, &body).await }
-    });
+    let first = tokio::spawn(create_charge(&pair.a.router, ALICE, key, &body).send());
     wait_until("the first run to stall", || pair.held_opens() == 1).await;
 
     // The client's retries, on instance B: 409 while the first claim's lease lasts, then one of
     // them takes the key over and stalls too.
     let deadline = Instant::now() + PATIENCE;
     let second = loop {
-        let mut attempt = tokio::spawn({
-            let (router, key, body) = (pair.b.router.clone(), key.to_owned(), body.clone());
-            async move { send(&router, &key, &body).await }
-        });
+        let mut attempt = tokio::spawn(create_charge(&pair.b.router, ALICE, key, &body).send());
         match tokio::time::timeout(RETRY_EVERY, &mut attempt).await {
             Ok(reply) => {
                 let reply = reply.expect("an answer");
-                assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text);
+                assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
             }
             Err(_) if pair.held_opens() == 2 => break attempt,
             Err(_) => {
                 let reply = attempt.await.expect("an answer");
-                assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text);
+                assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
             }
         }
         assert!(
@@ -550,20 +510,9 @@ async fn repetition(pair: &Pair, key: &str, amount: i64) -> Ending {
 
 /// Alice's charges of `amount`.
 async fn charges_of(router: &Router, amount: i64) -> Vec<Value> {
-    let request = Request::get("/v1/charges")
-        .header("authorization", format!("Bearer {ALICE}"))
-        .body(Body::empty())
-        .expect("a request");
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    assert_eq!(response.status(), StatusCode::OK);
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a body")
-        .to_bytes();
-    let list: Value = serde_json::from_slice(&bytes).expect("a list");
-    list["data"]
+    let list = Call::get(router, "/v1/charges").auth(ALICE).send().await;
+    assert_eq!(list.status, StatusCode::OK);
+    list.json["data"]
         .as_array()
         .expect("a list")
         .iter()

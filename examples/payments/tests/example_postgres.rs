@@ -19,25 +19,22 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::http::StatusCode;
 use serde_json::{Value, json};
 use sqlx::{self, Connection, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceExt;
 use tower_idempotency::{BoxStore, IdempotencyLayer, Outcome, RecordId};
 
-use server::auth::Account;
 use server::balance::Fault;
 use server::consumer::{Counts, SCOPE};
 use server::events::{EventType, PaymentEvent};
 use server::pg::{Database, OutboxConsumer, Reconciler, outbox};
 use server::provider::{Hang, Provider};
 use server::{AppState, app};
+use support::api::{ALICE, Call, Reply, account, authorize, create_charge, visa};
 
 /// The idempotency layer's lease in these tests: a crashed instance's claim runs out this soon.
 const LEASE: Duration = Duration::from_secs(1);
@@ -45,16 +42,6 @@ const LEASE: Duration = Duration::from_secs(1);
 const NEVER: Duration = Duration::from_secs(3600);
 /// How long a test waits for something to happen.
 const PATIENCE: Duration = Duration::from_secs(30);
-
-const ALICE: &str = "sk_test_alice";
-
-fn account(api_key: &str) -> String {
-    Account::for_api_key(api_key).id().to_owned()
-}
-
-fn visa(amount: i64) -> Value {
-    json!({ "amount": amount, "currency": "eur", "source": "tok_visa" })
-}
 
 /// One instance of the example, on a runtime of its own.
 struct Instance {
@@ -100,39 +87,25 @@ impl Instance {
         }
     }
 
-    /// Sends `request` to the instance, in a task of the instance.
-    fn spawn(&self, request: Request<Body>) -> JoinHandle<Reply> {
-        let router = self.router.clone();
+    /// Sends `call`, made on this instance's router, in a task of the instance.
+    fn spawn(&self, call: Call) -> JoinHandle<Reply> {
         self.runtime
             .as_ref()
             .expect("a running instance")
-            .spawn(async move {
-                let response = router.oneshot(request).await.expect("infallible");
-                let status = response.status();
-                let replayed = response.headers().contains_key("idempotent-replayed");
-                let outcome = response.extensions().get::<Outcome>().copied();
-                let bytes = response
-                    .into_body()
-                    .collect()
-                    .await
-                    .expect("a body")
-                    .to_bytes();
-                Reply {
-                    status,
-                    replayed,
-                    outcome,
-                    text: String::from_utf8_lossy(&bytes).into_owned(),
-                    json: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-                }
-            })
+            .spawn(call.send())
     }
 
-    async fn send(&self, request: Request<Body>) -> Reply {
-        self.spawn(request).await.expect("the instance answers")
+    async fn send(&self, call: Call) -> Reply {
+        self.spawn(call).await.expect("the instance answers")
+    }
+
+    /// A charge as Alice under `key`.
+    fn charge_call(&self, key: &str, body: &Value) -> Call {
+        create_charge(&self.router, ALICE, key, body)
     }
 
     async fn charge(&self, key: &str, body: &Value) -> Reply {
-        self.send(charge_request(key, body)).await
+        self.send(self.charge_call(key, body)).await
     }
 
     /// Sends the charge again while the key is in flight (409), as a client honouring
@@ -144,32 +117,28 @@ impl Instance {
             if reply.status != StatusCode::CONFLICT {
                 return reply;
             }
-            assert!(Instant::now() < deadline, "still in flight: {}", reply.text);
+            assert!(
+                Instant::now() < deadline,
+                "still in flight: {}",
+                reply.text()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
     async fn post_empty(&self, path: &str, key: &str) -> Reply {
-        let request = Request::post(path)
-            .header("authorization", format!("Bearer {ALICE}"))
-            .header("idempotency-key", key)
-            .body(Body::empty())
-            .expect("a request");
-        self.send(request).await
+        self.send(Call::post(&self.router, path).auth(ALICE).key(key))
+            .await
     }
 
     async fn get(&self, path: &str) -> Reply {
-        let request = Request::get(path)
-            .header("authorization", format!("Bearer {ALICE}"))
-            .body(Body::empty())
-            .expect("a request");
-        self.send(request).await
+        self.send(Call::get(&self.router, path).auth(ALICE)).await
     }
 
     /// The ids and statuses of Alice's charges, newest first.
     async fn charges(&self) -> Vec<(String, String)> {
         let list = self.get("/v1/charges").await;
-        assert_eq!(list.status, StatusCode::OK, "{}", list.text);
+        assert_eq!(list.status, StatusCode::OK, "{}", list.text());
         list.json["data"]
             .as_array()
             .expect("a list")
@@ -195,7 +164,7 @@ impl Instance {
             assert!(
                 Instant::now() < deadline,
                 "the balance is not {amount}: {}",
-                balance.text
+                balance.text()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -216,26 +185,6 @@ impl Drop for Instance {
             runtime.shutdown_background();
         }
     }
-}
-
-fn charge_request(key: &str, body: &Value) -> Request<Body> {
-    Request::builder()
-        .method(Method::POST)
-        .uri("/v1/charges")
-        .header("authorization", format!("Bearer {ALICE}"))
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("a request")
-}
-
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    replayed: bool,
-    outcome: Option<Outcome>,
-    text: String,
-    json: Value,
 }
 
 async fn admin(server: &PostgresServer) -> PgConnection {
@@ -288,7 +237,7 @@ async fn crash_during_the_provider_call(
 ) {
     let first = Instance::start(&server.url(), NEVER).await;
     first.provider.hang(Some(at));
-    let lost = first.spawn(charge_request(key, body));
+    let lost = first.spawn(first.charge_call(key, body));
     wait_for_count(server, AUTHORIZING, 1).await;
     let charged = i64::from(at == Hang::AfterEffect);
     wait_for_count(
@@ -312,20 +261,20 @@ async fn a_restarted_instance_replays_and_lists_its_charges() {
     let server = PostgresServer::start();
     let first = Instance::start(&server.url(), NEVER).await;
     let created = first.charge("order-1", &visa(2500)).await;
-    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
     assert_eq!(created.json["status"], "captured");
     first.wait_for_balance(2500).await;
     drop(first);
 
     let second = Instance::start(&server.url(), NEVER).await;
     let retry = second.charge("order-1", &visa(2500)).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
-    assert!(retry.replayed, "{retry:?}");
-    assert_eq!(retry.text, created.text, "byte for byte");
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.text(), created.text(), "byte for byte");
     let id = created.json["id"].as_str().expect("an id").to_owned();
     assert_eq!(second.charges().await, [(id.clone(), "captured".into())]);
     let one = second.get(&format!("/v1/charges/{id}")).await;
-    assert_eq!(one.json["amount"], 2500, "{}", one.text);
+    assert_eq!(one.json["amount"], 2500, "{}", one.text());
     second.wait_for_balance(2500).await;
     assert_eq!(
         second.provider.calls(),
@@ -345,16 +294,16 @@ async fn two_instances_share_one_truth() {
     let b = Instance::start(&server.url(), NEVER).await;
 
     let created = a.charge("first", &visa(1000)).await;
-    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
     let replay = b.charge("first", &visa(1000)).await;
-    assert!(replay.replayed, "{replay:?}");
-    assert_eq!(replay.text, created.text);
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.text(), created.text());
 
     let body = visa(700);
     let tasks: Vec<_> = (0..50)
         .map(|i| {
             let instance = if i % 2 == 0 { &a } else { &b };
-            instance.spawn(charge_request("burst", &body))
+            instance.spawn(instance.charge_call("burst", &body))
         })
         .collect();
     let mut executed = Vec::new();
@@ -364,7 +313,7 @@ async fn two_instances_share_one_truth() {
             Some(Outcome::Executed) => executed.push(reply),
             // Never ran the handler (a 503 when a pool stayed busy past the store's timeout).
             Some(Outcome::InFlight | Outcome::Replayed | Outcome::StoreUnavailable) => {}
-            other => panic!("{other:?}: {}", reply.text),
+            other => panic!("{other:?}: {}", reply.text()),
         }
     }
     assert_eq!(executed.len(), 1, "one request ran the handler");
@@ -372,30 +321,29 @@ async fn two_instances_share_one_truth() {
         executed[0].status,
         StatusCode::CREATED,
         "{}",
-        executed[0].text
+        executed[0].text()
     );
     let burst = b.charge("burst", &body).await;
-    assert!(burst.replayed);
+    assert!(burst.replayed());
     assert_eq!(burst.json["id"], executed[0].json["id"]);
     assert_eq!(a.charges().await.len(), 2);
     assert_eq!(provider_payments(&server).await, 2);
 
     // Authorize on one, capture on the other, retry the capture on the first.
-    let authorize =
-        json!({ "amount": 300, "currency": "eur", "source": "tok_visa", "capture": false });
-    let authorized = a.charge("authorize", &authorize).await;
+    let authorized = a.charge("authorize", &authorize(300)).await;
     assert_eq!(
-        authorized.json["status"], "authorized",
+        authorized.json["status"],
+        "authorized",
         "{}",
-        authorized.text
+        authorized.text()
     );
     let id = authorized.json["id"].as_str().expect("an id");
     let capture = format!("/v1/charges/{id}/capture");
     let captured = b.post_empty(&capture, "capture-1").await;
-    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text);
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
     assert_eq!(captured.json["status"], "captured");
     let again = a.post_empty(&capture, "capture-1").await;
-    assert!(again.replayed, "{again:?}");
+    assert!(again.replayed(), "{again:?}");
     a.wait_for_balance(1000 + 700 + 300).await;
 
     let declined = json!({ "amount": 50, "currency": "eur", "source": "tok_chargeDeclined" });
@@ -404,11 +352,11 @@ async fn two_instances_share_one_truth() {
         refused.status,
         StatusCode::PAYMENT_REQUIRED,
         "{}",
-        refused.text
+        refused.text()
     );
     let refused_again = a.charge("declined", &declined).await;
-    assert!(refused_again.replayed);
-    assert_eq!(refused_again.text, refused.text);
+    assert!(refused_again.replayed());
+    assert_eq!(refused_again.text(), refused.text());
     let charges = b.charges().await;
     assert_eq!(charges.len(), 4, "{charges:?}");
     assert_eq!(charges[0].1, "failed");
@@ -427,11 +375,10 @@ async fn two_instances_share_one_truth() {
 async fn captures_refunds_and_cancellations_on_postgres() {
     let server = PostgresServer::start();
     let h = Instance::start(&server.url(), NEVER).await;
-    let authorize = |amount: i64| json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
     let id_of = |reply: &Reply| reply.json["id"].as_str().expect("an id").to_owned();
 
     let first = h.charge("auth-1", &authorize(1000)).await;
-    assert_eq!(first.json["status"], "authorized", "{}", first.text);
+    assert_eq!(first.json["status"], "authorized", "{}", first.text());
     let first_id = id_of(&first);
     h.provider.set_outage(true);
     let down = h
@@ -441,7 +388,7 @@ async fn captures_refunds_and_cancellations_on_postgres() {
         down.status,
         StatusCode::SERVICE_UNAVAILABLE,
         "{}",
-        down.text
+        down.text()
     );
     let after = h.get(&format!("/v1/charges/{first_id}")).await;
     assert_eq!(after.json["status"], "authorized", "rolled back");
@@ -449,28 +396,27 @@ async fn captures_refunds_and_cancellations_on_postgres() {
     let captured = h
         .post_empty(&format!("/v1/charges/{first_id}/capture"), "capture-1")
         .await;
-    assert_eq!(captured.json["status"], "captured", "{}", captured.text);
+    assert_eq!(captured.json["status"], "captured", "{}", captured.text());
 
     let refunds = format!("/v1/charges/{first_id}/refunds");
     let part = h
         .send(
-            Request::post(&refunds)
-                .header("authorization", format!("Bearer {ALICE}"))
-                .header("idempotency-key", "refund-1")
-                .body(Body::from(r#"{"amount": 300}"#))
-                .expect("a request"),
+            Call::post(&h.router, &refunds)
+                .auth(ALICE)
+                .key("refund-1")
+                .raw(r#"{"amount": 300}"#),
         )
         .await;
-    assert_eq!(part.status, StatusCode::CREATED, "{}", part.text);
+    assert_eq!(part.status, StatusCode::CREATED, "{}", part.text());
     let charge = h.get(&format!("/v1/charges/{first_id}")).await;
     assert_eq!(
         (&charge.json["status"], &charge.json["amount_refunded"]),
         (&json!("captured"), &json!(300))
     );
     let rest = h.post_empty(&refunds, "refund-2").await;
-    assert_eq!(rest.json["amount"], 700, "{}", rest.text);
+    assert_eq!(rest.json["amount"], 700, "{}", rest.text());
     let again = h.post_empty(&refunds, "refund-2").await;
-    assert!(again.replayed);
+    assert!(again.replayed());
     let charge = h.get(&format!("/v1/charges/{first_id}")).await;
     assert_eq!(charge.json["status"], "refunded");
 
@@ -481,7 +427,7 @@ async fn captures_refunds_and_cancellations_on_postgres() {
             "cancel-1",
         )
         .await;
-    assert_eq!(canceled.json["status"], "canceled", "{}", canceled.text);
+    assert_eq!(canceled.json["status"], "canceled", "{}", canceled.text());
 
     let third = h.charge("visa-3", &visa(2000)).await;
     assert_eq!(third.json["status"], "captured");
@@ -493,14 +439,14 @@ async fn captures_refunds_and_cancellations_on_postgres() {
         "WITH gone AS (DELETE FROM idempotency_records RETURNING 1) SELECT count(*) FROM gone";
     assert!(count(&server, forget).await > 0);
     let retry = h.charge("visa-3", &visa(2000)).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
-    assert!(!retry.replayed);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed());
     assert_eq!(retry.json["id"], third.json["id"]);
     // Another request under that key, the layer's record gone again: the charge's own refusal,
     // in Stripe's form (400 `idempotency_error`, which its SDKs raise as IdempotencyError).
     assert!(count(&server, forget).await > 0);
     let reused = h.charge("visa-3", &visa(2100)).await;
-    assert_eq!(reused.status, StatusCode::BAD_REQUEST, "{}", reused.text);
+    assert_eq!(reused.status, StatusCode::BAD_REQUEST, "{}", reused.text());
     assert_eq!(reused.json["error"]["code"], "idempotency_key_reused");
     assert_eq!(h.provider.calls(), calls);
     assert_eq!(h.charges().await.len(), 3);
@@ -523,7 +469,7 @@ async fn a_crash_during_the_provider_call_is_settled_by_the_retry() {
 
     let second = Instance::start(&server.url(), NEVER).await;
     let retry = second.retry_charge("crash-1", &body).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(
         retry.outcome,
         Some(Outcome::Executed),
@@ -537,8 +483,8 @@ async fn a_crash_during_the_provider_call_is_settled_by_the_retry() {
     second.wait_for_balance(4200).await;
 
     let replay = second.charge("crash-1", &body).await;
-    assert!(replay.replayed, "{replay:?}");
-    assert_eq!(replay.text, retry.text);
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.text(), retry.text());
     assert_eq!(
         count(&server, "SELECT count(*) FROM payment_events").await,
         0
@@ -564,7 +510,7 @@ async fn a_crash_during_the_provider_call_is_settled_by_the_reconciler() {
     second.wait_for_balance(1300).await;
 
     let late = second.retry_charge("crash-2", &body).await;
-    assert_eq!(late.status, StatusCode::CREATED, "{}", late.text);
+    assert_eq!(late.status, StatusCode::CREATED, "{}", late.text());
     assert_eq!(late.json["id"].as_str(), Some(charges[0].0.as_str()));
     assert_eq!(second.charges().await, charges, "no second charge");
     assert_eq!(provider_payments(&server).await, 1);
@@ -590,7 +536,7 @@ async fn a_charge_the_provider_never_saw_is_removed_then_made_by_the_retry() {
     assert_eq!(provider_payments(&server).await, 0);
 
     let retry = second.retry_charge("crash-3", &body).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(second.charges().await.len(), 1);
     assert_eq!(provider_payments(&server).await, 1);
     second.wait_for_balance(900).await;
@@ -601,7 +547,7 @@ async fn a_charge_the_provider_never_saw_is_removed_then_made_by_the_retry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_reconcilers_settle_a_charge_once() {
     let server = PostgresServer::start();
-    let body = json!({ "amount": 800, "currency": "eur", "source": "tok_visa", "capture": false });
+    let body = authorize(800);
     crash_during_the_provider_call(&server, Hang::AfterEffect, "crash-4", &body).await;
 
     let db = Database::connect(&server.url())
@@ -622,7 +568,7 @@ async fn two_reconcilers_settle_a_charge_once() {
 
     let second = Instance::start(&server.url(), NEVER).await;
     let retry = second.retry_charge("crash-4", &body).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(retry.json["status"], "authorized");
     assert_eq!(second.charges().await.len(), 1);
     assert_eq!(provider_payments(&server).await, 1);
@@ -931,7 +877,6 @@ fn an_unreachable_database_url_exits_naming_it() {
 async fn the_reconciler_settles_every_intermediate_state() {
     let server = PostgresServer::start();
     let h = Instance::start(&server.url(), NEVER).await;
-    let authorize = |amount: i64| json!({ "amount": amount, "currency": "eur", "source": "tok_visa", "capture": false });
     let mut ids = Vec::new();
     for (key, body) in [
         ("capture-made", authorize(1000)),
@@ -941,7 +886,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         ("refund-lost", visa(500)),
     ] {
         let reply = h.charge(key, &body).await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text);
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
         ids.push(reply.json["id"].as_str().expect("an id").to_owned());
     }
     h.wait_for_balance(3500).await;

@@ -12,18 +12,19 @@
 
 use example_payments as server;
 
+mod support;
+
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Request, StatusCode};
-use http_body_util::BodyExt;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
 use serde_json::Value;
-use tower::ServiceExt;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_test::Faulty;
 
 use server::{AppState, Provider, app};
+use support::api::{self, Reply};
 
 /// A key as stripe-python makes one when none is given: 16 random bytes in a UUID's groups.
 const SDK_KEY: &str = "189e0d67-52a9-d895-0de9-f4f83245023f";
@@ -53,25 +54,9 @@ fn sdk_request(path: &str, key: &str, body: &str) -> Request<Body> {
         .expect("a request")
 }
 
-/// What the SDK gets back.
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    bytes: Bytes,
-    json: Value,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    /// The SDK's `error` object, whose fields become its exception's.
-    fn error(&self) -> &Value {
-        &self.json["error"]
-    }
-
+/// What the SDK makes of an answer. (Its `error` object, [`Reply::error`], is what it reads
+/// into its exception's fields.)
+impl Reply {
     /// Which exception stripe-python raises for this answer (`_specific_v1_api_error`), or
     /// `None` for a success.
     fn sdk_exception(&self) -> Option<&'static str> {
@@ -103,24 +88,16 @@ impl Answer {
     }
 }
 
-async fn send(app: &Router, request: Request<Body>) -> Answer {
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let headers = response.headers().clone();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a body")
-        .to_bytes();
-    let json = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|e| panic!("the SDK parses every answer as JSON ({e}): {bytes:?}"));
-    Answer {
-        status,
-        headers,
-        bytes,
-        json,
+/// Sends `request`, and checks that its answer is JSON: the SDK parses every answer as JSON.
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let answer = api::send(app, request).await;
+    if let Err(e) = serde_json::from_slice::<Value>(&answer.bytes) {
+        panic!(
+            "the SDK parses every answer as JSON ({e}): {:?}",
+            answer.bytes
+        );
     }
+    answer
 }
 
 fn app_on(store: impl Store, provider: Provider) -> Router {

@@ -1,7 +1,11 @@
-#![allow(dead_code)]
-//! What the tests share: the package's binaries, run as processes, and a proxy that cuts answers
-//! off.
+//! What the tests share: the API called in-process, the package's binaries run as processes, and
+//! a proxy that cuts answers off.
+#![allow(
+    dead_code,
+    reason = "every test binary that says `mod support;` compiles all of it, and each uses a part"
+)]
 
+pub mod api;
 pub mod cut_proxy;
 
 use std::path::PathBuf;
