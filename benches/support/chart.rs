@@ -60,6 +60,7 @@ pub fn lines(
             .expect("a chart");
         chart
             .configure_mesh()
+            .x_labels(6)
             .x_desc(x_label)
             .y_desc(y_label)
             .x_label_formatter(&|x| count(*x))
@@ -79,7 +80,7 @@ pub fn lines(
                 .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
                 .expect("a chart");
         }
-        legend(&mut chart);
+        legend(&mut chart, SeriesLabelPosition::LowerRight);
     } else {
         let mut chart = builder
             .build_cartesian_2d(x_min..x_max, 0.0..y_max)
@@ -101,18 +102,21 @@ pub fn lines(
                     PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2))
                 });
         }
-        legend(&mut chart);
+        legend(&mut chart, SeriesLabelPosition::UpperLeft);
     }
     root.present().expect("the chart is written");
     println!("chart: {}", path.display());
 }
 
-fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(chart: &mut ChartContext<'a, DB, CT>) {
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) {
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
+        .position(position)
         .draw()
         .expect("a chart");
 }
