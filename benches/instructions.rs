@@ -22,8 +22,8 @@
 //! `http/redis_floor.rs` and `http/postgres_floor.rs`, included as they are): `redis-floor`, the
 //! claim script's `EVALSHA` and the fenced completion's on one redis-rs multiplexed connection;
 //! `postgres-floor`, the claim and completion statements through a sqlx pool like the store's. The
-//! layer over its floor is what the layer itself costs a request on that store. `postgres` and
-//! `postgres-floor` run on a private PostgreSQL server
+//! layer over its floor is what the layer itself costs a request on that store. With the
+//! `postgres` feature, `postgres` and `postgres-floor` run on a private PostgreSQL server
 //! (`test-servers`: `initdb` once, on a free port, `fsync` off); the store's
 //! background sweep is off, as it is no request's work.
 //!
@@ -32,6 +32,9 @@
 
 #[allow(dead_code, reason = "shared with benches/layer.rs")]
 mod app;
+#[allow(dead_code, reason = "shared with benches/growth.rs")]
+#[path = "support/chart.rs"]
+mod chart;
 #[path = "http/postgres_floor.rs"]
 mod postgres_floor;
 #[path = "http/redis_floor.rs"]
@@ -154,6 +157,7 @@ fn main() {
         println!("| {case} | {per_request} | {over_bare} | {over_floor} |");
     }
     println!();
+    draw(&measured);
     println!("| store | bytes of the replayed record, as stored |");
     println!("|---|---:|");
     for setup in ["redis", "redis-sealed"] {
@@ -167,6 +171,35 @@ fn main() {
             .find_map(|l| l.strip_prefix("record bytes: "));
         println!("| {setup} | {} |", bytes.unwrap_or("?"));
     }
+}
+
+/// The chart of BENCHMARKS.md: each store's instructions per request against bare and its floor.
+fn draw(measured: &std::collections::HashMap<(&str, &str), i64>) {
+    let names = [
+        "bare",
+        "memory",
+        "redis-floor",
+        "redis",
+        "postgres-floor",
+        "postgres",
+    ];
+    let groups: Vec<(&str, Vec<f64>)> = ["new-key", "replay"]
+        .into_iter()
+        .map(|workload| {
+            let values = names
+                .iter()
+                .map(|name| measured.get(&(*name, workload)).map_or(0.0, |&v| v as f64))
+                .collect();
+            (workload, values)
+        })
+        .collect();
+    chart::bars(
+        "instructions-per-request.svg",
+        "Instructions per request (callgrind): each store against bare and its floor",
+        "Ir per request",
+        &names,
+        &groups,
+    );
 }
 
 /// Every case once, natively, with a few requests: each answer is checked, nothing counted.
@@ -266,13 +299,14 @@ fn created(body: Bytes, replayed: bool) -> axum::response::Response {
 /// The floors' records live as long as the layer's default dedup window.
 const WINDOW_MS: u64 = 24 * 60 * 60 * 1000;
 
-/// The app of `setup`, and the store under any seal (to read a record back as stored).
+/// The app of `setup`, and the store under any seal (to read a record back as stored), boxed. The
+/// app holds the store itself: a `BoxStore` would box each call's future (the `boxed` case).
 async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
     let counter = || std::sync::Arc::new(AtomicU64::new(0));
-    let inner = match name {
+    match name {
         "bare" | "memory" | "boxed" => {
             let variant = Variant::ALL.into_iter().find(|v| v.name() == name);
-            return (app(variant.expect("a variant")), None);
+            (app(variant.expect("a variant")), None)
         }
         "redis-floor" => {
             let client = redis::Client::open(servers.redis_url()).expect("a redis client");
@@ -281,7 +315,7 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
                 .await
                 .expect("a multiplexed connection");
             let floor = redis_floor::redis_app(connection, WINDOW_MS, counter(), counter());
-            return (floor.with_state(()), None);
+            (floor.with_state(()), None)
         }
         "postgres-floor" => {
             let url = servers.postgres_url();
@@ -292,26 +326,30 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
             store.migrate().await.expect("the store's table");
             let pool = postgres_floor::pool(&url).await.expect("a pool");
             let floor = postgres_floor::postgres_app(pool, WINDOW_MS, counter(), counter());
-            return (floor.with_state(()), None);
+            (floor.with_state(()), None)
         }
         "postgres" => {
             let store = PgStore::connect(&servers.postgres_url())
                 .expect("a store")
                 .with_sweep_interval(None);
             store.migrate().await.expect("the store's table");
-            return (layered(store.clone()), Some(BoxStore::new(store)));
+            (layered(store.clone()), Some(BoxStore::new(store)))
         }
-        "memory-sealed" => BoxStore::new(MemoryStore::new()),
+        "memory-sealed" => {
+            let store = MemoryStore::new();
+            let app = layered(SealedStore::new(store.clone(), keys()));
+            (app, Some(BoxStore::new(store)))
+        }
         "redis" | "redis-sealed" => {
-            BoxStore::new(RedisStore::from_url(&servers.redis_url()).expect("a store"))
+            let store = RedisStore::from_url(&servers.redis_url()).expect("a store");
+            let app = match name {
+                "redis" => layered(store.clone()),
+                _ => layered(SealedStore::new(store.clone(), keys())),
+            };
+            (app, Some(BoxStore::new(store)))
         }
         _ => panic!("unknown store {name:?}"),
-    };
-    let app = match name {
-        "redis" => layered(inner.clone()),
-        _ => layered(SealedStore::new(inner.clone(), keys())),
-    };
-    (app, Some(inner))
+    }
 }
 
 /// Runs `setup:workload:requests` once, checking every answer; prints the bytes the replay key's
