@@ -71,7 +71,8 @@ const MAX_MILLIS: u128 = 100 * 365 * 24 * 60 * 60 * 1000;
 ///   never waits for a delete. The store deletes expired rows in the background, every 60 s
 ///   ([`PgStore::with_sweep_interval`]), in batches of 500 with
 ///   `FOR UPDATE SKIP LOCKED`, so instances sweeping together share the work and nobody waits on
-///   it. The task starts with the first call and stops when the last clone of the store is
+///   it; a run stops after 50 000 rows and, with rows left, runs again a moment later rather than
+///   an interval later, so that a busy store keeps up. The task starts with the first call and stops when the last clone of the store is
 ///   dropped; [`PgStore::sweep`] runs one by hand.
 /// - **Bounded calls.** Each call, taking a connection included, gives up after the store's
 ///   timeout (1 s, [`PgStore::with_timeout`]) with [`StoreError::Timeout`]; a failed connection

@@ -17,6 +17,10 @@ pub(super) const BATCH: u32 = 500;
 /// Batches per run of the background task (50 000 rows): a backlog is worked off over a few runs
 /// rather than in one long one.
 pub(super) const BATCHES_PER_RUN: u32 = 100;
+/// The pause before the next run when a run stopped at its cap, with expired rows left: far
+/// shorter than the interval, so that a store taking more keys than a run removes per interval
+/// (833 a second at the defaults) keeps up.
+const BACKLOG_PAUSE: Duration = Duration::from_millis(100);
 
 /// The background task of one store: started by its first call, stopped when the last clone of
 /// the store is dropped.
@@ -64,7 +68,11 @@ async fn run(inner: Weak<Inner>, stop: CancellationToken, every: Duration) {
             return;
         };
         let store = PgStore { inner };
-        match all(&store, BATCHES_PER_RUN).await {
+        let swept = all(&store, BATCHES_PER_RUN).await;
+        if matches!(swept, Ok(deleted) if deleted >= u64::from(BATCH * BATCHES_PER_RUN)) {
+            delay = BACKLOG_PAUSE;
+        }
+        match swept {
             Ok(0) => {}
             Ok(deleted) => tracing::debug!(
                 target: "tower_idempotency",

@@ -410,6 +410,48 @@ async fn the_background_sweep_runs_until_the_store_is_dropped() {
     );
 }
 
+/// A backlog larger than one run of the background sweep (50 000 rows) is worked off at once, run
+/// after run, not one run per interval: a store that takes more new keys than a run removes per
+/// interval keeps up.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_background_sweep_works_off_a_backlog_without_waiting_an_interval() {
+    let (server, store) = started().await;
+    let every = Duration::from_secs(10);
+    let store = store.with_sweep_interval(Some(every));
+    let rows: i32 = 60_000;
+    sqlx::query(
+        "INSERT INTO idempotency_records (id, fingerprint, token, completed, expires_at) \
+         SELECT decode(lpad(to_hex(g), 32, '0'), 'hex'), decode(repeat('00', 32), 'hex'), \
+                decode(repeat('00', 16), 'hex'), NULL, now() - interval '1 hour' \
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(rows)
+    .execute(store.pool())
+    .await
+    .expect("expired rows");
+    // The first call starts the sweep, somewhere in its first interval.
+    claimed(
+        &store,
+        &RecordId::new(b"", "live"),
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    let deadline = Instant::now() + every + Duration::from_secs(5);
+    while count_rows(&server).await > i64::from(rows) {
+        assert!(Instant::now() < deadline, "the sweep never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first_run = Instant::now();
+    while count_rows(&server).await > 1 {
+        assert!(
+            first_run.elapsed() < every / 2,
+            "the rows past the first run's cap wait for the next interval"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A completion sent again with the same token (its first answer was lost) answers `true`, and
 /// changes nothing; different bytes under the same token, or another token, answer `false`.
 #[tokio::test(flavor = "multi_thread")]
