@@ -1,14 +1,15 @@
 //! Response capture: reading the handler's response into a record (within the response limit),
-//! or deciding that it is not to be stored; and reading the request body within its limit.
+//! or deciding that it is not to be stored.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{CACHE_CONTROL, DATE, SET_COOKIE};
 use http::response::Parts as ResponseParts;
 use http::{HeaderMap, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 
-use super::{BoxError, StorableBody};
+use super::StorableBody;
+use super::body_reader::Chunks;
 use crate::body::ResponseBody;
 use crate::config::Config;
 
@@ -96,54 +97,6 @@ fn fields_len(fields: &HeaderMap) -> usize {
     (fields.iter())
         .map(|(name, value)| name.as_str().len() + value.len())
         .sum()
-}
-
-/// Reads a whole body of at most `limit` bytes. (Not `BodyExt::collect`: a body of one chunk, the
-/// common case, is returned as it came, with no allocation.)
-pub(super) async fn collect_limited<B>(body: B, limit: usize) -> Result<Bytes, BoxError>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let mut body = std::pin::pin!(Limited::new(body, limit));
-    let mut chunks = Chunks::default();
-    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        if let Ok(data) = frame?.into_data() {
-            chunks.push(data);
-        }
-    }
-    Ok(chunks.into_bytes())
-}
-
-/// Body chunks gathered into one buffer, copied only when there is more than one.
-#[derive(Default)]
-struct Chunks {
-    first: Option<Bytes>,
-    joined: Option<BytesMut>,
-    len: usize,
-}
-
-impl Chunks {
-    fn push(&mut self, data: Bytes) {
-        self.len += data.len();
-        if let Some(joined) = &mut self.joined {
-            joined.extend_from_slice(&data);
-        } else if let Some(first) = self.first.take() {
-            let mut joined = BytesMut::with_capacity(first.len() + data.len());
-            joined.extend_from_slice(&first);
-            joined.extend_from_slice(&data);
-            self.joined = Some(joined);
-        } else {
-            self.first = Some(data);
-        }
-    }
-
-    fn into_bytes(self) -> Bytes {
-        match (self.joined, self.first) {
-            (Some(joined), _) => joined.freeze(),
-            (None, first) => first.unwrap_or_default(),
-        }
-    }
 }
 
 /// The headers of a response that a replay repeats: every value in order, minus hop-by-hop

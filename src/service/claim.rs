@@ -8,7 +8,7 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::LengthLimitError;
 
-use super::capture::collect_limited;
+use super::body_reader::collect_limited;
 use super::{Covered, Handler, IDEMPOTENT_REPLAYED, ReadableBody, Shared, StorableBody};
 use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};

@@ -6,6 +6,7 @@
 //! request in flight wait for it (opt-in); [`execute`] runs a claimed request and stores its
 //! result; [`capture`] reads a response into a record.
 
+mod body_reader;
 mod capture;
 mod claim;
 mod execute;
