@@ -4,6 +4,7 @@
 #[allow(dead_code)]
 #[path = "../examples/grpc/payments.rs"]
 mod payments;
+mod support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,7 +17,6 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prost::Message;
-use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Channel, Server};
@@ -30,6 +30,7 @@ use payments::{
     CREATE_CHARGE, Charge, ChargeStream, CreateChargeRequest, LIST_CHARGES, Ledger,
     ListChargesRequest, Payments, PaymentsClient, PaymentsServer,
 };
+use support::Gated;
 
 /// Serves `payments` behind `layer` on a free loopback port.
 async fn serve<T: Payments, St: Store + Clone + Sync>(
@@ -253,32 +254,6 @@ async fn missing_and_invalid_keys_get_invalid_argument() {
     assert_eq!(invalid.code(), Code::InvalidArgument);
     assert_eq!(problem_kind(&invalid), Some(ProblemKind::InvalidKey));
     assert!(ledger.charges().is_empty());
-}
-
-/// Payments whose `CreateCharge` waits for `gate` once it started.
-#[derive(Clone)]
-struct Gated {
-    ledger: Ledger,
-    started: Arc<Notify>,
-    gate: Arc<Notify>,
-}
-
-impl Payments for Gated {
-    async fn create_charge(
-        &self,
-        request: tonic::Request<CreateChargeRequest>,
-    ) -> Result<tonic::Response<Charge>, Status> {
-        self.started.notify_one();
-        self.gate.notified().await;
-        self.ledger.create_charge(request).await
-    }
-
-    async fn list_charges(
-        &self,
-        request: tonic::Request<ListChargesRequest>,
-    ) -> Result<tonic::Response<ChargeStream>, Status> {
-        self.ledger.list_charges(request).await
-    }
 }
 
 #[tokio::test]

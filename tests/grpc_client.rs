@@ -5,6 +5,7 @@
 #[allow(dead_code)]
 #[path = "../examples/grpc/payments.rs"]
 mod payments;
+mod support;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -16,21 +17,21 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, StreamBody};
-use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Code;
 use tonic::server::NamedService;
 use tonic::transport::{Channel, Server};
-use tonic::{Code, Status};
 use tower::{Layer, Service, ServiceBuilder};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_client::{Attempts, GrpcRetry, IdempotentRetryLayer};
 use tower_idempotency_test::Faulty;
 
 use payments::{
-    CREATE_CHARGE, Charge, ChargeStream, CreateChargeRequest, LIST_CHARGES, Ledger,
-    ListChargesRequest, Payments, PaymentsClient, PaymentsServer,
+    CREATE_CHARGE, CreateChargeRequest, LIST_CHARGES, Ledger, ListChargesRequest, Payments,
+    PaymentsClient, PaymentsServer,
 };
+use support::Gated;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -207,32 +208,6 @@ async fn one_charge_per_key_over_a_flaky_link() {
         "§14.1: one key per operation, the same on every attempt: {keys:?}"
     );
     assert!(keys.iter().all(Option::is_some));
-}
-
-/// Payments whose `CreateCharge` waits for `gate` once it started.
-#[derive(Clone, Default)]
-struct Gated {
-    ledger: Ledger,
-    started: Arc<Notify>,
-    gate: Arc<Notify>,
-}
-
-impl Payments for Gated {
-    async fn create_charge(
-        &self,
-        request: tonic::Request<CreateChargeRequest>,
-    ) -> Result<tonic::Response<Charge>, Status> {
-        self.started.notify_one();
-        self.gate.notified().await;
-        self.ledger.create_charge(request).await
-    }
-
-    async fn list_charges(
-        &self,
-        request: tonic::Request<ListChargesRequest>,
-    ) -> Result<tonic::Response<ChargeStream>, Status> {
-        self.ledger.list_charges(request).await
-    }
 }
 
 #[tokio::test]
