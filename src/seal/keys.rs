@@ -162,6 +162,7 @@ impl SealKeys {
     ///     status: StatusCode::CREATED,
     ///     headers: HeaderMap::new(),
     ///     body: Bytes::from_static(b"charged"),
+    ///     trailers: None,
     /// };
     /// let sealed = keys.seal(&id, &fingerprint, &response)?;
     /// assert_eq!(keys.open(&id, &fingerprint, &sealed)?, response);
