@@ -1,22 +1,25 @@
-//! Claim and replay: a protected request's body is read and fingerprinted, its key claimed, and
-//! an existing record answered from (a replay, a 409 or a 422) without running the handler.
+//! Claim: a protected request's body is read and fingerprinted and its key claimed; what the
+//! store answers decides the rest (run the handler, answer from the record, or the store's
+//! failure: fail open or closed).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderValue, Request, Response};
+use http::{Request, Response};
 use http_body_util::LengthLimitError;
+use tokio::time::Instant;
 
 use super::body_reader::collect_limited;
-use super::{Covered, Handler, IDEMPOTENT_REPLAYED, ReadableBody, Shared, StorableBody};
+use super::wait::Settled;
+use super::{Claimed, Covered, Handler, ReadableBody, Shared, StorableBody};
 use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
-use crate::record::{Completed, Payload, Record, RecordId};
+use crate::record::{InFlight, Record, RecordId};
 use crate::report::{ErrorChain, panic_message};
 use crate::store::{Claim, Store, StoreError};
 
@@ -69,8 +72,12 @@ impl<St: Store> Shared<St> {
             };
             match claim {
                 Ok(Claim::Claimed(token)) => {
-                    self.run_claimed(inner, request(), id, token, fingerprint)
-                        .await
+                    let claimed = Claimed {
+                        id,
+                        token,
+                        fingerprint,
+                    };
+                    self.run_claimed(inner, request(), claimed).await
                 }
                 Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
                 // A record is there: neither a store failure (fail-open would run the request
@@ -83,6 +90,45 @@ impl<St: Store> Shared<St> {
                 Err(err) => {
                     self.warn_of_store_failure(&err, Outcome::StoreUnavailable);
                     self.store_unavailable(err)
+                }
+            }
+        }
+    }
+
+    /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
+    /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
+    /// lease that is left.
+    pub(super) async fn claim_or_wait(
+        self: &Arc<Self>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+    ) -> Result<Claim, StoreError> {
+        // When the wait started, and its bound (the clock is read only when waiting is on).
+        let wait = self.config.wait.map(|bound| (Instant::now(), bound));
+        loop {
+            let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
+            let (Some((started, bound)), Claim::Existing(Record::InFlight(in_flight))) =
+                (wait, &claim)
+            else {
+                return Ok(claim);
+            };
+            if in_flight.fingerprint != *fingerprint {
+                return Ok(claim);
+            }
+            tracing::debug!(target: "tower_idempotency", "waiting for the request in flight");
+            // Boxed: the wait is opt-in and rare, and its state would otherwise be carried in
+            // every request's future.
+            let waited = Box::pin(self.wait_on(id, fingerprint, started + bound)).await;
+            match waited {
+                Some(Settled::Record(record)) => return Ok(Claim::Existing(record)),
+                Some(Settled::Free) => continue,
+                None => {
+                    let lease_remaining =
+                        in_flight.lease_remaining.saturating_sub(started.elapsed());
+                    return Ok(Claim::Existing(Record::InFlight(InFlight {
+                        fingerprint: *fingerprint,
+                        lease_remaining,
+                    })));
                 }
             }
         }
@@ -106,28 +152,6 @@ impl<St: Store> Shared<St> {
             held_back,
             "{message}"
         );
-    }
-
-    /// The 500 of a record that cannot be opened or trusted: not replayed, and the request not run.
-    /// Logged at ERROR once per interval, with why (never the record's contents or a key): it
-    /// means tampering, a retired key, or a writer without the keys.
-    fn record_unreadable<B>(
-        &self,
-        err: &(dyn std::error::Error + Send + Sync + 'static),
-    ) -> Response<ResponseBody<B>> {
-        if let Some(held_back) = self.throttles.unreadable_records.admit() {
-            tracing::error!(
-                target: "tower_idempotency",
-                error = %ErrorChain(err),
-                held_back,
-                "an idempotency record cannot be opened; it is not replayed and its request is not run"
-            );
-        }
-        let detail = String::from(
-            "the stored response for this Idempotency-Key cannot be read, so it is not replayed; \
-             the request was not run again",
-        );
-        self.problem(ProblemKind::RecordUnreadable, detail)
     }
 
     /// The 503 of a claim the store failed or refused: the request was not run.
@@ -175,72 +199,5 @@ impl<St: Store> Shared<St> {
                 String::from("the request failed"),
             )
         })
-    }
-
-    /// Answers from the record already under the key: 422 for another request, 409 while it
-    /// runs, and the stored response (or a not-replayable problem) once it completed.
-    fn answer_existing<B>(
-        &self,
-        record: Record,
-        fingerprint: &Fingerprint,
-    ) -> Response<ResponseBody<B>> {
-        if record.fingerprint() != fingerprint {
-            let detail = String::from(
-                "this Idempotency-Key was used for a different request (method, path, query or body); \
-                 use a new key for a new request",
-            );
-            return self.problem(ProblemKind::Mismatch, detail);
-        }
-        match record {
-            Record::InFlight(in_flight) => {
-                let lease_end = whole_seconds(in_flight.lease_remaining);
-                let retry_after = whole_seconds(self.config.retry_after).min(lease_end);
-                let detail = String::from(
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                );
-                self.problem_with(ProblemKind::InFlight, detail, Some(retry_after))
-            }
-            Record::Completed(Completed {
-                response: Some(Payload::Sealed(sealed)),
-                ..
-            }) => {
-                let err = format!(
-                    "a sealed record (key {:?}) reached a layer whose store does not open it",
-                    sealed.key_id
-                );
-                self.record_unreadable(&*Box::<dyn std::error::Error + Send + Sync>::from(err))
-            }
-            Record::Completed(Completed {
-                response: Some(Payload::Plain(stored)),
-                ..
-            }) => {
-                let (status, mut headers, body, trailers) = match Arc::try_unwrap(stored) {
-                    // Decoded for this request (a shared store): moved, not copied.
-                    Ok(stored) => (stored.status, stored.headers, stored.body, stored.trailers),
-                    // Shared with the store (the memory store): copied, with room for the marker.
-                    Err(stored) => {
-                        let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
-                        for (name, value) in &stored.headers {
-                            headers.append(name, value.clone());
-                        }
-                        let trailers = stored.trailers.clone();
-                        (stored.status, headers, stored.body.clone(), trailers)
-                    }
-                };
-                headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                let trailers = trailers.map(Box::new);
-                let mut response = Response::new(ResponseBody::with_trailers(body, trailers));
-                *response.status_mut() = status;
-                *response.headers_mut() = headers;
-                finish(response, Outcome::Replayed)
-            }
-            Record::Completed(Completed { response: None, .. }) => {
-                let detail = String::from(
-                    "the request with this Idempotency-Key completed, but its response could not be stored \
-                     (too large, or it failed while it was produced), so it cannot be replayed",
-                );
-                self.problem(ProblemKind::NotReplayable, detail)
-            }
-        }
     }
 }

@@ -10,9 +10,8 @@ use futures_util::FutureExt;
 use http::{Request, Response};
 
 use super::capture::{Handled, capture, replayable_headers};
-use super::{Handler, Shared, StorableBody, finish, whole_seconds};
+use super::{Claimed, Handler, Shared, StorableBody, finish, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
-use crate::fingerprint::Fingerprint;
 use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease;
 use crate::outcome::Outcome;
@@ -29,9 +28,7 @@ impl<St: Store> Shared<St> {
         self: Arc<Self>,
         inner: S,
         request: Request<RequestBody<ReqBody>>,
-        id: RecordId,
-        token: ClaimToken,
-        fingerprint: Fingerprint,
+        claimed: Claimed,
     ) -> impl Future<Output = Response<ResponseBody<ResBody>>> + Send + 'static
     where
         S: Handler<ReqBody, ResBody>,
@@ -42,11 +39,11 @@ impl<St: Store> Shared<St> {
         // which allocators serve from their fast per-thread caches, where one box of both would
         // not be.
         let mut request = request;
-        let held = HeldClaim::new(id, token, self.clone());
+        let held = HeldClaim::new(claimed.id, claimed.token, self.clone());
         request.extensions_mut().insert(held);
-        self.store.prepare(&id, &token, request.extensions_mut());
+        (self.store).prepare(&claimed.id, &claimed.token, request.extensions_mut());
         let work = Box::pin(self.clone().run(inner, request));
-        let execute = Box::pin(self.clone().execute(work, id, token, fingerprint));
+        let execute = Box::pin(self.clone().execute(work, claimed));
         self.background.detachable(execute)
     }
 
@@ -73,9 +70,7 @@ impl<St: Store> Shared<St> {
     fn execute<W, ResBody: StorableBody>(
         self: Arc<Self>,
         work: Pin<Box<W>>,
-        id: RecordId,
-        token: ClaimToken,
-        fingerprint: Fingerprint,
+        claimed: Claimed,
     ) -> impl Future<Output = Response<ResponseBody<ResBody>>>
     where
         W: Future<Output = Result<Handled<ResBody>, String>>,
@@ -83,7 +78,7 @@ impl<St: Store> Shared<St> {
         async move {
             let config = &self.config;
             let result = self
-                .held(&id, &token)
+                .held(&claimed)
                 .renewing(AssertUnwindSafe(work).catch_unwind())
                 .await;
 
@@ -123,27 +118,26 @@ impl<St: Store> Shared<St> {
                 }
                 Ok(Ok(Handled::NotStored(response))) => {
                     let response = finish(response.map(ResponseBody::inner), Outcome::NotStored);
-                    return self.release(&id, &token, response).await;
+                    return self.release(&claimed, response).await;
                 }
                 Ok(Ok(Handled::Declined(response))) => {
                     let response = finish(response, Outcome::NotStored);
-                    return self.release(&id, &token, response).await;
+                    return self.release(&claimed, response).await;
                 }
                 Ok(Err(err)) => {
-                    return self
-                        .fail(&id, &token, format!("the handler failed: {err}"))
-                        .await;
+                    let failure = format!("the handler failed: {err}");
+                    return self.fail(&claimed, failure).await;
                 }
                 Err(panic) => {
                     let failure = format!("the handler panicked: {}", panic_message(&*panic));
-                    return self.fail(&id, &token, failure).await;
+                    return self.fail(&claimed, failure).await;
                 }
             };
             let completed = Completed {
-                fingerprint,
+                fingerprint: claimed.fingerprint,
                 response: stored.map(Payload::Plain),
             };
-            self.complete(&id, &token, completed, response).await
+            self.complete(&claimed, completed, response).await
         }
     }
 
@@ -157,15 +151,14 @@ impl<St: Store> Shared<St> {
     /// The handler failed or panicked: a 500 problem, and the claim is released.
     async fn fail<B>(
         self: &Arc<Self>,
-        id: &RecordId,
-        token: &ClaimToken,
+        claimed: &Claimed,
         failure: String,
     ) -> Response<ResponseBody<B>> {
         tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
         let detail =
             String::from("the request failed; it was not stored, and a retry runs it again");
         let response = self.problem(ProblemKind::HandlerFailed, detail);
-        self.release(id, token, response).await
+        self.release(claimed, response).await
     }
 
     /// Stores the result, then answers: after the write, so that a retry that follows the response
@@ -175,12 +168,12 @@ impl<St: Store> Shared<St> {
     /// ([`StoreError::Aborted`], a 503 to retry) or not ([`StoreError::Rejected`], a 422).
     async fn complete<B>(
         self: &Arc<Self>,
-        id: &RecordId,
-        token: &ClaimToken,
+        claimed: &Claimed,
         completed: Completed,
         (response, outcome): (Response<ResponseBody<B>>, Outcome),
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
+        let Claimed { id, token, .. } = claimed;
         let written = self.store.complete(id, token, &completed, ttl).await;
         self.notify_waiters(id);
         if let Err(StoreError::Rejected(err)) = &written {
@@ -209,20 +202,15 @@ impl<St: Store> Shared<St> {
             let retry_after = Some(whole_seconds(self.config.retry_after));
             return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
         }
-        self.after_write(id, token, Some(completed), written);
+        self.after_write(claimed, Some(completed), written);
         finish(response, outcome)
     }
 
     /// Releases the claim, then answers, like [`Shared::complete`].
-    async fn release<B>(
-        self: &Arc<Self>,
-        id: &RecordId,
-        token: &ClaimToken,
-        response: Response<B>,
-    ) -> Response<B> {
-        let released = self.store.release(id, token).await;
-        self.notify_waiters(id);
-        self.after_write(id, token, None, released);
+    async fn release<B>(self: &Arc<Self>, claimed: &Claimed, response: Response<B>) -> Response<B> {
+        let released = self.store.release(&claimed.id, &claimed.token).await;
+        self.notify_waiters(&claimed.id);
+        self.after_write(claimed, None, released);
         response
     }
 
@@ -231,8 +219,7 @@ impl<St: Store> Shared<St> {
     /// (up to the dedup window), a release for up to a lease.
     fn after_write(
         self: &Arc<Self>,
-        id: &RecordId,
-        token: &ClaimToken,
+        claimed: &Claimed,
         completed: Option<Completed>,
         written: Result<bool, StoreError>,
     ) {
@@ -251,17 +238,17 @@ impl<St: Store> Shared<St> {
                     error = %ErrorChain(&err),
                     "store write failed; answering now and retrying the write"
                 );
-                let (shared, id, token) = (self.clone(), *id, *token);
+                let (shared, claimed) = (self.clone(), *claimed);
                 let retry = async move {
-                    let held = shared.held(&id, &token);
-                    let store = &shared.store;
+                    let held = shared.held(&claimed);
+                    let (store, Claimed { id, token, .. }) = (&shared.store, &claimed);
                     match &completed {
                         Some(done) => {
                             let ttl = shared.config.dedup_window;
-                            held.complete_with(ttl, 1, || store.complete(&id, &token, done, ttl))
+                            held.complete_with(ttl, 1, || store.complete(id, token, done, ttl))
                                 .await
                         }
-                        None => held.release_with(1, || store.release(&id, &token)).await,
+                        None => held.release_with(1, || store.release(id, token)).await,
                     };
                 };
                 self.background.spawn(retry);

@@ -2,7 +2,7 @@
 //!
 //! A request the layer does not cover passes through; a covered one without a valid key, or
 //! refused by the scope, is answered here. The rest is split by step: [`claim`] reads, fingerprints
-//! and claims the request, or answers from an existing record; [`wait`] lets a duplicate of a
+//! and claims the request; [`replay`] answers from a record already under the key; [`wait`] lets a duplicate of a
 //! request in flight wait for it (opt-in); [`execute`] runs a claimed request and stores its
 //! result; [`capture`] reads a response into a record.
 
@@ -10,6 +10,7 @@ mod body_reader;
 mod capture;
 mod claim;
 mod execute;
+mod replay;
 mod wait;
 
 use std::fmt;
@@ -28,6 +29,7 @@ pub(crate) use wait::Waits;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::Config;
 use crate::detach::Background;
+use crate::fingerprint::Fingerprint;
 use crate::future::{Covered, ResponseFuture};
 use crate::hex::Hex;
 use crate::key::IdempotencyKey;
@@ -327,18 +329,23 @@ impl<St: Store> Shared<St> {
         (response.map(ResponseBody::full), outcome)
     }
 
-    pub(super) fn held<'a>(
-        &'a self,
-        id: &'a RecordId,
-        token: &'a ClaimToken,
-    ) -> Held<'a, Metered<St>> {
+    pub(super) fn held<'a>(&'a self, claimed: &'a Claimed) -> Held<'a, Metered<St>> {
         Held {
             store: &self.store,
-            id,
-            token,
+            id: &claimed.id,
+            token: &claimed.token,
             lease: self.config.lease,
         }
     }
+}
+
+/// A key this request claimed, and what it was claimed for: all that the steps after the claim
+/// (running, completing, releasing, retrying a write) need to know of it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Claimed {
+    pub(super) id: RecordId,
+    pub(super) token: ClaimToken,
+    pub(super) fingerprint: Fingerprint,
 }
 
 /// Whole seconds, rounded up, at least 1.

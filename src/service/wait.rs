@@ -26,9 +26,9 @@ use tokio::time::Instant;
 
 use super::Shared;
 use crate::fingerprint::Fingerprint;
-use crate::record::{InFlight, Record, RecordId};
+use crate::record::{Record, RecordId};
 use crate::report::ErrorChain;
-use crate::store::{Claim, Store, StoreError};
+use crate::store::{Claim, Store};
 
 /// How long the shared wait lets pass before it first asks the store again: each waiter has just
 /// claimed, and seen the key in flight.
@@ -56,7 +56,7 @@ struct Watch {
 
 /// How a wait ended for every waiter of the key.
 #[derive(Debug, Clone)]
-enum Settled {
+pub(super) enum Settled {
     /// The key holds this record: completed, or another request's claim.
     Record(Record),
     /// The key was free: each waiter claims it for itself.
@@ -119,47 +119,8 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
-    /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
-    /// lease that is left.
-    pub(super) async fn claim_or_wait(
-        self: &Arc<Self>,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-    ) -> Result<Claim, StoreError> {
-        // When the wait started, and its bound (the clock is read only when waiting is on).
-        let wait = self.config.wait.map(|bound| (Instant::now(), bound));
-        loop {
-            let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
-            let (Some((started, bound)), Claim::Existing(Record::InFlight(in_flight))) =
-                (wait, &claim)
-            else {
-                return Ok(claim);
-            };
-            if in_flight.fingerprint != *fingerprint {
-                return Ok(claim);
-            }
-            tracing::debug!(target: "tower_idempotency", "waiting for the request in flight");
-            // Boxed: the wait is opt-in and rare, and its state would otherwise be carried in
-            // every request's future.
-            let waited = Box::pin(self.wait_on(id, fingerprint, started + bound)).await;
-            match waited {
-                Some(Settled::Record(record)) => return Ok(Claim::Existing(record)),
-                Some(Settled::Free) => continue,
-                None => {
-                    let lease_remaining =
-                        in_flight.lease_remaining.saturating_sub(started.elapsed());
-                    return Ok(Claim::Existing(Record::InFlight(InFlight {
-                        fingerprint: *fingerprint,
-                        lease_remaining,
-                    })));
-                }
-            }
-        }
-    }
-
     /// Joins the key's shared wait (starting it if there is none) until it settles or `deadline`.
-    async fn wait_on(
+    pub(super) async fn wait_on(
         self: &Arc<Self>,
         id: &RecordId,
         fingerprint: &Fingerprint,
