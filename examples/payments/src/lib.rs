@@ -94,10 +94,10 @@
 //!
 //! # Run it
 //! ```text
-//! cargo run --example server                                   # everything in memory
-//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example server  # in Redis 7 or newer
-//! REDIS_CLUSTER_URLS=redis://10.0.0.1:6379,redis://10.0.0.2:6379 cargo run --example server
-//! DATABASE_URL=postgres://app@127.0.0.1/payments cargo run --example server --features postgres
+//! cargo run -p example-payments                                   # everything in memory
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run -p example-payments  # in Redis 7 or newer
+//! REDIS_CLUSTER_URLS=redis://10.0.0.1:6379,redis://10.0.0.2:6379 cargo run -p example-payments
+//! DATABASE_URL=postgres://app@127.0.0.1/payments cargo run -p example-payments
 //! ```
 //! Environment: `ADDR` (default `127.0.0.1:3000`), `REDIS_URL` (unset: in memory),
 //! `REDIS_CLUSTER_URLS` (instead of `REDIS_URL`: a Redis Cluster, comma-separated seed node URLs;

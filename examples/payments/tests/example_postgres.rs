@@ -789,7 +789,7 @@ impl Drop for Process {
     }
 }
 
-/// `DATABASE_URL=... cargo run --example server --features postgres`: the schema is created at
+/// `DATABASE_URL=... cargo run -p example-payments`: the schema is created at
 /// start-up, and a restarted server replays and lists what the first one did.
 #[test]
 fn the_server_keeps_its_charges_in_postgres_across_a_restart() {

@@ -1,8 +1,5 @@
-//! The examples as users run them: `cargo run --example server` (the payments API) and
-//! `cargo run --example axum`, real processes on real ports, stopped with SIGTERM.
-//!
-//! Each example binary is built once per test run (`cargo build --example <name>`, which is quick
-//! when it is up to date) into the same target directory as this test.
+//! The payments server as users run it (`cargo run -p example-payments`): a real process on a real
+//! port, stopped with SIGTERM. Cargo builds the package's binaries before it runs this test.
 
 #![cfg(unix)]
 

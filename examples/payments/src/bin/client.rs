@@ -2,8 +2,8 @@
 //! `IdempotentRetryLayer`. Against the payments example:
 //!
 //! ```text
-//! cargo run --example server                        # one terminal
-//! cargo run --features client --example client      # another
+//! cargo run -p example-payments                 # one terminal
+//! cargo run -p example-payments --bin client    # another
 //! # attempt 1: POST /v1/charges, key 5b0c...: the server answered 201 Created, the link lost it
 //! # attempt 2: POST /v1/charges, key 5b0c...: 201 Created (idempotent-replayed: true)
 //! # charge ch_2ce06b3e55f8f917, after 2 attempts, replayed: true
