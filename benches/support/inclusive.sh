@@ -13,7 +13,7 @@
 set -eu
 [ $# -eq 2 ] || { echo "usage: $0 CASE PATTERN" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
-exe=$(cargo bench --all-features --bench instructions --no-run --message-format=json 2>/dev/null \
+exe=$(cargo bench -p benches --bench instructions --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*instructions[^"]*\)".*/\1/p' | tail -n 1)
 [ -n "$exe" ] || { echo "$0: cannot build benches/instructions.rs" >&2; exit 1; }
 count() {

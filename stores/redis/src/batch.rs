@@ -6,12 +6,18 @@
 //! one write, one read by Redis, one reply read back. Order is kept: a command queued after
 //! another is sent after it.
 //!
+//! A command sent while nothing else is on its way to Redis goes out at once, on its own, from
+//! its caller's task: with nothing to batch it with, the batch's task and its yield would only
+//! add work and a scheduler turn. Once a command or a batch is on its way, the next commands queue
+//! for a batch, as above.
+//!
 //! A claim whose caller stops waiting (its timeout, or its client went away and the request was
 //! dropped) may still claim its key. The pipeline then releases that claim, fenced by its token,
 //! behind the claim on the same connection, so the key is not held for a request that
 //! will never run until its lease runs out. A command whose caller is gone before it is sent is
 //! not sent at all.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
@@ -34,6 +40,18 @@ pub(super) type ClaimRef = (String, ClaimToken);
 #[derive(Default)]
 pub(super) struct Batch {
     queue: Mutex<Vec<Queued>>,
+    /// Commands sent on their own and batches started (from their first command queued) whose
+    /// answers have not arrived.
+    on_the_way: AtomicUsize,
+}
+
+/// A command or batch on its way to Redis, counted until it is dropped.
+pub(super) struct OnTheWay<'a>(&'a AtomicUsize);
+
+impl Drop for OnTheWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 struct Queued {
@@ -51,8 +69,26 @@ pub(super) struct Pipeline {
 }
 
 impl Batch {
+    /// Counts a command to be sent on its own, if nothing else is on its way: it would have no
+    /// company in a batch.
+    pub(super) fn alone(&self) -> Option<OnTheWay<'_>> {
+        (self.on_the_way.load(Ordering::Acquire) == 0).then(|| self.count())
+    }
+
+    fn count(&self) -> OnTheWay<'_> {
+        self.on_the_way.fetch_add(1, Ordering::AcqRel);
+        OnTheWay(&self.on_the_way)
+    }
+
+    /// The count of the batch that [`Batch::push`] started (its first command), for the task that
+    /// sends it to hold until the answers arrive.
+    pub(super) fn started(&self) -> OnTheWay<'_> {
+        OnTheWay(&self.on_the_way)
+    }
+
     /// Queues `cmd`. Returns where its answer will arrive, and whether it is the first of a new
-    /// batch: the caller then takes and sends the batch.
+    /// batch, which is then counted as on its way: the caller starts the task that takes and
+    /// sends the batch, and holds [`Batch::started`].
     pub(super) fn push(
         &self,
         cmd: Cmd,
@@ -61,7 +97,11 @@ impl Batch {
         let (reply, answer) = oneshot::channel();
         let mut queue = self.lock();
         queue.push(Queued { cmd, reply, claim });
-        (answer, queue.len() == 1)
+        let first = queue.len() == 1;
+        if first {
+            self.on_the_way.fetch_add(1, Ordering::AcqRel);
+        }
+        (answer, first)
     }
 
     /// Takes every queued command whose caller still waits, in order.
@@ -217,6 +257,44 @@ pub(super) fn release_eval(source: &str, (key, token): ClaimRef) -> Cmd {
         .arg(key)
         .arg(token.as_bytes().as_slice());
     cmd
+}
+
+/// Releases a claim sent on its own behind its `SET`, on the same connection, when dropped armed:
+/// its caller stopped waiting, or the call failed with the `SET` perhaps run.
+pub(super) struct ReleaseBehind {
+    connection: MultiplexedConnection,
+    claim: Option<ClaimRef>,
+    release: &'static str,
+}
+
+impl ReleaseBehind {
+    pub(super) fn new(
+        connection: &MultiplexedConnection,
+        claim: ClaimRef,
+        release: &'static str,
+    ) -> Self {
+        Self {
+            connection: connection.clone(),
+            claim: Some(claim),
+            release,
+        }
+    }
+
+    /// The caller has the answer: nothing to release.
+    pub(super) fn disarm(mut self) {
+        self.claim = None;
+    }
+}
+
+impl Drop for ReleaseBehind {
+    fn drop(&mut self) {
+        // Without a runtime the release cannot be sent: the claim's lease runs out instead.
+        if let Some(claim) = self.claim.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            release_behind(&self.connection, claim, self.release);
+        }
+    }
 }
 
 /// Releases `claim` on `connection`, behind the pipeline that sent its `SET`. `EVAL`, not

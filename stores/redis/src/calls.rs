@@ -7,7 +7,7 @@ use bytes::Bytes;
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, Value};
 
-use super::batch::ClaimRef;
+use super::batch::{ClaimRef, ReleaseBehind};
 use super::connection::{Backend, Connection, Single};
 use super::replication::{ReleaseOnDrop, Replication};
 use super::scripts::load_on;
@@ -44,7 +44,10 @@ impl RedisStore {
         let send = |token: ClaimToken| async move {
             let cmd = claim(&token);
             match self.batched() {
-                Some(single) => self.claim_batched(single, cmd, (key.clone(), token)).await,
+                Some(single) => match single.batch.alone() {
+                    Some(_on_the_way) => self.claim_alone(single, cmd, (key.clone(), token)).await,
+                    None => self.claim_batched(single, cmd, (key.clone(), token)).await,
+                },
                 None => self.claim_direct(cmd, (key.clone(), token)).await,
             }
         };
@@ -89,6 +92,36 @@ impl RedisStore {
             Ok(Err(err)) => Err(self.call_error(err)),
             Err(_) => Err(StoreError::Timeout(self.inner.timeout)),
         }
+    }
+
+    /// A claim sent on its own to the one server, nothing else being on its way: like a claim in
+    /// a batch, released behind its `SET` on the same connection if its caller stops waiting or
+    /// it fails, within the same deadline for the connection and the round trip.
+    async fn claim_alone(
+        &self,
+        single: &Single,
+        set: Cmd,
+        claim: ClaimRef,
+    ) -> Result<Vec<u8>, StoreError> {
+        let deadline = tokio::time::Instant::now() + self.inner.timeout;
+        let connection = tokio::time::timeout_at(deadline, self.single_connection(single, 0));
+        let mut connection = match connection.await {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(err)) => return Err(self.redis_error(err)),
+            Err(_) => return Err(self.redis_error(RedisError::from(io_timeout()))),
+        };
+        let behind = ReleaseBehind::new(&connection, claim, self.inner.release.source);
+        let answer = tokio::time::timeout_at(deadline, set.query_async::<Value>(&mut connection))
+            .await
+            .unwrap_or_else(|_| Err(RedisError::from(io_timeout())));
+        // An error leaves `behind` armed: whether the `SET` ran is not known, and the fenced
+        // release does nothing where it did not claim.
+        let answer = answer.map_err(|err| {
+            self.forget_if_broken(0, &err);
+            self.call_error(err)
+        })?;
+        behind.disarm();
+        Vec::<u8>::from_redis_value(answer).map_err(|err| self.redis_error(RedisError::from(err)))
     }
 
     /// A claim on its own, released behind if its caller stops waiting or too few replicas
@@ -265,10 +298,13 @@ impl RedisStore {
     /// otherwise.
     pub(super) async fn send<T: FromRedisValue>(&self, cmd: Cmd) -> RedisResult<T> {
         let answer = match self.batched() {
-            Some(single) => self
-                .queue(single, cmd, None)
-                .await
-                .unwrap_or_else(|_| Err(dropped()))?,
+            Some(single) => match single.batch.alone() {
+                Some(_on_the_way) => self.direct::<Value>(cmd).await?,
+                None => self
+                    .queue(single, cmd, None)
+                    .await
+                    .unwrap_or_else(|_| Err(dropped()))?,
+            },
             None => self.direct::<Value>(cmd).await?,
         };
         T::from_redis_value(answer).map_err(RedisError::from)
@@ -330,10 +366,11 @@ impl RedisStore {
         if first {
             let store = self.clone();
             tokio::spawn(async move {
-                tokio::task::yield_now().await;
                 let Backend::Single(single) = &*store.inner.backend else {
                     return;
                 };
+                let _on_the_way = single.batch.started();
+                tokio::task::yield_now().await;
                 let pipeline = single.batch.take();
                 // One bound for taking a connection and the round trip: every caller gets its
                 // answer, or an error, within the store's timeout.

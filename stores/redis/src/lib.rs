@@ -47,9 +47,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// On one server the store keeps one multiplexed connection from the pool and shares it between
 /// requests, so it does not pay the pool's `UNWATCH` + `PING` recycle check per request; it goes
 /// back to the pool for a fresh, checked connection after a connection error or timeout, so it
-/// recovers by itself when Redis comes back. The commands of requests that arrive together are
-/// sent as one pipeline (one write, one read on each side) rather than one write each; each
-/// still gets its own answer and its own error. On a cluster, redis-rs's cluster connection
+/// recovers by itself when Redis comes back. A command goes out at once when nothing else is on
+/// its way; the commands of requests that arrive while one is are sent as one pipeline (one
+/// write, one read on each side) rather than one write each, each still with its own answer and
+/// its own error. On a cluster, redis-rs's cluster connection
 /// routes each command to its slot's master and follows redirections and failovers.
 ///
 /// ```no_run
@@ -279,8 +280,11 @@ impl RedisStore {
     pub(crate) fn redis_key(&self, id: &RecordId) -> String {
         let prefix = &self.inner.prefix;
         let mut key = String::with_capacity(prefix.len() + 34);
+        key.push_str(prefix);
+        key.push('{');
         // Writing to a String cannot fail.
-        let _ = write!(key, "{prefix}{{{id}}}");
+        let _ = write!(key, "{id}");
+        key.push('}');
         key
     }
 
