@@ -58,6 +58,8 @@
 //! 503: sending the request again gets the same answer until the record expires or the key that
 //! sealed it is restored.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
@@ -189,16 +191,21 @@ impl ProblemKind {
 pub struct Problem {
     kind: ProblemKind,
     status: StatusCode,
-    detail: String,
+    /// The layer's own details are static text: no allocation for a 409.
+    detail: Cow<'static, str>,
     retry_after: Option<u64>,
 }
 
 impl Problem {
-    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: String) -> Self {
+    pub(crate) fn new(
+        kind: ProblemKind,
+        status: StatusCode,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> Self {
         Self {
             kind,
             status,
-            detail,
+            detail: detail.into(),
             retry_after: None,
         }
     }
@@ -433,7 +440,13 @@ mod tests {
     /// The document is what serde_json writes for the same members, whatever the text holds.
     #[test]
     fn problem_documents_are_json_as_serde_json_writes_it() {
-        for text in ["plain text", "\u{7f} alone", "a \"quote\", a \\ and a\ttab", "\u{1}\u{7f} é ☃", ""] {
+        for text in [
+            "plain text",
+            "\u{7f} alone",
+            "a \"quote\", a \\ and a\ttab",
+            "\u{1}\u{7f} é ☃",
+            "",
+        ] {
             let body = problem_document("https://example.com/t", text, StatusCode::CONFLICT, text);
             let mut expected = serde_json::Map::new();
             if !text.is_empty() {
@@ -452,7 +465,7 @@ mod tests {
 
     #[test]
     fn problem_json_has_the_rfc_9457_members() {
-        let problem = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "wait".into())
+        let problem = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "wait")
             .with_retry_after(Some(1));
         let response = respond(&problem, &ProblemJson);
         assert_eq!(response.status(), StatusCode::CONFLICT);
@@ -486,13 +499,13 @@ mod tests {
                     HeaderValue::from_static("kept"),
                 )
         };
-        let mismatch = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "d".into());
+        let mismatch = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "d");
         let response = respond(&mismatch, &render);
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
         assert!(!response.headers().contains_key(RETRY_AFTER));
         assert_eq!(response.headers()["x-extra"], "kept");
-        let in_flight = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "d".into())
+        let in_flight = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "d")
             .with_retry_after(Some(2));
         let response = respond(&in_flight, &render);
         assert_eq!(

@@ -319,7 +319,7 @@ mod tests {
         let problem = Problem::new(
             ProblemKind::InFlight,
             http::StatusCode::CONFLICT,
-            "still running".into(),
+            "still running",
         )
         .with_retry_after(Some(2));
         let response = mode.respond(&problem);

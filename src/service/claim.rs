@@ -169,7 +169,7 @@ impl<St: Store> Shared<St> {
             ),
         };
         let retry_after = Some(whole_seconds(retry_after));
-        self.problem_with(ProblemKind::StoreUnavailable, detail.into(), retry_after)
+        self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after)
     }
 
     /// Runs a request without protection (fail-open), turning a failure into a 500 problem. Boxed,
@@ -194,10 +194,7 @@ impl<St: Store> Shared<St> {
                 Err(panic) => format!("the handler panicked: {}", panic_message(&*panic)),
             };
             tracing::error!(target: "tower_idempotency", error = %failure, "the unprotected request failed");
-            self.problem(
-                ProblemKind::HandlerFailed,
-                String::from("the request failed"),
-            )
+            self.problem(ProblemKind::HandlerFailed, "the request failed")
         })
     }
 }

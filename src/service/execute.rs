@@ -109,10 +109,8 @@ impl<St: Store> Shared<St> {
                         error = %err,
                         "the response body failed while it was read; keeping a tombstone"
                     );
-                    let detail = String::from(
-                        "the response failed while it was produced; the operation may have completed, \
-                         so a retry with this key will not run it again",
-                    );
+                    let detail = "the response failed while it was produced; the operation may have completed, \
+                         so a retry with this key will not run it again";
                     let problem = self.unfinished_problem(ProblemKind::HandlerFailed, detail, None);
                     (None, problem)
                 }
@@ -155,8 +153,7 @@ impl<St: Store> Shared<St> {
         failure: String,
     ) -> Response<ResponseBody<B>> {
         tracing::error!(target: "tower_idempotency", error = %failure, "releasing the claim");
-        let detail =
-            String::from("the request failed; it was not stored, and a retry runs it again");
+        let detail = "the request failed; it was not stored, and a retry runs it again";
         let response = self.problem(ProblemKind::HandlerFailed, detail);
         self.release(claimed, response).await
     }
@@ -182,11 +179,9 @@ impl<St: Store> Shared<St> {
                 error = %ErrorChain(&**err),
                 "the handler's transaction was rejected at commit; its writes were rolled back and the claim released"
             );
-            let detail = String::from(
-                "the request's changes were rejected when they were committed (they conflict with \
+            let detail = "the request's changes were rejected when they were committed (they conflict with \
                  data the server holds, or are invalid), so nothing was done; the key is free \
-                 again, and the same request is rejected the same way until that data changes",
-            );
+                 again, and the same request is rejected the same way until that data changes";
             return self.problem(ProblemKind::CommitRejected, detail);
         }
         if let Err(StoreError::Aborted(err)) = &written {
@@ -195,10 +190,8 @@ impl<St: Store> Shared<St> {
                 error = %ErrorChain(&**err),
                 "the handler's transaction did not commit with its record; answering that nothing was done"
             );
-            let detail = String::from(
-                "the request's effects could not be committed with its idempotency record, so \
-                 nothing was done; retry with the same key",
-            );
+            let detail = "the request's effects could not be committed with its idempotency record, so \
+                 nothing was done; retry with the same key";
             let retry_after = Some(whole_seconds(self.config.retry_after));
             return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
         }

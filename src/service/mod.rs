@@ -13,6 +13,7 @@ mod execute;
 mod replay;
 mod wait;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -281,14 +282,18 @@ pub(super) fn too_large(config: &Config) -> String {
 }
 
 impl<St: Store> Shared<St> {
-    fn reject<F, B>(&self, kind: ProblemKind, detail: String) -> ResponseFuture<F, B> {
+    fn reject<F, B>(
+        &self,
+        kind: ProblemKind,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> ResponseFuture<F, B> {
         ResponseFuture::ready(self.problem(kind, detail))
     }
 
     pub(super) fn problem<B>(
         &self,
         kind: ProblemKind,
-        detail: String,
+        detail: impl Into<Cow<'static, str>>,
     ) -> Response<ResponseBody<B>> {
         self.problem_with(kind, detail, None)
     }
@@ -296,7 +301,7 @@ impl<St: Store> Shared<St> {
     pub(super) fn problem_with<B>(
         &self,
         kind: ProblemKind,
-        detail: String,
+        detail: impl Into<Cow<'static, str>>,
         retry_after: Option<u64>,
     ) -> Response<ResponseBody<B>> {
         let (response, outcome) = self.unfinished_problem(kind, detail, retry_after);
@@ -307,7 +312,7 @@ impl<St: Store> Shared<St> {
     pub(super) fn unfinished_problem<B>(
         &self,
         kind: ProblemKind,
-        detail: String,
+        detail: impl Into<Cow<'static, str>>,
         retry_after: Option<u64>,
     ) -> (Response<ResponseBody<B>>, Outcome) {
         let problem =

@@ -24,19 +24,16 @@ impl<St: Store> Shared<St> {
         fingerprint: &Fingerprint,
     ) -> Response<ResponseBody<B>> {
         if record.fingerprint() != fingerprint {
-            let detail = String::from(
-                "this Idempotency-Key was used for a different request (method, path, query or body); \
-                 use a new key for a new request",
-            );
+            let detail = "this Idempotency-Key was used for a different request (method, path, query or body); \
+                 use a new key for a new request";
             return self.problem(ProblemKind::Mismatch, detail);
         }
         match record {
             Record::InFlight(in_flight) => {
                 let lease_end = whole_seconds(in_flight.lease_remaining);
                 let retry_after = whole_seconds(self.config.retry_after).min(lease_end);
-                let detail = String::from(
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                );
+                let detail =
+                    "a request with this Idempotency-Key is still being processed; retry later";
                 self.problem_with(ProblemKind::InFlight, detail, Some(retry_after))
             }
             Record::Completed(Completed {
@@ -74,10 +71,8 @@ impl<St: Store> Shared<St> {
                 finish(response, Outcome::Replayed)
             }
             Record::Completed(Completed { response: None, .. }) => {
-                let detail = String::from(
-                    "the request with this Idempotency-Key completed, but its response could not be stored \
-                     (too large, or it failed while it was produced), so it cannot be replayed",
-                );
+                let detail = "the request with this Idempotency-Key completed, but its response could not be stored \
+                     (too large, or it failed while it was produced), so it cannot be replayed";
                 self.problem(ProblemKind::NotReplayable, detail)
             }
         }
@@ -98,10 +93,8 @@ impl<St: Store> Shared<St> {
                 "an idempotency record cannot be opened; it is not replayed and its request is not run"
             );
         }
-        let detail = String::from(
-            "the stored response for this Idempotency-Key cannot be read, so it is not replayed; \
-             the request was not run again",
-        );
+        let detail = "the stored response for this Idempotency-Key cannot be read, so it is not replayed; \
+             the request was not run again";
         self.problem(ProblemKind::RecordUnreadable, detail)
     }
 }
