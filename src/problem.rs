@@ -393,7 +393,11 @@ fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: &st
 /// Appends `text` as a JSON string. Text with nothing to escape (the layer's own titles and
 /// details) is copied as it is: serde_json escapes byte by byte, most of a 409's rendering.
 fn push_json_string(body: &mut Vec<u8>, text: &str) {
-    let plain = text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\');
+    // No early exit: the whole scan vectorizes, and the text is short.
+    let escaped = (text.bytes()).fold(false, |any, b| {
+        any | (b < 0x20) | (b == b'"') | (b == b'\\')
+    });
+    let plain = !escaped;
     if plain {
         body.push(b'"');
         body.extend_from_slice(text.as_bytes());
