@@ -2,8 +2,8 @@
 //!
 //! ```sh
 //! cargo bench --all-features --bench growth                # everything; valgrind, redis-server, PostgreSQL
-//! GROWTH=memory cargo bench --bench growth                  # one part: memory, redis or postgres
-//! GROWTH_QUICK=1 cargo bench --all-features --bench growth  # the CI smoke: small, checks answers only
+//! GROWTH=memory cargo bench -p benches --bench growth                # one part: memory, redis or postgres
+//! GROWTH_QUICK=1 cargo bench -p benches --bench growth  # the CI smoke: small, checks answers only
 //! BENCH_CHARTS=docs/bench cargo bench --all-features --bench growth   # and redraws the charts
 //! ```
 //!
@@ -393,7 +393,41 @@ fn json_of(size: usize) -> String {
     json
 }
 
-/// The Redis part: bytes per record for three response sizes.
+/// Microseconds to compress and to decompress `bytes` with lz4_flex's block format, the calls
+/// `RedisStore::with_compression` makes on a completion and on a replay: the mean of `rounds`.
+fn lz4_cost(bytes: &[u8], rounds: u32) -> (f64, f64) {
+    let started = std::time::Instant::now();
+    let mut block = Vec::new();
+    for _ in 0..rounds {
+        block = std::hint::black_box(lz4_flex::block::compress(std::hint::black_box(bytes)));
+    }
+    let compress = started.elapsed().as_secs_f64() * 1e6 / f64::from(rounds);
+    let started = std::time::Instant::now();
+    for _ in 0..rounds {
+        let back = lz4_flex::block::decompress(std::hint::black_box(&block), bytes.len());
+        assert_eq!(back.expect("it decompresses").len(), bytes.len());
+    }
+    let decompress = started.elapsed().as_secs_f64() * 1e6 / f64::from(rounds);
+    (compress, decompress)
+}
+
+/// A row of the Redis part: response size, compressed, MEMORY USAGE, STRLEN, used_memory growth
+/// (bytes per record), µs per new key and replay.
+type RedisRow = (usize, bool, f64, f64, f64, f64);
+
+/// One series of the Redis chart: `value` over the response's size, per byte of it.
+fn points(
+    rows: &[RedisRow],
+    compressed: bool,
+    value: impl Fn(&RedisRow) -> f64,
+) -> Vec<(f64, f64)> {
+    rows.iter()
+        .filter(|r| r.1 == compressed)
+        .map(|r| (r.0 as f64, value(r) / r.0 as f64))
+        .collect()
+}
+
+/// The Redis part: bytes per record for three response sizes, stored as they are and compressed.
 fn redis(quick: bool) -> bool {
     println!("## RedisStore: bytes per record against the response's size\n");
     let server = test_servers::redis_server::RedisServer::start();
@@ -403,10 +437,19 @@ fn redis(quick: bool) -> bool {
         .expect("a runtime");
     let records: usize = if quick { 5 } else { 200 };
     let mut rows = Vec::new();
-    for size in [200usize, 2048, 20_480] {
+    // Each size as stored, then with `with_compression(1024)`.
+    let settings = [200usize, 2048, 20_480]
+        .into_iter()
+        .flat_map(|size| [(size, None), (size, Some(1024))]);
+    for (size, compression) in settings {
         server.flushall();
         let body = json_of(size);
+        let lz4 = compression.map(|_| lz4_cost(body.as_bytes(), if quick { 10 } else { 2_000 }));
         let store = RedisStore::from_url(&server.url()).expect("a store");
+        let store = match compression {
+            Some(threshold) => store.with_compression(threshold),
+            None => store,
+        };
         let app: Router = Router::new()
             .route(
                 PATH,
@@ -434,6 +477,7 @@ fn redis(quick: bool) -> bool {
                 .expect("used_memory")
         };
         let before = used();
+        let started = std::time::Instant::now();
         runtime.block_on(async {
             for i in 0..records {
                 let key = format!("growth-redis-{size}-{i}");
@@ -448,6 +492,9 @@ fn redis(quick: bool) -> bool {
                 );
             }
         });
+        // Wall time of a new key and its replay, one at a time: the store's round trips and, with
+        // compression, compressing and decompressing the record.
+        let micros = started.elapsed().as_secs_f64() * 1e6 / records as f64;
         let grown = used() - before;
         let keys = server.keys();
         assert_eq!(keys.len(), records, "one key per record");
@@ -463,22 +510,36 @@ fn redis(quick: bool) -> bool {
                 .expect("STRLEN");
         }
         let n = records as f64;
-        let row = (size, usage as f64 / n, length as f64 / n, grown as f64 / n);
+        let compressed = compression.is_some();
+        if let Some((compress, decompress)) = lz4 {
+            println!(
+                "{size:>6} B response: LZ4 (lz4_flex's block, as the store calls it) {compress:.2} µs to compress, {decompress:.2} µs to decompress, natively"
+            );
+        }
+        let row = (
+            size,
+            compressed,
+            usage as f64 / n,
+            length as f64 / n,
+            grown as f64 / n,
+            micros,
+        );
         println!(
-            "{size:>6} B response: MEMORY USAGE {:.0} B per record ({:.2} × the response), value {:.0} B, used_memory +{:.0} B per record",
-            row.1,
-            row.1 / size as f64,
+            "{size:>6} B response{}: MEMORY USAGE {:.0} B per record ({:.2} × the response), value {:.0} B, used_memory +{:.0} B per record, {micros:.0} µs per new key and replay",
+            if compressed { ", compressed" } else { "" },
             row.2,
-            row.3
+            row.2 / size as f64,
+            row.3,
+            row.4
         );
         rows.push(row);
     }
     println!();
     println!(
-        "| response | MEMORY USAGE per record | × response | stored value (STRLEN) | used_memory growth per record | target (≥ 2 KiB): 1.1 × response + 100 B |"
+        "| response | compressed | MEMORY USAGE per record | × response | stored value (STRLEN) | used_memory growth per record | µs per new key and replay | target (≥ 2 KiB): 1.1 × response + 100 B |"
     );
-    println!("|---:|---:|---:|---:|---:|---|");
-    for &(size, usage, length, grown) in &rows {
+    println!("|---:|---|---:|---:|---:|---:|---:|---|");
+    for &(size, compressed, usage, length, grown, micros) in &rows {
         let target = 1.1 * size as f64 + 100.0;
         let verdict = match size {
             s if s < 2048 => "-".to_owned(),
@@ -486,7 +547,8 @@ fn redis(quick: bool) -> bool {
             _ => format!("{target:.0}: NOT met (+{:.0} B)", usage - target),
         };
         println!(
-            "| {size} B | {usage:.0} | {:.2} | {length:.0} | {grown:.0} | {verdict} |",
+            "| {size} B | {} | {usage:.0} | {:.2} | {length:.0} | {grown:.0} | {micros:.0} | {verdict} |",
+            if compressed { "yes (> 1 KiB)" } else { "no" },
             usage / size as f64
         );
     }
@@ -500,24 +562,19 @@ fn redis(quick: bool) -> bool {
         &[
             Series {
                 name: "MEMORY USAGE".into(),
-                points: rows
-                    .iter()
-                    .map(|r| (r.0 as f64, r.1 / r.0 as f64))
-                    .collect(),
+                points: points(&rows, false, |r| r.2),
+            },
+            Series {
+                name: "MEMORY USAGE, compressed over 1 KiB".into(),
+                points: points(&rows, true, |r| r.2),
             },
             Series {
                 name: "the stored value (STRLEN)".into(),
-                points: rows
-                    .iter()
-                    .map(|r| (r.0 as f64, r.2 / r.0 as f64))
-                    .collect(),
+                points: points(&rows, false, |r| r.3),
             },
             Series {
                 name: "target: 1.1 × response + 100 B".into(),
-                points: rows
-                    .iter()
-                    .map(|r| (r.0 as f64, (1.1 * r.0 as f64 + 100.0) / r.0 as f64))
-                    .collect(),
+                points: points(&rows, false, |r| 1.1 * r.0 as f64 + 100.0),
             },
         ],
     );

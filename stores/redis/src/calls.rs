@@ -8,6 +8,7 @@ use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, Value};
 
 use super::batch::{ClaimRef, ReleaseBehind};
+use super::compression::decompress;
 use super::connection::{Backend, Connection, Single};
 use super::replication::{ReleaseOnDrop, Replication};
 use super::scripts::load_on;
@@ -71,9 +72,13 @@ impl RedisStore {
         // connection), with the fence Redis gave it, or another one's.
         match claimed_fence(&record, &token) {
             Some(fence) => Ok(Claim::Claimed(token.with_fence(fence))),
-            None => Record::decode(Bytes::from(record))
-                .map(Claim::Existing)
-                .map_err(|err| StoreError::Codec(Box::new(err))),
+            None => {
+                let record =
+                    decompress(record).map_err(|err| StoreError::Unreadable(err.into()))?;
+                Record::decode(Bytes::from(record))
+                    .map(Claim::Existing)
+                    .map_err(|err| StoreError::Codec(Box::new(err)))
+            }
         }
     }
 
@@ -170,6 +175,10 @@ impl RedisStore {
         let value = completed
             .encode()
             .map_err(|err| StoreError::Codec(Box::new(err)))?;
+        let value = match self.inner.compression {
+            Some(compression) => compression.compress(value),
+            None => value,
+        };
         let ttl = millis(ttl).to_string();
         let replication = self.inner.replication.as_ref();
         self.fenced(

@@ -20,3 +20,18 @@ fn harness() -> RedisHarness<RedisServer> {
 }
 
 tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");
+
+/// The same cases with every completed record compressed (where that makes it smaller).
+mod compressed {
+    use super::*;
+
+    fn harness() -> RedisHarness<RedisServer> {
+        let server = RedisServer::start();
+        let store = RedisStore::from_url(&server.url())
+            .expect("a store")
+            .with_compression(0);
+        RedisHarness::new(server, store)
+    }
+
+    tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");
+}
