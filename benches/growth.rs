@@ -1,10 +1,10 @@
 //! What a request and a record cost as the records grow to millions.
 //!
 //! ```sh
-//! cargo bench --all-features --bench growth                # everything; valgrind, redis-server, PostgreSQL
-//! GROWTH=memory cargo bench -p benches --bench growth                # one part: memory, redis or postgres
-//! GROWTH_QUICK=1 cargo bench -p benches --bench growth  # the CI smoke: small, checks answers only
-//! BENCH_CHARTS=docs/bench cargo bench --all-features --bench growth   # and redraws the charts
+//! cargo bench -p benches --bench growth                          # everything; valgrind, redis-server, PostgreSQL
+//! GROWTH=memory cargo bench -p benches --bench growth             # one part: memory, redis or postgres
+//! GROWTH_QUICK=1 cargo bench -p benches --bench growth            # the CI smoke: small, checks answers only
+//! BENCH_CHARTS=$PWD/docs/bench cargo bench -p benches --bench growth  # and redraws the charts
 //! ```
 //!
 //! - **memory**: a `MemoryStore` prefilled with 100 k, 1 M and 5 M live records
@@ -70,7 +70,9 @@ fn main() -> ExitCode {
         memory_probe(&probe);
     }
     if !std::env::args().any(|arg| arg == "--bench") {
-        println!("benches/growth: run it with `cargo bench --bench growth` (skipped: no --bench)");
+        println!(
+            "benches/growth: run it with `cargo bench -p benches --bench growth` (skipped: no --bench)"
+        );
         return ExitCode::SUCCESS;
     }
     let quick = std::env::var_os("GROWTH_QUICK").is_some();

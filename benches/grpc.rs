@@ -8,8 +8,8 @@
 //! (names and values), message, trailers, and the record as stored.
 //!
 //! ```sh
-//! cargo bench --bench grpc --features grpc         # needs valgrind
-//! PROBE=memory:replay:500 cargo bench --bench grpc --features grpc   # one case, no valgrind
+//! cargo bench -p benches --bench grpc         # needs valgrind
+//! PROBE=memory:replay:500 cargo bench -p benches --bench grpc   # one case, no valgrind
 //! ```
 
 #[allow(dead_code)]

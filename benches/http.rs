@@ -1,10 +1,10 @@
 //! HTTP load benchmark: what the idempotency layer costs behind a real HTTP server.
 //!
 //! ```sh
-//! cargo bench --all-features --bench http   # --all-features: the Postgres variants too
+//! cargo bench -p benches --bench http   # every variant: memory, Redis, PostgreSQL, their floors
 //! # knobs (defaults shown); BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 is a quick smoke run
 //! BENCH_SECONDS=5 BENCH_ROUNDS=5 BENCH_WARMUP=1 BENCH_CONNECTIONS=32 BENCH_THREADS=1 \
-//!     BENCH_SERVER_THREADS=<nproc> BENCH_WORKLOADS=replay,new-key,conflict cargo bench --bench http
+//!     BENCH_SERVER_THREADS=<nproc> BENCH_WORKLOADS=replay,new-key,conflict cargo bench -p benches --bench http
 //! ```
 //!
 //! Needs `wrk` (`apt-get install wrk`) and `redis-server` 7.0+ (`apt-get install redis-server`) on
@@ -63,11 +63,11 @@
 //! `BENCH_DEDUP_WINDOW` (seconds, default 86400) and `BENCH_MEMORY_CAPACITY` (bytes, default
 //! lifted) make a soak: records expire during the run, and each round's line shows whether
 //! latency and memory stay flat, e.g. `BENCH_VARIANTS=memory,redis BENCH_WORKLOADS=new-key
-//! BENCH_ROUNDS=10 BENCH_SECONDS=60 BENCH_WARMUP=0 BENCH_DEDUP_WINDOW=30 cargo bench --bench
+//! BENCH_ROUNDS=10 BENCH_SECONDS=60 BENCH_WARMUP=0 BENCH_DEDUP_WINDOW=30 cargo bench -p benches --bench
 //! http`; the end of the run prints the store's size and the process's resident and peak memory.
 //!
 //! A run started by `cargo test --benches` (no `--bench` argument) does nothing. CI runs a smoke,
-//! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench --all-features --bench http`, which
+//! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench -p benches --bench http`, which
 //! fails on any MISMATCH (statuses, replay markers, handler counts) and checks no timing.
 
 #[path = "http/postgres_floor.rs"]
@@ -127,7 +127,9 @@ const SETTLE: Duration = Duration::from_millis(200);
 fn main() -> ExitCode {
     // `cargo bench` passes `--bench`; `cargo test --benches` does not: then do nothing.
     if !std::env::args().any(|arg| arg == "--bench") {
-        println!("benches/http: run it with `cargo bench --bench http` (skipped: no --bench)");
+        println!(
+            "benches/http: run it with `cargo bench -p benches --bench http` (skipped: no --bench)"
+        );
         return ExitCode::SUCCESS;
     }
     match run() {

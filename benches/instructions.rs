@@ -2,10 +2,10 @@
 //! instructions do not move with the machine's other load, so a change of a few hundred shows.
 //!
 //! ```sh
-//! cargo bench --all-features --bench instructions  # every case; valgrind, redis-server, PostgreSQL
-//! PROBE=memory:new-key:500 cargo bench --bench instructions   # one case, without valgrind
-//! INSTRUCTIONS_CASES=redis,redis-floor cargo bench --bench instructions   # some stores only
-//! INSTRUCTIONS_QUICK=1 cargo bench --all-features --bench instructions    # every case once, natively
+//! cargo bench -p benches --bench instructions  # every case; valgrind, redis-server, PostgreSQL
+//! PROBE=memory:new-key:500 cargo bench -p benches --bench instructions   # one case, without valgrind
+//! INSTRUCTIONS_CASES=redis,redis-floor cargo bench -p benches --bench instructions   # some stores only
+//! INSTRUCTIONS_QUICK=1 cargo bench -p benches --bench instructions    # every case once, natively
 //! ```
 //!
 //! The requests are those of `benches/layer.rs` (`benches/app`): an axum `Router` driven with

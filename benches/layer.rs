@@ -1,8 +1,8 @@
 //! The layer's own cost per request, in process: no network, no HTTP parsing.
 //!
 //! ```sh
-//! cargo bench --bench layer                  # about a minute
-//! cargo bench --bench layer -- new-key       # one workload
+//! cargo bench -p benches --bench layer                  # about a minute
+//! cargo bench -p benches --bench layer -- new-key       # one workload
 //! ```
 //!
 //! One axum `Router` with the same trivial handler as `benches/http.rs` (reads the body, answers
@@ -135,7 +135,7 @@ fn get_passthrough(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    // Short by default: `cargo bench --bench layer` takes about a minute. Override on the command
+    // Short by default: `cargo bench -p benches --bench layer` takes about a minute. Override on the command
     // line, e.g. `-- --measurement-time 10`.
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))

@@ -2,9 +2,9 @@
 //! replica, with the replication wait, a Redis Cluster, and a cluster with the wait.
 //!
 //! ```sh
-//! cargo bench --bench redis_store
+//! cargo bench -p benches --bench redis_store
 //! # knobs (defaults shown)
-//! BENCH_SECONDS=3 BENCH_ROUNDS=3 BENCH_CONCURRENCY=64 cargo bench --bench redis_store
+//! BENCH_SECONDS=3 BENCH_ROUNDS=3 BENCH_CONCURRENCY=64 cargo bench -p benches --bench redis_store
 //! ```
 //!
 //! Needs `redis-server` and `redis-cli` (for the cluster) on `PATH`; it starts its own servers

@@ -20,10 +20,10 @@
 //! that have expired (the sweep's backlog), and the sweep's work so far.
 //!
 //! ```sh
-//! GROWTH=postgres cargo bench --all-features --bench growth
+//! GROWTH=postgres cargo bench -p benches --bench growth
 //! # knobs (defaults shown): live rows, window and run (seconds), probe claims per second
 //! GROWTH_PG_ROWS=1000000 GROWTH_PG_WINDOW=120 GROWTH_PG_RUN=300 GROWTH_PG_CLAIMS=50 \
-//!     GROWTH_PG_SWEEP_EVERY=5 GROWTH=postgres cargo bench --all-features --bench growth
+//!     GROWTH_PG_SWEEP_EVERY=5 GROWTH=postgres cargo bench -p benches --bench growth
 //! ```
 
 use std::sync::Arc;

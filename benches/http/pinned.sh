@@ -19,7 +19,7 @@ SERVER_CPU=${SERVER_CPU:-0}
 CLIENT_CPU=${CLIENT_CPU:-1}
 cd "$(dirname "$0")/../.."
 
-cargo bench --all-features --bench http --no-run
+cargo bench -p benches --bench http --no-run
 
 wrappers=$(mktemp -d)
 trap 'rm -rf "$wrappers"' EXIT
@@ -42,4 +42,4 @@ done
 
 echo "server on CPU $SERVER_CPU; wrk, redis-server and postgres on CPU $CLIENT_CPU"
 PATH="$wrappers:$PATH" BENCH_SERVER_THREADS=${BENCH_SERVER_THREADS:-1} \
-    taskset -c "$SERVER_CPU" cargo bench --all-features --bench http
+    taskset -c "$SERVER_CPU" cargo bench -p benches --bench http

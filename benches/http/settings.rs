@@ -186,7 +186,7 @@ impl Settings {
         }
         format!(
             "BENCH_SECONDS={} BENCH_ROUNDS={} BENCH_WARMUP={} BENCH_CONNECTIONS={} BENCH_THREADS={} \
-             BENCH_SERVER_THREADS={} BENCH_WORKLOADS={} {variants}cargo bench --bench http",
+             BENCH_SERVER_THREADS={} BENCH_WORKLOADS={} {variants}cargo bench -p benches --bench http",
             self.seconds,
             self.rounds,
             self.warmup,

@@ -1,5 +1,6 @@
 //! SVG charts the benches draw of their own figures (plotters, SVG backend only): lines of a
-//! figure against a count, and groups of bars. Written only where asked (`BENCH_CHARTS=dir`), so
+//! figure against a count, and groups of bars. Written only where asked (`BENCH_CHARTS=dir`, an absolute path or one relative to `benches/`,
+//! where Cargo runs a bench), so
 //! that a run leaves the committed charts alone unless it is meant to redraw them.
 
 use std::path::PathBuf;
