@@ -359,11 +359,16 @@ pub struct ProblemJson;
 
 impl RenderProblem for ProblemJson {
     fn render(&self, problem: &Problem) -> RenderedProblem {
+        // The layer's own details are static text, written as they are, as titles and types are.
+        let detail = match &problem.detail {
+            Cow::Borrowed(text) => Text::Plain(text),
+            Cow::Owned(text) => Text::Any(text),
+        };
         let body = problem_document(
             problem.type_uri(),
             problem.title(),
             problem.status(),
-            problem.detail(),
+            detail,
         );
         RenderedProblem::new(HeaderValue::from_static(PROBLEM_JSON), body)
     }
@@ -371,11 +376,20 @@ impl RenderProblem for ProblemJson {
 
 const PROBLEM_JSON: &str = "application/problem+json";
 
-fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: &str) -> Vec<u8> {
-    let mut body = Vec::with_capacity(48 + type_uri.len() + title.len() + detail.len());
-    // The members sorted by name, as they have always been written.
+/// Text for a JSON string: the layer's own, with nothing to escape, or any other.
+#[derive(Clone, Copy)]
+enum Text<'a> {
+    Plain(&'a str),
+    Any(&'a str),
+}
+
+/// A problem document: its members sorted by name, as they have always been written. `type_uri`
+/// and `title` are the layer's own text.
+fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: Text<'_>) -> Vec<u8> {
+    let (Text::Plain(detail_text) | Text::Any(detail_text)) = detail;
+    let mut body = Vec::with_capacity(48 + type_uri.len() + title.len() + detail_text.len());
     body.push(b'{');
-    if !detail.is_empty() {
+    if !detail_text.is_empty() {
         body.extend_from_slice(b"\"detail\":");
         push_json_string(&mut body, detail);
         body.push(b',');
@@ -383,29 +397,43 @@ fn problem_document(type_uri: &str, title: &str, status: StatusCode, detail: &st
     body.extend_from_slice(b"\"status\":");
     body.extend_from_slice(status.as_str().as_bytes());
     body.extend_from_slice(b",\"title\":");
-    push_json_string(&mut body, title);
+    push_json_string(&mut body, Text::Plain(title));
     body.extend_from_slice(b",\"type\":");
-    push_json_string(&mut body, type_uri);
+    push_json_string(&mut body, Text::Plain(type_uri));
     body.push(b'}');
     body
 }
 
-/// Appends `text` as a JSON string. Text with nothing to escape (the layer's own titles and
-/// details) is copied as it is: serde_json escapes byte by byte, most of a 409's rendering.
-fn push_json_string(body: &mut Vec<u8>, text: &str) {
+/// Whether `text` holds a byte a JSON string must escape.
+fn needs_escape(text: &str) -> bool {
     // No early exit: the whole scan vectorizes, and the text is short.
-    let escaped = (text.bytes()).fold(false, |any, b| {
+    (text.bytes()).fold(false, |any, b| {
         any | (b < 0x20) | (b == b'"') | (b == b'\\')
-    });
-    let plain = !escaped;
-    if plain {
-        body.push(b'"');
-        body.extend_from_slice(text.as_bytes());
-        body.push(b'"');
-    } else {
-        // Writing a string to a `Vec` cannot fail.
-        let _ = serde_json::to_writer(&mut *body, text);
-    }
+    })
+}
+
+/// Appends `text` as a JSON string: the layer's own text and text with nothing to escape is
+/// copied as it is (serde_json escapes byte by byte, most of a 409's rendering), anything else
+/// goes through serde_json.
+fn push_json_string(body: &mut Vec<u8>, text: Text<'_>) {
+    let plain = match text {
+        Text::Plain(text) => {
+            debug_assert!(
+                !needs_escape(text),
+                "the layer's own text needs escaping: {text:?}"
+            );
+            text
+        }
+        Text::Any(text) if !needs_escape(text) => text,
+        Text::Any(text) => {
+            // Writing a string to a `Vec` cannot fail.
+            let _ = serde_json::to_writer(&mut *body, text);
+            return;
+        }
+    };
+    body.push(b'"');
+    body.extend_from_slice(plain.as_bytes());
+    body.push(b'"');
 }
 
 /// The response of `problem`, rendered by `renderer`, with what the layer always sets.
@@ -428,7 +456,7 @@ pub(crate) fn respond(problem: &Problem, renderer: &dyn RenderProblem) -> Respon
 /// extractor's wiring error): always `application/problem+json`.
 pub(crate) fn about_blank(status: StatusCode) -> Response<Bytes> {
     let title = status.canonical_reason().unwrap_or("Error");
-    let body = problem_document("about:blank", title, status, "");
+    let body = problem_document("about:blank", title, status, Text::Plain(""));
     let mut response = Response::new(Bytes::from(body));
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -451,13 +479,18 @@ mod tests {
             "\u{1}\u{7f} é ☃",
             "",
         ] {
-            let body = problem_document("https://example.com/t", text, StatusCode::CONFLICT, text);
+            let body = problem_document(
+                "https://example.com/t",
+                "t",
+                StatusCode::CONFLICT,
+                Text::Any(text),
+            );
             let mut expected = serde_json::Map::new();
             if !text.is_empty() {
                 expected.insert("detail".into(), text.into());
             }
             expected.insert("status".into(), 409.into());
-            expected.insert("title".into(), text.into());
+            expected.insert("title".into(), "t".into());
             expected.insert("type".into(), "https://example.com/t".into());
             let expected = serde_json::to_vec(&expected).unwrap();
             assert_eq!(
