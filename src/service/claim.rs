@@ -83,6 +83,13 @@ impl<St: Store> Shared<St> {
                 // A record is there: neither a store failure (fail-open would run the request
                 // over it) nor anything to replay.
                 Err(StoreError::Unreadable(err)) => self.record_unreadable(&*err),
+                // A record is there that this release cannot decode (a newer release's kind, or
+                // damage): not a store failure, so never run over it, fail-open or not; a 503, as
+                // an instance that reads it may answer the retry.
+                Err(err @ StoreError::Codec(_)) => {
+                    self.warn_of_store_failure(&err, Outcome::StoreUnavailable);
+                    self.store_unavailable(err)
+                }
                 Err(err) if config.fail_open => {
                     self.warn_of_store_failure(&err, Outcome::FailedOpen);
                     self.run_unprotected(inner, request()).await

@@ -608,3 +608,27 @@ async fn a_fence_grows_across_a_server_that_forgot_everything() {
         "§10.1 release: the claim's own release"
     );
 }
+
+/// A record this release cannot decode (a kind a newer release writes, or damage) is not a store
+/// failure: fail-open or not, the request is not run over it, and the answer is a 503 (§9.7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_an_unknown_kind_is_never_run_over_even_fail_open() {
+    let server = RedisServer::start();
+    let handler = Handler::default();
+    let app = handler.app(layer(&server).fail_open(true));
+    let id = RecordId::new(b"", "from-a-newer-release");
+    let key = format!("idempotency:{{{id}}}");
+    // Version 1, kind 9: no kind this release knows.
+    let value = "\u{1}\u{9} written by a release that knows kind 9";
+    assert!(server.command(&["SET", &key, value, "PX", "60000"]).is_ok());
+
+    let (status, outcome, _) = send(&app, charge("from-a-newer-release", "1")).await;
+    assert_eq!(
+        (status, outcome),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(Outcome::StoreUnavailable)
+        )
+    );
+    assert_eq!(handler.runs(), 0, "not run over the record");
+}
