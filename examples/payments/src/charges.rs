@@ -47,7 +47,7 @@ use tower_idempotency::{HeldClaim, IdempotencyKey};
 
 use super::AppState;
 use super::auth::Account;
-use super::error::ApiError;
+use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::params::{self, Form};
@@ -546,14 +546,15 @@ async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderE
 }
 
 /// A JSON body, or 400: `invalid_json` when it is not JSON, `parameter_invalid` when a field has
-/// the wrong type.
+/// the wrong type. serde's message quotes the bad value: cut to a few hundred bytes.
 fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|err| match err.classify() {
         serde_json::error::Category::Data => {
-            ApiError::invalid_request("parameter_invalid", err.to_string())
+            ApiError::invalid_request("parameter_invalid", quote(&err.to_string()))
         }
-        _ => {
-            ApiError::invalid_request("invalid_json", format!("the body is not valid JSON: {err}"))
-        }
+        _ => ApiError::invalid_request(
+            "invalid_json",
+            format!("the body is not valid JSON: {}", quote(&err.to_string())),
+        ),
     })
 }

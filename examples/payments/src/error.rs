@@ -7,7 +7,7 @@
 //! raises its own error types for them and a problem+json client reads them as before.
 
 use axum::Json;
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tower_idempotency::ProblemKind;
@@ -26,6 +26,30 @@ pub struct ApiError {
     param: Option<&'static str>,
     charge: Option<String>,
     decline_code: Option<&'static str>,
+    /// Refused before any effect (a validation error): answered `Cache-Control: no-store`, so
+    /// that the idempotency layer stores nothing (PROTOCOL §8.2) and the same key with a
+    /// corrected request runs, as Stripe saves nothing for a request that failed validation.
+    no_store: bool,
+}
+
+/// The most bytes of a client's input an error message quotes: a parameter name or value longer
+/// than that is cut, and marked with [`TRUNCATED`].
+pub const QUOTE_LIMIT: usize = 200;
+
+/// What marks a quote cut at [`QUOTE_LIMIT`].
+pub const TRUNCATED: &str = "...[truncated]";
+
+/// `input` as an error message may quote it: at most [`QUOTE_LIMIT`] bytes (cut on a character
+/// boundary), then [`TRUNCATED`].
+pub fn quote(input: &str) -> String {
+    if input.len() <= QUOTE_LIMIT {
+        return input.to_owned();
+    }
+    let mut end = QUOTE_LIMIT;
+    while !input.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{TRUNCATED}", &input[..end])
 }
 
 /// Stripe's header that tells its SDKs whether to retry a request (they retry a 409 or a 5xx
@@ -42,17 +66,20 @@ impl ApiError {
             param: None,
             charge: None,
             decline_code: None,
+            no_store: false,
         }
     }
 
-    /// 400: the request is malformed.
+    /// 400: the request is malformed, refused before any effect: not stored.
     pub fn invalid_request(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(
+        let mut error = Self::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             code,
             message.into(),
-        )
+        );
+        error.no_store = true;
+        error
     }
 
     /// 400: a parameter is missing.
@@ -106,7 +133,7 @@ impl ApiError {
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "resource_missing",
-            format!("no such charge: `{id}`"),
+            format!("no such charge: `{}`", quote(id)),
         )
         .with_param("id")
     }
@@ -228,6 +255,11 @@ struct ErrorDetail<'a> {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
+        if self.no_store {
+            response
+                .headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        }
         // A 503 means nothing was done, and a 409 that another attempt is on it: the same request,
         // with the same key, is safe to send again.
         if matches!(
@@ -253,7 +285,7 @@ pub async fn unrecognized_url(method: axum::http::Method, uri: axum::http::Uri) 
         format!(
             "Unrecognized request URL ({method}: {}). This example serves /v1/charges, \
              /v1/charges/{{id}}, its /capture, /refunds and /cancel, and /v1/balance.",
-            uri.path()
+            quote(uri.path())
         ),
     )
 }

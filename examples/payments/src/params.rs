@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use axum::http::HeaderMap;
 use axum::http::header::CONTENT_TYPE;
 
-use super::error::ApiError;
+use super::error::{ApiError, quote};
 
 /// The longest metadata a charge may carry, as Stripe bounds it: keys, characters of a key,
 /// characters of a value.
@@ -114,7 +114,7 @@ impl Form {
             None => Ok(()),
             Some(name) => Err(ApiError::invalid_request(
                 "parameter_unknown",
-                format!("received unknown parameter: {name}"),
+                format!("received unknown parameter: {}", quote(&name)),
             )),
         }
     }
