@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 
 use crate::dialect::Dialect;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
+use crate::quota::Quotas;
 use crate::retention::Retention;
 use crate::scope::ScopeRequest;
 use crate::store_policy::{DefaultStorePolicy, StorePolicy};
@@ -36,6 +37,9 @@ pub(crate) struct Config {
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
     pub(crate) render: Arc<dyn RenderProblem>,
     pub(crate) retention: Option<Retention>,
+    /// Each scope's budget of record bytes (`IdempotencyLayer::scope_quota`), shared by every
+    /// service the layer builds.
+    pub(crate) quota: Option<Arc<Quotas>>,
     /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
     pub(crate) dialect: Option<Arc<dyn Dialect>>,
 }
@@ -62,6 +66,7 @@ impl Default for Config {
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
             render: Arc::new(ProblemJson),
             retention: None,
+            quota: None,
             dialect: None,
         }
     }
@@ -103,6 +108,7 @@ impl fmt::Debug for Config {
             .field("retry_after", &self.retry_after)
             .field("wait", &self.wait)
             .field("retention", &self.retention)
+            .field("quota", &self.quota)
             .field("dialect", &self.dialect)
             .finish_non_exhaustive()
     }

@@ -10,6 +10,7 @@ use tower_layer::Layer;
 use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
+use crate::quota::{Quotas, ScopeQuota};
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::ScopeRequest;
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
@@ -67,7 +68,8 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The methods the layer protects; every other request passes through untouched (no buffering,
-    /// no store call). Default: `POST` and `PATCH`.
+    /// no store call). Default: `POST` and `PATCH`. In gRPC mode it does not apply: the named
+    /// methods are covered whatever the HTTP method (`docs/PROTOCOL.md` §16.1).
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config.methods = methods.into_iter().collect();
         self
@@ -429,6 +431,26 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub fn shutdown_handle(&self) -> Shutdown {
         self.background.shutdown()
+    }
+
+    /// Bounds the bytes of records each scope (each tenant: [`scope`](Self::scope)) writes
+    /// through this layer, so that one tenant writing as fast as it can cannot fill a store that
+    /// every tenant shares: past its quota, a scope's requests get `429` `quota-exceeded` with a
+    /// `Retry-After` of seconds (when its budget has room again), before their body is read or
+    /// their key claimed, and the other scopes are untouched. [`ScopeQuota`] says what it bounds
+    /// and how to size it. The budgets live in this process: every service the layer builds
+    /// shares them, and each instance of the application has its own. Default: none.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ScopeQuota};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .single_tenant()
+    ///     .scope_quota(ScopeQuota::new(16 << 20));
+    /// ```
+    pub fn scope_quota(mut self, quota: ScopeQuota) -> Self {
+        self.config.quota = Some(Arc::new(Quotas::new(quota)));
+        self
     }
 
     /// The store.

@@ -127,7 +127,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `record_unreadable`, `rejected`, `unprotected`) |
+//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `record_unreadable`, `quota_exceeded`, `rejected`, `unprotected`) |
 //! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted`, `rejected` or `codec` |
 //!
 //! One count per covered request (a passthrough of an uncovered method is not counted), one
@@ -185,6 +185,7 @@ mod meter;
 mod outcome;
 pub mod problem;
 pub mod protocol;
+mod quota;
 pub mod record;
 mod report;
 mod retention;
@@ -208,6 +209,7 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
 pub use problem::ProblemKind;
+pub use quota::ScopeQuota;
 pub use record::{
     ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,
     StoredResponse,

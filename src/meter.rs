@@ -88,7 +88,8 @@ pub(crate) fn outcome(outcome: Outcome) {
             FailedOpen,
             HandlerFailed,
             CommitRejected,
-            RecordUnreadable
+            RecordUnreadable,
+            QuotaExceeded
         );
         ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
     }

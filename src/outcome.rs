@@ -60,6 +60,9 @@ pub enum Outcome {
     /// The key's record cannot be opened or trusted (a sealed record that does not open, or one in
     /// clear where sealed ones are required): 500, neither replayed nor run again.
     RecordUnreadable,
+    /// The request's scope has written its quota of records through this instance: 429, nothing
+    /// read or claimed ([`ScopeQuota`](crate::ScopeQuota)).
+    QuotaExceeded,
 }
 
 impl Outcome {
@@ -79,6 +82,7 @@ impl Outcome {
             Outcome::HandlerFailed => "handler_failed",
             Outcome::CommitRejected => "commit_rejected",
             Outcome::RecordUnreadable => "record_unreadable",
+            Outcome::QuotaExceeded => "quota_exceeded",
         }
     }
 }

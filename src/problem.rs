@@ -101,10 +101,14 @@ pub enum ProblemKind {
     /// The key's record cannot be opened or trusted (500): it is not replayed, and the request
     /// is not run again.
     RecordUnreadable,
+    /// The request's scope has written its quota of records through this instance
+    /// ([`IdempotencyLayer::scope_quota`](crate::IdempotencyLayer::scope_quota)): 429, with a
+    /// `Retry-After` of when its budget has room again. Nothing was read or claimed.
+    QuotaExceeded,
 }
 
 impl ProblemKind {
-    pub(crate) const ALL: [ProblemKind; 11] = [
+    pub(crate) const ALL: [ProblemKind; 12] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::BodyTooLarge,
@@ -116,6 +120,7 @@ impl ProblemKind {
         ProblemKind::HandlerFailed,
         ProblemKind::CommitRejected,
         ProblemKind::RecordUnreadable,
+        ProblemKind::QuotaExceeded,
     ];
 
     pub(crate) fn index(self) -> usize {
@@ -135,6 +140,7 @@ impl ProblemKind {
             ProblemKind::InFlight | ProblemKind::NotReplayable => StatusCode::CONFLICT,
             ProblemKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             // A 5xx that clients do not retry for ever: not 503, which says "later".
             ProblemKind::HandlerFailed | ProblemKind::RecordUnreadable => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -156,6 +162,7 @@ impl ProblemKind {
             ProblemKind::HandlerFailed => type_uri!("handler-failed"),
             ProblemKind::CommitRejected => type_uri!("commit-rejected"),
             ProblemKind::RecordUnreadable => type_uri!("record-unreadable"),
+            ProblemKind::QuotaExceeded => type_uri!("quota-exceeded"),
         }
     }
 
@@ -177,6 +184,7 @@ impl ProblemKind {
             ProblemKind::RecordUnreadable => {
                 "The stored response for this Idempotency-Key cannot be read"
             }
+            ProblemKind::QuotaExceeded => "Too many requests stored for this account",
         }
     }
 }

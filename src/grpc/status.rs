@@ -19,6 +19,7 @@ use crate::problem::ProblemKind;
 /// | `HandlerFailed` | `INTERNAL` | the handler failed or panicked; nothing was stored |
 /// | `CommitRejected` | `FAILED_PRECONDITION` | the handler's writes were refused for the data they met |
 /// | `RecordUnreadable` | `DATA_LOSS` | the stored answer is corrupt or cannot be opened |
+/// | `QuotaExceeded` | `RESOURCE_EXHAUSTED`, with `RetryInfo` | the caller's quota of stored calls is spent for now |
 ///
 /// ```
 /// use tonic::Code;
@@ -38,6 +39,7 @@ pub fn code_for(kind: ProblemKind) -> Code {
         ProblemKind::NotReplayable => Code::AlreadyExists,
         ProblemKind::HandlerFailed => Code::Internal,
         ProblemKind::RecordUnreadable => Code::DataLoss,
+        ProblemKind::QuotaExceeded => Code::ResourceExhausted,
     }
 }
 
@@ -85,6 +87,7 @@ pub(crate) fn reason(kind: ProblemKind) -> &'static str {
         ProblemKind::HandlerFailed => "HANDLER_FAILED",
         ProblemKind::CommitRejected => "COMMIT_REJECTED",
         ProblemKind::RecordUnreadable => "RECORD_UNREADABLE",
+        ProblemKind::QuotaExceeded => "QUOTA_EXCEEDED",
     }
 }
 

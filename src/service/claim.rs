@@ -72,6 +72,7 @@ impl<St: Store> Shared<St> {
             };
             match claim {
                 Ok(Claim::Claimed(token)) => {
+                    self.spend_quota(&id, crate::quota::CLAIM_COST);
                     let claimed = Claimed {
                         id,
                         token,

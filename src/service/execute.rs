@@ -135,6 +135,7 @@ impl<St: Store> Shared<St> {
                 fingerprint: claimed.fingerprint,
                 response: stored.map(Payload::Plain),
             };
+            self.spend_quota(&claimed.id, crate::quota::completion_cost(&completed));
             self.complete(&claimed, completed, response).await
         }
     }

@@ -19,6 +19,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
 use http_body::Body;
@@ -224,6 +226,16 @@ where
                 .shared
                 .reject(ProblemKind::BodyTooLarge, too_large(config));
         }
+        if let Some(quotas) = &config.quota
+            && let Err(wait) = quotas.admit(id.scope_tag(), config.dedup_window, Instant::now())
+        {
+            let _entered = span.enter();
+            let detail = "this account has stored its quota of requests for now; retry after the \
+                 time given, with the same key";
+            let retry_after = Some(whole_seconds(wait));
+            let response = self.shared.problem_with(ProblemKind::QuotaExceeded, detail, retry_after);
+            return ResponseFuture::ready(response);
+        }
         let shared = self.shared.clone();
         // Boxed where it is made, then instrumented: the large future is not moved again.
         let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
@@ -329,9 +341,18 @@ impl<St: Store> Shared<St> {
             ProblemKind::HandlerFailed => Outcome::HandlerFailed,
             ProblemKind::CommitRejected => Outcome::CommitRejected,
             ProblemKind::RecordUnreadable => Outcome::RecordUnreadable,
+            ProblemKind::QuotaExceeded => Outcome::QuotaExceeded,
             _ => Outcome::Rejected,
         };
         (response.map(ResponseBody::full), outcome)
+    }
+
+    /// Counts `bytes` written for `id`'s scope against its quota, when the layer has one.
+    pub(super) fn spend_quota(&self, id: &RecordId, bytes: u64) {
+        if let Some(quotas) = &self.config.quota {
+            let window = self.config.dedup_window;
+            quotas.spend(id.scope_tag(), bytes, window, Instant::now());
+        }
     }
 
     pub(super) fn held<'a>(&'a self, claimed: &'a Claimed) -> Held<'a, Metered<St>> {

@@ -17,7 +17,9 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::{BoxError, Service, ServiceExt};
 
-use tower_idempotency::{IDEMPOTENT_REPLAYED, IdempotencyKey, Outcome, ProblemKind};
+use tower_idempotency::{
+    IDEMPOTENT_REPLAYED, IdempotencyKey, Outcome, ProblemKind, Rejection, Scope,
+};
 
 /// One call of a [`Handler`]: its number (from 1), the request's parts and its whole body.
 #[derive(Debug)]
@@ -420,4 +422,37 @@ pub async fn expect_one_execution(
          ({in_flight} in flight, {replayed} replayed)"
     );
     (in_flight, replayed)
+}
+
+/// The scope of a request: its `x-account` header (empty without one).
+pub fn account_scope(parts: &http::request::Parts) -> Result<Scope, Rejection> {
+    let account = parts.headers.get("x-account").map(HeaderValue::as_bytes);
+    Ok(Scope::from(account.unwrap_or_default()))
+}
+
+/// `POST /` with `key`, in `account` (`x-account`, read by [`account_scope`]).
+pub fn account_post(account: &str, key: &str) -> Request<Body> {
+    keyed(Method::POST, "/", key)
+        .header("x-account", account)
+        .body(Body::from("charge"))
+        .expect("a valid request")
+}
+
+/// What one account writing records as fast as it can does: `requests` requests of `account`,
+/// each with a fresh key, one after another. Stops at the first that does not run, and returns
+/// how many ran and that reply (`None` when all ran).
+pub async fn flood<S, B>(svc: &S, account: &str, requests: usize) -> (usize, Option<Reply>)
+where
+    S: Service<Request<Body>, Response = Response<B>> + Clone,
+    S::Error: fmt::Debug,
+    B: http_body::Body,
+    B::Error: fmt::Debug,
+{
+    for n in 0..requests {
+        let reply = send(svc, account_post(account, &format!("{account}-{n}"))).await;
+        if reply.outcome != Some(Outcome::Executed) {
+            return (n, Some(reply));
+        }
+    }
+    (requests, None)
 }

@@ -77,8 +77,9 @@ mod handler;
 mod stores;
 
 pub use handler::{
-    Call, Handler, Reply, call, created, expect_one_execution, gated_handler, keyed, pattern, post,
-    respond, send, spawn_send, status_handler, status_request, streamed,
+    Call, Handler, Reply, account_post, account_scope, call, created, expect_one_execution, flood,
+    gated_handler, keyed, pattern, post, respond, send, spawn_send, status_handler, status_request,
+    streamed,
 };
 pub use stores::{Calls, Counting, Faulty, Prepared};
 
@@ -201,6 +202,7 @@ macro_rules! store_contract {
             // Opt-in options.
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
+            a_scope_past_its_quota_leaves_the_others_untouched,
             a_waiting_duplicate_gets_the_replay,
             a_duplicate_past_the_wait_bound_gets_409,
             many_waiters_cost_a_bounded_number_of_store_calls,

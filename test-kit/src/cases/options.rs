@@ -1,11 +1,15 @@
 //! Cases for the opt-in options over the store: the retention header (PROTOCOL.md §8.7).
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::HeaderName;
+use http::header::RETRY_AFTER;
+use http::{HeaderName, StatusCode};
 
+use super::layer::assert_replay_of;
 use crate::*;
-use tower_idempotency::{IDEMPOTENCY_KEY_EXPIRES, Outcome, RetentionFormat};
+use tower_idempotency::{
+    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RetentionFormat, ScopeQuota,
+};
 
 /// The seconds since the epoch of `at`, rounded down.
 fn unix_seconds(at: SystemTime) -> u64 {
@@ -147,5 +151,88 @@ pub async fn retention_header_takes_a_name_and_format<H: Harness>(h: H) {
         replay.header(&name),
         Some(value),
         "§8.7: a replay states the same moment under the same name"
+    );
+}
+
+/// With a quota per scope, one scope writing records as fast as it can is refused once its budget
+/// is spent: `429` `quota-exceeded` with a `Retry-After` of when it has room again, before its key
+/// is claimed. Another scope's requests run and replay as before, and the refused scope runs again
+/// once the wait has passed.
+/// PROTOCOL.md §3.4.
+pub async fn a_scope_past_its_quota_leaves_the_others_untouched<H: Harness>(h: H) {
+    /// About what a response of `RESPONSE` bytes costs a budget: its body, headers and claim.
+    const RESPONSE: usize = 60 * 1024;
+    const COST: u64 = RESPONSE as u64 + 512;
+    const QUOTA: u64 = 1 << 20;
+    let store = Counting::new(h.store());
+    let handler = Handler::ok(|_| created(pattern(RESPONSE)));
+    let layer = layer(&h, store.clone())
+        .scope(account_scope)
+        .scope_quota(ScopeQuota::new(QUOTA));
+    let svc = service(layer, handler.clone());
+
+    // The flood: distinct keys, one after another, until the quota answers.
+    let started = tokio::time::Instant::now();
+    let (executed, refused) = flood(&svc, "acct_flood", 100).await;
+    let executed = executed as u64;
+    let refused = refused.expect("§3.4: a scope past its quota is refused");
+    refused.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        refused.outcome,
+        Some(Outcome::QuotaExceeded),
+        "§3.4, §6.5: the refusal's outcome is QuotaExceeded"
+    );
+    // Half the quota at once, plus what refilled meanwhile (half the quota per window), plus the
+    // one request admitted with less than a response left.
+    let rate = (QUOTA / 2) as f64 / h.window().as_secs_f64();
+    let refilled = (rate * started.elapsed().as_secs_f64()) as u64;
+    let most = (QUOTA / 2 + refilled) / COST + 1;
+    assert!(
+        (QUOTA / 2 / COST..=most).contains(&executed),
+        "§3.4: a scope writes half its quota at once, and no more: {executed} responses of \
+         {RESPONSE} bytes, expected at most {most}"
+    );
+    let retry_after: u64 = refused
+        .header(RETRY_AFTER)
+        .and_then(|v| v.parse().ok())
+        .expect("§3.4: a refusal has a Retry-After in whole seconds");
+    // What is owed is at most one response and a claim: the wait is that much refill, not the
+    // dedup window.
+    let longest = whole_seconds(Duration::from_secs_f64((COST + 256) as f64 / rate));
+    assert!(
+        (1..=longest).contains(&retry_after),
+        "§3.4: Retry-After is the time the budget takes to refill, at most {longest} s: \
+         {retry_after}"
+    );
+    let claims = store.calls().claim;
+    let again = send(&svc, account_post("acct_flood", "flood-again")).await;
+    again.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        store.calls().claim,
+        claims,
+        "§3.4: a request past its scope's quota claims nothing"
+    );
+
+    // Another scope is untouched: it runs, and its retry replays.
+    let other = send(&svc, account_post("acct_other", "k")).await;
+    assert_eq!(
+        other.outcome,
+        Some(Outcome::Executed),
+        "§3.4: another scope's request runs while one scope is past its quota: {other:?}"
+    );
+    assert_replay_of(&send(&svc, account_post("acct_other", "k")).await, &other);
+    assert_eq!(
+        handler.calls() as u64,
+        executed + 1,
+        "§3.4: the refused never ran"
+    );
+
+    // Once the wait has passed, the flooding scope runs again.
+    h.advance(Duration::from_secs(retry_after)).await;
+    let later = send(&svc, account_post("acct_flood", "flood-later")).await;
+    assert_eq!(
+        later.outcome,
+        Some(Outcome::Executed),
+        "§3.4: after Retry-After, the scope's budget has room again: {later:?}"
     );
 }

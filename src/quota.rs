@@ -1,0 +1,258 @@
+//! Per-scope quotas ([`ScopeQuota`]): how many bytes of records each scope (each tenant) may
+//! write through one instance, so that one tenant cannot fill a shared store for the others.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::record::{Completed, Payload};
+
+/// What a claim counts against its scope's quota: about what an in-flight record costs a store
+/// (its key, value and expiry), whatever happens to it afterwards.
+pub(crate) const CLAIM_COST: u64 = 256;
+
+/// A bound on the bytes of records each scope writes through this instance of the layer
+/// ([`IdempotencyLayer::scope_quota`](crate::IdempotencyLayer::scope_quota)).
+///
+/// Each scope has a budget of `bytes / 2` that refills at `bytes / 2` per dedup window. A claim
+/// spends [256 bytes](ScopeQuota::new); a stored response spends its size (body, headers and
+/// trailers). A request whose scope has less than a claim's cost left gets `429`
+/// `quota-exceeded`, with a `Retry-After` of the time the budget takes to refill that much
+/// (seconds, not the dedup window), before anything is read or claimed. Over any dedup window a
+/// scope so writes at most `bytes` through one instance, plus the responses of the requests it had
+/// running when its budget ran out; with `n` instances, at most `n` times that in the store.
+/// Size the store for the tenants you have: `tenants × instances × bytes` never fills it.
+///
+/// A scope's steady rate is `bytes / 2` per dedup window: `ScopeQuota::new(512 << 20)` with the
+/// 24 h window lets a tenant store about 3 KiB of records a second, indefinitely, and 256 MiB in a
+/// burst.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, ScopeQuota};
+///
+/// // Each tenant may hold at most 64 MiB of records per instance.
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .scope(|parts: &http::request::Parts| {
+///         parts.headers.get("x-account").map(|v| v.as_bytes().to_vec()).unwrap_or_default()
+///     })
+///     .scope_quota(ScopeQuota::new(64 << 20));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScopeQuota {
+    bytes: u64,
+}
+
+impl ScopeQuota {
+    /// At most `bytes` of records per scope and dedup window, through one instance (see the
+    /// type's documentation for the burst and the steady rate it allows). At least 2 claims'
+    /// worth (512 bytes).
+    pub fn new(bytes: u64) -> Self {
+        Self {
+            bytes: bytes.max(2 * CLAIM_COST),
+        }
+    }
+
+    /// The bound it was made with.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// The budgets of the scopes seen lately, for one layer.
+pub(crate) struct Quotas {
+    /// The most a scope's budget holds: half the bound. It refills at that many bytes per dedup
+    /// window, the window being the layer's when it asks.
+    burst: f64,
+    shards: Box<[Mutex<Shard>]>,
+}
+
+/// A shard of the budgets, by scope tag.
+#[derive(Default)]
+struct Shard {
+    budgets: HashMap<u64, Budget>,
+    /// How many budgets the shard may hold before the full ones are forgotten.
+    sweep_at: usize,
+}
+
+/// One scope's budget: what it held at `at`. Negative when responses stored after its admission
+/// spent more than was left; it refills from there.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    left: f64,
+    at: Instant,
+}
+
+const SHARDS: usize = 16;
+/// A shard sweeps the budgets that refilled (and so equal no budget at all) once it holds this
+/// many, or twice as many as the last sweep left.
+const SWEEP_FLOOR: usize = 256;
+
+impl Quotas {
+    pub(crate) fn new(quota: ScopeQuota) -> Self {
+        Self {
+            burst: quota.bytes as f64 / 2.0,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+        }
+    }
+
+    /// `Ok` if `scope` may claim a record now; otherwise how long until it may.
+    pub(crate) fn admit(&self, scope: u64, window: Duration, now: Instant) -> Result<(), Duration> {
+        let rate = self.rate(window);
+        let shard = self.shard(scope);
+        let Some(budget) = shard.budgets.get(&scope) else {
+            return Ok(());
+        };
+        let missing = CLAIM_COST as f64 - self.refilled(budget, rate, now);
+        if missing <= 0.0 {
+            return Ok(());
+        }
+        Err(Duration::from_secs_f64(missing / rate))
+    }
+
+    /// Counts `bytes` written for `scope`, even past what is left: they are written already.
+    pub(crate) fn spend(&self, scope: u64, bytes: u64, window: Duration, now: Instant) {
+        let rate = self.rate(window);
+        let mut shard = self.shard(scope);
+        let burst = self.burst;
+        let budget = match shard.budgets.get(&scope) {
+            Some(budget) => self.refilled(budget, rate, now),
+            None => burst,
+        };
+        shard.budgets.insert(
+            scope,
+            Budget {
+                left: budget - bytes as f64,
+                at: now,
+            },
+        );
+        if shard.budgets.len() >= shard.sweep_at.max(SWEEP_FLOOR) {
+            shard
+                .budgets
+                .retain(|_, budget| self.refilled(budget, rate, now) < burst);
+            shard.sweep_at = 2 * shard.budgets.len();
+        }
+    }
+
+    /// Bytes a second.
+    fn rate(&self, window: Duration) -> f64 {
+        self.burst / window.as_secs_f64().max(1e-3)
+    }
+
+    fn refilled(&self, budget: &Budget, rate: f64, now: Instant) -> f64 {
+        let elapsed = now.saturating_duration_since(budget.at).as_secs_f64();
+        (budget.left + elapsed * rate).min(self.burst)
+    }
+
+    fn shard(&self, scope: u64) -> std::sync::MutexGuard<'_, Shard> {
+        // The tag is a keyed hash already: its low bits spread scopes evenly.
+        let shard = &self.shards[(scope as usize) % SHARDS];
+        // A panic under this lock leaves only numbers behind, each whole.
+        shard.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for Quotas {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Quotas")
+            .field("burst", &self.burst)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a completion counts against its scope's quota: its response's bytes, about as a store
+/// encodes them (a tombstone costs nothing more than its claim).
+pub(crate) fn completion_cost(completed: &Completed) -> u64 {
+    let Some(Payload::Plain(response)) = &completed.response else {
+        return 0;
+    };
+    let fields = |map: &http::HeaderMap| -> usize {
+        map.iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 6)
+            .sum()
+    };
+    let trailers = response.trailers.as_ref().map_or(0, fields);
+    (response.body.len() + fields(&response.headers) + trailers + 44) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_secs(1000);
+
+    fn quotas(bytes: u64) -> Quotas {
+        Quotas::new(ScopeQuota::new(bytes))
+    }
+
+    #[test]
+    fn a_new_scope_is_admitted_with_half_the_bound() {
+        let quotas = quotas(10_000);
+        let now = Instant::now();
+        assert_eq!(quotas.admit(1, WINDOW, now), Ok(()));
+        // 5,000 bytes of burst: 4,800 spent leaves less than a claim.
+        quotas.spend(1, 4_800, WINDOW, now);
+        let wait = quotas.admit(1, WINDOW, now).unwrap_err();
+        // 56 bytes missing at 5 bytes a second.
+        assert_eq!(wait, Duration::from_secs_f64(56.0 / 5.0));
+        // Another scope is untouched.
+        assert_eq!(quotas.admit(2, WINDOW, now), Ok(()));
+    }
+
+    #[test]
+    fn a_budget_refills_at_half_the_bound_per_window() {
+        let quotas = quotas(10_000);
+        let now = Instant::now();
+        quotas.spend(1, 5_000, WINDOW, now);
+        assert!(quotas.admit(1, WINDOW, now).is_err());
+        // 256 bytes at 5 a second: 51.2 s.
+        assert!(
+            quotas
+                .admit(1, WINDOW, now + Duration::from_secs(51))
+                .is_err()
+        );
+        assert_eq!(
+            quotas.admit(1, WINDOW, now + Duration::from_secs(52)),
+            Ok(())
+        );
+        // Never more than the burst, however long it rested.
+        let later = now + 10 * WINDOW;
+        quotas.spend(1, 4_800, WINDOW, later);
+        assert!(quotas.admit(1, WINDOW, later).is_err());
+    }
+
+    #[test]
+    fn a_debt_is_paid_before_admission() {
+        let quotas = quotas(10_000);
+        let now = Instant::now();
+        // A response stored after admission may take the budget below zero.
+        quotas.spend(1, 7_000, WINDOW, now);
+        let wait = quotas.admit(1, WINDOW, now).unwrap_err();
+        // 2,000 owed plus a claim, at 5 bytes a second.
+        assert_eq!(wait, Duration::from_secs_f64(2_256.0 / 5.0));
+    }
+
+    #[test]
+    fn refilled_budgets_are_forgotten() {
+        let quotas = quotas(10_000);
+        let now = Instant::now();
+        // One short of a sweep in every shard (scopes go to shards by their low bits)...
+        for scope in 0..(SHARDS * (SWEEP_FLOOR - 1)) as u64 {
+            quotas.spend(scope, 1, WINDOW, now);
+        }
+        // ...then, once those have refilled, one more each: only the new ones are kept.
+        let later = now + WINDOW;
+        for scope in 0..SHARDS as u64 {
+            quotas.spend(scope + (SHARDS as u64) * 1_000, 1, WINDOW, later);
+        }
+        let held: usize = quotas
+            .shards
+            .iter()
+            .map(|s| s.lock().unwrap().budgets.len())
+            .sum();
+        assert_eq!(held, SHARDS);
+        assert!(quotas.admit(SHARDS as u64 * 1_000, WINDOW, later).is_ok());
+    }
+}
