@@ -17,10 +17,12 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
+    ScopeQuota,
 };
 use tower_idempotency_test::{
-    Counting, Faulty, Handler, Reply, created, gated_handler, keyed, post as post_request, send,
-    service, spawn_send, status_handler, status_request, streamed,
+    Counting, Faulty, Handler, Reply, account_post, account_scope, created, flood, gated_handler,
+    keyed, pattern, post as post_request, send, service, spawn_send, status_handler,
+    status_request, streamed,
 };
 
 type Store = Counting<MemoryStore>;
@@ -1050,4 +1052,47 @@ async fn shutdown_counts_the_task_that_watches_a_key_for_its_waiters() {
         .await
         .expect("nothing left running");
     assert_eq!(shutdown.running(), 0);
+}
+
+/// One tenant writing 60 KB records as fast as it can into a store every tenant shares: without a
+/// quota it fills the store and every other tenant gets `503`; with one, it is refused with `429`
+/// long before, and the others are untouched. PROTOCOL.md §3.4.
+#[tokio::test(start_paused = true)]
+async fn a_quota_keeps_one_tenant_from_filling_the_store_for_the_others() {
+    const CAPACITY: usize = 4 << 20;
+    let handler = Handler::ok(|_| created(pattern(60 * 1024)));
+    let app = |quota: Option<ScopeQuota>| {
+        let layer =
+            IdempotencyLayer::new(MemoryStore::with_capacity(CAPACITY)).scope(account_scope);
+        let layer = match quota {
+            Some(quota) => layer.scope_quota(quota),
+            None => layer,
+        };
+        service(layer, handler.clone())
+    };
+
+    let unbounded = app(None);
+    let (_, full) = flood(&unbounded, "acct_flood", 1_000).await;
+    let full = full.expect("a store of 4 MiB fills");
+    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
+    let other = send(&unbounded, account_post("acct_other", "k")).await;
+    assert_eq!(
+        other.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "without a quota, one tenant's flood refuses the others: {other:?}"
+    );
+
+    let bounded = app(Some(ScopeQuota::new(CAPACITY as u64 / 4)));
+    let (_, refused) = flood(&bounded, "acct_flood", 1_000).await;
+    let refused = refused.expect("the quota refuses the flood");
+    refused.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
+    // Well inside its own quota (half of it at once: about 8 such responses).
+    for n in 0..5 {
+        let other = send(&bounded, account_post("acct_other", &format!("k{n}"))).await;
+        assert_eq!(
+            other.outcome,
+            Some(Outcome::Executed),
+            "§3.4: with a quota, the other tenants' requests run: {other:?}"
+        );
+    }
 }
