@@ -34,7 +34,16 @@ impl RedisCluster {
     /// # Panics
     /// If a binary is missing, or the cluster does not settle in time.
     pub fn start() -> RedisCluster {
-        let timeout = NODE_TIMEOUT.as_millis().to_string();
+        Self::start_with_node_timeout(NODE_TIMEOUT)
+    }
+
+    /// Like [`start`](Self::start), with `cluster-node-timeout` set to `node_timeout`: how long
+    /// a master may not answer before it is marked failed and its replica elected.
+    ///
+    /// # Panics
+    /// If a binary is missing, or the cluster does not settle in time.
+    pub fn start_with_node_timeout(node_timeout: Duration) -> RedisCluster {
+        let timeout = node_timeout.as_millis().to_string();
         let args = [
             "--cluster-enabled",
             "yes",
@@ -230,6 +239,32 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(20));
         }
         self.wait_settled();
+    }
+
+    /// Waits until replica `replica` has been elected master (its master failed: killed, or
+    /// frozen with [`RedisServer::freeze`]) and reports `cluster_state:ok`; returns when that was
+    /// first seen.
+    ///
+    /// # Panics
+    /// If that does not happen within 30 seconds.
+    pub fn wait_promoted(&self, replica: usize) -> Instant {
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let ok = self.role(replica).as_deref() == Some("master")
+                && self.nodes[replica]
+                    .try_command(&["CLUSTER", "INFO"], Duration::from_millis(300))
+                    .ok()
+                    .and_then(|info| info.as_string())
+                    .is_some_and(|info| info.contains("cluster_state:ok"));
+            if ok {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {replica} was not promoted in {SETTLE_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Moves `slot`, keys included, from master `from` to master `to`, as `redis-cli

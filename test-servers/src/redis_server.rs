@@ -297,6 +297,20 @@ impl RedisServer {
         send_signal(self.running_pid("resume"), "CONT");
     }
 
+    /// Freezes the server with `SIGSTOP` until the returned guard is thawed or dropped
+    /// (`SIGCONT`): a hung machine, whose connections stay open and never answer. The guard
+    /// thaws on drop, a panicking test included, so no test leaves a frozen process behind.
+    ///
+    /// # Panics
+    ///
+    /// If no server is running.
+    #[must_use = "the server is thawed when the guard drops"]
+    pub fn freeze(&self) -> Frozen {
+        let pid = self.running_pid("freeze");
+        send_signal(pid, "STOP");
+        Frozen { pid: Some(pid) }
+    }
+
     /// Sends one command over a fresh TCP connection and returns its reply.
     /// An error reply is returned as [`RespValue::Error`], not a panic.
     ///
@@ -544,6 +558,37 @@ impl Drop for RedisServer {
             let _ = child.wait();
         }
         let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A server frozen by [`RedisServer::freeze`]; thawed (`SIGCONT`) by [`Frozen::thaw`] or on drop.
+#[derive(Debug)]
+pub struct Frozen {
+    pid: Option<u32>,
+}
+
+impl Frozen {
+    /// Thaws the server now (`SIGCONT`).
+    ///
+    /// # Panics
+    ///
+    /// If the signal cannot be sent.
+    pub fn thaw(mut self) {
+        if let Some(pid) = self.pid.take() {
+            send_signal(pid, "CONT");
+        }
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // No panic here: this may run while a test unwinds. A process already gone needs nothing.
+        if let Some(pid) = self.pid.take() {
+            let _ = Command::new("kill")
+                .args(["-s", "CONT", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
     }
 }
 

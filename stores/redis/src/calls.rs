@@ -73,8 +73,8 @@ impl RedisStore {
         match claimed_fence(&record, &token) {
             Some(fence) => Ok(Claim::Claimed(token.with_fence(fence))),
             None => {
-                let record =
-                    decompress(record).map_err(|err| StoreError::Unreadable(err.into()))?;
+                let record = decompress(record, self.inner.max_decompressed)
+                    .map_err(|err| StoreError::Unreadable(err.into()))?;
                 Record::decode(Bytes::from(record))
                     .map(Claim::Existing)
                     .map_err(|err| StoreError::Codec(Box::new(err)))
@@ -176,7 +176,7 @@ impl RedisStore {
             .encode()
             .map_err(|err| StoreError::Codec(Box::new(err)))?;
         let value = match self.inner.compression {
-            Some(compression) => compression.compress(value),
+            Some(compression) => compression.compress(value, self.inner.max_decompressed),
             None => value,
         };
         let ttl = millis(ttl).to_string();
@@ -276,22 +276,20 @@ impl RedisStore {
     }
 
     pub(super) fn redis_error(&self, err: RedisError) -> StoreError {
+        if err.code() == Some("OOM") {
+            // Redis is reachable and full (`maxmemory` under `noeviction`): no room for the
+            // record, as the store contract names it, not an outage (§10.6).
+            self.inner.full.warn(&err);
+            return StoreError::Full { retry_after: None };
+        }
         self.forget_if_broken(0, &err);
         StoreError::Unavailable(Box::new(RedisStoreError::Redis(err)))
     }
 
-    /// Drops lane `lane`'s connection to one server when `err` says it is broken, so that the
-    /// next call takes a fresh one from the pool. A cluster connection repairs itself.
+    /// Drops lane `lane`'s connection when `err` says it is broken or timed out (see
+    /// [`Backend::forget_if_broken`]).
     fn forget_if_broken(&self, lane: usize, err: &RedisError) {
-        if let Backend::Single(single) = &*self.inner.backend
-            && (err.is_io_error()
-                || err.is_connection_dropped()
-                || err.is_connection_refusal()
-                || err.is_timeout()
-                || err.is_unrecoverable_error())
-        {
-            single.lanes.lane(lane).take();
-        }
+        self.inner.backend.forget_if_broken(lane, err);
     }
 
     /// A call's error: a timeout as such, anything else a Redis failure.

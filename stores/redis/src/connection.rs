@@ -3,18 +3,27 @@
 //! On one server the store shares one multiplexed connection from its pool between requests, and
 //! pipelines the commands of concurrent requests (see `batch`). On a cluster it uses redis-rs's
 //! cluster connection, which routes each command by its key's slot, follows `MOVED` and `ASK`
-//! redirections, refreshes the slot map after a failover and reconnects to nodes by itself. It
-//! is not batched: a pipeline must stay within one slot, and the cluster connection already
-//! multiplexes the commands of concurrent requests on one connection per node.
+//! redirections, refreshes the slot map after them and reconnects to nodes that closed their
+//! connections. It is not batched: a pipeline must stay within one slot, and the cluster
+//! connection already multiplexes the commands of concurrent requests on one connection per node.
+//!
+//! On either, a call that times out leads to a fresh connection: on one server the next call takes
+//! one from the pool; on a cluster a new cluster connection (and slot map) is built in the
+//! background ([`Cluster::timed_out`]), since a node that stops answering without closing its
+//! connections is otherwise never left.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use deadpool_redis::Pool;
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::cluster::ClusterClient;
 use deadpool_redis::redis::cluster_async::ClusterConnection;
-use deadpool_redis::redis::{Cmd, Pipeline, RedisFuture, Value};
+use deadpool_redis::redis::{
+    Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Value,
+};
+use tokio::sync::watch;
 
 use super::batch::Batch;
 
@@ -24,6 +33,32 @@ pub(super) enum Backend {
     Single(Box<Single>),
     /// A Redis Cluster.
     Cluster(Box<Cluster>),
+}
+
+impl Backend {
+    /// After a call on lane `lane` failed with `err`: on one server, drops the lane's connection
+    /// when `err` says it is broken or timed out, so that the next call takes a fresh one from
+    /// the pool; on a cluster, rebuilds the lane's connection in the background after a timeout
+    /// (a cluster connection repairs itself after the other errors).
+    pub(super) fn forget_if_broken(&self, lane: usize, err: &RedisError) {
+        match self {
+            Backend::Single(single) => {
+                if err.is_io_error()
+                    || err.is_connection_dropped()
+                    || err.is_connection_refusal()
+                    || err.is_timeout()
+                    || err.is_unrecoverable_error()
+                {
+                    single.lanes.lane(lane).take();
+                }
+            }
+            Backend::Cluster(cluster) => {
+                if err.is_timeout() {
+                    cluster.timed_out(lane);
+                }
+            }
+        }
+    }
 }
 
 /// How many connections the replication wait spreads its commands over. `WAIT` blocks its
@@ -73,13 +108,46 @@ pub(super) struct Single {
     pub(super) batch: Batch,
 }
 
-/// A cluster: the client made from the seed nodes, and its connections once made.
+/// A cluster: the client made from the seed nodes, and its connections once made. Shared with
+/// the tasks that (re)build the connections.
 pub(super) struct Cluster {
-    pub(super) client: ClusterClient,
-    lanes: Lanes<ClusterConnection>,
-    /// Held while a connection is made, so that concurrent requests make one, not one each.
-    connecting: tokio::sync::Mutex<()>,
+    shared: Arc<ClusterShared>,
 }
+
+struct ClusterShared {
+    client: ClusterClient,
+    lanes: [ClusterLane; WAIT_LANES],
+    next: AtomicUsize,
+}
+
+/// One lane's cluster connection, and its building.
+struct ClusterLane {
+    /// The connection calls use; receivers wait here for one being built.
+    made: watch::Sender<Made>,
+    /// A build is under way: one at a time per lane.
+    building: AtomicBool,
+    /// When the last build after a timeout started: timeouts rebuild at most every
+    /// [`REBUILD_EVERY`].
+    last_rebuild: Mutex<Option<Instant>>,
+}
+
+/// A lane's connection.
+#[derive(Clone)]
+enum Made {
+    /// None made yet.
+    Nothing,
+    Ready(ClusterConnection),
+    /// The last build failed, and no connection was made before it.
+    Failed(RedisError),
+}
+
+/// How often timeouts may rebuild a lane's cluster connection: each build connects to every node
+/// and reads the slot map, and a node that does not answer makes every call time out.
+const REBUILD_EVERY: Duration = Duration::from_secs(1);
+
+/// The most a build may take, a node that never answers included; past it, the build is given
+/// up and the next call or timeout starts another.
+const BUILD_BOUND: Duration = Duration::from_secs(30);
 
 impl Single {
     pub(super) fn new(pool: Pool) -> Self {
@@ -99,34 +167,114 @@ impl Single {
 impl Cluster {
     pub(super) fn new(client: ClusterClient) -> Self {
         Self {
-            client,
-            lanes: Lanes::default(),
-            connecting: tokio::sync::Mutex::new(()),
+            shared: Arc::new(ClusterShared {
+                client,
+                lanes: std::array::from_fn(|_| ClusterLane {
+                    made: watch::Sender::new(Made::Nothing),
+                    building: AtomicBool::new(false),
+                    last_rebuild: Mutex::new(None),
+                }),
+                next: AtomicUsize::new(0),
+            }),
         }
     }
 
-    /// The lane to send on next (see [`Lanes::pick`]).
+    /// The lane to send on next: lane 0, or with `spread` the next lane in turn.
     pub(super) fn pick(&self, spread: bool) -> usize {
-        self.lanes.pick(spread, WAIT_LANES)
+        if spread {
+            self.shared.next.fetch_add(1, Ordering::Relaxed) % WAIT_LANES
+        } else {
+            0
+        }
     }
 
-    /// Lane `lane`'s cluster connection, made the first time. It is kept for the store's life:
-    /// it repairs itself (slot refreshes, reconnections to nodes), and one slow or paused node
-    /// must not cost the connections to the others.
-    pub(super) async fn connection(
-        &self,
-        lane: usize,
-    ) -> deadpool_redis::redis::RedisResult<ClusterConnection> {
-        if let Some(connection) = self.lanes.lane(lane).clone() {
-            return Ok(connection);
+    /// Lane `lane`'s cluster connection, made the first time (by a task of its own, so that a
+    /// build slower than one call's bound still completes for the calls after it). It is kept
+    /// while it answers: it repairs itself (slot refreshes after `MOVED`, reconnections to nodes
+    /// that closed their connections), and one slow node must not cost the connections to the
+    /// others. It is replaced after a timeout ([`Cluster::timed_out`]).
+    pub(super) async fn connection(&self, lane: usize) -> RedisResult<ClusterConnection> {
+        let state = &self.shared.lanes[lane % WAIT_LANES];
+        let mut made = state.made.subscribe();
+        if let Made::Ready(connection) = &*made.borrow_and_update() {
+            return Ok(connection.clone());
         }
-        let _gate = self.connecting.lock().await;
-        if let Some(connection) = self.lanes.lane(lane).clone() {
-            return Ok(connection);
+        self.shared.build(lane, false);
+        loop {
+            // The sender lives as long as `self`: it is never closed while this waits.
+            if made.changed().await.is_err() {
+                return Err(RedisError::from((
+                    ErrorKind::Io,
+                    "the cluster connection went away",
+                )));
+            }
+            match &*made.borrow_and_update() {
+                Made::Ready(connection) => return Ok(connection.clone()),
+                Made::Failed(err) => return Err(err.clone()),
+                Made::Nothing => {}
+            }
         }
-        let connection = self.client.get_async_connection().await?;
-        *self.lanes.lane(lane) = Some(connection.clone());
-        Ok(connection)
+    }
+
+    /// A call on lane `lane` got no answer in time. redis-rs's cluster connection refreshes its
+    /// slot map after `MOVED` and reconnects a node that closed its connection, but a node that
+    /// stops answering with its connections open (a frozen process, a hung machine, a partition)
+    /// does neither: every command for its slots would wait on it, its replica promoted or not,
+    /// until the kernel gives up on the connection, minutes later. So a timeout builds a fresh
+    /// connection in the background (a new slot map, read from the nodes that answer), at most
+    /// every [`REBUILD_EVERY`], and calls move to it once it is made; until then, and if the
+    /// build fails, they keep the one they have.
+    pub(super) fn timed_out(&self, lane: usize) {
+        self.shared.build(lane, true);
+    }
+}
+
+impl ClusterShared {
+    /// Starts building lane `lane`'s connection, unless a build is under way (or, `after_timeout`,
+    /// one started less than [`REBUILD_EVERY`] ago).
+    fn build(self: &Arc<Self>, lane: usize, after_timeout: bool) {
+        let lane = lane % WAIT_LANES;
+        let state = &self.lanes[lane];
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if after_timeout {
+            let mut last = lock(&state.last_rebuild);
+            if last.is_some_and(|at| at.elapsed() < REBUILD_EVERY) {
+                return;
+            }
+            if state.building.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            *last = Some(Instant::now());
+        } else if state.building.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = Arc::clone(self);
+        runtime.spawn(async move {
+            let build = shared.client.get_async_connection();
+            let made = tokio::time::timeout(BUILD_BOUND, build)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(RedisError::from((
+                        ErrorKind::Io,
+                        "the cluster connection was not made in time",
+                    )))
+                });
+            let state = &shared.lanes[lane];
+            match made {
+                Ok(connection) => {
+                    state.made.send_replace(Made::Ready(connection));
+                }
+                // A connection that works for some slots is better than none: kept.
+                Err(err) => state.made.send_modify(|made| {
+                    if !matches!(made, Made::Ready(_)) {
+                        *made = Made::Failed(err);
+                    }
+                }),
+            }
+            state.building.store(false, Ordering::Release);
+        });
     }
 }
 

@@ -33,6 +33,10 @@ mod scripts;
 pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// The default bound on one Redis call, including taking a connection from the pool.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The default bound on the length a compressed record may declare
+/// ([`RedisStore::with_max_decompressed`]): 2 MiB, the layer's default response limit (1 MiB of
+/// body and trailers) and as much again for the headers and the encoding.
+pub const DEFAULT_MAX_DECOMPRESSED: usize = 2 * 1024 * 1024;
 
 /// A store in Redis: many server instances share one truth. One server (through a
 /// deadpool-redis pool) or a Redis Cluster ([`RedisStore::cluster`]).
@@ -78,6 +82,9 @@ struct Inner {
     timeout: Duration,
     replication: Option<Replication>,
     compression: Option<Compression>,
+    max_decompressed: usize,
+    allow_eviction: bool,
+    full: FullWarning,
     claim: Lua,
     complete: Lua,
     renew: Lua,
@@ -92,6 +99,9 @@ impl Inner {
             timeout: DEFAULT_TIMEOUT,
             replication: None,
             compression: None,
+            max_decompressed: DEFAULT_MAX_DECOMPRESSED,
+            allow_eviction: false,
+            full: FullWarning::default(),
             claim: Lua::new(CLAIM),
             complete: Lua::new(COMPLETE),
             renew: Lua::new(RENEW),
@@ -122,6 +132,20 @@ pub enum RedisStoreError {
     /// The server is older than Redis 7.0.
     #[error("Redis {0} is too old: tower-idempotency needs Redis 7.0 or newer")]
     ServerTooOld(String),
+    /// Redis may evict keys to make room (its `maxmemory-policy` is not `noeviction`), so a live
+    /// record may vanish and its request run twice: refused by [`RedisStore::check`] unless
+    /// [`RedisStore::allow_eviction`] is set.
+    #[error(
+        "Redis at {node} evicts keys (maxmemory-policy {policy}): a record it evicts lets its \
+         request run twice; run CONFIG SET maxmemory-policy noeviction (and set it in \
+         redis.conf), or call RedisStore::allow_eviction to accept the risk"
+    )]
+    Evicting {
+        /// The policy the server reported.
+        policy: String,
+        /// The node that reported it (`host:port` on a cluster).
+        node: String,
+    },
     /// Fewer replicas than [`RedisStore::with_replication_wait`] asks for acknowledged a write in
     /// time. A claim is released (its handler does not run); a completion is kept and retried.
     #[error("{acked} of {wanted} replicas acknowledged the write in time")]
@@ -263,7 +287,9 @@ impl RedisStore {
     /// Every store reads compressed records, compressing or not, so instances sharing the records
     /// can turn it on (or off) one at a time. A compressed record whose bytes were changed or cut
     /// is not replayed, and its request is not run again
-    /// ([`StoreError::Unreadable`]: the layer answers `500 record-unreadable`).
+    /// ([`StoreError::Unreadable`]: the layer answers `500 record-unreadable`). So is one that
+    /// declares more than [`with_max_decompressed`](RedisStore::with_max_decompressed) bytes,
+    /// refused before anything is allocated; a record longer than that is stored as it is.
     ///
     /// ```no_run
     /// use tower_idempotency_redis::RedisStore;
@@ -279,12 +305,63 @@ impl RedisStore {
         self.with_inner(|inner| inner.compression = Some(Compression { threshold }))
     }
 
+    /// Sets the longest record a compressed value may declare: reading a compressed value
+    /// allocates its declared length, so a longer one (forged, or damaged) is refused before
+    /// anything is allocated ([`StoreError::Unreadable`]: neither replayed nor run again), and
+    /// with [`with_compression`](RedisStore::with_compression) a longer record is stored as it
+    /// is. Default: [`DEFAULT_MAX_DECOMPRESSED`], 2 MiB.
+    ///
+    /// Set it above the longest record the layer stores: its `response_body_limit` (1 MiB by
+    /// default, body and trailers) plus the headers. Every instance sharing the records should
+    /// have the same bound: one with a larger bound may compress records that the others refuse.
+    ///
+    /// ```no_run
+    /// use tower_idempotency_redis::RedisStore;
+    ///
+    /// # fn main() -> Result<(), tower_idempotency_redis::RedisStoreError> {
+    /// // A layer with `response_body_limit(8 << 20)`: records up to 8 MiB and 1 MiB of headers.
+    /// let store = RedisStore::from_url("redis://127.0.0.1:6379")?
+    ///     .with_compression(1024)
+    ///     .with_max_decompressed(9 << 20);
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_max_decompressed(self, bytes: usize) -> Self {
+        self.with_inner(|inner| inner.max_decompressed = bytes)
+    }
+
+    /// Lets [`check`](RedisStore::check) accept a Redis that evicts keys (a `maxmemory-policy`
+    /// other than `noeviction`). Default: refused.
+    ///
+    /// The hazard accepted: when Redis reaches `maxmemory` it evicts keys, records included,
+    /// whatever their TTL. An evicted completed record shortens its dedup window (a retry runs
+    /// the request again); an evicted in-flight record frees its key while its request runs (a
+    /// retry runs it a second time, at once). Only for a Redis whose memory is known never to
+    /// fill, or records whose loss is acceptable.
+    ///
+    /// ```no_run
+    /// use tower_idempotency_redis::RedisStore;
+    ///
+    /// # async fn start() -> Result<(), tower_idempotency_redis::RedisStoreError> {
+    /// // A cache-sized Redis shared with other data, under allkeys-lru, chosen knowingly.
+    /// let store = RedisStore::from_url("redis://127.0.0.1:6379")?.allow_eviction();
+    /// store.check().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn allow_eviction(self) -> Self {
+        self.with_inner(|inner| inner.allow_eviction = true)
+    }
+
     fn with_inner(self, change: impl FnOnce(&mut Inner)) -> Self {
         let mut inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             prefix: shared.prefix.clone(),
             timeout: shared.timeout,
             replication: shared.replication,
             compression: shared.compression,
+            max_decompressed: shared.max_decompressed,
+            allow_eviction: shared.allow_eviction,
             ..Inner::new(Arc::clone(&shared.backend))
         });
         change(&mut inner);
@@ -318,30 +395,55 @@ impl RedisStore {
         key
     }
 
-    /// Connects and checks that the server (on a cluster: every node) is Redis 7.0 or newer:
-    /// call it at start-up to fail fast with a clear message.
+    /// Connects and checks that the server (on a cluster: every master) is Redis 7.0 or newer
+    /// and does not evict keys: call it at start-up to fail fast with a clear message.
+    ///
+    /// A `maxmemory-policy` other than `noeviction` (`allkeys-*`, or `volatile-*`: every record
+    /// has a TTL) lets Redis evict live records when it reaches `maxmemory`: a completed record,
+    /// and a retry runs its request again; a claim, and a second request runs while the first
+    /// still does. `check` refuses it ([`RedisStoreError::Evicting`]), whatever `maxmemory` is
+    /// now, unless [`allow_eviction`](RedisStore::allow_eviction) says the application accepts
+    /// that. Under `noeviction` a full Redis refuses writes instead, and the store answers
+    /// [`StoreError::Full`] (the layer's 503 with `Retry-After`).
+    ///
+    /// ```no_run
+    /// use tower_idempotency_redis::{RedisStore, RedisStoreError};
+    ///
+    /// # async fn start() -> Result<(), RedisStoreError> {
+    /// let store = RedisStore::from_url("redis://127.0.0.1:6379")?;
+    /// match store.check().await {
+    ///     Err(RedisStoreError::Evicting { policy, .. }) => {
+    ///         panic!("Redis evicts records under {policy}: CONFIG SET maxmemory-policy noeviction")
+    ///     }
+    ///     other => other?,
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     ///
     /// # Errors
-    /// A [`RedisStoreError`] when Redis is unreachable, slow or too old.
+    /// A [`RedisStoreError`] when Redis is unreachable, slow, too old or evicting.
     pub async fn check(&self) -> Result<(), RedisStoreError> {
         let timeout = self.inner.timeout;
         let check = async {
             let mut connection = self.connection().await.map_err(RedisStoreError::Redis)?;
+            // One command for both sections; on a cluster, redis-rs sends `INFO` to every master.
             let info: Value = redis::cmd("INFO")
                 .arg("server")
+                .arg("memory")
                 .query_async(&mut connection)
                 .await
                 .map_err(RedisStoreError::Redis)?;
             // One server answers with its text; a cluster with one text per node.
             let mut texts = Vec::new();
-            collect_text(&info, &mut texts);
-            for text in texts {
-                let version = text
-                    .lines()
-                    .find_map(|line| line.strip_prefix("redis_version:"))
-                    .unwrap_or("unknown")
-                    .trim()
-                    .to_owned();
+            collect_text(None, &info, &mut texts);
+            for (node, text) in texts {
+                let field = |name: &str| {
+                    text.lines()
+                        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                        .map(|value| value.trim().to_owned())
+                };
+                let version = field("redis_version").unwrap_or_else(|| "unknown".to_owned());
                 let major: u32 = version
                     .split('.')
                     .next()
@@ -349,6 +451,14 @@ impl RedisStore {
                     .unwrap_or(0);
                 if major < 7 {
                     return Err(RedisStoreError::ServerTooOld(version));
+                }
+                // A server that does not say is taken at its default, `noeviction`.
+                let policy = field("maxmemory_policy").unwrap_or_else(|| "noeviction".to_owned());
+                if policy != "noeviction" && !self.inner.allow_eviction {
+                    return Err(RedisStoreError::Evicting {
+                        policy,
+                        node: node.unwrap_or_else(|| "the server".to_owned()),
+                    });
                 }
             }
             Ok(())
@@ -359,15 +469,61 @@ impl RedisStore {
     }
 }
 
-/// Every text in a reply, nested ones included.
-fn collect_text(value: &Value, out: &mut Vec<String>) {
-    match value {
-        Value::BulkString(bytes) => out.push(String::from_utf8_lossy(bytes).into_owned()),
-        Value::SimpleString(text) | Value::VerbatimString { text, .. } => out.push(text.clone()),
-        Value::Array(items) | Value::Set(items) => {
-            items.iter().for_each(|item| collect_text(item, out));
+/// How often the store warns that Redis is full.
+const FULL_WARNING_EVERY: Duration = Duration::from_secs(10);
+
+/// The warning that Redis refused a write at `maxmemory`, at most once per
+/// [`FULL_WARNING_EVERY`]: the layer logs a `Full` error as "the store is full", and this says
+/// which Redis limit it is, with Redis's own words.
+#[derive(Default)]
+struct FullWarning {
+    last: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+impl FullWarning {
+    fn warn(&self, err: &RedisError) {
+        let now = tokio::time::Instant::now();
+        {
+            let mut last = self
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|at| now.duration_since(at) < FULL_WARNING_EVERY) {
+                return;
+            }
+            *last = Some(now);
         }
-        Value::Map(pairs) => pairs.iter().for_each(|(_, item)| collect_text(item, out)),
+        tracing::warn!(
+            target: "tower_idempotency",
+            error = %err,
+            "Redis refused a write: it reached maxmemory (OOM); claims are refused with 503 \
+             until memory frees (raise maxmemory, or let records expire)"
+        );
+    }
+}
+
+/// Every text in a reply, nested ones included, with the node that answered it where the reply
+/// names it (a cluster's answer from every master is a map of node to text).
+fn collect_text(node: Option<&str>, value: &Value, out: &mut Vec<(Option<String>, String)>) {
+    let node_owned = || node.map(str::to_owned);
+    match value {
+        Value::BulkString(bytes) => {
+            out.push((node_owned(), String::from_utf8_lossy(bytes).into_owned()));
+        }
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => {
+            out.push((node_owned(), text.clone()));
+        }
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|item| collect_text(node, item, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(name, item)| {
+            let name = match name {
+                Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+                Value::SimpleString(text) => Some(text.clone()),
+                _ => None,
+            };
+            collect_text(name.as_deref().or(node), item, out);
+        }),
         _ => {}
     }
 }
@@ -420,7 +576,9 @@ impl fmt::Debug for RedisStore {
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
             .field("replication", &self.inner.replication)
-            .field("compression", &self.inner.compression);
+            .field("compression", &self.inner.compression)
+            .field("max_decompressed", &self.inner.max_decompressed)
+            .field("allow_eviction", &self.inner.allow_eviction);
         match &*self.inner.backend {
             Backend::Single(single) => debug.field("pool", &single.pool.status()),
             Backend::Cluster(_) => debug.field("cluster", &true),

@@ -358,3 +358,92 @@ async fn a_master_lost_before_replicating_runs_a_key_twice_only_without_the_wait
     );
     assert_eq!(executions.of(&on_key), 1, "with the wait, once");
 }
+
+/// A master frozen (SIGSTOP: a hung machine, its connections open and silent) until its replica
+/// is elected, and left frozen: the store follows the failover within 10 s of the promoted
+/// replica's `cluster_state:ok`, and every master answers from then on. (Waiting for the frozen
+/// master's connections to fail would take the kernel's TCP timeouts: minutes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_is_followed_to_its_promoted_replica() {
+    use tower_idempotency::Fingerprint;
+    use tower_idempotency::store::{Claim, Store};
+
+    let cluster = Arc::new(RedisCluster::start_with_node_timeout(
+        Duration::from_millis(500),
+    ));
+    let store = RedisStore::cluster(cluster.urls())
+        .expect("a store")
+        .with_prefix("frozen:");
+    let master = cluster.masters()[0];
+    let replica = cluster.replica_of(master);
+    // Fresh keys on the frozen master's slots, and on the others'.
+    let (mut frozen_keys, mut other_keys) = (Vec::new(), Vec::new());
+    for n in 0..300 {
+        let id = RecordId::new(b"", &format!("frozen-{n}"));
+        if cluster.master_of_key(&support::redis_key("frozen:", &id)) == master {
+            frozen_keys.push(id);
+        } else {
+            other_keys.push(id);
+        }
+    }
+    let (mut frozen_keys, mut other_keys) = (frozen_keys.into_iter(), other_keys.into_iter());
+    let fingerprint = Fingerprint::from_bytes([3; 32]);
+    let lease = Duration::from_secs(30);
+    let claim = |id: RecordId| {
+        let store = store.clone();
+        async move { store.claim(&id, &fingerprint, lease).await }
+    };
+    let claimed = |answer: &Result<Claim, _>| matches!(answer, Ok(Claim::Claimed(_)));
+    // Connected to every node before the freeze, as a running service is.
+    for keys in [&mut frozen_keys, &mut other_keys] {
+        let answer = claim(keys.next().expect("a key")).await;
+        assert!(claimed(&answer), "{answer:?}");
+    }
+
+    let frozen = cluster.node(master).freeze();
+    let promotion = {
+        let cluster = cluster.clone();
+        tokio::spawn(blocking(move || cluster.wait_promoted(replica)))
+    };
+    // Claims meet the frozen master (timeouts) while the cluster elects its replica. (The other
+    // masters' keys may time out too meanwhile: redis-rs refreshes its slot map under a lock,
+    // asking the frozen node among others.)
+    let frozen_at = Instant::now();
+    let (mut timeouts, mut others_failed) = (0, 0);
+    while !promotion.is_finished() {
+        let answer = claim(frozen_keys.next().expect("a key")).await;
+        timeouts += usize::from(!claimed(&answer));
+        let other = claim(other_keys.next().expect("a key")).await;
+        others_failed += usize::from(!claimed(&other));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let promoted_at = promotion.await.expect("the promotion");
+    eprintln!(
+        "replica promoted {:?} after the freeze; {timeouts} claims on the frozen master and \
+         {others_failed} on the others failed meanwhile",
+        promoted_at - frozen_at
+    );
+    assert!(timeouts > 0, "the claims met the frozen master");
+
+    let followed = loop {
+        let answer = claim(frozen_keys.next().expect("a key")).await;
+        if claimed(&answer) {
+            break promoted_at.elapsed();
+        }
+        assert!(
+            promoted_at.elapsed() < Duration::from_secs(10),
+            "claims still fail {:?} after the promotion: {answer:?}",
+            promoted_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("claims reach the promoted replica {followed:?} after its cluster_state:ok");
+    // Every claim from now on reaches it, and the other masters still answer.
+    for _ in 0..10 {
+        let answer = claim(frozen_keys.next().expect("a key")).await;
+        assert!(claimed(&answer), "after the failover: {answer:?}");
+        let other = claim(other_keys.next().expect("a key")).await;
+        assert!(claimed(&other), "another master's key: {other:?}");
+    }
+    frozen.thaw();
+}

@@ -1,6 +1,7 @@
 //! `RedisStore::with_compression` against a real `redis-server`: what is stored, what is replayed,
 //! instances with and without it sharing records, and a damaged compressed record.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -13,6 +14,41 @@ use test_servers::redis_server::RedisServer;
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_redis::RedisStore;
+
+/// The system allocator, noting the largest single allocation: what a record declaring a huge
+/// length would cost each request that reads it.
+struct Largest;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is passed on to the system allocator unchanged.
+unsafe impl GlobalAlloc for Largest {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: the caller's contract is `System.alloc`'s.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Largest = Largest;
 
 /// A JSON list of charges, about `size` bytes: the shape of a payments API's answer.
 fn charges(size: usize) -> String {
@@ -158,5 +194,45 @@ async fn a_damaged_compressed_record_is_neither_replayed_nor_run_again() {
         runs.load(Ordering::SeqCst),
         2,
         "one run per record, none after the damage"
+    );
+}
+
+/// A compressed record declaring about 248 MiB for a block of 1 MiB (within LZ4's 255:1, so a
+/// bound on the ratio alone lets it through): refused as unreadable, neither replayed nor run
+/// again, and the declared length is never allocated (the bound is 2 MiB by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_declaring_more_than_the_bound_is_refused_before_it_is_allocated() {
+    let server = RedisServer::start();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let store = RedisStore::from_url(&server.url())
+        .unwrap()
+        .with_compression(0);
+    let app = app(store, charges(4096), runs.clone());
+    assert_eq!(send(&app, "bomb").await.1, Some(Outcome::Executed));
+    let key = &server.keys()[0];
+    // 0x0f7f0000 bytes declared (little-endian), and the block grown past 1 MiB.
+    let declared = server.command(&["SETRANGE", key, "2", "\0\0\u{7f}\u{f}"]);
+    assert!(declared.as_integer().is_some(), "{declared:?}");
+    let filler = "x".repeat(1 << 20);
+    let grown = server.command(&["APPEND", key, &filler]);
+    assert!(
+        grown.as_integer().is_some_and(|len| len > 1 << 20),
+        "{grown:?}"
+    );
+
+    let before = LARGEST.load(Ordering::Relaxed);
+    let answer = send(&app, "bomb").await;
+    assert_eq!(
+        (answer.0, answer.1),
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Some(Outcome::RecordUnreadable)
+        )
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "not run again");
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(
+        largest < 16 << 20,
+        "the largest allocation was {largest} bytes (before the read: {before})"
     );
 }
