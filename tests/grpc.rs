@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::{HeaderMap, Request};
+use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -104,31 +104,56 @@ impl Wire {
     }
 }
 
-/// Sends `message` as a unary call over a raw HTTP/2 client, and reads the answer as it came.
-async fn raw_call(addr: SocketAddr, path: &str, key: &str, message: &impl Message) -> Wire {
-    let client = Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<Bytes>>();
+/// `message` framed as gRPC sends it: a compression flag, the length, the bytes.
+fn framed(message: &impl Message) -> Bytes {
     let encoded = message.encode_to_vec();
     let mut framed = BytesMut::with_capacity(5 + encoded.len());
     framed.put_u8(0);
     framed.put_u32(encoded.len() as u32);
     framed.put_slice(&encoded);
-    let request = Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("idempotency-key", key)
-        .body(Full::new(framed.freeze()))
-        .unwrap();
+    framed.freeze()
+}
+
+/// Sends one request over a raw HTTP/2 client, with any method, path (and query) and headers, as
+/// a client that is not a gRPC client may; reads the answer as it came.
+async fn raw(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> (StatusCode, Wire) {
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body)).unwrap();
     let response = client.request(request).await.unwrap();
-    assert_eq!(response.status(), 200, "gRPC answers over HTTP 200");
     let (parts, body) = response.into_parts();
     let collected = body.collect().await.unwrap();
-    Wire {
+    let wire = Wire {
         headers: parts.headers,
         trailers: collected.trailers().cloned(),
         body: collected.to_bytes(),
-    }
+    };
+    (parts.status, wire)
+}
+
+/// Sends `message` as a unary call over a raw HTTP/2 client, and reads the answer as it came.
+async fn raw_call(addr: SocketAddr, path: &str, key: &str, message: &impl Message) -> Wire {
+    let headers = [
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("idempotency-key", key),
+    ];
+    let (status, wire) = raw(addr, Method::POST, path, &headers, framed(message)).await;
+    assert_eq!(status, 200, "gRPC answers over HTTP 200");
+    wire
 }
 
 #[tokio::test]
@@ -402,5 +427,234 @@ async fn streaming_passes_through_untouched() {
         store.calls().total(),
         calls_before,
         "§1.2, §16.1: no store call for a method not named"
+    );
+}
+
+impl Wire {
+    /// The answer's `grpc-status`: in the headers of a trailers-only answer, else in the trailers.
+    fn grpc_status(&self) -> Option<&str> {
+        let status = (self.headers.get("grpc-status"))
+            .or_else(|| self.trailers.as_ref()?.get("grpc-status"))?;
+        status.to_str().ok()
+    }
+}
+
+/// The HTTP methods other than `POST`, an extension method among them: none is gRPC, and tonic
+/// routes every one by its path alone.
+const NOT_POST: [&str; 7] = ["GET", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "CHARGE"];
+
+/// A call's headers, as a raw client sends them, with the key if any.
+fn grpc_headers(key: Option<&str>) -> Vec<(&str, &str)> {
+    let mut headers = vec![("content-type", "application/grpc"), ("te", "trailers")];
+    headers.extend(key.map(|key| ("idempotency-key", key)));
+    headers
+}
+
+#[tokio::test]
+async fn a_named_method_sent_with_any_http_method_but_post_is_refused_before_the_handler() {
+    let store = Counting::new(MemoryStore::new());
+    let ledger = Ledger::default();
+    let addr = serve(ledger.clone(), protected(store.clone())).await;
+    for method in NOT_POST {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        for key in [Some("side-door"), None, Some("not a \"valid\" key")] {
+            let headers = grpc_headers(key);
+            let body = framed(&charge(100));
+            let (status, wire) = raw(addr, method.clone(), CREATE_CHARGE, &headers, body).await;
+            assert_eq!(
+                ledger.charges().len(),
+                0,
+                "§16.1: {method} {key:?} never reaches the handler"
+            );
+            assert_eq!(status, 405, "§16.1: {method} {key:?}: {wire:?}");
+            assert_eq!(wire.headers["allow"], "POST");
+            assert_eq!(wire.headers["content-type"], "application/grpc");
+            assert_eq!(
+                wire.grpc_status(),
+                Some("13"),
+                "INTERNAL, as gRPC servers answer"
+            );
+            assert!(wire.headers.contains_key("grpc-message"));
+            assert!(!wire.headers.contains_key("idempotent-replayed"));
+            assert!(
+                wire.body.is_empty() && wire.trailers.is_none(),
+                "trailers-only"
+            );
+        }
+    }
+    assert_eq!(
+        store.calls().total(),
+        0,
+        "§16.1: refused before any store call"
+    );
+    // The call itself, sent as gRPC sends it, is protected as ever.
+    let first = raw_call(addr, CREATE_CHARGE, "side-door", &charge(100)).await;
+    let retry = raw_call(addr, CREATE_CHARGE, "side-door", &charge(100)).await;
+    assert_eq!(first.grpc_status(), Some("0"));
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(ledger.charges().len(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_sent_twice_with_put_never_charges_twice() {
+    let ledger = Ledger::default();
+    let addr = serve(ledger.clone(), protected(MemoryStore::new())).await;
+    for _ in 0..2 {
+        let headers = grpc_headers(Some("order-99"));
+        raw(
+            addr,
+            Method::PUT,
+            CREATE_CHARGE,
+            &headers,
+            framed(&charge(4200)),
+        )
+        .await;
+    }
+    assert_eq!(
+        ledger.charges().len(),
+        0,
+        "§16.1: a PUT to a named method is not a gRPC call: it never runs, so never twice"
+    );
+}
+
+#[tokio::test]
+async fn the_methods_setting_never_opens_a_named_method() {
+    let layers = [
+        protected(MemoryStore::new()).methods([Method::PUT]),
+        protected(MemoryStore::new()).methods([]),
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .methods([Method::GET, Method::PUT])
+            .grpc([CREATE_CHARGE]),
+    ];
+    for (case, layer) in layers.into_iter().enumerate() {
+        let ledger = Ledger::default();
+        let addr = serve(ledger.clone(), layer).await;
+        let mut payments = client(addr).await;
+        let missing = payments.create_charge(charge(1)).await.unwrap_err();
+        assert_eq!(
+            missing.code(),
+            Code::InvalidArgument,
+            "case {case}: {missing:?}"
+        );
+        payments.create_charge(keyed(charge(1), "k")).await.unwrap();
+        let retry = payments.create_charge(keyed(charge(1), "k")).await.unwrap();
+        assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+        for method in [Method::PUT, Method::GET] {
+            let headers = grpc_headers(Some("k2"));
+            let (status, _) = raw(addr, method, CREATE_CHARGE, &headers, framed(&charge(1))).await;
+            assert_eq!(status, 405, "case {case}");
+        }
+        assert_eq!(
+            ledger.charges().len(),
+            1,
+            "case {case}: §16.1: POST alone, once"
+        );
+    }
+}
+
+#[tokio::test]
+async fn whatever_tonic_routes_to_a_named_method_is_covered() {
+    let ledger = Ledger::default();
+    let addr = serve(ledger.clone(), protected(MemoryStore::new())).await;
+
+    // tonic routes on the path alone, without the query, and so does the layer.
+    let with_query = format!("{CREATE_CHARGE}?attempt=2");
+    let first = raw_call(addr, &with_query, "q", &charge(7)).await;
+    let retry = raw_call(addr, &with_query, "q", &charge(7)).await;
+    assert_eq!(first.grpc_status(), Some("0"));
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    let (_, missing) = raw(
+        addr,
+        Method::POST,
+        &with_query,
+        &grpc_headers(None),
+        framed(&charge(7)),
+    )
+    .await;
+    assert_eq!(missing.grpc_status(), Some("3"), "§1.4: no key, refused");
+    assert_eq!(ledger.charges().len(), 1);
+
+    // tonic does not read the content type; neither does the layer.
+    for (n, content_type) in [
+        "application/grpc+proto",
+        "application/json",
+        "text/plain",
+        "",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("ct-{n}");
+        let mut headers = vec![("te", "trailers")];
+        if !content_type.is_empty() {
+            headers.push(("content-type", content_type));
+        }
+        let (_, missing) = raw(
+            addr,
+            Method::POST,
+            CREATE_CHARGE,
+            &headers,
+            framed(&charge(8)),
+        )
+        .await;
+        assert_eq!(
+            missing.grpc_status(),
+            Some("3"),
+            "{content_type:?}: no key, refused"
+        );
+        headers.push(("idempotency-key", &key));
+        let (_, first) = raw(
+            addr,
+            Method::POST,
+            CREATE_CHARGE,
+            &headers,
+            framed(&charge(8)),
+        )
+        .await;
+        let (_, retry) = raw(
+            addr,
+            Method::POST,
+            CREATE_CHARGE,
+            &headers,
+            framed(&charge(8)),
+        )
+        .await;
+        assert_eq!(first.grpc_status(), Some("0"), "{content_type:?}");
+        assert_eq!(
+            retry.headers["idempotent-replayed"], "true",
+            "{content_type:?}"
+        );
+    }
+    assert_eq!(ledger.charges().len(), 5, "one charge per key");
+
+    // A path that is not the name exactly is not the method to tonic either: it never runs.
+    for path in [
+        "/payments.v1.Payments/CreateCharge/",
+        "/payments.v1.Payments/createcharge",
+        "/PAYMENTS.V1.PAYMENTS/CREATECHARGE",
+        "/payments.v1.Payments/Create%43harge",
+        "/payments%2Ev1.Payments/CreateCharge",
+        "//payments.v1.Payments/CreateCharge",
+        "/payments.v1.Payments//CreateCharge",
+    ] {
+        let (_, wire) = raw(
+            addr,
+            Method::POST,
+            path,
+            &grpc_headers(None),
+            framed(&charge(9)),
+        )
+        .await;
+        assert_eq!(
+            wire.grpc_status(),
+            Some("12"),
+            "{path}: UNIMPLEMENTED, from tonic"
+        );
+    }
+    assert_eq!(
+        ledger.charges().len(),
+        5,
+        "no other path reached the handler"
     );
 }

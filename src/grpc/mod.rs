@@ -6,7 +6,9 @@
 //! metadata, the message and the trailers (`grpc-status`, `grpc-message`, trailing metadata). A
 //! retry with the same key and the same message gets that answer back, byte for byte, with
 //! `idempotent-replayed: true` in its initial metadata. Every other call (streaming methods,
-//! methods not named) passes through untouched.
+//! methods not named) passes through untouched. A named method's path sent with another HTTP
+//! method than `POST` is no gRPC call, yet tonic would run it: it is refused before the handler
+//! (HTTP 405, `INTERNAL`).
 //!
 //! The layer's own answers are gRPC statuses, trailers-only: HTTP 200, `content-type:
 //! application/grpc`, `grpc-status`, `grpc-message`, and in `grpc-status-details-bin` a
@@ -80,12 +82,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::response::Parts as ResponseParts;
-use http::{HeaderMap, HeaderName, Method, Response, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Uri};
 
 pub use status::{code_for, is_stored};
 
 use crate::IdempotencyLayer;
-use crate::dialect::Dialect;
+use crate::dialect::{Coverage, Dialect};
 use crate::layer::ConfigError;
 use crate::problem::{Problem, ProblemKind};
 use crate::service::Idempotency;
@@ -112,6 +114,11 @@ impl<St> IdempotencyLayer<St> {
     /// response limit counts the trailers), the scope, the lease and the other settings apply as
     /// they do to HTTP. Calling it again replaces the methods.
     ///
+    /// A named method is covered whatever the HTTP method of the request, as tonic routes it by
+    /// its path alone: a `POST` (every gRPC call) is protected, and any other HTTP method is
+    /// refused before the handler with HTTP 405, `allow: POST` and `INTERNAL`, as gRPC servers
+    /// answer it. [`methods`](Self::methods) does not apply in this mode, before or after it.
+    ///
     /// A method path that is not `/package.Service/Method`, or none at all, is a configuration
     /// error: [`check`](Self::check) returns [`ConfigError::GrpcMethods`], and applying the
     /// layer panics with it.
@@ -132,7 +139,6 @@ impl<St> IdempotencyLayer<St> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.config.methods = vec![Method::POST];
         self.config.dialect = Some(std::sync::Arc::new(GrpcMode::new(methods)));
         self
     }
@@ -193,8 +199,16 @@ impl fmt::Debug for GrpcMode {
 }
 
 impl Dialect for GrpcMode {
-    fn covers(&self, uri: &Uri) -> bool {
-        self.methods.contains(uri.path())
+    fn covers(&self, method: &Method, uri: &Uri) -> Coverage {
+        // The path exactly, as tonic's generated servers match `uri().path()`: what tonic routes
+        // to a named method is what is covered.
+        if !self.methods.contains(uri.path()) {
+            Coverage::Passthrough
+        } else if method == Method::POST {
+            Coverage::Covered
+        } else {
+            Coverage::Refused(not_post(method))
+        }
     }
 
     fn respond(&self, problem: &Problem) -> Response<Bytes> {
@@ -236,6 +250,20 @@ impl Dialect for GrpcMode {
             None => Ok(()),
         }
     }
+}
+
+/// The answer to a named method's path with another HTTP method than `POST`: not a gRPC call
+/// (gRPC sends each as a `POST`), though tonic would run it, key or not. As grpc-go answers it:
+/// HTTP 405, so that no HTTP client reads it as a success, with `allow` and `INTERNAL`,
+/// trailers-only. Not an idempotency problem, so no `ProblemKind` and no `ErrorInfo`.
+fn not_post(method: &Method) -> Response<Bytes> {
+    let message =
+        format!("`{method}` is not a gRPC call's method: gRPC sends every call as `POST`");
+    let mut response = tonic::Status::internal(message).into_http::<Bytes>();
+    *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    (response.headers_mut()).insert(http::header::ALLOW, HeaderValue::from_static("POST"));
+    response.extensions_mut().remove::<tonic::Status>();
+    response
 }
 
 /// A protected tonic server stands for the service it wraps, so that it can be added to a tonic
@@ -311,6 +339,48 @@ mod tests {
         assert!(GrpcMode::new(Vec::<&str>::new()).check().is_err());
         assert!(GrpcMode::new(["/a.B/C", "nope"]).check().is_err());
         assert!(GrpcMode::new(["/a.B/C"]).check().is_ok());
+    }
+
+    #[test]
+    fn a_named_path_is_covered_as_a_post_and_refused_as_anything_else() {
+        let mode = GrpcMode::new(["/a.B/C"]);
+        let uri = |uri: &'static str| Uri::from_static(uri);
+        let covers = |method: Method, path| mode.covers(&method, &uri(path));
+        assert!(matches!(covers(Method::POST, "/a.B/C"), Coverage::Covered));
+        assert!(matches!(
+            covers(Method::POST, "/a.B/C?x=1"),
+            Coverage::Covered
+        ));
+        for path in ["/a.B/D", "/a.B/C/", "/a.b/c", "/a.B/%43", "/a.B"] {
+            assert!(
+                matches!(covers(Method::POST, path), Coverage::Passthrough),
+                "{path}"
+            );
+            assert!(
+                matches!(covers(Method::PUT, path), Coverage::Passthrough),
+                "{path}"
+            );
+        }
+        let extension = Method::from_bytes(b"CHARGE").unwrap();
+        for method in [
+            Method::GET,
+            Method::PUT,
+            Method::DELETE,
+            Method::OPTIONS,
+            extension,
+        ] {
+            let Coverage::Refused(response) = covers(method.clone(), "/a.B/C") else {
+                panic!("{method} to a named path must be refused");
+            };
+            assert_eq!(response.status(), http::StatusCode::METHOD_NOT_ALLOWED);
+            let headers = response.headers();
+            assert_eq!(headers["allow"], "POST");
+            assert_eq!(headers["content-type"], "application/grpc");
+            assert_eq!(headers["grpc-status"], "13");
+            assert!(response.body().is_empty());
+            assert!(response.extensions().get::<ProblemKind>().is_none());
+            assert!(response.extensions().get::<tonic::Status>().is_none());
+        }
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub(crate) use wait::Waits;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::Config;
 use crate::detach::Background;
+use crate::dialect::Coverage;
 use crate::fingerprint::Fingerprint;
 use crate::future::{Covered, ResponseFuture};
 use crate::hex::Hex;
@@ -181,9 +182,19 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = &self.shared.config;
 
-        if !config.methods.contains(req.method())
-            || (config.dialect.as_ref()).is_some_and(|dialect| !dialect.covers(req.uri()))
-        {
+        let covered = match &config.dialect {
+            None => config.methods.contains(req.method()),
+            // A dialect decides alone: no setting of `methods` can open its paths (§16.1).
+            Some(dialect) => match dialect.covers(req.method(), req.uri()) {
+                Coverage::Covered => true,
+                Coverage::Passthrough => false,
+                Coverage::Refused(response) => {
+                    let response = response.map(ResponseBody::full);
+                    return ResponseFuture::ready(finish(response, Outcome::Rejected));
+                }
+            },
+        };
+        if !covered {
             return ResponseFuture::passthrough(
                 inner.call(req.map(RequestBody::passthrough)),
                 None,
