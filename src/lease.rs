@@ -18,6 +18,9 @@ const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 /// The longest pause between two attempts of a failed store write: once the store is back, a
 /// pending write lands within about this long.
 const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// The first pause before a failed renewal is tried again; it doubles after each failure, up to
+/// [`WRITE_BACKOFF_MAX`], and no attempt starts past the lease's end.
+const RENEW_BACKOFF: Duration = Duration::from_millis(50);
 
 /// A claim held on a record: what renewing and writing it needs.
 pub(crate) struct Held<'a, St> {
@@ -45,9 +48,13 @@ pin_project! {
         tick: Option<Pin<Box<Sleep>>>,
         every: Duration,
         held: Held<'a, St>,
+        // When the lease ends, as of the last renewal that landed (the claim's own lease is a
+        // full one from about when the work started).
+        lease_end: Instant,
         // Boxed: renewals are rare (work longer than a third of the lease), and the renewal
-        // future would otherwise swell every request's future.
-        renewal: Option<Pin<Box<dyn Future<Output = ()> + Send + 'a>>>,
+        // future would otherwise swell every request's future. It answers when a renewal that
+        // landed was sent, if one did.
+        renewal: Option<Pin<Box<dyn Future<Output = Option<Instant>> + Send + 'a>>>,
     }
 }
 
@@ -65,8 +72,11 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
         loop {
             if let Some(renewal) = this.renewal.as_mut() {
-                if renewal.as_mut().poll(cx).is_pending() {
+                let Poll::Ready(renewed) = renewal.as_mut().poll(cx) else {
                     return Poll::Pending;
+                };
+                if let Some(sent) = renewed {
+                    *this.lease_end = sent + this.held.lease;
                 }
                 *this.renewal = None;
             }
@@ -74,7 +84,7 @@ impl<St: Store, F: Future> Future for Renewing<'_, St, F> {
                 return Poll::Pending;
             }
             tick.as_mut().reset(Instant::now() + every);
-            *this.renewal = Some(Box::pin(this.held.renew()));
+            *this.renewal = Some(Box::pin(this.held.renew_within(*this.lease_end)));
         }
     }
 }
@@ -87,23 +97,62 @@ impl<'a, St: Store> Held<'a, St> {
             tick: None,
             every: self.lease / 3,
             held: *self,
+            // The clock is read once per piece of work, not per poll.
+            lease_end: Instant::now() + self.lease,
             renewal: None,
         }
     }
 
-    /// One renewal of the lease, logged when it fails.
-    async fn renew(self) {
-        match self.store.renew(self.id, self.token, self.lease).await {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                target: "tower_idempotency",
-                "the claim's lease ran out before it was renewed; its result is stored only if nobody claimed the key since"
-            ),
-            Err(err) => tracing::warn!(
-                target: "tower_idempotency",
-                error = %ErrorChain(&err),
-                "renewing the claim's lease failed"
-            ),
+    /// Renews the lease; a renewal that fails is tried again at once and then with capped
+    /// backoff until one lands or `lease_end` has passed, so that only an outage longer than
+    /// what is left of the lease loses the claim (§9.2). Answers when the renewal that landed was
+    /// sent.
+    async fn renew_within(self, lease_end: Instant) -> Option<Instant> {
+        let mut backoff = RENEW_BACKOFF;
+        let mut failures = 0u32;
+        loop {
+            let sent = Instant::now();
+            match self.store.renew(self.id, self.token, self.lease).await {
+                Ok(true) => {
+                    if failures > 0 {
+                        tracing::info!(
+                            target: "tower_idempotency",
+                            failures,
+                            "the claim's lease renewed after the store came back"
+                        );
+                    }
+                    return Some(sent);
+                }
+                Ok(false) => {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        "the claim's lease ran out before it was renewed; its result is stored only if nobody claimed the key since"
+                    );
+                    return None;
+                }
+                Err(err) => {
+                    failures += 1;
+                    // One warning per renewal, not one per attempt.
+                    if failures == 1 {
+                        tracing::warn!(
+                            target: "tower_idempotency",
+                            error = %ErrorChain(&err),
+                            "renewing the claim's lease failed; trying again until the lease ends"
+                        );
+                    }
+                    let next = Instant::now() + backoff;
+                    if next >= lease_end {
+                        tracing::error!(
+                            target: "tower_idempotency",
+                            failures,
+                            "the claim's lease could not be renewed before it ended; a retry may now claim the key"
+                        );
+                        return None;
+                    }
+                    tokio::time::sleep_until(next).await;
+                    backoff = (backoff * 2).min(WRITE_BACKOFF_MAX);
+                }
+            }
         }
     }
 

@@ -184,6 +184,7 @@ macro_rules! store_contract {
             failing_handler_gets_500_and_releases_the_claim,
             dropped_request_runs_to_completion_and_shutdown_waits_for_it,
             slow_handler_keeps_its_claim_past_the_lease,
+            renewals_lost_to_a_short_fault_keep_the_claim,
             key_is_new_again_after_the_dedup_window,
             scopes_never_see_each_others_records,
             concurrent_requests_with_one_key_run_once,

@@ -129,6 +129,8 @@ struct Faults {
     abort: AtomicBool,
     /// Completions are refused for good: the claim is released and `complete` answers `Rejected`.
     reject: AtomicBool,
+    /// How many of the next renewals fail.
+    renewals_to_fail: AtomicUsize,
 }
 
 /// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
@@ -178,6 +180,12 @@ impl<St> Faulty<St> {
     /// [`StoreError::Rejected`].
     pub fn reject_completions(&self, rejecting: bool) {
         self.faults.reject.store(rejecting, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` renewals fail with [`StoreError::Unavailable`], whatever the other
+    /// flags say: a short fault, seen by the claim's renewals alone.
+    pub fn fail_renewals(&self, n: usize) {
+        self.faults.renewals_to_fail.store(n, Ordering::SeqCst);
     }
 
     /// Makes every call wait `delay` before it reaches the store.
@@ -245,6 +253,15 @@ impl<St: Store> Store for Faulty<St> {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         self.enter(true).await?;
+        let to_fail = &self.faults.renewals_to_fail;
+        if to_fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StoreError::Unavailable(Box::new(std::io::Error::other(
+                "injected renewal failure",
+            ))));
+        }
         self.inner.renew(id, token, lease).await
     }
 

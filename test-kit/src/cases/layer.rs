@@ -872,6 +872,42 @@ pub async fn slow_handler_keeps_its_claim_past_the_lease<H: Harness>(h: H) {
     assert_eq!(handler.calls(), 1, "§9.2: the slow handler ran once");
 }
 
+/// Renewals that fail several times in a row (a short store fault) are tried again at once and
+/// with capped backoff until one lands, not a third of a lease later: the running handler keeps
+/// its claim, and retries meanwhile get 409, never a second run.
+/// PROTOCOL.md §9.2, §9.10.
+pub async fn renewals_lost_to_a_short_fault_keep_the_claim<H: Harness>(h: H) {
+    let faulty = Faulty::new(h.store());
+    let store = Counting::new(faulty.clone());
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = gated_handler(started.clone(), gate.clone(), "slow");
+    let svc = service(layer(&h, store.clone()), handler.clone());
+
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    // The first renewal and the two tries after it fail: with a renewal a third of a lease apart,
+    // the lease would run out before the third.
+    faulty.fail_renewals(3);
+    for _ in 0..8 {
+        h.advance(h.lease() / 4).await;
+        send(&svc, post("k", "x")).await.assert_in_flight();
+    }
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.2: renewals lost to a short fault are tried again within the lease: no second run"
+    );
+    assert!(
+        store.calls().renew >= 4,
+        "§9.2: a failed renewal is tried again ({} renewals)",
+        store.calls().renew
+    );
+    gate.notify_one();
+    let first = first.await.expect("task");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_replay_of(&send(&svc, post("k", "x")).await, &first);
+}
+
 /// After the dedup window, the key is new: the handler runs again.
 /// PROTOCOL.md §8.6.
 pub async fn key_is_new_again_after_the_dedup_window<H: Harness>(h: H) {
