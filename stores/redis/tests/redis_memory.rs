@@ -13,8 +13,11 @@ use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tower::ServiceExt;
 use tower_idempotency::store::{Store, StoreError};
-use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId};
+use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId, ScopeQuota};
 use tower_idempotency_redis::{RedisStore, RedisStoreError};
+use tower_idempotency_test::{
+    Handler, account_post, account_scope, created, flood, pattern, send, service,
+};
 
 /// Every policy Redis 7 knows that removes keys to make room: `volatile-*` included, since every
 /// record has a TTL.
@@ -179,4 +182,57 @@ async fn a_full_redis_is_full_not_unavailable() {
         ),
         "{claim:?}"
     );
+}
+
+/// One tenant writing 60 KB records as fast as it can into a Redis at `maxmemory`: without a quota
+/// it fills Redis and every other tenant gets `503`; with `scope_quota` it gets `429` long before,
+/// and the other tenants' requests run (PROTOCOL.md §3.4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_keeps_one_tenant_from_filling_redis_for_the_others() {
+    let server = RedisServer::start();
+    assert!(
+        server
+            .command(&["CONFIG", "SET", "maxmemory", "8mb"])
+            .is_ok()
+    );
+    let store = RedisStore::from_url(&server.url()).expect("a store");
+    store.check().await.expect("noeviction");
+    let handler = Handler::ok(|_| created(pattern(60 * 1024)));
+    let app = |quota: Option<ScopeQuota>| {
+        let layer = IdempotencyLayer::new(store.clone()).scope(account_scope);
+        let layer = match quota {
+            Some(quota) => layer.scope_quota(quota),
+            None => layer,
+        };
+        service(layer, handler.clone())
+    };
+
+    let unbounded = app(None);
+    let (ran, full) = flood(&unbounded, "acct_flood", 1_000).await;
+    let full = full.expect("8 MiB of Redis fills");
+    assert_eq!(
+        full.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "after {ran}: {full:?}"
+    );
+    let other = send(&unbounded, account_post("acct_other", "k")).await;
+    assert_eq!(
+        other.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "without a quota, one tenant's flood refuses the others: {other:?}"
+    );
+
+    assert!(server.command(&["FLUSHALL"]).is_ok());
+    let bounded = app(Some(ScopeQuota::new(2 << 20)));
+    let (_, refused) = flood(&bounded, "acct_flood", 1_000).await;
+    let refused = refused.expect("the quota refuses the flood");
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{refused:?}");
+    for n in 0..5 {
+        let other = send(&bounded, account_post("acct_other", &format!("k{n}"))).await;
+        assert_eq!(
+            other.outcome,
+            Some(Outcome::Executed),
+            "§3.4: with a quota, the other tenants' requests run: {other:?}"
+        );
+    }
 }
