@@ -28,6 +28,9 @@ mod compression;
 mod connection;
 mod replication;
 mod scripts;
+mod shared;
+
+pub use shared::{RedisConnection, SharedConnection};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idempotency:";

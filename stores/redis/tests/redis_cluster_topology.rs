@@ -438,6 +438,18 @@ async fn a_frozen_master_is_followed_to_its_promoted_replica() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     eprintln!("claims reach the promoted replica {followed:?} after its cluster_state:ok");
+    // The application's own commands on the store's connection follow it too.
+    let shared = store.shared_connection();
+    let mut set = deadpool_redis::redis::cmd("SET");
+    set.arg(support::redis_key(
+        "frozen:",
+        &frozen_keys.next().expect("a key"),
+    ))
+    .arg("own")
+    .arg("PX")
+    .arg(60_000);
+    let written: Result<String, _> = shared.query(&set).await;
+    assert_eq!(written.as_deref().ok(), Some("OK"), "{written:?}");
     // Every claim from now on reaches it, and the other masters still answer.
     for _ in 0..10 {
         let answer = claim(frozen_keys.next().expect("a key")).await;
