@@ -131,6 +131,8 @@ struct Faults {
     reject: AtomicBool,
     /// How many of the next renewals fail.
     renewals_to_fail: AtomicUsize,
+    /// Claims find a record the store cannot decode.
+    undecodable: AtomicBool,
 }
 
 /// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
@@ -188,6 +190,12 @@ impl<St> Faulty<St> {
         self.faults.renewals_to_fail.store(n, Ordering::SeqCst);
     }
 
+    /// Makes every claim answer [`StoreError::Codec`], as a store does whose record under the key
+    /// it cannot decode (a kind a newer release writes, or damaged bytes): a record is there.
+    pub fn undecodable(&self, undecodable: bool) {
+        self.faults.undecodable.store(undecodable, Ordering::SeqCst);
+    }
+
     /// Makes every call wait `delay` before it reaches the store.
     pub fn delay(&self, delay: Option<Duration>) {
         *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
@@ -220,6 +228,11 @@ impl<St: Store> Store for Faulty<St> {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         self.enter(false).await?;
+        if self.faults.undecodable.load(Ordering::SeqCst) {
+            return Err(StoreError::Codec(Box::new(std::io::Error::other(
+                "injected record of an unknown kind",
+            ))));
+        }
         self.inner.claim(id, fingerprint, lease).await
     }
 

@@ -1180,6 +1180,33 @@ pub async fn store_failure_at_claim_fails_open_when_configured<H: Harness>(h: H)
     );
 }
 
+/// A claim that finds a record the store cannot decode (`StoreError::Codec`: a kind a newer
+/// release writes during a rolling deploy, or damaged bytes) is never a store failure to fail open
+/// on: a record is there, and the operation may have run. The answer is the 503 of fail-closed,
+/// and the handler does not run again, fail-open or not.
+/// PROTOCOL.md §9.7, §10.3.
+pub async fn fail_open_never_runs_over_a_record_the_store_cannot_decode<H: Harness>(h: H) {
+    let store = Faulty::new(h.store());
+    let handler = Handler::ok(|call| created(format!("call {}", call.n)));
+    let svc = service(layer(&h, store.clone()).fail_open(true), handler.clone());
+
+    let first = send(&svc, post("k", "x")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed), "{first:?}");
+    store.undecodable(true);
+    let retry = send(&svc, post("k", "x")).await;
+    retry.assert_problem(
+        ProblemKind::StoreUnavailable,
+        StatusCode::SERVICE_UNAVAILABLE,
+    );
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.7: fail-open never runs a request over a record it cannot decode"
+    );
+    store.undecodable(false);
+    assert_replay_of(&send(&svc, post("k", "x")).await, &first);
+}
+
 /// The store bounds its own calls; the layer adds no timeout of its own. A slow claim that the
 /// store answers is honoured (one bound per call, not two), and a claim the store gives up on
 /// (`StoreError::Timeout`) is a store failure: 503 with `Retry-After`, and the handler does not

@@ -152,6 +152,38 @@ pub async fn a_duplicate_past_the_wait_bound_gets_409<H: Harness>(h: H) {
     );
 }
 
+/// A duplicate that waited and still finds the key in flight gets a `Retry-After` of at most the
+/// lease seen at its claim less the time it waited, even when `retry_after` is longer: it never
+/// points past the lease's end (a 30 s lease, a `retry_after` of 60 s and a 20 s wait give at most
+/// 10 s).
+/// PROTOCOL.md §6.3, §6.6.
+pub async fn retry_after_a_wait_is_the_lease_left_less_the_wait<H: Harness>(h: H) {
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = gated_handler(started.clone(), gate.clone(), "charged");
+    let bound = h.lease() * 2 / 3;
+    let waiting = waiting_layer(&h, h.store(), bound).retry_after(h.lease() * 2);
+    let svc = service(waiting, handler.clone());
+
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    let conflict = send(&svc, post("k", "x")).await;
+    let retry_after = conflict.assert_in_flight();
+    let most = whole_seconds(h.lease() - bound);
+    assert!(
+        (1..=most).contains(&retry_after),
+        "§6.3: after a wait of {bound:?}, Retry-After is at most the lease ({:?}) less the wait, \
+         {most} s, whatever retry_after says: {retry_after}",
+        h.lease()
+    );
+    gate.notify_one();
+    first.await.expect("the first request");
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§6.6: the waiter did not run the handler"
+    );
+}
+
 /// Many duplicates of one key share one wait: the store sees each one's claim, then the shared
 /// wait's calls, whose number does not grow with the duplicates (at most one per `MAX_POLL` after
 /// a short backoff).
