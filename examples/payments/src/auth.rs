@@ -19,7 +19,8 @@ use super::error::ApiError;
 
 /// The caller: an opaque account id, `acct_` and 32 hex digits. Any non-empty API key is an
 /// account here; a real service would look the key up and get its account's id.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
 pub struct Account(String);
 
 impl Account {

@@ -52,6 +52,7 @@ use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::params::{self, Form};
 use super::provider::{Outcome, ProviderError, Source};
+use super::reconciler::Reference;
 use super::state_machine::{Event, Status};
 use super::work::Work;
 
@@ -159,7 +160,9 @@ async fn still_held(claim: Option<&HeldClaim>) -> Result<(), ApiError> {
 }
 
 /// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
-/// recorded), 503 when the provider is unavailable (nothing is recorded: retry), 400
+/// recorded), 503 when the provider said it is unavailable (nothing is recorded: retry), 504 when
+/// its answer was lost (the charge stays `authorizing`: the retry with the same key, or the
+/// reconciler, learns the outcome), 400
 /// `idempotency_error` when the provider knows the key from another request (nothing is
 /// recorded). The body is JSON, or a form as Stripe's SDKs send it (`params.rs`).
 pub async fn create(
@@ -174,13 +177,26 @@ pub async fn create(
     let claim = extensions.get::<HeldClaim>().cloned();
     let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
-    let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
+    let window = state.provider.window();
+    let opened = state
+        .ledger
+        .open(&account, &provider_key, &request, window)
+        .await?;
+    let mut charge = match opened {
         Opened::Authorizing(charge) => charge,
         // An earlier attempt with this key crashed, and the reconciler settled its charge.
         Opened::Settled(charge) if charge.status == Status::Failed => {
             return Err(ApiError::card_declined(&charge.id));
         }
-        Opened::Settled(charge) => return Ok((StatusCode::CREATED, Json(charge.to_json()))),
+        Opened::Settled(charge) => {
+            // Outside PostgreSQL the event is published after the charge is written: a process
+            // that died between the two lost it. Published again (the same id: applied once).
+            if !state.ledger.is_postgres() {
+                let event = PaymentEvent::succeeded(&charge, charge.capture);
+                state.events.publish(event).await;
+            }
+            return Ok((StatusCode::CREATED, Json(charge.to_json())));
+        }
     };
     // A run taken over leaves the `authorizing` charge as it is: it is the operation's one
     // charge, which the newer run resumes (or the reconciler settles).
@@ -193,11 +209,16 @@ pub async fn create(
             request.source,
             request.amount,
             request.capture,
+            &Reference::of(&account, &request),
         )
         .await;
     let payment = match created {
         Ok(payment) => payment,
-        Err(err @ ProviderError::Superseded) => return Err(err.into()),
+        // The charge stays `authorizing`, the operation's one charge: a later run of the request
+        // holds it (superseded), or the provider may have made the payment (unknown): the retry
+        // with the same key resumes it, or the reconciler settles it from the provider's side.
+        Err(err @ (ProviderError::Superseded | ProviderError::Unknown)) => return Err(err.into()),
+        // The provider refused before doing anything: the charge was never made.
         Err(err) => {
             state.ledger.abandon(&charge).await;
             return Err(err.into());
@@ -215,8 +236,7 @@ pub async fn create(
         }
     }
     let mut work = Work::begin(&state, &extensions).await?;
-    let window = state.provider.window();
-    let charge = state.ledger.record(&mut work, charge, window).await?;
+    let charge = state.ledger.record(&mut work, charge).await?;
     tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
     if payment.outcome == Outcome::Declined {
         return Err(ApiError::card_declined(&charge.id));
@@ -386,10 +406,7 @@ fn waits_on(charge: &Charge, call_key: &str) -> bool {
 
 /// Whether `charge` waits on a capture, refund or cancellation call.
 fn is_busy(charge: &Charge) -> bool {
-    matches!(
-        charge.status,
-        Status::Capturing | Status::Refunding | Status::Canceling
-    )
+    charge.is_busy() && charge.status != Status::Authorizing
 }
 
 /// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
@@ -431,14 +448,7 @@ pub async fn refund(
             ));
         }
         if amount > c.refundable() {
-            return Err(ApiError::invalid_request(
-                "amount_too_large",
-                format!(
-                    "`amount` is more than the {} left to refund",
-                    c.refundable()
-                ),
-            )
-            .with_param("amount"));
+            return Err(ApiError::amount_too_large(amount, c.refundable()));
         }
         Ok(())
     });
@@ -516,12 +526,13 @@ pub async fn cancel(
     Ok(Json(charge.to_json()))
 }
 
-/// The provider did nothing (it was unavailable, or knew the key from another request): back to
-/// the state before the call, and the error. A 503 is not stored by the idempotency layer, so a
-/// retry with the same key runs again. A call refused as superseded leaves the charge as it is:
-/// the later run of the same request holds it.
+/// The provider did nothing (it was unavailable, knew the key from another request, or refused a
+/// refund beyond the payment): back to the state before the call, and the error. A 503 is not
+/// stored by the idempotency layer, so a retry with the same key runs again. A call refused as
+/// superseded leaves the charge as it is (the later run of the same request holds it), and so
+/// does a call whose outcome is unknown (the retry, or the reconciler, learns it).
 async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderError) -> ApiError {
-    if err == ProviderError::Superseded {
+    if matches!(err, ProviderError::Superseded | ProviderError::Unknown) {
         return err.into();
     }
     let error = ApiError::from(err);

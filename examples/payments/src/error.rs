@@ -149,6 +149,36 @@ impl ApiError {
         )
     }
 
+    /// 504: the provider's answer was lost (a timeout, a connection lost after the call was
+    /// sent): whether it took effect is not known yet. The charge is kept where it was; the same
+    /// request with the same key learns the outcome (and charges nothing twice), and so does the
+    /// reconciler.
+    pub fn provider_outcome_unknown() -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "api_error",
+            "provider_outcome_unknown",
+            "the payment provider did not answer in time; the outcome is not known yet: retry \
+             with the same Idempotency-Key to learn it (nothing is charged twice)"
+                .into(),
+        )
+    }
+
+    /// 400 `amount_too_large`: a refund of `amount` with only `refundable` left, in Stripe's
+    /// words (amounts in minor units, shown as major).
+    pub fn amount_too_large(amount: i64, refundable: i64) -> Self {
+        let money = |cents: i64| format!("${}.{:02}", cents / 100, cents % 100);
+        Self::invalid_request(
+            "amount_too_large",
+            format!(
+                "Refund amount ({}) is greater than unrefunded amount on charge ({})",
+                money(amount),
+                money(refundable)
+            ),
+        )
+        .with_param("amount")
+    }
+
     /// 400 `idempotency_error` (Stripe's status for it, which its SDKs raise as their
     /// `IdempotencyError`): the provider knows the request's key from another request: the
     /// idempotency layer's record of the key is gone (its window ran out, its store was flushed)
@@ -223,8 +253,18 @@ impl From<ProviderError> for ApiError {
     fn from(err: ProviderError) -> Self {
         match err {
             ProviderError::Unavailable => Self::provider_unavailable(),
+            ProviderError::Unknown => Self::provider_outcome_unknown(),
             ProviderError::KeyReused => Self::idempotency_key_reused(),
             ProviderError::Superseded => Self::superseded(),
+            ProviderError::AmountTooLarge { amount, refundable } => {
+                Self::amount_too_large(amount, refundable)
+            }
+            ProviderError::NoSuchPayment => Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "resource_missing",
+                "the provider has no such payment".into(),
+            ),
         }
     }
 }
@@ -260,11 +300,11 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         }
-        // A 503 means nothing was done, and a 409 that another attempt is on it: the same request,
-        // with the same key, is safe to send again.
+        // A 503 means nothing was done, a 504 that the outcome is not known yet, and a 409 that
+        // another attempt is on it: the same request, with the same key, is safe to send again.
         if matches!(
             self.status,
-            StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT | StatusCode::CONFLICT
         ) {
             response
                 .headers_mut()

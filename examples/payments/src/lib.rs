@@ -10,7 +10,13 @@
 //!   account is an opaque id derived from the API key: the key itself never reaches a handler, a
 //!   store, a Redis key name or a log line.
 //! - A declined card (402) is a decided outcome: stored and replayed. An unavailable provider (503)
-//!   is transient: not stored, so the retry runs again.
+//!   is transient: not stored, so the retry runs again. A provider whose answer is lost (its
+//!   client's deadline passed, the connection dropped after the call was sent) has an unknown
+//!   outcome, which is not a failure: `504` `provider_outcome_unknown`, not stored, and the charge
+//!   is kept `authorizing` (never deleted, never "nothing was charged"); the retry with the same
+//!   key resumes it, and the reconciler (`reconciler.rs`) settles it from the provider's side.
+//!   Only the provider's own refusal before any effect (`503` to every attempt) says nothing was
+//!   charged.
 //! - The handler passes the payment provider its own idempotency key, derived from the client's
 //!   key and the account ([`tower_idempotency::IdempotencyKey::derive`]): even a request whose
 //!   idempotency record was lost cannot charge twice. The provider binds each key to the request
@@ -22,7 +28,10 @@
 //!   `Router`, served in process) through the crate's client layer,
 //!   [`tower_idempotency_client::IdempotentRetryLayer`], with that key as the `Idempotency-Key`
 //!   (`provider/client.rs`): a provider `503` is retried, up to 3 attempts, before the charge
-//!   answers `503` itself.
+//!   answers `503` itself. The provider runs each call to its end even when its caller gave up, as
+//!   a real provider does, keeps every payment (`GET /v1/payments?created_gte=`: its payments
+//!   report), and refuses a refund beyond what is left of its payment (`amount_too_large`,
+//!   atomically with its keys): the last line of defence against a double refund.
 //! - Every effect outside the idempotency record is fenced (`charges.rs`): a handler stalled past
 //!   its claim's lease (a locked table, a frozen database) may find that the client's retry took
 //!   the key over and ran again. Each provider call carries the handler's
@@ -75,22 +84,29 @@
 //!   `SHUTDOWN_TIMEOUT_MS` (20 s by default); connections still open then are closed. The consumer
 //!   finishes the event at hand and stops, and the process exits.
 //!
-//! The charges and the provider are simulated, in memory. With `REDIS_URL` set, the idempotency
-//! records, the events (a Redis Stream with a consumer group), the balances, the consumer's
-//! records, the provider's keys and each operation's charge id are in Redis; unset, all of it is in memory. `LEDGER_REDIS_URL`
-//! moves the events, balances and provider keys to another Redis: they are durable data (a stream,
-//! balances that never expire, the keys that stand for an outside provider's), unlike the
-//! idempotency records, which all expire and may be flushed, so in production they belong on a
-//! Redis with persistence and no eviction. Every instance on that Redis shares the provider's keys,
-//! as they would share one real provider.
+//! The provider is simulated. There is one ledger of charges per deployment (`ledger.rs`): with
+//! `REDIS_URL` set, the idempotency records, the charges, the events (a Redis Stream with a
+//! consumer group), the balances, the consumer's records and the provider's keys and payments are
+//! in Redis, and every instance on it lists, captures, refunds and cancels the same charges (each
+//! change a Lua compare-and-set checked against the state machine); unset, all of it is in memory.
+//! `LEDGER_REDIS_URL` moves the charges, events, balances and provider data to another Redis: they
+//! are durable data (charges, a stream and balances that never expire, the records that stand for
+//! an outside provider's), unlike the idempotency records, which all expire and may be flushed, so
+//! in production they belong on a Redis with persistence and no eviction.
 //!
 //! With `DATABASE_URL` set (and the `postgres` feature), everything is in that PostgreSQL
 //! instead (`pg/`): the idempotency records ([`tower_idempotency_postgres::PgStore`]), the charges, the
 //! balances, an outbox of events, the consumer's processed event ids and the provider's keys. A
 //! charge's new state and its event commit with the request's idempotency record, in one
-//! transaction; a retry after a crash resumes the charge it finds, and a reconciler settles the
-//! charges a crash left `authorizing`, `capturing`, `refunding` or `canceling`. The schema is
-//! created (or brought up to date) at start-up.
+//! transaction; a retry after a crash resumes the charge it finds. The schema is created (or
+//! brought up to date) at start-up.
+//!
+//! In every mode a reconciler (`reconciler.rs`) runs beside the server: it settles the charges an
+//! unknown outcome (a timeout, a crash) left `authorizing`, `capturing`, `refunding` or
+//! `canceling`, from what the provider did under the call's key, and reads the provider's payments
+//! report for payments that no charge names (a payment that committed after its charge was given
+//! up): it writes their charges from them, so that no money the provider moved is missing from the
+//! ledger and the balance.
 //!
 //! # Run it
 //! ```text
@@ -103,8 +119,8 @@
 //! `REDIS_CLUSTER_URLS` (instead of `REDIS_URL`: a Redis Cluster, comma-separated seed node URLs;
 //! everything `REDIS_URL` would put in Redis goes to the cluster),
 //! `LEDGER_REDIS_URL` (default: `REDIS_URL`, or the cluster), `DATABASE_URL` (set: everything in PostgreSQL, the
-//! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays `authorizing`
-//! before the reconciler settles it, default 120000), `PSP_LATENCY_MS` (the provider's delay per call,
+//! two Redis variables unused), `RECONCILE_AFTER_MS` (how long a charge stays in an `-ing` state
+//! before the reconciler settles it, default 120000, in every mode), `PSP_LATENCY_MS` (the provider's delay per call,
 //! default 0; from 3000 every call outlasts the provider client's attempt timeout),
 //! `IDEMPOTENCY_WAIT_MS` (how long a duplicate of a charge still running waits for its replay
 //! before it gets `409`; unset or 0: `409` at once), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
@@ -128,12 +144,14 @@
 //! `{"error": {"code": "parameter_invalid", "param": "amount", ...}}`. `description` is optional,
 //! at most 1,000 characters (`400` otherwise, `"param": "description"`); `metadata` at most 50
 //! keys of up to 40 characters, with values of up to 500. A parameter the API does not know is
-//! `400` `parameter_unknown`.
+//! `400` `parameter_unknown`. A request refused by validation, before any effect, is answered
+//! `Cache-Control: no-store`: the layer stores nothing for it (as Stripe saves nothing), so the
+//! same key with a corrected request runs; and an error quotes at most 200 bytes of a parameter's
+//! name or value, cut with `...[truncated]`.
 //!
 //! Every response the layer stores fits its limit: the API reads at most 64 KiB of request body
 //! (`413` beyond, [`REQUEST_LIMIT`]) and the layer stores responses up to 1 MiB
-//! ([`RESPONSE_LIMIT`]), which the largest response of the API, a 400 quoting a 64 KiB bad value,
-//! stays under. A client that lost a 201, 400 or 402 gets it back, byte for byte, by retrying
+//! ([`RESPONSE_LIMIT`]). A client that lost a 201 or 402 gets it back, byte for byte, by retrying
 //! with its key.
 //!
 //! Send the same command again, as a client that timed out would: the same response comes back,
@@ -183,12 +201,13 @@ pub mod consumer;
 mod error;
 pub mod events;
 mod http_server;
-mod ledger;
+pub mod ledger;
 mod params;
 pub mod pg;
 pub mod prometheus;
 pub mod provider;
 pub mod queue;
+pub mod reconciler;
 pub mod redis_conn;
 mod state_machine;
 mod work;
@@ -223,8 +242,9 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 pub const STREAM: &str = "payments:{events}";
 /// The prefix of the balance keys in Redis.
 pub const BALANCES_PREFIX: &str = "payments:balance:";
-/// The prefix of the provider's idempotency keys in Redis (see [`provider::KeyTable`]).
-pub const PROVIDER_PREFIX: &str = "payments:provider:";
+/// The prefix of the provider's keys and payments in Redis (see [`provider::KeyTable`]); its
+/// `{provider}` hash tag keeps them in one slot of a cluster.
+pub const PROVIDER_PREFIX: &str = "payments:{provider}:";
 /// The prefix of the ledger consumer's Deduplicator records, in the Redis of the stream: a
 /// namespace apart from the HTTP layer's records (see [`consumer::deduplicator`]).
 pub const CONSUMER_PREFIX: &str = "payments:consumer:";
@@ -238,8 +258,7 @@ pub const REQUEST_LIMIT: usize = 64 * 1024;
 /// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every response
 /// of the API fits, so a client that lost one can always get it back: a charge echoes at most its
 /// request's description and metadata (at most 6 bytes for each of its [`REQUEST_LIMIT`] bytes
-/// once escaped in JSON), and an error quotes at most the request's bad value, at most 7 bytes for
-/// each of its bytes once escaped twice (the value's `Debug` form in JSON).
+/// once escaped in JSON), and an error quotes at most 200 bytes of the request.
 pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 
 /// What the handlers share.
@@ -363,12 +382,12 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
             // are shared, beside the ledger's durable data (apart from the idempotency records
             // when LEDGER_REDIS_URL names another Redis, so flushing those keeps them).
             let keys = provider::KeyTable::redis(conn.clone(), PROVIDER_PREFIX, provider::WINDOW);
-            // Every instance on that Redis agrees on each operation's one charge.
+            // One ledger for every instance on that Redis: the charges themselves are there.
             (
                 state
                     .with_events(queue, balances)
                     .with_provider(Provider::with_keys(latency, keys))
-                    .with_ledger(Ledger::with_redis_operations(conn)),
+                    .with_ledger(Ledger::redis(conn)),
                 BoxStore::new(store),
             )
         }
@@ -378,11 +397,12 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         None => (BoxStore::new(MemoryStore::new()), "memory"),
         Some(at) => (BoxStore::new(connect_redis(at).await?), at.kind()),
     };
+    let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(pg::RECONCILE_AFTER);
     serve(
         &addr,
         state,
         store,
-        ConsumerStore::Dedup(consumer_store),
+        ConsumerStore::Dedup(consumer_store, reconcile_after),
         store_name,
         shutdown_timeout,
     )
@@ -509,17 +529,17 @@ async fn serve_postgres(
     serve(addr, state, store, workers, "postgres", shutdown_timeout).await
 }
 
-/// Where the ledger consumer's Deduplicator keeps its records; with PostgreSQL, the database
-/// whose outbox the consumer reads, and when the reconciler settles a charge.
+/// Where the ledger consumer's Deduplicator keeps its records (with PostgreSQL, the database whose
+/// outbox the consumer reads), and when the reconciler settles a charge.
 enum ConsumerStore {
     /// The Deduplicator's store, beside the queue: memory or Redis.
-    Dedup(BoxStore),
+    Dedup(BoxStore, Duration),
     Postgres(pg::Database, Duration),
 }
 
 impl ConsumerStore {
-    /// Starts the ledger consumer (and with PostgreSQL the reconciler) until `stop`: it finishes
-    /// the event at hand, then stops.
+    /// Starts the ledger consumer and the reconciler until `stop`: the consumer finishes the event
+    /// at hand, then stops.
     async fn spawn(
         self,
         state: &AppState,
@@ -536,11 +556,12 @@ impl ConsumerStore {
         };
         let balances = state.balances.clone();
         Ok(match self {
-            ConsumerStore::Dedup(store) => {
+            ConsumerStore::Dedup(store, reconcile_after) => {
                 let dedup = consumer::deduplicator(store, config.min_idle);
                 let consumer = LedgerConsumer::new(queue().await?, balances, dedup);
+                let reconciler = reconciler::Reconciler::new(state, reconcile_after);
                 tokio::spawn(async move {
-                    consumer.run(stop).await;
+                    tokio::join!(consumer.run(stop.clone()), reconciler.run(stop));
                 })
             }
             ConsumerStore::Postgres(db, reconcile_after) => {

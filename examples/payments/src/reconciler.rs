@@ -1,47 +1,86 @@
-//! The reconciler: settles the charges a process left in an intermediate state (`authorizing`,
-//! `capturing`, `refunding`, `canceling`) when it died during the provider call and no retry came
-//! to resume them.
+//! The reconciler: settles every charge whose provider call has no known outcome, and finds the
+//! provider's payments that no charge names. It runs beside every instance, on every store (they
+//! agree through the ledger: of two reconcilers, or a reconciler and a resumed request, exactly
+//! one moves a charge on).
 //!
-//! Every `every`, it takes the charges in one of those states for longer than `after` (a few lease
-//! lengths of the idempotency layer, far above the longest provider call: a live request renews
-//! its lease, and its provider call has long ended by then) and asks the provider, by the key of
-//! the call in flight, what became of it: the charge's `provider_key` for a creation
-//! ([`ProviderClient::find_payment`]), its `call_key` for a capture, a refund or a cancellation
-//! ([`ProviderClient::find_call`]):
+//! **Charges left in an `-ing` state** (`authorizing`, `capturing`, `refunding`, `canceling`): a
+//! call whose outcome is unknown (a timeout, a connection lost after the call was sent, a crash)
+//! leaves its charge there, never deleted. Every `every`, the reconciler takes those unchanged for
+//! longer than `after` (a few lease lengths of the idempotency layer, far above the provider
+//! client's deadline: a live request renews its lease, and its provider call has long ended by
+//! then) and asks the provider, by the key of the call in flight, what became of it: the charge's
+//! `provider_key` for a creation ([`ProviderClient::find_payment`]), its `call_key` for a capture,
+//! a refund or a cancellation ([`ProviderClient::find_call`]):
 //!
 //! - the provider made it: the charge moves to the state the answer says (a payment authorized,
-//!   captured or declined; a capture, a refund in part or in full, a cancellation), with its event
-//!   in the outbox, in one transaction, and only if it is still in the state and call it was found
-//!   in (`UPDATE ... WHERE status = $state AND call_key = $key`): of two reconcilers, or a
-//!   reconciler and a resumed request, exactly one moves it on. The event's id is the provider's
-//!   payment or refund id, the one the request itself would have published: the ledger consumer
-//!   applies the payment once, whoever published it;
-//! - none: the call never reached the provider (or was refused), so nothing happened: a new charge
-//!   goes (the state machine's `provider_did_nothing` back to `created`), and a charge in the
-//!   middle of a capture, refund or cancellation goes back to the state before it. A later retry
-//!   does it again;
+//!   captured or declined; a capture, a refund in part or in full, a cancellation), with its event,
+//!   only if it is still as it was found ([`Ledger::swap`]; in PostgreSQL the event goes into the
+//!   outbox in the same transaction). The event's id is the provider's payment or refund id, the
+//!   one the request itself would have published: the ledger consumer applies it once, whoever
+//!   published it;
+//! - none: the call has not reached the provider, so far. A new charge goes (the state machine's
+//!   `provider_did_nothing` back to `created`), and a charge in the middle of a capture, refund or
+//!   cancellation goes back to the state before it. A later retry does it again;
 //! - the provider unavailable: the charge waits for the next round.
 //!
-//! The reconciler never inserts a charge: it only moves the one row the operation has (`UNIQUE
-//! (account, operation)`), so it can make neither a second charge nor a second event for one
-//! payment.
+//! **Payments no charge names.** "None so far" is not "never": a call held up at the provider
+//! (its key table locked) past `after` can still take effect after its charge went. So the
+//! reconciler also reads the provider's side, as a real reconciliation job reads the provider's
+//! payments report ([`ProviderClient::payments_since`]), from where its last round left off (less
+//! `after`, as a margin for late writes; from a window ago at start-up), and matches each payment
+//! to its operation: the account in the payment's reference and its idempotency key. A payment
+//! whose operation has no charge is adopted: its charge is written from what the payment and its
+//! reference say (the request's amount, currency, source, capture flag, description and
+//! metadata), settled as the payment is, with its event, so that the money the provider moved is
+//! in the ledger and the balance, and the client's retry with its key gets that charge.
 //!
+//! The reconciler never inserts a second charge for an operation (adoption is refused when the
+//! operation has one), so it can make neither a second charge nor a second event for one payment.
 //! The provider remembers a key for its window (24 h): a charge must be reconciled within it.
 
 use std::time::Duration;
 
-use sqlx::{self, PgPool};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::super::events::PaymentEvent;
-use super::super::ledger::Charge;
-use super::super::provider::{Outcome, ProviderClient, ProviderError, Request};
-use super::super::state_machine::{Event, Status};
-use super::charges::{COLUMNS, read};
-use super::outbox;
+use super::AppState;
+use super::auth::Account;
+use super::error::ApiError;
+use super::events::{PaymentEvent, Publisher};
+use super::ledger::{Charge, Ledger, NewCharge, new_id};
+use super::provider::{Outcome, PaymentRecord, ProviderClient, ProviderError, Request, now_ms};
+use super::state_machine::{Event, Status};
 
-/// Charges looked at per round.
-const BATCH: i64 = 100;
+/// Charges, and provider payments, looked at per round.
+const BATCH: usize = 100;
+
+/// What the example passes the provider as a payment's reference: enough to write the charge of
+/// a payment that no charge names.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Reference {
+    pub account: Account,
+    pub currency: String,
+    pub description: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Reference {
+    /// The reference of a charge's payment.
+    pub fn of(account: &Account, request: &NewCharge) -> String {
+        let reference = Reference {
+            account: account.clone(),
+            currency: request.currency.clone(),
+            description: request.description.clone(),
+            metadata: request.metadata.clone(),
+        };
+        // Strings and maps of strings always encode.
+        serde_json::to_string(&reference).unwrap_or_default()
+    }
+}
 
 /// What a round of the reconciler did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,29 +92,41 @@ pub struct Reconciled {
     pub removed: usize,
     /// Charges left for the next round (the provider unavailable, a retry on them meanwhile).
     pub left: usize,
+    /// Provider payments that no charge named, whose charge was written from them.
+    pub adopted: usize,
 }
 
-/// The reconciler of one instance (several may run: they agree through the database).
+/// The reconciler of one instance (several may run: they agree through the ledger).
 #[derive(Debug, Clone)]
 pub struct Reconciler {
-    pool: PgPool,
+    ledger: Arc<Ledger>,
     provider: ProviderClient,
-    /// How long a charge stays `authorizing` before the reconciler settles it.
+    events: Publisher,
+    /// The provider's key window: how long an adopted charge holds its operation.
+    window: Duration,
+    /// How long a charge stays in an `-ing` state before the reconciler settles it.
     after: Duration,
     /// How often it looks.
     every: Duration,
+    /// Where the scan of the provider's payments goes on from (milliseconds since the epoch).
+    since: Arc<AtomicU64>,
 }
 
 impl Reconciler {
-    /// A reconciler of the charges in `pool`'s database, asking `provider`, for charges
-    /// `authorizing` longer than `after`; it looks every quarter of `after` (at least every
-    /// 50 ms, at most every 30 s).
-    pub fn new(pool: PgPool, provider: ProviderClient, after: Duration) -> Self {
+    /// A reconciler of `state`'s ledger, asking its provider, for charges unchanged in an `-ing`
+    /// state for longer than `after`; it looks every quarter of `after` (at least every 50 ms, at
+    /// most every 30 s).
+    pub fn new(state: &AppState, after: Duration) -> Self {
+        let window = state.provider.window();
+        let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
         Self {
-            pool,
-            provider,
+            ledger: state.ledger.clone(),
+            provider: state.provider_client.clone(),
+            events: state.events.clone(),
+            window,
             after,
             every: (after / 4).clamp(Duration::from_millis(50), Duration::from_secs(30)),
+            since: Arc::new(AtomicU64::new(now_ms().saturating_sub(window_ms))),
         }
     }
 
@@ -91,31 +142,23 @@ impl Reconciler {
                 Ok(Reconciled {
                     settled: 0,
                     removed: 0,
+                    adopted: 0,
                     ..
                 }) => {}
-                Ok(done) => tracing::info!(?done, "reconciled charges left authorizing"),
+                Ok(done) => tracing::info!(?done, "reconciled charges with the provider"),
                 Err(err) => {
-                    tracing::warn!(error = %super::super::report(&err), "reconciling failed; trying again next round");
+                    tracing::warn!(?err, "reconciling failed; trying again next round");
                 }
             }
         }
     }
 
-    /// Settles the charges in an intermediate state for longer than `after`, now.
-    pub async fn round(&self) -> Result<Reconciled, sqlx::Error> {
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM charges
-             WHERE status IN ('authorizing', 'capturing', 'refunding', 'canceling')
-               AND updated_at < statement_timestamp() - $1::int8 * interval '1 millisecond'
-             ORDER BY updated_at LIMIT $2"
-        ))
-        .bind(self.after_ms())
-        .bind(BATCH)
-        .fetch_all(&self.pool)
-        .await?;
+    /// Settles the charges in an intermediate state for longer than `after`, and adopts the
+    /// provider's payments that no charge names, now.
+    pub async fn round(&self) -> Result<Reconciled, ApiError> {
+        let charges = self.ledger.unsettled(self.after, BATCH).await?;
         let mut done = Reconciled::default();
-        for row in &rows {
-            let charge = read(row)?;
+        for charge in charges {
             let found = self.ask(&charge).await;
             let changed = match found {
                 Ok(Some(answer)) => {
@@ -135,7 +178,83 @@ impl Reconciler {
             };
             done.left += usize::from(!changed);
         }
+        done.adopted = self.scan_payments().await?;
         Ok(done)
+    }
+
+    /// Reads the provider's payments from where the last scan left off, and adopts each that no
+    /// charge names; returns how many.
+    async fn scan_payments(&self) -> Result<usize, ApiError> {
+        let after = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
+        let since = self.since.load(Ordering::SeqCst);
+        let payments = match self.provider.payments_since(since, BATCH).await {
+            Ok(payments) => payments,
+            Err(err) => {
+                tracing::debug!(%err, "the provider cannot list its payments now");
+                return Ok(0);
+            }
+        };
+        let mut adopted = 0;
+        for payment in &payments {
+            adopted += usize::from(self.match_payment(payment).await?);
+        }
+        // Go on from the newest payment seen (a full page: from there, less nothing, so that the
+        // scan moves on), else from now; less `after`, for a write that lands late.
+        let next = match payments.last() {
+            Some(last) if payments.len() == BATCH => last.created,
+            _ => now_ms().saturating_sub(after).max(since),
+        };
+        self.since.store(next, Ordering::SeqCst);
+        Ok(adopted)
+    }
+
+    /// Writes the charge of `payment` unless its operation has one; says whether it did.
+    async fn match_payment(&self, payment: &PaymentRecord) -> Result<bool, ApiError> {
+        let Ok(reference) = serde_json::from_str::<Reference>(&payment.reference) else {
+            tracing::error!(payment = %payment.id, "a provider payment without the example's reference: reconcile it by hand");
+            return Ok(false);
+        };
+        if self
+            .ledger
+            .has_operation(&reference.account, &payment.key)
+            .await?
+        {
+            return Ok(false);
+        }
+        let request = NewCharge {
+            amount: payment.amount,
+            currency: reference.currency,
+            source: payment.source,
+            capture: payment.capture,
+            description: reference.description,
+            metadata: reference.metadata,
+        };
+        let mut charge = Charge::new(reference.account, &request, &payment.key);
+        charge.id = new_id();
+        charge.payment.clone_from(&payment.id);
+        let moves: &[Event] = match payment.outcome {
+            Outcome::Declined => &[Event::Authorize, Event::Declined],
+            Outcome::Authorized => &[Event::Authorize, Event::Approved],
+            Outcome::Captured => &[
+                Event::Authorize,
+                Event::Approved,
+                Event::Capture,
+                Event::Captured,
+            ],
+        };
+        for step in moves {
+            charge.apply(*step)?;
+        }
+        let event = (payment.outcome != Outcome::Declined)
+            .then(|| PaymentEvent::succeeded(&charge, payment.outcome == Outcome::Captured));
+        let adopted = self
+            .ledger
+            .adopt(charge.clone(), event, &self.events, self.window)
+            .await?;
+        if adopted {
+            tracing::warn!(charge = %charge.id, payment = %payment.id, "a provider payment no charge named: its charge is written from it");
+        }
+        Ok(adopted)
     }
 
     /// What the provider did with the call `charge` waits on: `None` when it did nothing.
@@ -173,8 +292,8 @@ impl Reconciler {
 
     /// Moves `charge` to the provider's `answer`, with its event, if it is still where it was
     /// found.
-    async fn settle(&self, mut charge: Charge, answer: Answer) -> Result<bool, sqlx::Error> {
-        let found = charge.status;
+    async fn settle(&self, found: Charge, answer: Answer) -> Result<bool, ApiError> {
+        let mut charge = found.clone();
         let mut event = None;
         let moves: &[Event] = match &answer {
             Answer::Payment(payment, outcome) => {
@@ -216,83 +335,41 @@ impl Reconciler {
                 event = Some(PaymentEvent::refunded(&charge, refund, charge.call_amount));
             }
         }
-        let mut tx = self.pool.begin().await?;
-        let updated = sqlx::query(
-            "UPDATE charges SET status = $2, payment = $3, amount_refunded = $4,
-                                updated_at = statement_timestamp()
-             WHERE id = $1 AND status = $5 AND call_key = $6",
-        )
-        .bind(&charge.id)
-        .bind(charge.status.as_str())
-        .bind(&charge.payment)
-        .bind(charge.amount_refunded)
-        .bind(found.as_str())
-        .bind(&charge.call_key)
-        .execute(&mut *tx)
-        .await?;
-        if updated.rows_affected() == 0 {
-            // A resumed request got there first.
-            return Ok(false);
+        let settled = self
+            .ledger
+            .swap(&found, &charge, event, &self.events, Duration::ZERO)
+            .await?;
+        if settled {
+            tracing::info!(charge = %charge.id, from = found.status.as_str(), status = charge.status.as_str(), "reconciled a charge from the provider's answer");
         }
-        if let Some(event) = &event {
-            outbox::insert(&mut tx, event).await?;
-        }
-        tx.commit().await?;
-        tracing::info!(charge = %charge.id, from = found.as_str(), status = charge.status.as_str(), "reconciled a charge from the provider's answer");
-        Ok(true)
+        Ok(settled)
     }
 
-    /// The provider never saw the call `charge` waits on: a new charge is removed, one in the
+    /// The provider has not seen the call `charge` waits on: a new charge is removed, one in the
     /// middle of a capture, refund or cancellation goes back to where it was; unless a retry
     /// resumed it meanwhile.
-    async fn undo(&self, mut charge: Charge) -> Result<bool, sqlx::Error> {
-        let found = charge.status;
-        if found == Status::Authorizing {
-            return self.remove(&charge).await;
+    async fn undo(&self, found: Charge) -> Result<bool, ApiError> {
+        if found.status == Status::Authorizing {
+            let removed = self.ledger.remove(&found, self.after).await?;
+            if removed {
+                tracing::info!(charge = %found.id, "removed a charge the provider has not seen");
+            }
+            return Ok(removed);
         }
+        let mut charge = found.clone();
         if charge.apply(Event::ProviderDidNothing).is_err() {
             return Ok(false);
         }
-        let updated = sqlx::query(
-            "UPDATE charges SET status = $2, call_key = '', call_amount = 0,
-                                updated_at = statement_timestamp()
-             WHERE id = $1 AND status = $3 AND call_key = $4
-               AND updated_at < statement_timestamp() - $5::int8 * interval '1 millisecond'",
-        )
-        .bind(&charge.id)
-        .bind(charge.status.as_str())
-        .bind(found.as_str())
-        .bind(&charge.call_key)
-        .bind(self.after_ms())
-        .execute(&self.pool)
-        .await?;
-        let undone = updated.rows_affected() == 1;
+        charge.call_key.clear();
+        charge.call_amount = 0;
+        let undone = self
+            .ledger
+            .swap(&found, &charge, None, &self.events, self.after)
+            .await?;
         if undone {
-            tracing::info!(charge = %charge.id, from = found.as_str(), to = charge.status.as_str(), "rolled back a call the provider never saw");
+            tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }
         Ok(undone)
-    }
-
-    /// Removes `charge`, which the provider never saw, unless a retry resumed it meanwhile.
-    async fn remove(&self, charge: &Charge) -> Result<bool, sqlx::Error> {
-        let deleted = sqlx::query(
-            "DELETE FROM charges
-             WHERE id = $1 AND status = 'authorizing'
-               AND updated_at < statement_timestamp() - $2::int8 * interval '1 millisecond'",
-        )
-        .bind(&charge.id)
-        .bind(self.after_ms())
-        .execute(&self.pool)
-        .await?;
-        let removed = deleted.rows_affected() == 1;
-        if removed {
-            tracing::info!(charge = %charge.id, "removed a charge the provider never saw");
-        }
-        Ok(removed)
-    }
-
-    fn after_ms(&self) -> i64 {
-        i64::try_from(self.after.as_millis()).unwrap_or(i64::MAX)
     }
 }
 

@@ -15,7 +15,8 @@
 //! so the client's retry can run again.
 
 /// Where a charge is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Status {
     Created,
     Authorizing,

@@ -9,9 +9,9 @@
 //! provider payment and one credit to the balance, and every client with that charge or a clear
 //! error.
 //!
-//! In memory and on Redis the charges live in the process: the two instances share one ledger,
-//! and everything else (records, provider keys, events, balances) is in the store under test. On
-//! PostgreSQL every instance has its own pool, ledger and provider client over one database.
+//! In memory the two instances share one process's state; on Redis they share the store under
+//! test, where everything is (records, charges, provider keys, events, balances). On PostgreSQL
+//! every instance has its own pool, ledger and provider client over one database.
 
 #![cfg(unix)]
 
@@ -38,9 +38,10 @@ use tower_idempotency::{
 use tower_idempotency_redis::RedisStore;
 
 use server::consumer::deduplicator;
-use server::pg::{Database, Reconciler, outbox};
+use server::pg::{Database, outbox};
 use server::provider::KeyTable;
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
+use server::reconciler::Reconciler;
 use server::redis_conn::RedisConn;
 use server::{AppState, Balances, Ledger, LedgerConsumer, Provider, app};
 use support::api::{ALICE, Call, Reply, account, create_charge, visa};
@@ -176,7 +177,7 @@ impl Pair {
         let store = MemoryStore::new();
         let stop = CancellationToken::new();
         consume(&state, MemoryStore::new(), &stop).await;
-        Self::shared(state, store, stalled, stop, Servers::None)
+        Self::shared((state.clone(), state), store, stalled, stop, Servers::None)
     }
 
     /// The records, provider keys, events and balances in one Redis, as `REDIS_URL` puts them.
@@ -224,27 +225,29 @@ impl Pair {
                 Balances::redis(conn.clone(), server::BALANCES_PREFIX),
             )
             .with_provider(Provider::with_keys(Duration::ZERO, keys));
-        let state = redis_ledger(state, &conn);
+        // Each instance has its own handle on the ledger: they share the charges through Redis.
+        let b = redis_ledger(state.clone(), &conn);
+        let a = redis_ledger(state, &conn);
         let stalled = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
-        consume(&state, dedup, &stop).await;
-        Self::shared(state, store, stalled, stop, servers)
+        consume(&a, dedup, &stop).await;
+        Self::shared((a, b), store, stalled, stop, servers)
     }
 
     fn shared<St: Store + Clone>(
-        state: AppState,
+        (a, b): (AppState, AppState),
         store: St,
         stalled: Arc<AtomicBool>,
         stop: CancellationToken,
         servers: Servers,
     ) -> Self {
         let a = Instance {
-            router: app(state.clone(), layer(store.clone(), &stalled)),
-            state: state.clone(),
+            router: app(a.clone(), layer(store.clone(), &stalled)),
+            state: a,
         };
         let b = Instance {
-            router: app(state.clone(), layer(store, &stalled)),
-            state,
+            router: app(b.clone(), layer(store, &stalled)),
+            state: b,
         };
         Self {
             a,
@@ -305,6 +308,29 @@ impl Pair {
         a.effects() + if same { 0 } else { b.effects() }
     }
 
+    /// Forgets every idempotency record (a flushed Redis), keeping everything else.
+    fn lose_records(&self) {
+        let nodes: Vec<&RedisServer> = match &self._servers {
+            Servers::Redis(server) => vec![server],
+            Servers::Cluster(cluster) => cluster
+                .masters()
+                .into_iter()
+                .map(|i| cluster.node(i))
+                .collect(),
+            _ => panic!("records in Redis only"),
+        };
+        for node in nodes {
+            let keys = node.command(&["KEYS", "idempotency:*"]);
+            let keys = match keys {
+                test_servers::redis_server::RespValue::Array(keys) => keys,
+                other => panic!("{other:?}"),
+            };
+            for key in keys.iter().filter_map(|key| key.as_string()) {
+                assert!(node.command(&["DEL", &key]).as_integer().is_some());
+            }
+        }
+    }
+
     fn held_opens(&self) -> usize {
         self.ledgers()
             .iter()
@@ -312,18 +338,12 @@ impl Pair {
             .sum()
     }
 
-    /// Runs what a crash or a stale run left behind to its end: on PostgreSQL, a reconciler round
-    /// over every charge still in an intermediate state; then waits until every event published
+    /// Runs what a crash or a stale run left behind to its end: a reconciler round over every
+    /// charge still in an intermediate state; then waits until every event published
     /// so far is applied.
     async fn settle(&self) {
-        if let Some(db) = &self.db {
-            let reconciler = Reconciler::new(
-                db.pool().clone(),
-                self.a.state.provider_client.clone(),
-                Duration::ZERO,
-            );
-            reconciler.round().await.expect("a reconciler round");
-        }
+        let reconciler = Reconciler::new(&self.a.state, Duration::ZERO);
+        reconciler.round().await.expect("a reconciler round");
         let deadline = Instant::now() + PATIENCE;
         loop {
             let backlog = match &self.db {
@@ -581,7 +601,7 @@ async fn postgres_charges_once_when_a_lease_runs_out_under_a_stalled_handler() {
 
 /// The ledger on Redis: as `main` sets it up when `REDIS_URL` is set.
 fn redis_ledger(state: AppState, conn: &RedisConn) -> AppState {
-    state.with_ledger(Ledger::with_redis_operations(conn.clone()))
+    state.with_ledger(Ledger::redis(conn.clone()))
 }
 
 /// The provider refuses a call whose fence is smaller than one its key has seen, and takes an
@@ -589,33 +609,33 @@ fn redis_ledger(state: AppState, conn: &RedisConn) -> AppState {
 async fn the_provider_refuses_a_smaller_fence(provider: Provider) {
     use server::provider::{ProviderError, Source};
     let payment = provider
-        .create_payment("fenced", 20, Source::Visa, 700, true)
+        .create_payment("fenced", 20, Source::Visa, 700, true, "")
         .await
         .expect("a payment");
     assert_eq!(
         provider
-            .create_payment("fenced", 19, Source::Visa, 700, true)
+            .create_payment("fenced", 19, Source::Visa, 700, true, "")
             .await,
         Err(ProviderError::Superseded)
     );
     for fence in [20, 21] {
         assert_eq!(
             provider
-                .create_payment("fenced", fence, Source::Visa, 700, true)
+                .create_payment("fenced", fence, Source::Visa, 700, true, "")
                 .await,
             Ok(payment.clone())
         );
     }
     assert_eq!(
         provider
-            .create_payment("fenced", 20, Source::Visa, 700, true)
+            .create_payment("fenced", 20, Source::Visa, 700, true, "")
             .await,
         Err(ProviderError::Superseded),
         "the key keeps its largest fence"
     );
     assert_eq!(
         provider
-            .create_payment("fenced", 99, Source::Visa, 701, true)
+            .create_payment("fenced", 99, Source::Visa, 701, true, "")
             .await,
         Err(ProviderError::KeyReused)
     );
@@ -679,4 +699,233 @@ async fn the_provider_refuses_a_smaller_fence_on_postgres_and_sweeps_expired_key
             .await
             .expect("a count");
     assert_eq!(left, 0);
+}
+
+/// A charge whose handler ran on both instances (its record lost between the two), then a full
+/// refund sent to each instance under two keys: one ledger, so the second refund is refused with
+/// a clear error, the provider refunds once, and the balance ends at 0, not at minus the amount.
+async fn a_charge_is_refunded_once_across_two_instances(pair: Pair) {
+    let body = visa(5000);
+    let created = create_charge(&pair.a.router, ALICE, "refund-twice", &body)
+        .send()
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    pair.lose_records();
+    let again = create_charge(&pair.b.router, ALICE, "refund-twice", &body)
+        .send()
+        .await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text());
+    assert_eq!(again.json["id"], created.json["id"], "one charge");
+    let id = created.json["id"].as_str().expect("an id");
+
+    let refund = |router: &Router, key: &str| {
+        Call::post(router, &format!("/v1/charges/{id}/refunds"))
+            .auth(ALICE)
+            .key(key)
+            .send()
+    };
+    let first = refund(&pair.a.router, "refund-on-a").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let second = refund(&pair.b.router, "refund-on-b").await;
+    second.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "invalid_state",
+    );
+    for router in [&pair.a.router, &pair.b.router] {
+        let charges = charges_of(router, 5000).await;
+        assert_eq!(charges.len(), 1, "{charges:?}");
+        assert_eq!(charges[0]["status"], "refunded");
+        assert_eq!(charges[0]["amount_refunded"], 5000);
+    }
+    pair.settle().await;
+    assert_eq!(pair.balance().await, 0, "charged once, refunded once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_refunds_a_charge_once_across_two_instances() {
+    a_charge_is_refunded_once_across_two_instances(Pair::redis().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_refunds_a_charge_once_across_two_instances() {
+    a_charge_is_refunded_once_across_two_instances(Pair::cluster().await).await;
+}
+
+/// The provider alone refuses a refund beyond what is left of its payment, whatever key it comes
+/// under, atomically with its keys: the last line of defence, on the key table under test.
+async fn the_provider_refuses_an_over_refund(provider: Provider) {
+    use server::provider::{ProviderError, Source};
+    let payment = provider
+        .create_payment("over", 1, Source::Visa, 1000, true, "")
+        .await
+        .expect("a payment");
+    let refunds = [("over-1", 700), ("over-2", 700), ("over-3", 300)];
+    let mut answers = Vec::new();
+    for (key, amount) in refunds {
+        answers.push(provider.refund(key, 1, &payment.id, amount).await.map(drop));
+    }
+    assert_eq!(
+        answers,
+        [
+            Ok(()),
+            Err(ProviderError::AmountTooLarge {
+                amount: 700,
+                refundable: 300
+            }),
+            Ok(())
+        ]
+    );
+    assert_eq!(
+        provider.refund("over-4", 1, &payment.id, 1).await,
+        Err(ProviderError::AmountTooLarge {
+            amount: 1,
+            refundable: 0
+        })
+    );
+    let listed = provider.payments_since(0, 10).await.expect("a listing");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].refunded, 1000);
+}
+
+#[tokio::test]
+async fn the_provider_refuses_an_over_refund_in_memory() {
+    the_provider_refuses_an_over_refund(Provider::default()).await;
+}
+
+#[tokio::test]
+async fn the_provider_refuses_an_over_refund_on_redis() {
+    let server = RedisServer::start();
+    let conn = RedisConn::open(&server.url()).expect("a valid URL");
+    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
+    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_an_over_refund_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let conn = RedisConn::cluster(&cluster.urls()).expect("valid URLs");
+    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
+    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_an_over_refund_on_postgres() {
+    let server = PostgresServer::start();
+    let db = Database::connect(&server.url())
+        .await
+        .expect("the database");
+    let keys = KeyTable::postgres(db.pool().clone(), server::provider::WINDOW);
+    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
+}
+
+/// What ends a charge whose provider call was stalled past the client's deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settler {
+    /// The client's retry with the same key, once the provider is let go.
+    Retry,
+    /// The reconciler, once the provider is let go.
+    Reconciler,
+    /// The reconciler ran while the provider still held the call: it found no payment and removed
+    /// the charge; the payment then landed, and a later round finds it on the provider's side.
+    ReconcilerTooEarly,
+}
+
+/// The provider stalls a charge's call (its key table locked) past its client's deadline (8 s),
+/// then lets it go: the call takes effect after the handler gave up. The handler answers that the
+/// outcome is not known yet (`504`, never "nothing was charged"), keeps the charge
+/// `authorizing`, and the retry or the reconciler settles it: one charge, captured, one payment,
+/// one credit.
+async fn a_provider_stalled_past_its_deadline_charges_once(pair: Pair, ending: Settler) {
+    let body = visa(2500);
+    let key = format!("stalled-{ending:?}");
+    let provider = pair.a.state.provider.clone();
+    let stall = provider.stall().await;
+    let first = create_charge(&pair.a.router, ALICE, &key, &body)
+        .send()
+        .await;
+    first.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    assert!(
+        !first.text().contains("nothing was charged"),
+        "{}",
+        first.text()
+    );
+    assert_eq!(first.header("stripe-should-retry"), Some("true"));
+    let kept = charges_of(&pair.a.router, 2500).await;
+    assert_eq!(kept.len(), 1, "the charge is kept: {kept:?}");
+    assert_eq!(kept[0]["status"], "authorizing");
+    assert_eq!(pair.payments(), 0);
+
+    if ending == Settler::ReconcilerTooEarly {
+        let round = Reconciler::new(&pair.a.state, Duration::ZERO)
+            .round()
+            .await
+            .expect("a round");
+        assert_eq!(round.removed, 1, "{round:?}");
+        assert!(charges_of(&pair.a.router, 2500).await.is_empty());
+    }
+    drop(stall);
+    wait_until("the held call to take effect", || pair.payments() == 1).await;
+    if ending == Settler::Retry {
+        let again = client(pair.b.router.clone(), key.clone(), body.clone(), None).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{}", again.text());
+        assert_eq!(again.json["id"], kept[0]["id"], "the charge kept");
+        assert_eq!(again.json["status"], "captured");
+    }
+    pair.settle().await;
+    let charges = charges_of(&pair.b.router, 2500).await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0]["status"], "captured");
+    assert_eq!(pair.payments(), 1, "one payment");
+    let deadline = Instant::now() + PATIENCE;
+    while pair.balance().await != 2500 {
+        assert!(
+            Instant::now() < deadline,
+            "the balance is {}",
+            pair.balance().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The client's late retry gets that charge.
+    let late = client(pair.a.router.clone(), key, body, None).await;
+    assert_eq!(late.status, StatusCode::CREATED, "{}", late.text());
+    assert_eq!(late.json["id"], charges[0]["id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_stalled_provider_call_is_settled_by_the_retry() {
+    a_provider_stalled_past_its_deadline_charges_once(Pair::memory().await, Settler::Retry).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_stalled_provider_call_is_settled_by_the_reconciler() {
+    let pair = Pair::memory().await;
+    a_provider_stalled_past_its_deadline_charges_once(pair, Settler::Reconciler).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_payment_no_charge_names_is_found_by_the_reconciler() {
+    let pair = Pair::memory().await;
+    a_provider_stalled_past_its_deadline_charges_once(pair, Settler::ReconcilerTooEarly).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_stalled_provider_call_is_settled_by_the_retry() {
+    a_provider_stalled_past_its_deadline_charges_once(Pair::redis().await, Settler::Retry).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_stalled_provider_call_is_settled_by_the_reconciler() {
+    let pair = Pair::redis().await;
+    a_provider_stalled_past_its_deadline_charges_once(pair, Settler::Reconciler).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_payment_no_charge_names_is_found_by_the_reconciler() {
+    let pair = Pair::redis().await;
+    a_provider_stalled_past_its_deadline_charges_once(pair, Settler::ReconcilerTooEarly).await;
 }

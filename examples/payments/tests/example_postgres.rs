@@ -31,8 +31,9 @@ use tower_idempotency::{BoxStore, IdempotencyLayer, Outcome, RecordId};
 use server::balance::Fault;
 use server::consumer::{Counts, SCOPE};
 use server::events::{EventType, PaymentEvent};
-use server::pg::{Database, OutboxConsumer, Reconciler, outbox};
+use server::pg::{Database, OutboxConsumer, outbox};
 use server::provider::{Hang, Provider};
+use server::reconciler::Reconciler;
 use server::{AppState, app};
 use support::api::{ALICE, Call, Reply, account, authorize, create_charge, visa};
 
@@ -554,8 +555,7 @@ async fn two_reconcilers_settle_a_charge_once() {
         .await
         .expect("the database");
     let state = db.state(AppState::new(Duration::ZERO));
-    let reconcilers = [Duration::ZERO, Duration::ZERO]
-        .map(|after| Reconciler::new(db.pool().clone(), state.provider_client.clone(), after));
+    let reconcilers = [Duration::ZERO, Duration::ZERO].map(|after| Reconciler::new(&state, after));
     let (one, two) = tokio::join!(reconcilers[0].round(), reconcilers[1].round());
     let (one, two) = (one.expect("a round"), two.expect("a round"));
     assert_eq!(one.settled + two.settled, 1, "{one:?} {two:?}");
@@ -942,11 +942,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         .await
         .expect("the database");
     let state = db.state(AppState::new(Duration::ZERO));
-    let reconciler = Reconciler::new(
-        db.pool().clone(),
-        state.provider_client.clone(),
-        Duration::ZERO,
-    );
+    let reconciler = Reconciler::new(&state, Duration::ZERO);
     let done = reconciler.round().await.expect("a round");
     assert_eq!(
         (done.settled, done.removed, done.left),
@@ -1031,4 +1027,107 @@ async fn an_old_database_gets_the_unique_operation_or_a_clear_error() {
         .await
         .expect_err("two charges for one operation");
     assert!(err.contains("two charges for one operation"), "{err}");
+}
+
+/// Locks the provider's key table, as the outage did: every provider call that writes a key waits
+/// until the transaction ends (reads go on). Returns the connection holding the lock.
+async fn lock_provider_keys(server: &PostgresServer) -> PgConnection {
+    let mut lock = admin(server).await;
+    for sql in ["BEGIN", "LOCK TABLE provider_keys IN EXCLUSIVE MODE"] {
+        sqlx::query(sql)
+            .execute(&mut lock)
+            .await
+            .unwrap_or_else(|err| panic!("{sql}: {err}"));
+    }
+    lock
+}
+
+/// Releases the lock of [`lock_provider_keys`]: the calls held behind it commit now.
+async fn release(mut lock: PgConnection) {
+    sqlx::query("COMMIT")
+        .execute(&mut lock)
+        .await
+        .expect("the lock's transaction ends");
+}
+
+/// Sends a charge while the provider's key table is locked past the provider client's deadline
+/// (8 s): the answer says the outcome is not known yet (never "nothing was charged"), and the
+/// charge is kept `authorizing`. Then the lock goes, and the provider's write commits.
+async fn charge_through_a_locked_provider(server: &PostgresServer, instance: &Instance, key: &str) {
+    let lock = lock_provider_keys(server).await;
+    let first = instance.charge(key, &visa(3100)).await;
+    first.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    assert!(
+        !first.text().contains("nothing was charged"),
+        "{}",
+        first.text()
+    );
+    release(lock).await;
+    wait_for_count(server, "SELECT count(*) FROM provider_payments", 1).await;
+}
+
+/// The provider's key table locked past its client's deadline, then released, and the client
+/// retries with its key: the charge it kept is resumed and settled, one payment, one credit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_locked_past_its_deadline_is_settled_by_the_retry() {
+    let server = PostgresServer::start();
+    let instance = Instance::start(&server.url(), NEVER).await;
+    charge_through_a_locked_provider(&server, &instance, "locked-1").await;
+    assert_eq!(count(&server, AUTHORIZING).await, 1, "the charge is kept");
+
+    let retry = instance.retry_charge("locked-1", &visa(3100)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(retry.json["status"], "captured");
+    assert_eq!(instance.charges().await.len(), 1);
+    assert_eq!(provider_payments(&server).await, 1);
+    instance.wait_for_balance(3100).await;
+}
+
+/// The same without a retry: the reconciler settles the charge from what the provider did under
+/// its key, and the client's late retry gets that charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_locked_past_its_deadline_is_settled_by_the_reconciler() {
+    let server = PostgresServer::start();
+    // Not before the provider client's deadline has passed (8 s), so that it finds the payment.
+    let instance = Instance::start(&server.url(), Duration::from_secs(10)).await;
+    charge_through_a_locked_provider(&server, &instance, "locked-2").await;
+    instance.wait_for_balance(3100).await;
+    let charges = instance.charges().await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0].1, "captured");
+    let late = instance.retry_charge("locked-2", &visa(3100)).await;
+    assert_eq!(late.json["id"].as_str(), Some(charges[0].0.as_str()));
+    assert_eq!(provider_payments(&server).await, 1);
+}
+
+/// The reconciler comes while the provider still holds the call: it finds no payment under the key
+/// and removes the charge; then the lock goes and the payment commits, which no charge names. The
+/// reconciler's scan of the provider's payments finds it, and writes its charge: the money the
+/// provider took is in the ledger and the balance, and the client's retry gets that charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_no_charge_names_is_found_by_the_reconciler() {
+    let server = PostgresServer::start();
+    let instance = Instance::start(&server.url(), 2 * LEASE).await;
+    let lock = lock_provider_keys(&server).await;
+    let first = instance.charge("locked-3", &visa(3100)).await;
+    assert_eq!(
+        first.status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        first.text()
+    );
+    wait_for_count(&server, "SELECT count(*) FROM charges", 0).await;
+    release(lock).await;
+    instance.wait_for_balance(3100).await;
+    let charges = instance.charges().await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0].1, "captured");
+    let retry = instance.retry_charge("locked-3", &visa(3100)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(retry.json["id"].as_str(), Some(charges[0].0.as_str()));
+    assert_eq!(provider_payments(&server).await, 1);
 }

@@ -488,11 +488,15 @@ fn redis_end_to_end() {
             .any(|(key, _)| key.starts_with("payments:balance:{acct_")),
         "balances under the account's id: {contents:?}"
     );
-    // Only the durable ledger data lives without a TTL: the event stream and the balances.
+    // Only the durable ledger data lives without a TTL: the event stream, the balances, the
+    // charges (with their lists and indexes) and the provider's payments.
     for key in redis.keys_without_ttl() {
+        let charges = key.starts_with("payments:{ledger}:") && !key.contains(":op:");
         assert!(
             key == "payments:{events}"
-                || key.starts_with("payments:balance:") && key.ends_with(":available"),
+                || key.starts_with("payments:balance:") && key.ends_with(":available")
+                || charges
+                || key.starts_with("payments:{provider}:payment"),
             "{key} has no TTL"
         );
     }

@@ -30,10 +30,15 @@ use sqlx::{self, PgConnection, PgPool, Row};
 
 use super::super::auth::Account;
 use super::super::error::ApiError;
+use super::super::events::PaymentEvent;
 use super::super::ledger::{Charge, NewCharge, Opened};
 use super::super::provider::Source;
 use super::super::state_machine::{Event, Status};
-use super::unavailable;
+use super::{outbox, unavailable};
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
 
 /// The columns [`read`] reads, in its order.
 pub(super) const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, \
@@ -251,6 +256,109 @@ impl PgCharges {
         Ok(charge)
     }
 
+    /// See [`Ledger::has_operation`](super::super::Ledger::has_operation).
+    pub async fn has_operation(
+        &self,
+        account: &Account,
+        provider_key: &str,
+    ) -> Result<bool, ApiError> {
+        Ok(self.find(account, provider_key).await?.is_some())
+    }
+
+    /// See [`Ledger::unsettled`](super::super::Ledger::unsettled).
+    pub async fn unsettled(
+        &self,
+        after: Duration,
+        limit: usize,
+    ) -> Result<Vec<Charge>, sqlx::Error> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM charges
+             WHERE status IN ('authorizing', 'capturing', 'refunding', 'canceling')
+               AND updated_at < statement_timestamp() - $1::int8 * interval '1 millisecond'
+             ORDER BY updated_at LIMIT $2"
+        ))
+        .bind(millis(after))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(read).collect()
+    }
+
+    /// See [`Ledger::swap`](super::super::Ledger::swap): with `event` in the outbox, in one
+    /// transaction, only if the charge is still in the state and call it was found in, and
+    /// unchanged for `unchanged_for`.
+    pub async fn swap(
+        &self,
+        found: &Charge,
+        settled: &Charge,
+        event: Option<&PaymentEvent>,
+        unchanged_for: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let updated = sqlx::query(
+            "UPDATE charges SET status = $2, payment = $3, amount_refunded = $4,
+                                call_key = $7, call_amount = $8,
+                                updated_at = statement_timestamp()
+             WHERE id = $1 AND status = $5 AND call_key = $6
+               AND updated_at <= statement_timestamp() - $9::int8 * interval '1 millisecond'",
+        )
+        .bind(&settled.id)
+        .bind(settled.status.as_str())
+        .bind(&settled.payment)
+        .bind(settled.amount_refunded)
+        .bind(found.status.as_str())
+        .bind(&found.call_key)
+        .bind(&settled.call_key)
+        .bind(settled.call_amount)
+        .bind(millis(unchanged_for))
+        .execute(&mut *tx)
+        .await?;
+        if updated.rows_affected() == 0 {
+            // A resumed request got there first.
+            return Ok(false);
+        }
+        if let Some(event) = event {
+            outbox::insert(&mut tx, event).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// See [`Ledger::remove`](super::super::Ledger::remove): unless it changed within `after`
+    /// (a retry resumed it).
+    pub async fn remove(&self, found: &Charge, after: Duration) -> Result<bool, sqlx::Error> {
+        let deleted = sqlx::query(
+            "DELETE FROM charges
+             WHERE id = $1 AND status = $2 AND call_key = $3
+               AND updated_at < statement_timestamp() - $4::int8 * interval '1 millisecond'",
+        )
+        .bind(&found.id)
+        .bind(found.status.as_str())
+        .bind(&found.call_key)
+        .bind(millis(after))
+        .execute(&self.pool)
+        .await?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    /// See [`Ledger::adopt`](super::super::Ledger::adopt): with `event` in the outbox, in one
+    /// transaction.
+    pub async fn adopt(
+        &self,
+        charge: &Charge,
+        event: Option<&PaymentEvent>,
+    ) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        if insert(&mut *tx, charge).await?.is_none() {
+            return Ok(false);
+        }
+        if let Some(event) = event {
+            outbox::insert(&mut tx, event).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
     fn window_ms(&self) -> i64 {
         i64::try_from(self.window.as_millis()).unwrap_or(i64::MAX)
     }
@@ -361,5 +469,6 @@ pub(super) fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
         call_key: row.try_get("call_key")?,
         call_amount: row.try_get("call_amount")?,
         seq: u64::try_from(seq).unwrap_or(0),
+        updated: 0,
     })
 }

@@ -28,9 +28,10 @@
 //! A crash during the provider call leaves the charge `authorizing` and the key's claim in flight
 //! until its lease runs out. Then the client's retry claims the key again, finds the charge by its
 //! key and resumes it: the provider, called with the same key, answers with the same payment and
-//! moves no money twice. Without a retry, the reconciler (`reconciler.rs`) settles the charge once
-//! it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did; and
-//! likewise a charge left `capturing`, `refunding` or `canceling`.
+//! moves no money twice. Without a retry, the reconciler (`../reconciler.rs`) settles the charge
+//! once it has been `authorizing` for [`RECONCILE_AFTER`], from what the provider says it did; and
+//! likewise a charge left `capturing`, `refunding` or `canceling`, and a charge whose provider
+//! call timed out (its outcome unknown).
 //!
 //! A run that was not dead but stalled past its lease (its claim taken over by the retry) is
 //! stopped by three things, none of them the lease: the `UNIQUE (account, operation)` index lets
@@ -46,7 +47,6 @@
 pub mod balances;
 pub mod charges;
 pub mod outbox;
-pub mod reconciler;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,10 +58,10 @@ use tower_idempotency_postgres::PgStore;
 
 use super::error::ApiError;
 use super::provider::{KeyTable, Provider};
+use super::reconciler::Reconciler;
 use super::{AppState, Balances, Ledger};
 pub use charges::PgCharges;
 pub use outbox::OutboxConsumer;
-pub use reconciler::Reconciler;
 
 /// The environment variable that names the database.
 pub const DATABASE_URL: &str = "DATABASE_URL";
@@ -169,11 +169,7 @@ impl Database {
     ) -> JoinHandle<()> {
         let consumer =
             OutboxConsumer::new(self.pool().clone(), state.balances.clone(), OUTBOX_POLL);
-        let reconciler = Reconciler::new(
-            self.pool().clone(),
-            state.provider_client.clone(),
-            reconcile_after,
-        );
+        let reconciler = Reconciler::new(state, reconcile_after);
         tokio::spawn(async move {
             tokio::join!(consumer.run(stop.clone()), reconciler.run(stop));
         })

@@ -91,3 +91,19 @@ CREATE TABLE IF NOT EXISTS provider_keys (
 );
 ALTER TABLE provider_keys ADD COLUMN IF NOT EXISTS fence numeric(20) NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS provider_keys_expiry ON provider_keys (expires_at);
+
+-- The simulated provider's payments, kept for good as a provider keeps them: what its payments
+-- report lists (the reconciler reads it), and what bounds each payment's refunds. Written in the
+-- transaction of the key's claim.
+CREATE TABLE IF NOT EXISTS provider_payments (
+    id         text        PRIMARY KEY,
+    key        text        NOT NULL,
+    amount     bigint      NOT NULL,
+    refunded   bigint      NOT NULL DEFAULT 0,
+    source     text        NOT NULL,
+    capture    boolean     NOT NULL,
+    outcome    text        NOT NULL,
+    reference  text        NOT NULL DEFAULT '',
+    created_at timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS provider_payments_created ON provider_payments (created_at, id);

@@ -4,7 +4,8 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | `POST /v1/payments` `{"source", "amount", "capture"}` | `200` `{"id", "outcome"}` |
+//! | `POST /v1/payments` `{"source", "amount", "capture", "reference"}` | `200` `{"id", "outcome"}` |
+//! | `GET /v1/payments?created_gte=&limit=` | `200` `{"data": [payment, ...]}`, oldest first |
 //! | `POST /v1/payments/{id}/capture`, `/cancel` | `200` `{"id"}` |
 //! | `POST /v1/refunds` `{"payment", "amount"}` | `200` `{"id"}` (the refund's) |
 //! | `GET /v1/payments/by-key/{key}?source=&amount=&capture=` | `200` `{"id", "outcome"}`, or `404` |
@@ -16,7 +17,10 @@
 //! decimal `u64`; without it, 0). Refusals are `{"error": code}`: `503` `unavailable` (nothing
 //! happened, retry with the same key), `422` `key_reused` (the key belongs to another request),
 //! `412` `superseded` (the key has seen a larger fence: a later run of the operation called),
-//! `400` for a request the provider cannot read.
+//! `400` `amount_too_large` (a refund beyond what is left of its payment, with `"refundable"`),
+//! `404` `no_such_payment` (a refund of no payment), `400` for a request the provider cannot
+//! read. `500` `unknown` is no refusal: the provider failed midway, and the call may have taken
+//! effect.
 
 use axum::Json;
 use axum::Router;
@@ -46,6 +50,23 @@ pub struct NewPayment {
     pub source: String,
     pub amount: i64,
     pub capture: bool,
+    /// The caller's own reference, kept with the payment (not part of the request a key binds).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reference: String,
+}
+
+/// The query of `GET /v1/payments`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ListQuery {
+    /// Milliseconds since the Unix epoch.
+    pub created_gte: u64,
+    pub limit: usize,
+}
+
+/// A page of payments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PaymentList {
+    pub data: Vec<super::PaymentRecord>,
 }
 
 /// The body of `POST /v1/refunds`.
@@ -73,12 +94,15 @@ pub struct IdJson {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ErrorJson {
     pub error: String,
+    /// With `amount_too_large`: what is left to refund.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refundable: Option<i64>,
 }
 
 /// The provider's API over `provider`.
 pub fn router(provider: Provider) -> Router {
     Router::new()
-        .route("/v1/payments", post(create_payment))
+        .route("/v1/payments", post(create_payment).get(list_payments))
         .route("/v1/payments/by-key/{key}", get(find_payment))
         .route("/v1/calls/by-key/{key}", get(find_call))
         .route("/v1/payments/{id}/capture", post(capture))
@@ -87,13 +111,14 @@ pub fn router(provider: Provider) -> Router {
         .with_state(provider)
 }
 
-/// A refusal of the API.
-struct Refusal(StatusCode, &'static str);
+/// A refusal of the API (and what is left to refund, with `amount_too_large`).
+struct Refusal(StatusCode, &'static str, Option<i64>);
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
         let body = ErrorJson {
             error: self.1.to_owned(),
+            refundable: self.2,
         };
         (self.0, Json(body)).into_response()
     }
@@ -101,10 +126,18 @@ impl IntoResponse for Refusal {
 
 impl From<ProviderError> for Refusal {
     fn from(err: ProviderError) -> Self {
+        let refusal = |status, code| Refusal(status, code, None);
         match err {
-            ProviderError::Unavailable => Refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ProviderError::KeyReused => Refusal(StatusCode::UNPROCESSABLE_ENTITY, "key_reused"),
-            ProviderError::Superseded => Refusal(StatusCode::PRECONDITION_FAILED, "superseded"),
+            ProviderError::Unavailable => refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ProviderError::Unknown => refusal(StatusCode::INTERNAL_SERVER_ERROR, "unknown"),
+            ProviderError::KeyReused => refusal(StatusCode::UNPROCESSABLE_ENTITY, "key_reused"),
+            ProviderError::Superseded => refusal(StatusCode::PRECONDITION_FAILED, "superseded"),
+            ProviderError::NoSuchPayment => refusal(StatusCode::NOT_FOUND, "no_such_payment"),
+            ProviderError::AmountTooLarge { refundable, .. } => Refusal(
+                StatusCode::BAD_REQUEST,
+                "amount_too_large",
+                Some(refundable),
+            ),
         }
     }
 }
@@ -115,7 +148,11 @@ fn key(headers: &HeaderMap) -> Result<&str, Refusal> {
         .get(KEY_HEADER)
         .and_then(|key| key.to_str().ok())
         .filter(|key| !key.is_empty())
-        .ok_or(Refusal(StatusCode::BAD_REQUEST, "idempotency_key_missing"))
+        .ok_or(Refusal(
+            StatusCode::BAD_REQUEST,
+            "idempotency_key_missing",
+            None,
+        ))
 }
 
 /// The request's fence: 0 without one, `400` for one that is not a `u64`.
@@ -126,12 +163,12 @@ fn fence(headers: &HeaderMap) -> Result<u64, Refusal> {
             .to_str()
             .ok()
             .and_then(|text| text.parse().ok())
-            .ok_or(Refusal(StatusCode::BAD_REQUEST, "fence_invalid")),
+            .ok_or(Refusal(StatusCode::BAD_REQUEST, "fence_invalid", None)),
     }
 }
 
 fn source(token: &str) -> Result<Source, Refusal> {
-    Source::parse(token).ok_or(Refusal(StatusCode::BAD_REQUEST, "unknown_source"))
+    Source::parse(token).ok_or(Refusal(StatusCode::BAD_REQUEST, "unknown_source", None))
 }
 
 fn payment_json(payment: Payment) -> Json<PaymentJson> {
@@ -159,9 +196,20 @@ async fn create_payment(
             source,
             new.amount,
             new.capture,
+            &new.reference,
         )
         .await?;
     Ok(payment_json(payment))
+}
+
+async fn list_payments(
+    State(provider): State<Provider>,
+    Query(query): Query<ListQuery>,
+) -> Result<Json<PaymentList>, Refusal> {
+    let data = provider
+        .payments_since(query.created_gte, query.limit)
+        .await?;
+    Ok(Json(PaymentList { data }))
 }
 
 async fn find_payment(
@@ -175,7 +223,7 @@ async fn find_payment(
         .await?
     {
         Some(payment) => Ok(payment_json(payment)),
-        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_payment")),
+        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_payment", None)),
     }
 }
 
@@ -187,7 +235,7 @@ async fn find_call(
     let known = provider.find_call_described(&key, &query.request).await?;
     match known {
         Some(id) => Ok(Json(IdJson { id })),
-        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_call")),
+        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_call", None)),
     }
 }
 

@@ -13,10 +13,18 @@
 //! seen (`412` `superseded`, [`ProviderError::Superseded`], not retried).
 //!
 //! The answers map back to [`Payment`] and [`ProviderError`], as the in-process calls answered,
-//! so the charges' state machine does not change. An answer the client cannot use (no answer
-//! within the deadline, an unreadable one) is [`ProviderError::Unavailable`], as a failure of the
-//! provider's own key table is: what happened is unknown, and a retry with the same key finds out.
+//! so the charges' state machine does not change. A call whose outcome is not known is
+//! [`ProviderError::Unknown`], never [`ProviderError::Unavailable`]: no answer within the
+//! deadline, an unreadable one, the provider's `500`, and a final `503` when an earlier attempt
+//! of the same call went unanswered (the provider may still be making it). Only a `503` to
+//! every attempt says nothing happened.
 
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -25,14 +33,14 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tower::{Layer, ServiceExt};
-use tower_idempotency_client::{IdempotentRetry, IdempotentRetryLayer};
+use tower::{Layer, Service, ServiceExt};
+use tower_idempotency_client::IdempotentRetryLayer;
 
 use super::api::{
-    self, CallQuery, ErrorJson, FENCE_HEADER, IdJson, KEY_HEADER, NewPayment, NewRefund,
-    PaymentJson,
+    self, CallQuery, ErrorJson, FENCE_HEADER, IdJson, KEY_HEADER, ListQuery, NewPayment, NewRefund,
+    PaymentJson, PaymentList,
 };
-use super::{Outcome, Payment, Provider, ProviderError, Request as Call, Source};
+use super::{Outcome, Payment, PaymentRecord, Provider, ProviderError, Request as Call, Source};
 
 /// The most times one provider call is sent: 3, so a provider that is down for a moment (a
 /// `503`) gets two more tries within the charge request, and one that is down for good costs a
@@ -60,20 +68,42 @@ const ANSWER_LIMIT: usize = 64 * 1024;
 /// A client of the provider's API; clones share the provider.
 #[derive(Debug, Clone)]
 pub struct ProviderClient {
-    api: IdempotentRetry<Router>,
+    retry: IdempotentRetryLayer,
+    api: Router,
 }
 
 impl ProviderClient {
     /// A client of `provider`'s API, served in process.
     pub fn new(provider: Provider) -> Self {
-        let layer = IdempotentRetryLayer::new()
+        let retry = IdempotentRetryLayer::new()
             .max_attempts(ATTEMPTS)
             .attempt_timeout(ATTEMPT_TIMEOUT)
             .deadline(DEADLINE)
             .backoff(BACKOFF.0, BACKOFF.1);
         Self {
-            api: layer.layer(api::router(provider)),
+            retry,
+            api: api::router(provider),
         }
+    }
+
+    /// `GET /v1/payments`: up to `limit` payments made since `since` (milliseconds since the Unix
+    /// epoch), oldest first.
+    pub async fn payments_since(
+        &self,
+        since: u64,
+        limit: usize,
+    ) -> Result<Vec<PaymentRecord>, ProviderError> {
+        let query = ListQuery {
+            created_gte: since,
+            limit,
+        };
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("created_gte", &query.created_gte.to_string())
+            .append_pair("limit", &query.limit.to_string())
+            .finish();
+        let path = format!("/v1/payments?{query}");
+        let (status, answer) = self.send(Method::GET, &path, None, None).await?;
+        decode::<PaymentList>(status, &answer).map(|list| list.data)
     }
 
     /// `POST /v1/payments`: creates a payment of `amount` from `source`, authorized only or
@@ -85,8 +115,10 @@ impl ProviderClient {
         source: Source,
         amount: i64,
         capture: bool,
+        reference: &str,
     ) -> Result<Payment, ProviderError> {
-        let body = new_payment(source, amount, capture);
+        let mut body = new_payment(source, amount, capture);
+        body.reference = reference.to_owned();
         let (status, answer) = self
             .send(
                 Method::POST,
@@ -175,7 +207,14 @@ impl ProviderClient {
                 Some(json(&body)?),
             )
             .await?;
-        decode::<IdJson>(status, &answer).map(|refund| refund.id)
+        decode::<IdJson>(status, &answer)
+            .map(|refund| refund.id)
+            .map_err(|err| match err {
+                ProviderError::AmountTooLarge { refundable, .. } => {
+                    ProviderError::AmountTooLarge { amount, refundable }
+                }
+                err => err,
+            })
     }
 
     /// `POST /v1/payments/{id}/cancel`: releases an authorized payment.
@@ -208,9 +247,14 @@ impl ProviderClient {
         let request = request
             .body(Full::new(body.unwrap_or_default()))
             .map_err(|err| unusable("building the call", &err))?;
+        let unknown = Arc::new(AtomicBool::new(false));
+        let watched = Watched {
+            api: self.api.clone(),
+            unknown: unknown.clone(),
+        };
         let response = self
-            .api
-            .clone()
+            .retry
+            .layer(watched)
             .oneshot(request)
             .await
             .map_err(|err| unusable("calling the provider", &err))?;
@@ -220,7 +264,62 @@ impl ProviderClient {
             .await
             .map_err(|err| unusable("reading the answer", &*err))?
             .to_bytes();
+        // The provider's last 503 says nothing of an earlier attempt it may still be making.
+        if status == StatusCode::SERVICE_UNAVAILABLE && unknown.load(Ordering::SeqCst) {
+            tracing::warn!("provider: down now, after an attempt whose answer was lost");
+            return Err(ProviderError::Unknown);
+        }
         Ok((status, answer))
+    }
+}
+
+/// The provider's API, noting whether any attempt of one call ended without a decided answer: cut
+/// off (its timeout, the deadline) before the answer came, or answered `500`.
+#[derive(Clone)]
+struct Watched {
+    api: Router,
+    unknown: Arc<AtomicBool>,
+}
+
+type Answer = axum::http::Response<axum::body::Body>;
+
+impl Service<Request<Full<Bytes>>> for Watched {
+    type Response = Answer;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Answer, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // A Router is always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Full<Bytes>>) -> Self::Future {
+        let attempt = self.api.clone().oneshot(request);
+        let mut pending = Pending(Some(self.unknown.clone()));
+        Box::pin(async move {
+            let answer = attempt.await;
+            if answer
+                .as_ref()
+                .is_ok_and(|a| a.status() == StatusCode::INTERNAL_SERVER_ERROR)
+                && let Some(unknown) = pending.0.take()
+            {
+                unknown.store(true, Ordering::SeqCst);
+            }
+            // Answered: nothing to mark.
+            drop(pending.0.take());
+            answer
+        })
+    }
+}
+
+/// Marks its call's outcome unknown when dropped before its answer came.
+struct Pending(Option<Arc<AtomicBool>>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(unknown) = self.0.take() {
+            unknown.store(true, Ordering::SeqCst);
+        }
     }
 }
 
@@ -235,6 +334,7 @@ fn new_payment(source: Source, amount: i64, capture: bool) -> NewPayment {
         source: source.token().to_owned(),
         amount,
         capture,
+        reference: String::new(),
     }
 }
 
@@ -243,15 +343,25 @@ fn decode<T: DeserializeOwned>(status: StatusCode, answer: &[u8]) -> Result<T, P
     if status.is_success() {
         return serde_json::from_slice(answer).map_err(|err| unusable("reading the answer", &err));
     }
-    let code = serde_json::from_slice::<ErrorJson>(answer).map(|refusal| refusal.error);
-    match (status, code.as_deref()) {
+    let refusal = serde_json::from_slice::<ErrorJson>(answer);
+    let code = refusal.as_ref().map(|refusal| refusal.error.as_str());
+    match (status, code) {
         (StatusCode::UNPROCESSABLE_ENTITY, Ok("key_reused")) => Err(ProviderError::KeyReused),
         (StatusCode::PRECONDITION_FAILED, Ok("superseded")) => Err(ProviderError::Superseded),
-        // After the layer's last attempt: the provider is still down.
+        (StatusCode::NOT_FOUND, Ok("no_such_payment")) => Err(ProviderError::NoSuchPayment),
+        (StatusCode::BAD_REQUEST, Ok("amount_too_large")) => Err(ProviderError::AmountTooLarge {
+            amount: 0,
+            refundable: refusal
+                .as_ref()
+                .ok()
+                .and_then(|refusal| refusal.refundable)
+                .unwrap_or(0),
+        }),
+        // After the layer's last attempt, each a 503: the provider is still down.
         (StatusCode::SERVICE_UNAVAILABLE, _) => Err(ProviderError::Unavailable),
         (status, code) => {
             tracing::warn!(%status, ?code, "provider: an answer this client does not expect");
-            Err(ProviderError::Unavailable)
+            Err(ProviderError::Unknown)
         }
     }
 }
@@ -275,9 +385,9 @@ fn payment(answer: PaymentJson) -> Result<Payment, ProviderError> {
     })
 }
 
-/// The call failed on this side, or ended without a usable answer: what happened is unknown, so
-/// it is answered as the provider unavailable (a retry with the same key finds out).
+/// The call failed on this side, or ended without a usable answer: what happened is unknown (a
+/// retry with the same key finds out).
 fn unusable(what: &str, err: &(dyn std::error::Error + 'static)) -> ProviderError {
     tracing::warn!(error = %super::super::report(err), "provider: {what} failed");
-    ProviderError::Unavailable
+    ProviderError::Unknown
 }

@@ -45,7 +45,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
 pub use client::ProviderClient;
-pub use keys::{KeyTable, KeyTableError, Used};
+pub use keys::{KeyTable, KeyTableError, Used, now_ms};
 
 /// How long the provider remembers a key: 24 hours.
 pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
@@ -54,13 +54,16 @@ pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
 pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// A card token of the test mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Source {
     /// `tok_visa`: approved.
+    #[serde(rename = "tok_visa")]
     Visa,
     /// `tok_chargeDeclined`: declined by the issuer.
+    #[serde(rename = "tok_chargeDeclined")]
     ChargeDeclined,
     /// `tok_pspUnavailable`: the provider is down for this call.
+    #[serde(rename = "tok_pspUnavailable")]
     ProviderUnavailable,
 }
 
@@ -94,7 +97,8 @@ pub struct Payment {
 }
 
 /// What the provider did with a new payment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// The payment is authorized: the money is held, not yet taken.
     Authorized,
@@ -104,13 +108,26 @@ pub enum Outcome {
     Declined,
 }
 
-/// A call the provider refused; in every case nothing happened.
+/// A call that did not get the provider's answer. Every refusal means nothing happened;
+/// [`ProviderError::Unknown`] alone means the call may have taken effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProviderError {
-    /// The provider could not be reached: a retry with the same key is safe.
+    /// The provider said it was down, before doing anything: nothing happened, and a retry with
+    /// the same key is safe.
     #[error("the payment provider is unavailable")]
     Unavailable,
+    /// No usable answer: the call timed out, its connection was lost after it was sent, or the
+    /// provider failed midway. Whether it took effect is not known; a call with the same key, or
+    /// a look-up by it, finds out.
+    #[error("the payment provider's answer was lost: the outcome is unknown")]
+    Unknown,
+    /// A refund of more than what is left of its payment (Stripe's `amount_too_large`).
+    #[error("a refund of {amount} is more than the {refundable} left of the payment")]
+    AmountTooLarge { amount: i64, refundable: i64 },
+    /// A refund of a payment the provider never made.
+    #[error("no such payment")]
+    NoSuchPayment,
     /// The key was used, within the provider's window, for another request.
     #[error("the idempotency key was used for another request")]
     KeyReused,
@@ -118,6 +135,37 @@ pub enum ProviderError {
     /// of the client's key took over.
     #[error("a later run of this operation called the provider: this run was superseded")]
     Superseded,
+}
+
+/// A payment as the provider keeps it, for as long as a real one would (not for a key's window):
+/// what [`Provider::payments_since`] lists, and what bounds its refunds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PaymentRecord {
+    pub id: String,
+    /// The idempotency key it was made under.
+    pub key: String,
+    pub amount: i64,
+    /// How much of it was refunded.
+    pub refunded: i64,
+    pub source: Source,
+    pub capture: bool,
+    pub outcome: Outcome,
+    /// When it was made, in milliseconds since the Unix epoch.
+    pub created: u64,
+    /// The caller's own reference, kept as given (the example's: the account and the charge's
+    /// details, so that a payment no charge names can be matched to its operation).
+    pub reference: String,
+}
+
+/// What a call does besides answering, in the same atomic step as its key's claim.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    /// Nothing besides the key (a capture, a cancellation).
+    None,
+    /// A new payment is recorded.
+    Payment(PaymentRecord),
+    /// `amount` of `payment` is refunded, unless that is more than is left of it.
+    Refund { payment: String, amount: i64 },
 }
 
 /// Where every call stops for good, as a process that dies there would ([`Provider::hang`],
@@ -205,6 +253,10 @@ struct Inner {
     down_for: AtomicUsize,
     /// Where every call hangs ([`Hang::code`]; tests).
     hang: AtomicU8,
+    /// Holds every call before its effect while a test holds it for writing, as a locked key
+    /// table would ([`Provider::stall`]); and how many calls wait there.
+    gate: Arc<tokio::sync::RwLock<()>>,
+    stalled: AtomicUsize,
     keys: KeyTable,
     ids: RandomState,
     next_id: AtomicUsize,
@@ -233,6 +285,8 @@ impl Provider {
                 outage: AtomicBool::new(false),
                 down_for: AtomicUsize::new(0),
                 hang: AtomicU8::new(0),
+                gate: Arc::default(),
+                stalled: AtomicUsize::new(0),
                 keys,
                 ids: RandomState::new(),
                 next_id: AtomicUsize::new(0),
@@ -241,7 +295,7 @@ impl Provider {
     }
 
     /// Creates a payment of `amount` from `source`, authorized only or also captured, under a
-    /// claim numbered `fence`.
+    /// claim numbered `fence`; `reference` is kept with it, as given.
     pub async fn create_payment(
         &self,
         key: &str,
@@ -249,6 +303,7 @@ impl Provider {
         source: Source,
         amount: i64,
         capture: bool,
+        reference: &str,
     ) -> Result<Payment, ProviderError> {
         tracing::debug!(amount, ?source, capture, "provider: create payment");
         let request = Request::CreatePayment {
@@ -257,13 +312,51 @@ impl Provider {
             capture,
         };
         let unavailable = source == Source::ProviderUnavailable;
+        let record = PaymentRecord {
+            id: self.new_id("py"),
+            key: key.to_owned(),
+            amount,
+            refunded: 0,
+            source,
+            capture,
+            outcome: outcome(source, capture),
+            created: 0,
+            reference: reference.to_owned(),
+        };
+        let id = record.id.clone();
         let id = self
-            .call(key, fence, request, unavailable, || self.new_id("py"))
+            .call(
+                key,
+                fence,
+                request,
+                unavailable,
+                id,
+                Effect::Payment(record),
+            )
             .await?;
         Ok(Payment {
             id,
             outcome: outcome(source, capture),
         })
+    }
+
+    /// Up to `limit` payments made since `since` (milliseconds since the Unix epoch), oldest
+    /// first: the provider's side of a reconciliation, as a real provider's payments report.
+    pub async fn payments_since(
+        &self,
+        since: u64,
+        limit: usize,
+    ) -> Result<Vec<PaymentRecord>, ProviderError> {
+        let inner = &self.inner;
+        inner.calls.fetch_add(1, Ordering::SeqCst);
+        if self.is_down() {
+            return Err(ProviderError::Unavailable);
+        }
+        inner
+            .keys
+            .payments_since(since, limit)
+            .await
+            .map_err(table_unavailable)
     }
 
     /// The payment a [`Provider::create_payment`] call with `key` made for this request (`source`,
@@ -362,14 +455,16 @@ impl Provider {
 
     /// Captures an authorized payment.
     pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
-        self.call(key, fence, Request::Capture { payment }, false, || {
-            payment.to_owned()
-        })
-        .await
-        .map(drop)
+        let request = Request::Capture { payment };
+        self.call(key, fence, request, false, payment.to_owned(), Effect::None)
+            .await
+            .map(drop)
     }
 
-    /// Refunds `amount` of a captured payment; answers the refund's id.
+    /// Refunds `amount` of a captured payment; answers the refund's id. Refused, and nothing
+    /// happens, when that is more than is left of the payment ([`ProviderError::AmountTooLarge`]):
+    /// checked in the same atomic step as the key's claim, so two refunds under two keys never
+    /// both pass.
     pub async fn refund(
         &self,
         key: &str,
@@ -378,23 +473,21 @@ impl Provider {
         amount: i64,
     ) -> Result<String, ProviderError> {
         tracing::debug!(payment, amount, "provider: refund");
-        self.call(
-            key,
-            fence,
-            Request::Refund { payment, amount },
-            false,
-            || self.new_id("re"),
-        )
-        .await
+        let effect = Effect::Refund {
+            payment: payment.to_owned(),
+            amount,
+        };
+        let request = Request::Refund { payment, amount };
+        self.call(key, fence, request, false, self.new_id("re"), effect)
+            .await
     }
 
     /// Releases an authorized payment.
     pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
-        self.call(key, fence, Request::Cancel { payment }, false, || {
-            payment.to_owned()
-        })
-        .await
-        .map(drop)
+        let request = Request::Cancel { payment };
+        self.call(key, fence, request, false, payment.to_owned(), Effect::None)
+            .await
+            .map(drop)
     }
 
     /// How many calls reached the provider, repeated and failed ones included.
@@ -434,6 +527,20 @@ impl Provider {
                 .is_ok()
     }
 
+    /// Holds every call before its effect until the guard is dropped, as a locked key table
+    /// would: a caller that gives up meanwhile does not stop it, and the held calls take effect
+    /// once let go (tests).
+    #[allow(dead_code)] // for tests
+    pub async fn stall(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.inner.gate.clone().write_owned().await
+    }
+
+    /// How many calls [`Provider::stall`] holds now (tests).
+    #[allow(dead_code)] // for tests
+    pub fn stalled(&self) -> usize {
+        self.inner.stalled.load(Ordering::SeqCst)
+    }
+
     /// Makes every call from now on stop for good `at` that point (`None`: none does), as a
     /// process that dies there would.
     #[allow(dead_code)] // for tests
@@ -454,39 +561,60 @@ impl Provider {
     }
 
     /// One call: the id answered before for a key used for the same request, a refusal for a key
-    /// used for another one or with a larger fence, or else `effect` run once and its id
-    /// remembered.
+    /// used for another one or with a larger fence, or else `effect` made once, answered `id`.
+    /// The call runs in a task of its own, as on a provider's server: a caller that stops waiting
+    /// (its timeout, a lost connection) does not stop it.
     async fn call(
         &self,
         key: &str,
         fence: u64,
         request: Request<'_>,
         unavailable: bool,
-        effect: impl FnOnce() -> String,
+        id: String,
+        effect: Effect,
+    ) -> Result<String, ProviderError> {
+        self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        let this = self.clone();
+        let (key, request) = (key.to_owned(), request.describe());
+        let call = async move {
+            this.run(&key, fence, request, unavailable, id, effect)
+                .await
+        };
+        // A call that panicked ended without an answer: its outcome is unknown.
+        tokio::spawn(call)
+            .await
+            .unwrap_or(Err(ProviderError::Unknown))
+    }
+
+    async fn run(
+        &self,
+        key: &str,
+        fence: u64,
+        request: String,
+        unavailable: bool,
+        id: String,
+        effect: Effect,
     ) -> Result<String, ProviderError> {
         let inner = &self.inner;
-        inner.calls.fetch_add(1, Ordering::SeqCst);
         if !inner.latency.is_zero() {
             tokio::time::sleep(inner.latency).await;
         }
-        let request = request.describe();
         self.hang_at(Hang::BeforeEffect).await;
+        inner.stalled.fetch_add(1, Ordering::SeqCst);
+        drop(inner.gate.read().await);
+        inner.stalled.fetch_sub(1, Ordering::SeqCst);
         // A provider that is down does nothing new, but still answers a key it knows.
         let earlier = if unavailable || self.is_down() {
-            let known = inner.keys.get(key).await.map_err(table_unavailable)?;
+            let known = inner.keys.get(key).await.map_err(table_failed)?;
             known.ok_or(ProviderError::Unavailable)?
         } else {
             let used = Used {
                 request: request.clone(),
-                id: effect(),
+                id,
                 fence,
             };
-            let earlier = inner
-                .keys
-                .insert(key, &used)
-                .await
-                .map_err(table_unavailable)?;
-            let Some(earlier) = earlier else {
+            let inserted = inner.keys.insert(key, &used, effect).await;
+            let Some(earlier) = inserted.map_err(table_failed)?? else {
                 inner.effects.fetch_add(1, Ordering::SeqCst);
                 self.hang_at(Hang::AfterEffect).await;
                 return Ok(used.id);
@@ -528,11 +656,17 @@ fn outcome(source: Source, capture: bool) -> Outcome {
     }
 }
 
-/// A key table that failed makes the provider unavailable: what happened to the call is unknown,
-/// and a retry with the same key finds out.
+/// A key table that failed during a look-up: the provider cannot answer now.
 fn table_unavailable(err: KeyTableError) -> ProviderError {
     tracing::warn!(error = %super::report(&err), "provider: the key table failed");
     ProviderError::Unavailable
+}
+
+/// A key table that failed during a call: its write may have happened (a commit whose answer was
+/// lost), so the outcome is unknown, and a retry with the same key finds out.
+fn table_failed(err: KeyTableError) -> ProviderError {
+    tracing::warn!(error = %super::report(&err), "provider: the key table failed during a call");
+    ProviderError::Unknown
 }
 
 #[cfg(test)]
@@ -543,11 +677,11 @@ mod tests {
     async fn a_repeated_key_gets_the_first_reply_without_a_second_effect() {
         let provider = Provider::default();
         let first = provider
-            .create_payment("k1", 0, Source::Visa, 100, true)
+            .create_payment("k1", 0, Source::Visa, 100, true, "")
             .await
             .unwrap();
         let again = provider
-            .create_payment("k1", 0, Source::Visa, 100, true)
+            .create_payment("k1", 0, Source::Visa, 100, true, "")
             .await
             .unwrap();
         assert_eq!(first, again);
@@ -555,7 +689,7 @@ mod tests {
         assert_eq!((provider.calls(), provider.effects()), (2, 1));
 
         let other = provider
-            .create_payment("k2", 0, Source::Visa, 100, false)
+            .create_payment("k2", 0, Source::Visa, 100, false, "")
             .await
             .unwrap();
         assert_ne!(other.id, first.id);
@@ -567,40 +701,40 @@ mod tests {
     async fn a_smaller_fence_is_refused_and_an_equal_or_larger_one_resends() {
         let provider = Provider::default();
         let payment = provider
-            .create_payment("k", 20, Source::Visa, 100, true)
+            .create_payment("k", 20, Source::Visa, 100, true, "")
             .await
             .unwrap();
         assert_eq!(
             provider
-                .create_payment("k", 10, Source::Visa, 100, true)
+                .create_payment("k", 10, Source::Visa, 100, true, "")
                 .await,
             Err(ProviderError::Superseded),
             "a run taken over acts no more"
         );
         assert_eq!(
             provider
-                .create_payment("k", 20, Source::Visa, 100, true)
+                .create_payment("k", 20, Source::Visa, 100, true, "")
                 .await,
             Ok(payment.clone()),
             "the same claim's resend"
         );
         assert_eq!(
             provider
-                .create_payment("k", 30, Source::Visa, 100, true)
+                .create_payment("k", 30, Source::Visa, 100, true, "")
                 .await,
             Ok(payment.clone()),
             "a later claim of the same request gets the same payment"
         );
         assert_eq!(
             provider
-                .create_payment("k", 20, Source::Visa, 100, true)
+                .create_payment("k", 20, Source::Visa, 100, true, "")
                 .await,
             Err(ProviderError::Superseded),
             "the key keeps the largest fence"
         );
         assert_eq!(
             provider
-                .create_payment("k", 40, Source::Visa, 101, true)
+                .create_payment("k", 40, Source::Visa, 101, true, "")
                 .await,
             Err(ProviderError::KeyReused),
             "another request is refused whatever its fence"
@@ -618,7 +752,7 @@ mod tests {
         let provider = Provider::default();
         for _ in 0..2 {
             let reply = provider
-                .create_payment("k", 0, Source::ChargeDeclined, 100, true)
+                .create_payment("k", 0, Source::ChargeDeclined, 100, true, "")
                 .await
                 .unwrap();
             assert_eq!(reply.outcome, Outcome::Declined);
@@ -631,7 +765,7 @@ mod tests {
         let provider = Provider::default();
         for _ in 0..2 {
             let reply = provider
-                .create_payment("k", 0, Source::ProviderUnavailable, 100, true)
+                .create_payment("k", 0, Source::ProviderUnavailable, 100, true, "")
                 .await;
             assert_eq!(reply, Err(ProviderError::Unavailable));
         }
@@ -651,18 +785,18 @@ mod tests {
     async fn a_key_is_bound_to_its_operation_and_parameters() {
         let provider = Provider::default();
         let payment = provider
-            .create_payment("k", 0, Source::Visa, 100, true)
+            .create_payment("k", 0, Source::Visa, 100, true, "")
             .await
             .unwrap();
         let reused = [
             provider
-                .create_payment("k", 0, Source::Visa, 101, true)
+                .create_payment("k", 0, Source::Visa, 101, true, "")
                 .await,
             provider
-                .create_payment("k", 0, Source::Visa, 100, false)
+                .create_payment("k", 0, Source::Visa, 100, false, "")
                 .await,
             provider
-                .create_payment("k", 0, Source::ChargeDeclined, 100, true)
+                .create_payment("k", 0, Source::ChargeDeclined, 100, true, "")
                 .await,
         ];
         for reply in reused {
@@ -702,9 +836,10 @@ mod tests {
             Ok(None)
         );
         let payment = provider
-            .create_payment("k", 0, Source::Visa, 100, false)
+            .create_payment("k", 0, Source::Visa, 100, false, "")
             .await
             .unwrap();
+        let payment_id = payment.id.clone();
         assert_eq!(
             provider.find_payment("k", Source::Visa, 100, false).await,
             Ok(Some(payment))
@@ -714,7 +849,7 @@ mod tests {
             Ok(None),
             "the key was used for another request"
         );
-        provider.refund("r", 0, "py_1", 100).await.unwrap();
+        provider.refund("r", 0, &payment_id, 100).await.unwrap();
         assert_eq!(
             provider.find_payment("r", Source::Visa, 100, true).await,
             Ok(None)
@@ -726,29 +861,67 @@ mod tests {
     async fn a_key_is_new_again_after_the_window() {
         let window = Duration::from_secs(60);
         let provider = Provider::with_keys(Duration::ZERO, KeyTable::memory(window));
-        let refund = provider.refund("k", 0, "py_1", 100).await.unwrap();
+        let paid = provider
+            .create_payment("paid", 0, Source::Visa, 100, true, "")
+            .await
+            .unwrap();
+        let refund = provider.refund("k", 0, &paid.id, 100).await.unwrap();
 
         tokio::time::advance(window - Duration::from_millis(1)).await;
         assert_eq!(
             provider
-                .create_payment("k", 0, Source::Visa, 100, true)
+                .create_payment("k", 0, Source::Visa, 100, true, "")
                 .await,
             Err(ProviderError::KeyReused)
         );
 
         tokio::time::advance(Duration::from_millis(1)).await;
         let payment = provider
-            .create_payment("k", 0, Source::Visa, 100, true)
+            .create_payment("k", 0, Source::Visa, 100, true, "")
             .await
             .unwrap();
         assert_ne!(payment.id, refund);
         assert_eq!(payment.outcome, Outcome::Captured);
         assert_eq!(
             provider
-                .create_payment("k", 0, Source::Visa, 100, true)
+                .create_payment("k", 0, Source::Visa, 100, true, "")
                 .await,
             Ok(payment)
         );
-        assert_eq!((provider.calls(), provider.effects()), (4, 2));
+        assert_eq!((provider.calls(), provider.effects()), (5, 3));
+    }
+
+    #[tokio::test]
+    async fn a_refund_beyond_what_is_left_of_its_payment_is_refused() {
+        let provider = Provider::default();
+        let payment = provider
+            .create_payment("pay", 0, Source::Visa, 1000, true, "")
+            .await
+            .unwrap();
+        provider.refund("r1", 0, &payment.id, 600).await.unwrap();
+        assert_eq!(
+            provider.refund("r2", 0, &payment.id, 600).await,
+            Err(ProviderError::AmountTooLarge {
+                amount: 600,
+                refundable: 400
+            })
+        );
+        provider.refund("r3", 0, &payment.id, 400).await.unwrap();
+        assert_eq!(
+            provider.refund("r1", 0, &payment.id, 600).await.map(drop),
+            Ok(()),
+            "a resend gets its first reply"
+        );
+        assert_eq!(
+            provider.refund("r4", 0, "py_none", 1).await,
+            Err(ProviderError::NoSuchPayment)
+        );
+        assert_eq!(provider.effects(), 3, "one payment, two refunds");
+        let listed = provider.payments_since(0, 10).await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(
+            (listed[0].id.as_str(), listed[0].refunded),
+            (payment.id.as_str(), 1000)
+        );
     }
 }
