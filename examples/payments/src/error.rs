@@ -348,6 +348,9 @@ pub fn render_problem(problem: &Problem) -> RenderedProblem {
         // The database refused the charge's writes at commit: nothing was done, and sending the
         // same request again would be refused again.
         ProblemKind::CommitRejected => ("invalid_request_error", "request_rejected"),
+        // The account's quota of stored requests is spent for now: a 429, which Stripe's SDKs
+        // raise as their `RateLimitError`, and retry after `Retry-After`.
+        ProblemKind::QuotaExceeded => ("invalid_request_error", "rate_limit"),
         _ => ("api_error", "internal_error"),
     };
     let document = serde_json::json!({
@@ -363,7 +366,7 @@ pub fn render_problem(problem: &Problem) -> RenderedProblem {
     });
     let retry = matches!(
         problem.kind(),
-        ProblemKind::InFlight | ProblemKind::StoreUnavailable
+        ProblemKind::InFlight | ProblemKind::StoreUnavailable | ProblemKind::QuotaExceeded
     );
     RenderedProblem::new(
         HeaderValue::from_static("application/problem+json"),

@@ -123,7 +123,9 @@
 //! before the reconciler settles it, default 120000, in every mode), `PSP_LATENCY_MS` (the provider's delay per call,
 //! default 0; from 3000 every call outlasts the provider client's attempt timeout),
 //! `IDEMPOTENCY_WAIT_MS` (how long a duplicate of a charge still running waits for its replay
-//! before it gets `409`; unset or 0: `409` at once), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
+//! before it gets `409`; unset or 0: `409` at once), `IDEMPOTENCY_QUOTA_BYTES` (each account's
+//! quota of idempotency record bytes per instance and day, default 67108864: past it the account
+//! gets `429` with `Retry-After`, the others are untouched), `SHUTDOWN_TIMEOUT_MS` (how long a shutdown may take, default 20000: keep it below
 //! the time your orchestrator waits before it kills the process, 30 s on Kubernetes), `RUST_LOG`
 //! (default `info`).
 //!
@@ -224,7 +226,7 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind, ScopeQuota};
 use tower_idempotency_redis::RedisStore;
 
 pub use balance::Balances;
@@ -236,6 +238,12 @@ pub use queue::{ConsumerConfig, Queue};
 
 /// How long a shutdown may take by default: requests in flight and detached work.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The default of `IDEMPOTENCY_QUOTA_BYTES`: what each account's idempotency records may take of
+/// the store, per instance and day (32 MiB at once, then about 400 bytes a second: tens of
+/// thousands of charges in a burst). One account writing records as fast as it can is answered
+/// `429` past it, and the others keep their room (PROTOCOL.md §3.4).
+const QUOTA_BYTES: u64 = 64 << 20;
 
 /// The stream the events go to, when they go to Redis. Hash-tagged: on a cluster, the stream and
 /// its consumer group live in one slot.
@@ -407,6 +415,16 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         shutdown_timeout,
     )
     .await
+}
+
+/// The environment variable `name`, a number of bytes, or `default` when it is unset.
+fn env_bytes(name: &str, default: u64) -> Result<u64, String> {
+    match std::env::var(name) {
+        Ok(bytes) => bytes
+            .parse()
+            .map_err(|_| format!("{name} must be a number of bytes, not {bytes:?}")),
+        Err(_) => Ok(default),
+    }
 }
 
 /// The environment variable `name`, a number of milliseconds, unless it is unset.
@@ -586,6 +604,11 @@ async fn serve(
     // or move one.
     let store = BoxStore::new(SealedStore::new(store, seal_keys()?));
     let mut idempotency = IdempotencyLayer::new(store);
+    // One account cannot fill the store for the others: each has its quota of record bytes.
+    idempotency = idempotency.scope_quota(ScopeQuota::new(env_bytes(
+        "IDEMPOTENCY_QUOTA_BYTES",
+        QUOTA_BYTES,
+    )?));
     // A duplicate of a charge still running waits for it and gets its replay, not a 409.
     if let Some(bound) = env_millis("IDEMPOTENCY_WAIT_MS")? {
         idempotency = idempotency.wait_for_in_flight(bound);

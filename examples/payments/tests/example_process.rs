@@ -897,3 +897,47 @@ fn the_client_example_names_the_key_when_every_answer_is_cut_off() {
     let (status, stderr) = server.wait();
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
 }
+
+/// One account creating charges as fast as it can is answered `429` (`rate_limit`, with
+/// `Retry-After`) once it has written its quota of idempotency records
+/// (`IDEMPOTENCY_QUOTA_BYTES`), and another account's charges are untouched.
+#[test]
+fn one_account_past_its_quota_leaves_the_others_untouched() {
+    let server = Server::start(&[("IDEMPOTENCY_QUOTA_BYTES", "16384")]);
+    let charge = |account: &str, key: &str| {
+        request(
+            server.addr,
+            "POST",
+            "/v1/charges",
+            &[
+                ("Authorization", &format!("Bearer {account}")),
+                ("Idempotency-Key", key),
+                ("Content-Type", "application/json"),
+            ],
+            CHARGE,
+        )
+    };
+    let mut refused = None;
+    for n in 0..200 {
+        let answer = charge("sk_test_flood", &format!("flood-{n}"));
+        if answer.status != 201 {
+            refused = Some((n, answer));
+            break;
+        }
+    }
+    let (n, refused) = refused.expect("the quota refuses the flood");
+    assert!(
+        n >= 4,
+        "half of 16 KiB holds several charges: refused after {n}"
+    );
+    assert_eq!(refused.status, 429, "{refused:?}");
+    assert!(refused.head.contains("retry-after: "), "{refused:?}");
+    assert!(refused.body.contains("\"rate_limit\""), "{refused:?}");
+    for n in 0..3 {
+        let other = charge("sk_test_other", &format!("other-{n}"));
+        assert_eq!(other.status, 201, "the other account charges: {other:?}");
+    }
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
