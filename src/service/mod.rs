@@ -244,7 +244,9 @@ where
             let detail = "this account has stored its quota of requests for now; retry after the \
                  time given, with the same key";
             let retry_after = Some(whole_seconds(wait));
-            let response = self.shared.problem_with(ProblemKind::QuotaExceeded, detail, retry_after);
+            let response =
+                self.shared
+                    .problem_with(ProblemKind::QuotaExceeded, detail, retry_after);
             return ResponseFuture::ready(response);
         }
         let shared = self.shared.clone();
