@@ -1,17 +1,40 @@
 //! The simulation's worlds (`tests/simulation/`) over `RedisStore` and `PgStore`, each on a server
-//! of its own, on real time: the same generator, fault injector and checker as on the memory
-//! store, slower (a run takes seconds, not a millisecond), so fewer seeds, run side by side. Real
-//! time makes a seed's history vary from run to run; the guarantees must hold all the same.
+//! of its own, on real time: the same generator, fault injector, checker and oracle as on the
+//! memory store, slower (a run takes seconds, not a millisecond), so fewer seeds, run side by
+//! side. Real time makes a seed's history vary from run to run; the guarantees must hold all the
+//! same. The oracle's model allows a store's clock and expiry to stray from the run's by an
+//! eighth of the lease.
 
+#[path = "simulation/backend.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod backend;
+#[path = "simulation/bugs.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod bugs;
 #[path = "simulation/checker.rs"]
 #[allow(dead_code, reason = "shared with the simulation on the memory store")]
 mod checker;
+#[path = "simulation/client.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod client;
+#[path = "simulation/faults.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod faults;
+#[path = "simulation/handler.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod handler;
 #[path = "simulation/ledger.rs"]
 #[allow(dead_code, reason = "shared with the simulation on the memory store")]
 mod ledger;
+#[path = "simulation/oracle/mod.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod oracle;
 #[path = "simulation/rng.rs"]
 #[allow(dead_code, reason = "shared with the simulation on the memory store")]
 mod rng;
+#[path = "simulation/setup.rs"]
+#[allow(dead_code, reason = "shared with the simulation on the memory store")]
+mod setup;
 #[path = "simulation/store.rs"]
 #[allow(dead_code, reason = "shared with the simulation on the memory store")]
 mod store;
@@ -21,15 +44,16 @@ mod world;
 
 use std::time::Duration;
 
+use backend::Backend;
+use bugs::Bug;
 use deadpool_redis::redis;
 use sqlx::postgres::PgPoolOptions;
-use store::Backend;
 use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_server::RedisServer;
 use tower_idempotency::BoxStore;
+use tower_idempotency::RecordId;
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
-use world::Bugs;
 
 /// The lease on real time: short, so that a run's leases run out in seconds.
 const LEASE: Duration = Duration::from_millis(400);
@@ -43,24 +67,33 @@ where
     F: Fn(u64) -> Fut,
     Fut: Future<Output = Backend>,
 {
-    let bugs = Bugs::from_env();
+    let bug = Bug::from_env();
+    handler::quiet_flaky_panics();
     let seeds =
         std::env::var("SIM_SEEDS").map_or(SEEDS, |n| n.parse().expect("SIM_SEEDS is a number"));
     let mut runs = tokio::task::JoinSet::new();
     for seed in 0..seeds {
         let backend = backend(seed).await;
-        runs.spawn(async move { (seed, world::world(seed, bugs, backend, LEASE).await) });
+        runs.spawn(async move { (seed, world::world(seed, bug, backend, LEASE).await) });
     }
-    let (mut faults, mut violations) = (0, Vec::new());
+    let (mut faults, mut violations, mut calls, mut answers) = (0, Vec::new(), 0, 0);
     while let Some(run) = runs.join_next().await {
         let (seed, history) = run.expect("a run");
         faults += history.faults.values().sum::<u64>();
         for violation in checker::check(&history).violations {
             violations.push(format!("seed {seed}: {violation}"));
         }
+        (calls, answers) = (
+            calls + history.oracle.calls,
+            answers + history.oracle.answers,
+        );
+        for violation in &history.oracle.violations {
+            violations.push(format!("seed {seed}: {violation}"));
+        }
     }
     println!(
-        "simulation on {name}: {seeds} seeds, {faults} faults, {} violations",
+        "simulation on {name}: {seeds} seeds, {faults} faults, {calls} store calls and {answers} \
+         answers checked, {} violations",
         violations.len()
     );
     assert!(
@@ -83,8 +116,23 @@ async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
                 .expect("a store")
                 .with_prefix(prefix.clone());
             let client = redis::Client::open(url.as_str()).expect("a client");
+            let evicting = (client.clone(), prefix.clone());
             Backend {
                 store: BoxStore::new(store),
+                evict: Box::new(move |id: RecordId| {
+                    let (client, key) = (evicting.0.clone(), format!("{}{{{id}}}", evicting.1));
+                    Box::pin(async move {
+                        let mut conn = client
+                            .get_multiplexed_async_connection()
+                            .await
+                            .expect("a connection");
+                        let _: i64 = redis::cmd("DEL")
+                            .arg(key)
+                            .query_async(&mut conn)
+                            .await
+                            .expect("the record evicted");
+                    })
+                }),
                 // This run's records only: the other runs share the server.
                 forget: Box::new(move || {
                     let (client, pattern) = (client.clone(), format!("{prefix}*"));
@@ -105,7 +153,6 @@ async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
                                 .await
                                 .expect("the run's keys deleted");
                         }
-                        None
                     })
                 }),
                 real_time: true,
@@ -131,8 +178,19 @@ async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
             let store = PgStore::new(pool).with_table(&table);
             store.migrate().await.expect("the run's table");
             let pool = store.pool().clone();
+            let (evicting, delete) = (pool.clone(), format!("DELETE FROM {table} WHERE id = $1"));
             Backend {
                 store: BoxStore::new(store),
+                evict: Box::new(move |id: RecordId| {
+                    let (pool, delete) = (evicting.clone(), delete.clone());
+                    Box::pin(async move {
+                        sqlx::query(&delete)
+                            .bind(id.as_bytes().as_slice())
+                            .execute(&pool)
+                            .await
+                            .expect("the record evicted");
+                    })
+                }),
                 forget: Box::new(move || {
                     let (pool, truncate) = (pool.clone(), format!("TRUNCATE {table}"));
                     Box::pin(async move {
@@ -140,7 +198,6 @@ async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
                             .execute(&pool)
                             .await
                             .expect("the run's records forgotten");
-                        None
                     })
                 }),
                 real_time: true,

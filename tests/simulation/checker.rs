@@ -1,16 +1,17 @@
-//! The history checker: per operation, how many charges; whether every answer a client saw is the
+//! The effect checker: per operation, how many charges; whether every `201` a client saw is the
 //! stored response; whether a completion was lost (a handler finished, its record was never
 //! written, and the layer was never told why). Each finding is held against the guarantee of its
 //! mode under the faults that touched it (PROTOCOL.md §9.10): a violation is a finding the
-//! guarantee rules out.
+//! guarantee rules out. The oracle's violations (`oracle/`) come with the history.
 
 use std::collections::BTreeSet;
 use std::fmt;
 
 use http::StatusCode;
 
+use super::faults::Fault;
+use super::handler::charge_of;
 use super::ledger::Mode;
-use super::store::Fault;
 use super::world::{History, OpHistory};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +78,7 @@ pub fn check(history: &History) -> Verdict {
                 "op-{} ({:?}): {finding:?} under {:?}: {detail}",
                 op.op, op.mode, op.hits
             ));
-            if !allowed(op.mode, finding, &op.hits) {
+            if !allowed(op, finding) {
                 verdict.violations.push(Violation {
                     op: op.op,
                     mode: op.mode,
@@ -99,25 +100,27 @@ fn findings(op: &OpHistory) -> Vec<(Finding, String)> {
             format!("{} charges: {:?}", op.charges.len(), op.charges),
         ));
     }
-    for (status, body) in &op.answers {
-        if *status != StatusCode::CREATED {
+    for answer in &op.answers {
+        if answer.status != StatusCode::CREATED {
             continue;
         }
+        let charge = charge_of(&answer.body);
         let wrong = match &op.record {
             // Every retry from now on gets the record: the client must have seen the same.
-            Some(record) => record != body,
+            Some(record) => charge_of(record) != charge,
             // A transactional store that restarted empty lost the record and the charge together
             // (a database restored from an old backup): nothing is left to hold the answer to.
             None if op.mode == Mode::Transactional && op.hits.contains(&Fault::Restart) => false,
-            // No record left (the store forgot it): the answer must name a charge that was made.
-            None => !op.charges.iter().any(|charge| charge.as_bytes() == body),
+            // No record left (the store forgot it, or kept a tombstone): the answer must name a
+            // charge that was made.
+            None => !op.charges.iter().any(|made| made.as_bytes() == charge),
         };
         if wrong {
             found.push((
                 Finding::WrongAnswer,
                 format!(
-                    "the client got {body:?}, the record holds {:?}, charges {:?}",
-                    op.record, op.charges
+                    "the client got {:?}, the record holds {:?}, charges {:?}",
+                    answer.body, op.record, op.charges
                 ),
             ));
         }
@@ -141,16 +144,25 @@ fn findings(op: &OpHistory) -> Vec<(Finding, String)> {
 }
 
 /// The guarantees (PROTOCOL.md §9.10): fenced and transactional effects never double and answers
-/// never disagree, under any fault; unfenced effects neither while every fault is short (shorter
-/// than the lease, and no claim forgotten). A completion is never lost silently, under any fault:
-/// the runs of an instance that died are not counted.
-fn allowed(mode: Mode, finding: Finding, hits: &BTreeSet<Fault>) -> bool {
+/// never disagree, under any fault but one that forgets records; unfenced effects neither while
+/// every fault is short. A run without a claim (fail-open) and a key whose window passed (§8.6)
+/// are the protocol's own exceptions. A completion is never lost silently, under any fault: the
+/// runs of an instance that died are not counted.
+fn allowed(op: &OpHistory, finding: Finding) -> bool {
+    let hits = &op.hits;
     let long = hits.iter().any(|fault| fault.is_long());
-    match (mode, finding) {
+    let forgot = hits
+        .iter()
+        .any(|fault| *fault == Fault::Restart || fault.loses_record_alone());
+    let by_protocol = op.unprotected || op.window_passed;
+    match (op.mode, finding) {
         (_, Finding::LostCompletion | Finding::FenceNotGrowing) => false,
-        (Mode::Unfenced, _) => long,
-        // A store that restarted empty forgot the record a client's answer came from.
-        (_, Finding::WrongAnswer) => hits.contains(&Fault::Restart),
-        (_, Finding::DoubleEffect) => false,
+        (Mode::Unfenced, _) => long || by_protocol,
+        (_, Finding::WrongAnswer) => forgot || by_protocol,
+        (Mode::Fenced, Finding::DoubleEffect) => op.unprotected,
+        // The record lost alone: the work it recorded stays committed, and a retry does it again.
+        (Mode::Transactional, Finding::DoubleEffect) => {
+            hits.iter().any(|fault| fault.loses_record_alone()) || by_protocol
+        }
     }
 }

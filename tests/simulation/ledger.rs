@@ -57,6 +57,8 @@ struct State {
     rows: HashMap<usize, (String, Fence)>,
     /// Which claim finished each run, per operation (token, instance).
     finished: Vec<(usize, ClaimToken, usize)>,
+    /// Operations a handler ran for without a claim (fail-open, §9.7).
+    unprotected: std::collections::HashSet<usize>,
 }
 
 pub struct Ledger {
@@ -91,6 +93,17 @@ impl Ledger {
         let charge = Self::new_charge(&mut state, op);
         state.charges.entry(op).or_default().push(charge.clone());
         charge
+    }
+
+    /// A run without a claim (fail-open): a new charge, whatever the mode, since nothing guards it.
+    pub fn unprotected(&self, op: usize) -> String {
+        self.state.lock().unwrap().unprotected.insert(op);
+        self.charge(op)
+    }
+
+    /// Whether a handler ran for `op` without a claim.
+    pub fn ran_unprotected(&self, op: usize) -> bool {
+        self.state.lock().unwrap().unprotected.contains(&op)
     }
 
     /// Fenced: the operation's one charge, made by the first run; a later run with a fence at

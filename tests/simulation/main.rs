@@ -1,34 +1,45 @@
 //! A deterministic simulation of exactly-once under faults: many seeded runs of instances of the
-//! layer over one faulty store, clients retrying, and handlers charging a ledger in three modes,
-//! each run's history held against the guarantees of PROTOCOL.md §9.10.
+//! layer, each configured as its seed says, over one faulty store, clients retrying through the
+//! crate's client layer, and handlers charging a ledger in three modes. Each run's history is
+//! held against the guarantees of PROTOCOL.md §9.10, and every store call and every answer
+//! against the oracle (`oracle/`).
 //!
 //! ```text
-//! cargo test --test simulation                      # the CI seeds (2,000)
-//! SIM_SEEDS=100000 cargo test --test simulation     # more
-//! SIM_SEED=1234 cargo test --test simulation        # one seed, its history printed
-//! SIM_BUG=no-replication-wait|unguarded-effects ... # a bug put back: the checker must flag it
+//! cargo test --all-features --test simulation                  # the CI seeds (2,000)
+//! SIM_SEEDS=100000 cargo test --all-features --test simulation # more
+//! SIM_SEED=1234 cargo test --all-features --test simulation    # one seed, its history printed
+//! SIM_BUG=<name> ...                  # a bug put back (`bugs.rs`): the checker must flag it
 //! ```
 //!
-//! The last line is the summary:
+//! The last two lines are the summary:
 //! `simulation: <seeds> seeds, <faults> faults, double effects fenced=<a> transactional=<b>
-//! unfenced=<c>, lost completions=<d>, wrong answers=<e>`.
+//! unfenced=<c>, lost completions=<d>, wrong answers=<e>` and
+//! `oracle: <calls> store calls checked, <answers> answers checked, <violations> violations`.
 
+mod backend;
+mod bugs;
 mod checker;
+mod client;
+mod faults;
+mod handler;
 mod ledger;
+mod oracle;
 mod rng;
+mod setup;
 mod store;
 mod world;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use world::Bugs;
+use bugs::Bug;
 
 const CI_SEEDS: u64 = 2_000;
 
 fn main() {
     let started = Instant::now();
-    let bugs = Bugs::from_env();
+    let bug = Bug::from_env();
+    handler::quiet_flaky_panics();
     let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
         Ok(seed) => vec![seed.parse().expect("SIM_SEED is a number")],
         Err(_) => {
@@ -41,16 +52,18 @@ fn main() {
     // One seed, one history: run one twice and compare.
     let probe = seeds[0];
     assert_eq!(
-        world::run(probe, bugs).digest(),
-        world::run(probe, bugs).digest(),
+        world::run(probe, bug).digest(),
+        world::run(probe, bug).digest(),
         "seed {probe} made two different histories: the simulation is not deterministic"
     );
 
-    let mut faults: BTreeMap<store::Fault, u64> = BTreeMap::new();
+    let mut faults: BTreeMap<faults::Fault, u64> = BTreeMap::new();
     let (mut doubles, mut lost, mut wrong, mut stale) = ([0; 3], 0, 0, 0);
+    let (mut calls, mut answers, mut broken) = (0, 0, 0);
+    let mut by_rule: BTreeMap<String, u64> = BTreeMap::new();
     let mut failing = Vec::new();
     for &seed in &seeds {
-        let history = world::run(seed, bugs);
+        let history = world::run(seed, bug);
         if seeds.len() == 1 {
             println!("{history:#?}");
         }
@@ -67,27 +80,43 @@ fn main() {
         lost += verdict.lost_completions;
         wrong += verdict.wrong_answers;
         stale += verdict.stale_fences;
-        if !verdict.violations.is_empty() {
-            failing.push((seed, verdict.violations));
+        calls += history.oracle.calls;
+        answers += history.oracle.answers;
+        broken += history.oracle.violations.len() as u64;
+        let mut violations: Vec<String> =
+            verdict.violations.iter().map(|v| v.to_string()).collect();
+        for violation in &verdict.violations {
+            *by_rule
+                .entry(format!("{:?}", violation.finding))
+                .or_default() += 1;
+        }
+        for violation in &history.oracle.violations {
+            *by_rule.entry(format!("{:?}", violation.rule)).or_default() += 1;
+            violations.push(violation.to_string());
+        }
+        if !violations.is_empty() {
+            failing.push((seed, violations));
         }
     }
 
     for (seed, violations) in failing.iter().take(5) {
         eprintln!("seed {seed}:");
-        for violation in violations {
+        for violation in violations.iter().take(10) {
             eprintln!("  {violation}");
         }
         let bug = std::env::var("SIM_BUG").map_or(String::new(), |bug| format!("SIM_BUG={bug} "));
         eprintln!("  replay: {bug}SIM_SEED={seed} cargo test --all-features --test simulation");
     }
     let by_class: Vec<String> = faults.iter().map(|(f, n)| format!("{f:?}={n}")).collect();
+    let rules: Vec<String> = by_rule.iter().map(|(r, n)| format!("{r}={n}")).collect();
     let first = failing
         .first()
         .map_or(String::from("none"), |(seed, _)| format!("seed {seed}"));
     println!(
-        "faults by class: {}; fences that did not grow: {stale}; {} of {} seeds violated a guarantee \
-         (the first: {first}); {:.1} s",
+        "faults by class: {}; fences that did not grow: {stale}; violations by rule: [{}]; {} of {} \
+         seeds violated a guarantee (the first: {first}); {:.1} s",
         by_class.join(" "),
+        rules.join(" "),
         failing.len(),
         seeds.len(),
         started.elapsed().as_secs_f64()
@@ -102,6 +131,7 @@ fn main() {
         lost,
         wrong
     );
+    println!("oracle: {calls} store calls checked, {answers} answers checked, {broken} violations");
     if !failing.is_empty() {
         std::process::exit(1);
     }

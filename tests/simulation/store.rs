@@ -1,12 +1,15 @@
-//! The store every instance shares: a real store (the crate's `MemoryStore`, or `RedisStore` or
-//! `PgStore` on a server of its own), behind a seeded fault injector at the `Store` boundary. Calls are delayed, lost before the store saw them, or answered with an
-//! error after the store applied them (a lost reply); a call can stall past the lease. The store
-//! can restart empty, and fail over to a replica that lacks the claims made within the replication
-//! lag. It also models a transactional store (`PgTx`): an effect staged by a handler commits with
-//! its record, in the completion.
+//! The store every instance shares: a real store (`MemoryStore`s, or `RedisStore` or `PgStore` on
+//! a server of its own), sealed if the run seals, behind a seeded fault injector at the `Store`
+//! boundary, with the oracle's model of the store checking every call the injector lets through.
+//! Calls are delayed, lost before the store saw them (with an error of any kind), answered with
+//! an error after the store applied them (a lost reply), applied twice, or stall past the lease;
+//! an instance can be cut off from the store for a while, and read leases with a clock that is
+//! off. The store can restart empty, fail over to a replica that lacks the claims (and perhaps
+//! the completions) of the replication lag, and evict a completed record. It also models a
+//! transactional store (`PgTx`): an effect staged by a handler commits with its record, in the
+//! completion, or is refused for good.
 
 use std::collections::{BTreeSet, HashMap};
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,84 +17,22 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_idempotency::store::{Claim, Store, StoreError};
-use tower_idempotency::{
-    BoxStore, ClaimToken, Completed, Fence, Fingerprint, MemoryStore, RecordId,
-};
+use tower_idempotency::{BoxStore, ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 
+use super::backend::{Backend, Evict, Forget};
+use super::bugs::Bug;
+use super::faults::{Fault, InstanceFaults, Profile, lost_call_error};
 use super::ledger::{Ledger, Staged};
+use super::oracle::Oracle;
+use super::oracle::model::Call;
 use super::rng::Rng;
-
-/// The classes of fault, as the checker reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Fault {
-    /// A call delayed, well within the lease.
-    Delay,
-    /// A call lost before the store saw it.
-    LostCall,
-    /// A reply lost after the store applied the call.
-    LostReply,
-    /// A call stalled for longer than the lease.
-    Stall,
-    /// The store restarted empty.
-    Restart,
-    /// The store failed over to a replica without the claims of the last moments.
-    Failover,
-    /// An instance died, its handlers and detached work with it.
-    Death,
-    /// On real time, the machine itself held the run's tasks back for longer than a delay may
-    /// last (a loaded CI machine): a stall no one injected, but a stall all the same.
-    Starved,
-}
-
-impl Fault {
-    /// Whether the fault can outlast a lease (or forget a claim): then an unfenced effect may run
-    /// twice, by the protocol's own terms (PROTOCOL.md §9.6).
-    pub fn is_long(self) -> bool {
-        matches!(
-            self,
-            Fault::Stall | Fault::Restart | Fault::Death | Fault::Starved
-        )
-    }
-}
-
-/// How often each per-call fault strikes in one run, per mille.
-#[derive(Debug, Clone, Copy)]
-pub struct Profile {
-    pub delay: u64,
-    pub lost_call: u64,
-    pub lost_reply: u64,
-    pub stall: u64,
-}
-
-/// Forgets every record of a store: the same store emptied, or `Some` new one.
-pub type Forget =
-    Box<dyn Fn() -> Pin<Box<dyn Future<Output = Option<BoxStore>> + Send>> + Send + Sync>;
-
-/// A real store and how to make it forget everything (a restart without persistence).
-pub struct Backend {
-    pub store: BoxStore,
-    pub forget: Forget,
-    /// On tokio's real clock (a server's store), where the machine's load can stall a run.
-    pub real_time: bool,
-}
-
-impl Backend {
-    /// A fresh `MemoryStore`; a restart replaces it by another.
-    pub fn memory() -> Self {
-        Self {
-            store: BoxStore::new(MemoryStore::new()),
-            forget: Box::new(|| Box::pin(async { Some(BoxStore::new(MemoryStore::new())) })),
-            real_time: false,
-        }
-    }
-}
 
 /// What the store saw of one claim: how its completion ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Written {
     /// A completion was written (`Ok(true)`).
     pub landed: bool,
-    /// A completion was refused (`Ok(false)`): the layer was told, and logs it.
+    /// A completion was refused (`Ok(false)`, or a transaction rolled back): the layer was told.
     pub refused: bool,
 }
 
@@ -101,8 +42,8 @@ struct Log {
     hits: HashMap<RecordId, BTreeSet<Fault>>,
     /// Each claim's completions, by token.
     written: HashMap<ClaimToken, Written>,
-    /// Claims still inside the replication lag: a failover loses them.
-    unreplicated: Vec<(Instant, RecordId, ClaimToken)>,
+    /// Claims, and completions, still inside the replication lag: a failover loses them.
+    unreplicated: Vec<(Instant, RecordId, Option<ClaimToken>)>,
     /// The records each instance claimed.
     claimed_by: HashMap<usize, BTreeSet<RecordId>>,
     /// The fences of each record's claims, in the order they were made.
@@ -116,8 +57,10 @@ struct Log {
 struct Shared {
     inner: Mutex<BoxStore>,
     forget: Forget,
+    evict: Evict,
     rng: Mutex<Rng>,
     profile: Profile,
+    instances: Vec<InstanceFaults>,
     lease: Duration,
     /// With the replication wait a claim is answered only once the replica has it (after `lag`).
     replication_wait: bool,
@@ -126,7 +69,12 @@ struct Shared {
     delay: Duration,
     failovers: AtomicU64,
     ledger: Arc<Ledger>,
+    oracle: Arc<Oracle>,
+    bug: Bug,
     log: Mutex<Log>,
+    /// Each record's calls reach the store one at a time, so that the model knows their order
+    /// (on the paused clock they are anyway; on real time, this is the price of checking each).
+    order: Mutex<HashMap<RecordId, Arc<tokio::sync::Mutex<()>>>>,
     /// A completion's record write and its transaction's commit are one step, as in a database:
     /// a restart waits for the steps under way, so that it never forgets a record whose effects
     /// then commit, or the effects of a record it kept.
@@ -149,6 +97,20 @@ impl std::fmt::Debug for SimStore {
     }
 }
 
+/// How the store is built for one run.
+pub struct Wiring {
+    pub backend: Backend,
+    /// Wraps the backend (sealing, when the run seals).
+    pub seal: Box<dyn Fn(BoxStore) -> BoxStore + Send + Sync>,
+    pub rng: Rng,
+    pub profile: Profile,
+    pub instances: Vec<InstanceFaults>,
+    pub lease: Duration,
+    pub ledger: Arc<Ledger>,
+    pub oracle: Arc<Oracle>,
+    pub bug: Bug,
+}
+
 /// The world's hold on the store: faults it injects at once, and what it reads at the end.
 #[derive(Clone)]
 pub struct StoreControl {
@@ -156,27 +118,36 @@ pub struct StoreControl {
 }
 
 impl StoreControl {
-    pub fn new(
-        backend: Backend,
-        rng: Rng,
-        profile: Profile,
-        lease: Duration,
-        replication_wait: bool,
-        ledger: Arc<Ledger>,
-    ) -> Self {
+    pub fn new(wiring: Wiring) -> Self {
+        let Wiring {
+            backend,
+            seal,
+            rng,
+            profile,
+            instances,
+            lease,
+            ledger,
+            oracle,
+            bug,
+        } = wiring;
         Self {
             shared: Arc::new(Shared {
-                inner: Mutex::new(backend.store),
+                inner: Mutex::new(seal(backend.store)),
                 forget: backend.forget,
+                evict: backend.evict,
                 rng: Mutex::new(rng),
                 profile,
+                instances,
                 lease,
-                replication_wait,
+                replication_wait: bug != Bug::NoReplicationWait,
                 // In proportion to the lease: a tenth of it, and a twentieth.
                 lag: lease / 20,
                 delay: lease / 10,
                 failovers: AtomicU64::new(0),
                 ledger,
+                oracle,
+                bug,
+                order: Mutex::default(),
                 commit_gate: tokio::sync::RwLock::new(()),
                 log: Mutex::default(),
             }),
@@ -191,58 +162,100 @@ impl StoreControl {
         }
     }
 
+    fn log(&self) -> std::sync::MutexGuard<'_, Log> {
+        self.shared.log.lock().expect("the log's lock")
+    }
+
+    fn hit_all(&self, fault: Fault) {
+        let mut log = self.log();
+        let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
+        for id in claimed {
+            log.hits.entry(id).or_default().insert(fault);
+        }
+        *log.counts.entry(fault).or_default() += 1;
+    }
+
     /// The store comes back empty: every record, and the effects committed with records, gone.
     pub async fn restart(&self) {
         let _no_commit_under_way = self.shared.commit_gate.write().await;
-        if let Some(fresh) = (self.shared.forget)().await {
-            *self.shared.inner.lock().unwrap() = fresh;
-        }
+        (self.shared.forget)().await;
+        self.shared.oracle.forget_all();
         self.shared.ledger.forget_committed();
-        let mut log = self.shared.log.lock().unwrap();
-        let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
-        for id in claimed {
-            log.hits.entry(id).or_default().insert(Fault::Restart);
-        }
-        *log.counts.entry(Fault::Restart).or_default() += 1;
+        self.hit_all(Fault::Restart);
     }
 
     /// The machine held the run back (`Fault::Starved`): every record claimed so far may have
     /// had a handler outlast its lease.
     pub fn starved(&self) {
-        let mut log = self.shared.log.lock().unwrap();
-        let claimed: Vec<RecordId> = log.claimed_by.values().flatten().copied().collect();
-        for id in claimed {
-            log.hits.entry(id).or_default().insert(Fault::Starved);
-        }
-        *log.counts.entry(Fault::Starved).or_default() += 1;
+        self.hit_all(Fault::Starved);
     }
 
-    /// A replica takes over without the claims made within the replication lag.
+    /// A replica takes over without the claims made within the replication lag, and, if the
+    /// run's failovers are lossy, without the completions made within it either.
     pub async fn fail_over(&self) {
         self.shared.failovers.fetch_add(1, Ordering::SeqCst);
         let now = Instant::now();
+        let lossy = self.shared.profile.lossy_failover;
         let lost: Vec<_> = {
-            let mut log = self.shared.log.lock().unwrap();
+            let mut log = self.log();
             *log.counts.entry(Fault::Failover).or_default() += 1;
             let lag = self.shared.lag;
             let (lost, kept) = std::mem::take(&mut log.unreplicated)
                 .into_iter()
-                .partition(|(at, _, _)| *at + lag > now);
+                .partition(|(at, _, token)| *at + lag > now && (token.is_some() || lossy));
             log.unreplicated = kept;
-            for (_, id, _) in &lost {
-                log.hits.entry(*id).or_default().insert(Fault::Failover);
+            for (_, id, token) in &lost {
+                let fault = if token.is_some() {
+                    Fault::Failover
+                } else {
+                    Fault::LostWrites
+                };
+                log.hits.entry(*id).or_default().insert(fault);
             }
             lost
         };
-        let inner = self.shared.inner.lock().unwrap().clone();
         for (_, id, token) in lost {
-            let _ = inner.release(&id, &token).await;
+            match token {
+                // Through the model: the claim is gone as if released.
+                Some(token) => {
+                    let sim = self.handle(usize::MAX, Arc::default());
+                    let _ = sim.checked_release(&id, &token).await;
+                }
+                None => {
+                    *self.log().counts.entry(Fault::LostWrites).or_default() += 1;
+                    self.evict(&id).await;
+                }
+            }
         }
+    }
+
+    /// The store forgets one record.
+    pub async fn evict(&self, id: &RecordId) {
+        let lock = self.handle(usize::MAX, Arc::default()).order(id);
+        let _in_order = lock.lock().await;
+        (self.shared.evict)(*id).await;
+        self.shared.oracle.forget(id);
+    }
+
+    /// Evicts a completed record (`Fault::Evict`), one of `ids` picked by `pick`.
+    pub async fn evict_one(&self, ids: &[RecordId], pick: u64) {
+        let Some(id) = ids.get(pick as usize % ids.len().max(1)) else {
+            return;
+        };
+        if !self.shared.oracle.is_completed(id) {
+            return;
+        }
+        {
+            let mut log = self.log();
+            log.hits.entry(*id).or_default().insert(Fault::Evict);
+            *log.counts.entry(Fault::Evict).or_default() += 1;
+        }
+        self.evict(id).await;
     }
 
     /// An instance died: the records it claimed were touched by its death.
     pub fn died(&self, instance: usize) {
-        let mut log = self.shared.log.lock().unwrap();
+        let mut log = self.log();
         let claimed: Vec<RecordId> = log
             .claimed_by
             .get(&instance)
@@ -256,9 +269,9 @@ impl StoreControl {
         *log.counts.entry(Fault::Death).or_default() += 1;
     }
 
-    /// The record under `id` now, read without faults.
+    /// The record under `id` now, read without faults or checks.
     pub async fn record(&self, id: &RecordId) -> Option<Completed> {
-        let inner = self.shared.inner.lock().unwrap().clone();
+        let inner = self.shared.inner.lock().expect("the store's lock").clone();
         // A claim of a completed record returns it, unchanged; of a free key, claims it (then
         // released at once): reading the store leaves it as it was.
         match inner
@@ -269,7 +282,7 @@ impl StoreControl {
             )
             .await
         {
-            Ok(Claim::Existing(tower_idempotency::Record::Completed(completed))) => Some(completed),
+            Ok(Claim::Existing(Record::Completed(completed))) => Some(completed),
             Ok(Claim::Claimed(token)) => {
                 let _ = inner.release(id, &token).await;
                 None
@@ -279,77 +292,20 @@ impl StoreControl {
     }
 
     pub fn hits(&self, id: &RecordId) -> BTreeSet<Fault> {
-        let log = self.shared.log.lock().unwrap();
-        log.hits.get(id).cloned().unwrap_or_default()
+        self.log().hits.get(id).cloned().unwrap_or_default()
     }
 
     /// The fences of `id`'s claims, in the order they were made.
     pub fn fences(&self, id: &RecordId) -> Vec<Fence> {
-        let log = self.shared.log.lock().unwrap();
-        log.fences.get(id).cloned().unwrap_or_default()
+        self.log().fences.get(id).cloned().unwrap_or_default()
     }
 
     pub fn written(&self, token: &ClaimToken) -> Written {
-        let log = self.shared.log.lock().unwrap();
-        log.written.get(token).copied().unwrap_or_default()
+        self.log().written.get(token).copied().unwrap_or_default()
     }
 
     pub fn counts(&self) -> HashMap<Fault, u64> {
-        self.shared.log.lock().unwrap().counts.clone()
-    }
-}
-
-impl SimStore {
-    fn inner(&self) -> BoxStore {
-        self.shared.inner.lock().unwrap().clone()
-    }
-
-    fn hit(&self, id: &RecordId, fault: Fault) {
-        let mut log = self.shared.log.lock().unwrap();
-        log.hits.entry(*id).or_default().insert(fault);
-        *log.counts.entry(fault).or_default() += 1;
-    }
-
-    /// Draws this call's faults, and waits out a delay or a stall: an error when the call is
-    /// lost before the store sees it, else whether its reply will be.
-    async fn strike(&self, id: &RecordId) -> Result<ReplyLost, StoreError> {
-        if self.dead.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        let profile = self.shared.profile;
-        let (delay, stall, lost_call, lost_reply) = {
-            let mut rng = self.shared.rng.lock().unwrap();
-            let most = self.shared.delay.as_millis() as u64;
-            let delay = rng.chance(profile.delay).then(|| rng.millis(1..most));
-            let stall = rng
-                .chance(profile.stall)
-                .then(|| self.shared.lease + self.shared.lease / 2 + rng.millis(0..2 * most));
-            (
-                delay,
-                stall,
-                rng.chance(profile.lost_call),
-                rng.chance(profile.lost_reply),
-            )
-        };
-        if let Some(delay) = delay {
-            self.hit(id, Fault::Delay);
-            tokio::time::sleep(delay).await;
-        }
-        if let Some(stall) = stall {
-            self.hit(id, Fault::Stall);
-            tokio::time::sleep(stall).await;
-        }
-        if self.dead.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        if lost_call {
-            self.hit(id, Fault::LostCall);
-            return Err(lost());
-        }
-        if lost_reply {
-            self.hit(id, Fault::LostReply);
-        }
-        Ok(ReplyLost(lost_reply))
+        self.log().counts.clone()
     }
 }
 
@@ -367,6 +323,223 @@ fn lost() -> StoreError {
     StoreError::Unavailable("the simulated network lost the call or its reply".into())
 }
 
+impl SimStore {
+    fn inner(&self) -> BoxStore {
+        self.shared.inner.lock().expect("the store's lock").clone()
+    }
+
+    fn log(&self) -> std::sync::MutexGuard<'_, Log> {
+        self.shared.log.lock().expect("the log's lock")
+    }
+
+    fn hit(&self, id: &RecordId, fault: Fault) {
+        let mut log = self.log();
+        log.hits.entry(*id).or_default().insert(fault);
+        *log.counts.entry(fault).or_default() += 1;
+    }
+
+    fn chance(&self, per_mille: u64) -> bool {
+        self.shared.profile.active()
+            && self
+                .shared
+                .rng
+                .lock()
+                .expect("the rng's lock")
+                .chance(per_mille)
+    }
+
+    fn order(&self, id: &RecordId) -> Arc<tokio::sync::Mutex<()>> {
+        let mut order = self.shared.order.lock().expect("the order's lock");
+        order.entry(*id).or_default().clone()
+    }
+
+    fn faults(&self) -> Option<&InstanceFaults> {
+        self.shared.instances.get(self.instance)
+    }
+
+    /// Draws this call's faults, and waits out a delay, a stall or a partition: an error when
+    /// the call is lost before the store sees it, else whether its reply will be.
+    async fn strike(&self, id: &RecordId) -> Result<ReplyLost, StoreError> {
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if let Some(span) = self.faults().and_then(|f| f.partitioned(Instant::now())) {
+            let long = span >= self.shared.lease;
+            self.hit(
+                id,
+                if long {
+                    Fault::LongPartition
+                } else {
+                    Fault::Partition
+                },
+            );
+            // The store's own bound runs out: nothing reached it.
+            tokio::time::sleep(self.shared.delay).await;
+            return Err(StoreError::Timeout(self.shared.delay));
+        }
+        let profile = self.shared.profile;
+        if !profile.active() {
+            return Ok(ReplyLost(false));
+        }
+        let (delay, stall, lost_call, lost_reply) = {
+            let mut rng = self.shared.rng.lock().expect("the rng's lock");
+            let most = self.shared.delay.as_millis() as u64;
+            let delay = rng.chance(profile.delay).then(|| rng.millis(1..most));
+            let stall = rng
+                .chance(profile.stall)
+                .then(|| self.shared.lease + self.shared.lease / 2 + rng.millis(0..2 * most));
+            let lost_call = rng
+                .chance(profile.lost_call)
+                .then(|| lost_call_error(&mut rng, self.shared.lease));
+            (delay, stall, lost_call, rng.chance(profile.lost_reply))
+        };
+        if let Some(delay) = delay {
+            self.hit(id, Fault::Delay);
+            tokio::time::sleep(delay).await;
+        }
+        if let Some(stall) = stall {
+            self.hit(id, Fault::Stall);
+            tokio::time::sleep(stall).await;
+        }
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if let Some(err) = lost_call {
+            self.hit(id, Fault::LostCall);
+            return Err(err);
+        }
+        if lost_reply {
+            self.hit(id, Fault::LostReply);
+        }
+        Ok(ReplyLost(lost_reply))
+    }
+
+    /// Sends one call to the store, in the record's order, and has the model check its answer.
+    async fn checked<T, F>(
+        &self,
+        id: &RecordId,
+        send: impl AsyncFnOnce(BoxStore) -> Result<T, StoreError>,
+        check: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnOnce(&mut super::oracle::model::Model, Call, &Result<T, StoreError>) -> Found,
+    {
+        let lock = self.order(id);
+        let _in_order = lock.lock().await;
+        let sent = Instant::now();
+        let answer = send(self.inner()).await;
+        let call = Call {
+            sent,
+            answered: Instant::now(),
+        };
+        self.shared
+            .oracle
+            .call(id, |model| check(model, call, &answer));
+        answer
+    }
+
+    /// The same call, delivered again a moment later: checked, and its answer dropped.
+    fn again(
+        &self,
+        id: &RecordId,
+        send: impl FnOnce(SimStore) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + 'static,
+    ) {
+        if !self.chance(self.shared.profile.duplicate) {
+            return;
+        }
+        self.hit(id, Fault::Duplicate);
+        let later = self
+            .shared
+            .rng
+            .lock()
+            .expect("the rng's lock")
+            .millis(0..self.shared.delay.as_millis() as u64);
+        let this = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(later).await;
+            send(this).await;
+        });
+    }
+
+    async fn checked_claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.checked(
+            id,
+            async |store| store.claim(id, fingerprint, lease).await,
+            |model, call, answer| model.claim(id, fingerprint, lease, call, answer),
+        )
+        .await
+    }
+
+    async fn checked_complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let (mut sent_token, mut sent_ttl) = (*token, ttl);
+        if self.shared.bug == Bug::StaleToken
+            && let Some(owner) = self.shared.oracle.owner(id)
+        {
+            sent_token = owner;
+        }
+        if self.shared.bug == Bug::ShortWindow {
+            sent_ttl = self.shared.lease;
+        }
+        self.checked(
+            id,
+            async |store| store.complete(id, &sent_token, completed, sent_ttl).await,
+            |model, call, answer| model.complete(id, token, completed, ttl, call, answer),
+        )
+        .await
+    }
+
+    async fn checked_renew(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.checked(
+            id,
+            async |store| store.renew(id, token, lease).await,
+            |model, call, answer| model.renew(id, token, lease, call, answer),
+        )
+        .await
+    }
+
+    async fn checked_release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        self.checked(
+            id,
+            async |store| store.release(id, token).await,
+            |model, call, answer| model.release(id, token, call, answer),
+        )
+        .await
+    }
+
+    /// A lease left, as this instance reads it with its clock off by its skew.
+    fn skewed(&self, id: &RecordId, left: Duration) -> Duration {
+        let skew = self.faults().map_or(0, |f| f.skew(Instant::now()));
+        if skew == 0 {
+            return left;
+        }
+        self.hit(id, Fault::Skew);
+        let off = Duration::from_millis(skew.unsigned_abs());
+        if skew > 0 {
+            left + off
+        } else {
+            left.saturating_sub(off)
+        }
+    }
+}
+
+type Found = Vec<(super::oracle::Rule, String)>;
+
 impl Store for SimStore {
     async fn claim(
         &self,
@@ -376,10 +549,16 @@ impl Store for SimStore {
     ) -> Result<Claim, StoreError> {
         let reply_lost = self.strike(id).await?;
         let failovers = self.shared.failovers.load(Ordering::SeqCst);
-        let claim = self.inner().claim(id, fingerprint, lease).await?;
+        let claim = self.checked_claim(id, fingerprint, lease).await?;
+        let (id_, fingerprint_) = (*id, *fingerprint);
+        self.again(id, move |this| {
+            Box::pin(async move {
+                let _ = this.checked_claim(&id_, &fingerprint_, lease).await;
+            })
+        });
         if let Claim::Claimed(token) = &claim {
-            let mut log = self.shared.log.lock().unwrap();
-            log.unreplicated.push((Instant::now(), *id, *token));
+            let mut log = self.log();
+            log.unreplicated.push((Instant::now(), *id, Some(*token)));
             log.claimed_by.entry(self.instance).or_default().insert(*id);
             log.fences.entry(*id).or_default().push(token.fence());
         }
@@ -392,6 +571,23 @@ impl Store for SimStore {
                 ));
             }
         }
+        let claim = match claim {
+            Claim::Existing(Record::InFlight(mut record)) => {
+                record.lease_remaining = if self.shared.bug == Bug::FullLeaseLeft {
+                    lease
+                } else {
+                    self.skewed(id, record.lease_remaining)
+                };
+                Claim::Existing(Record::InFlight(record))
+            }
+            Claim::Existing(Record::Completed(mut completed))
+                if self.shared.bug == Bug::SkipFingerprint =>
+            {
+                completed.fingerprint = *fingerprint;
+                Claim::Existing(Record::Completed(completed))
+            }
+            claim => claim,
+        };
         reply_lost.reply(claim)
     }
 
@@ -402,13 +598,14 @@ impl Store for SimStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        let staged = |log: &Log| log.open.get(token).is_some_and(|staged| !staged.is_empty());
         let reply_lost = match self.strike(id).await {
             Ok(reply_lost) => reply_lost,
             Err(lost) => {
                 // As `PgStore` does: a transaction whose commit could not be sent rolled back, and
                 // the work is not reported as done.
-                let mut log = self.shared.log.lock().unwrap();
-                if log.open.get(token).is_some_and(|staged| !staged.is_empty()) {
+                let mut log = self.log();
+                if staged(&log) {
                     log.open.remove(token);
                     // The layer is told: it answers 503, and the retry runs again.
                     log.written.entry(*token).or_default().refused = true;
@@ -419,10 +616,29 @@ impl Store for SimStore {
                 return Err(lost);
             }
         };
+        if staged(&self.log()) && self.chance(self.shared.profile.rejected) {
+            // The database refuses the work for good: it rolls back, and the claim is released.
+            self.hit(id, Fault::Rejected);
+            {
+                let mut log = self.log();
+                log.open.remove(token);
+                log.written.entry(*token).or_default().refused = true;
+            }
+            let _ = self.checked_release(id, token).await;
+            return Err(StoreError::Rejected(
+                "the work broke a rule of the database".into(),
+            ));
+        }
         let commit = self.shared.commit_gate.read().await;
-        let written = self.inner().complete(id, token, completed, ttl).await?;
+        let written = self.checked_complete(id, token, completed, ttl).await?;
+        let (id_, token_, completed_) = (*id, *token, completed.clone());
+        self.again(id, move |this| {
+            Box::pin(async move {
+                let _ = this.checked_complete(&id_, &token_, &completed_, ttl).await;
+            })
+        });
         let aborted = {
-            let mut log = self.shared.log.lock().unwrap();
+            let mut log = self.log();
             // The transaction commits with the record, or rolls back.
             let staged = log.open.remove(token).filter(|staged| !staged.is_empty());
             let aborted = staged.is_some() && !written;
@@ -430,6 +646,9 @@ impl Store for SimStore {
                 && written
             {
                 self.shared.ledger.commit(staged);
+            }
+            if written {
+                log.unreplicated.push((Instant::now(), *id, None));
             }
             let entry = log.written.entry(*token).or_default();
             entry.landed |= written;
@@ -453,25 +672,32 @@ impl Store for SimStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let reply_lost = self.strike(id).await?;
-        let renewed = self.inner().renew(id, token, lease).await?;
-        reply_lost.reply(renewed)
+        let renewed = self.checked_renew(id, token, lease).await?;
+        let (id_, token_) = (*id, *token);
+        self.again(id, move |this| {
+            Box::pin(async move {
+                let _ = this.checked_renew(&id_, &token_, lease).await;
+            })
+        });
+        reply_lost.reply(renewed || self.shared.bug == Bug::RenewAnyToken)
     }
 
     fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
         let staged = Staged::new(*token);
-        self.shared
-            .log
-            .lock()
-            .unwrap()
-            .open
-            .insert(*token, staged.clone());
+        self.log().open.insert(*token, staged.clone());
         extensions.insert(staged);
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         let reply_lost = self.strike(id).await?;
-        let released = self.inner().release(id, token).await?;
-        self.shared.log.lock().unwrap().open.remove(token);
+        let released = self.checked_release(id, token).await?;
+        let (id_, token_) = (*id, *token);
+        self.again(id, move |this| {
+            Box::pin(async move {
+                let _ = this.checked_release(&id_, &token_).await;
+            })
+        });
+        self.log().open.remove(token);
         reply_lost.reply(released)
     }
 }

@@ -1,0 +1,179 @@
+//! The faults a run injects, and how often: per store call (a delay, a loss, a stall, a call
+//! delivered twice, an error of each kind), per instance (a partition from the store that heals,
+//! a clock that is off and jumps), and on the store (a restart, a failover, an eviction).
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_idempotency::StoreError;
+
+use super::rng::Rng;
+
+/// The classes of fault, as the checker reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Fault {
+    /// A call delayed, well within the lease.
+    Delay,
+    /// A call lost before the store saw it, with an error of any kind.
+    LostCall,
+    /// A reply lost after the store applied the call.
+    LostReply,
+    /// A call stalled for longer than the lease.
+    Stall,
+    /// A call the store applied twice, the second time a moment later.
+    Duplicate,
+    /// An instance cut off from the store for less than a quarter of a lease.
+    Partition,
+    /// An instance cut off from the store for a lease or more.
+    LongPartition,
+    /// An instance's clock off from the store's, or jumping: the lease left it reads is off.
+    Skew,
+    /// A completion's transaction refused for good (`StoreError::Rejected`, §9.9).
+    Rejected,
+    /// The store restarted empty.
+    Restart,
+    /// The store failed over to a replica without the claims of the last moments.
+    Failover,
+    /// A failover lost the completions of the last moments.
+    LostWrites,
+    /// The store evicted a completed record before its window ended.
+    Evict,
+    /// An instance died, its handlers and detached work with it.
+    Death,
+    /// On real time, the machine itself held the run's tasks back for longer than a delay may
+    /// last (a loaded CI machine): a stall no one injected, but a stall all the same.
+    Starved,
+}
+
+impl Fault {
+    /// Whether the fault can outlast a lease or forget a record: then an unfenced effect may run
+    /// twice, by the protocol's own terms (PROTOCOL.md §9.6).
+    pub fn is_long(self) -> bool {
+        matches!(
+            self,
+            Fault::Stall
+                | Fault::LongPartition
+                | Fault::Restart
+                | Fault::LostWrites
+                | Fault::Evict
+                | Fault::Death
+                | Fault::Starved
+        )
+    }
+
+    /// Whether the fault loses a completed record while the work it records stays done.
+    pub fn loses_record_alone(self) -> bool {
+        matches!(self, Fault::LostWrites | Fault::Evict)
+    }
+}
+
+/// How often each per-call fault strikes in one run, per mille.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Profile {
+    pub delay: u64,
+    pub lost_call: u64,
+    pub lost_reply: u64,
+    pub stall: u64,
+    pub duplicate: u64,
+    pub rejected: u64,
+    /// Whether a failover loses the completions of the last moments too.
+    pub lossy_failover: bool,
+    /// Per-call faults stop here: every fault of the run is over by then.
+    pub quiet: Option<Instant>,
+}
+
+impl Profile {
+    /// Each fault class is on in about half the runs (the older classes drawn first, so that a
+    /// seed keeps its share of them), so that some runs meet short faults only.
+    pub fn draw(rng: &mut Rng, quiet: Instant) -> Self {
+        Self {
+            delay: if rng.chance(500) { 150 } else { 0 },
+            lost_call: if rng.chance(500) { 40 } else { 0 },
+            lost_reply: if rng.chance(500) { 40 } else { 0 },
+            stall: if rng.chance(300) { 50 } else { 0 },
+            duplicate: if rng.chance(300) { 40 } else { 0 },
+            rejected: if rng.chance(200) { 150 } else { 0 },
+            lossy_failover: rng.chance(500),
+            quiet: Some(quiet),
+        }
+    }
+
+    /// Whether per-call faults are still on.
+    pub fn active(&self) -> bool {
+        self.quiet.is_none_or(|quiet| Instant::now() < quiet)
+    }
+}
+
+/// An error of a kind drawn at random, for a call lost before the store saw it: every kind a
+/// store may answer when it did nothing (§10.3).
+pub fn lost_call_error(rng: &mut Rng, lease: Duration) -> StoreError {
+    match rng.below(0..4) {
+        0 => StoreError::Timeout(lease / 10),
+        1 => StoreError::Full {
+            retry_after: Some(lease / 4),
+        },
+        2 => StoreError::Codec("the simulated store sent bytes that do not decode".into()),
+        _ => StoreError::Unavailable("the simulated network lost the call or its reply".into()),
+    }
+}
+
+/// An instance's links to the store and its clock, over the run.
+#[derive(Debug, Clone, Default)]
+pub struct InstanceFaults {
+    /// Spans when the instance cannot reach the store.
+    pub partitions: Vec<(Instant, Instant)>,
+    /// From each moment on, how far the instance's clock is behind the store's, in
+    /// milliseconds (negative: ahead).
+    pub skews: Vec<(Instant, i64)>,
+}
+
+impl InstanceFaults {
+    /// The faults of one instance: a partition in about a fifth of the runs (half of them
+    /// long), a skew in about a fifth, with a jump half the time. All before `quiet`.
+    pub fn draw(rng: &mut Rng, start: Instant, lease: Duration, quiet: Instant) -> Self {
+        let ms = |f: f64| lease.mul_f64(f).as_millis() as u64;
+        let mut faults = Self::default();
+        if rng.chance(200) {
+            let from = start + rng.millis(0..ms(4.0));
+            let span = if rng.chance(500) {
+                rng.millis(ms(0.05)..ms(0.25))
+            } else {
+                rng.millis(ms(1.0)..ms(3.0))
+            };
+            faults.partitions.push((from, (from + span).min(quiet)));
+        }
+        if rng.chance(200) {
+            let off = rng.below(0..ms(0.5)) as i64 - ms(0.25) as i64;
+            faults.skews.push((start, off));
+            if rng.chance(500) {
+                let jump = rng.below(0..ms(1.0)) as i64 - ms(0.5) as i64;
+                faults
+                    .skews
+                    .push((start + rng.millis(0..ms(4.0)), off + jump));
+            }
+        }
+        faults
+    }
+
+    pub fn partitioned(&self, now: Instant) -> Option<Duration> {
+        self.partitions
+            .iter()
+            .find(|(from, to)| (*from..*to).contains(&now))
+            .map(|(from, to)| *to - *from)
+    }
+
+    /// How far behind the store's clock the instance's is now, in milliseconds.
+    pub fn skew(&self, now: Instant) -> i64 {
+        self.skews
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= now)
+            .map_or(0, |(_, off)| *off)
+    }
+
+    /// The most the instance's clock is ever behind.
+    pub fn most_behind(&self) -> Duration {
+        let most = self.skews.iter().map(|(_, off)| *off).max().unwrap_or(0);
+        Duration::from_millis(most.max(0) as u64)
+    }
+}

@@ -1,0 +1,495 @@
+//! A reference model of the store table of PROTOCOL.md §10.1, one slot per record id, held
+//! against every answer the real store gives. A call's moment is known only between its sending
+//! and its answer (on the paused clock, one instant): an expiry inside that span may have passed
+//! or not, and then the answer decides, as a later reply decides between the branches of a lost
+//! one. A call that failed in a way that may or may not have applied leaves the slot unknown, and
+//! the next answer decides it too.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_idempotency::store::{Claim, StoreError};
+use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
+
+use super::Rule;
+
+/// When a call reached the store: somewhere between these two moments.
+#[derive(Debug, Clone, Copy)]
+pub struct Call {
+    pub sent: Instant,
+    pub answered: Instant,
+}
+
+/// When a record expires: somewhere between these two moments.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    earliest: Instant,
+    latest: Instant,
+}
+
+impl Window {
+    fn after(call: Call, span: Duration) -> Self {
+        Self {
+            earliest: call.sent + span,
+            latest: call.answered + span,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Slot {
+    /// `token` is `None` when the slot was learnt from an answer, not from the claim.
+    InFlight {
+        token: Option<ClaimToken>,
+        fingerprint: Fingerprint,
+        expires: Window,
+    },
+    Completed {
+        completed: Completed,
+        expires: Window,
+    },
+    /// What the store holds is not known: the next answer decides.
+    Unknown,
+}
+
+/// Whether a slot is live at a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Live {
+    Yes,
+    No,
+    Either,
+}
+
+/// What the model expects a boolean answer to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    Is(bool),
+    Either,
+}
+
+/// What the model saw, kept for the rules on answers.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Each lease end a record of the id had, as (when it was set, its latest end).
+    pub leases: HashMap<RecordId, Vec<(Instant, Instant)>>,
+    /// The completed records the store accepted, per id.
+    pub landed: HashMap<RecordId, Vec<Completed>>,
+    /// Ids whose completed record ran out its window and whose key was claimed again.
+    pub window_passed: HashSet<RecordId>,
+}
+
+pub struct Model {
+    slots: HashMap<RecordId, Slot>,
+    /// How far a store's clock and expiry may stray from the model's (real time only).
+    fuzz: Duration,
+    fences: HashMap<RecordId, Fence>,
+    tokens: HashSet<ClaimToken>,
+    pub seen: Seen,
+}
+
+type Found = Vec<(Rule, String)>;
+
+impl Model {
+    pub fn new(fuzz: Duration) -> Self {
+        Self {
+            slots: HashMap::new(),
+            fuzz,
+            fences: HashMap::new(),
+            tokens: HashSet::new(),
+            seen: Seen::default(),
+        }
+    }
+
+    fn live(&self, expires: Window, call: Call) -> Live {
+        if call.answered + self.fuzz < expires.earliest {
+            Live::Yes
+        } else if call.sent >= expires.latest + self.fuzz {
+            Live::No
+        } else {
+            Live::Either
+        }
+    }
+
+    /// The slot of `id`, and whether it is live at `call` (`None`: no record).
+    fn slot(&self, id: &RecordId, call: Call) -> Option<(Slot, Live)> {
+        let slot = self.slots.get(id)?.clone();
+        let live = match &slot {
+            Slot::InFlight { expires, .. } | Slot::Completed { expires, .. } => {
+                self.live(*expires, call)
+            }
+            Slot::Unknown => Live::Either,
+        };
+        Some((slot, live))
+    }
+
+    fn set_lease(&mut self, id: &RecordId, call: Call, expires: Window) {
+        self.seen
+            .leases
+            .entry(*id)
+            .or_default()
+            .push((call.answered, expires.latest));
+    }
+
+    /// The token that owns `id` now, as far as the model knows.
+    pub fn owner(&self, id: &RecordId, now: Instant) -> Option<ClaimToken> {
+        let call = Call {
+            sent: now,
+            answered: now,
+        };
+        match self.slot(id, call) {
+            Some((Slot::InFlight { token, .. }, Live::Yes | Live::Either)) => token,
+            _ => None,
+        }
+    }
+
+    /// Whether `id` holds a completed record for certain at `now`.
+    pub fn is_completed(&self, id: &RecordId, now: Instant) -> bool {
+        let call = Call {
+            sent: now,
+            answered: now,
+        };
+        matches!(
+            self.slot(id, call),
+            Some((Slot::Completed { .. }, Live::Yes))
+        )
+    }
+
+    /// Whether the claim with `fence` may own `id` at `call`.
+    pub fn may_own(&self, id: &RecordId, fence: Fence, call: Call) -> bool {
+        match self.slot(id, call) {
+            Some((Slot::InFlight { token: None, .. }, _)) | Some((Slot::Unknown, _)) => true,
+            Some((Slot::InFlight { token: Some(t), .. }, live)) => {
+                t.fence() == fence && live != Live::No
+            }
+            _ => false,
+        }
+    }
+
+    /// A store error: nothing applied for `Full`, anything else may have.
+    fn failed(&mut self, id: &RecordId, err: &StoreError) {
+        if !matches!(err, StoreError::Full { .. }) {
+            self.slots.insert(*id, Slot::Unknown);
+        }
+    }
+
+    pub fn claim(
+        &mut self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        call: Call,
+        answer: &Result<Claim, StoreError>,
+    ) -> Found {
+        let mut found = Found::new();
+        let slot = self.slot(id, call);
+        match answer {
+            Ok(Claim::Claimed(token)) => {
+                if !self.tokens.insert(*token) {
+                    found.push((
+                        Rule::Store,
+                        format!("claim: a token given twice: {token:?}"),
+                    ));
+                }
+                let fence = token.fence();
+                if let Some(max) = self.fences.insert(*id, fence)
+                    && fence <= max
+                {
+                    self.fences.insert(*id, max);
+                    found.push((
+                        Rule::FenceGrows,
+                        format!("claim: fence {fence:?} after {max:?} (§5.3)"),
+                    ));
+                }
+                match slot {
+                    Some((Slot::Completed { .. }, Live::Yes)) => found.push((
+                        Rule::RecordVanished,
+                        "claim: claimed over a live completed record".into(),
+                    )),
+                    Some((Slot::InFlight { .. }, Live::Yes)) => found.push((
+                        Rule::Store,
+                        "claim: claimed over a live claim (§10.2)".into(),
+                    )),
+                    Some((Slot::Completed { .. }, _)) => {
+                        self.seen.window_passed.insert(*id);
+                    }
+                    _ => {}
+                }
+                let expires = Window::after(call, lease);
+                self.slots.insert(
+                    *id,
+                    Slot::InFlight {
+                        token: Some(*token),
+                        fingerprint: *fingerprint,
+                        expires,
+                    },
+                );
+                self.set_lease(id, call, expires);
+            }
+            Ok(Claim::Existing(Record::InFlight(record))) => {
+                let left = record.lease_remaining;
+                match slot {
+                    Some((
+                        Slot::InFlight {
+                            fingerprint: held,
+                            expires,
+                            ..
+                        },
+                        Live::Yes | Live::Either,
+                    )) => {
+                        if held != record.fingerprint {
+                            found.push((
+                                Rule::Store,
+                                "claim: the record's fingerprint changed".into(),
+                            ));
+                        }
+                        let most = expires.latest.saturating_duration_since(call.sent) + self.fuzz;
+                        let least = expires
+                            .earliest
+                            .saturating_duration_since(call.answered)
+                            .saturating_sub(self.fuzz);
+                        if left.is_zero() || left > most || left < least || left > lease {
+                            found.push((
+                                Rule::Store,
+                                format!(
+                                    "claim: {left:?} of the lease left, the model says {least:?} to {most:?}"
+                                ),
+                            ));
+                        }
+                    }
+                    Some((Slot::Unknown, _)) => {
+                        let expires = Window {
+                            earliest: call.sent + left,
+                            latest: call.answered + left,
+                        };
+                        self.slots.insert(
+                            *id,
+                            Slot::InFlight {
+                                token: None,
+                                fingerprint: record.fingerprint,
+                                expires,
+                            },
+                        );
+                        self.set_lease(id, call, expires);
+                    }
+                    other => found.push((
+                        Rule::Store,
+                        format!("claim: a record in flight where the model has {other:?}"),
+                    )),
+                }
+            }
+            Ok(Claim::Existing(Record::Completed(completed))) => match slot {
+                Some((
+                    Slot::Completed {
+                        completed: held, ..
+                    },
+                    Live::Yes | Live::Either,
+                )) if held == *completed => {}
+                Some((Slot::Unknown, _)) => {
+                    let expires = Window {
+                        earliest: call.answered,
+                        latest: call.answered + Duration::from_secs(30 * 86_400),
+                    };
+                    self.slots.insert(
+                        *id,
+                        Slot::Completed {
+                            completed: completed.clone(),
+                            expires,
+                        },
+                    );
+                }
+                other => found.push((
+                    Rule::Store,
+                    format!("claim: a completed record where the model has {other:?}"),
+                )),
+            },
+            Err(err) => self.failed(id, err),
+        }
+        found
+    }
+
+    pub fn complete(
+        &mut self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+        call: Call,
+        answer: &Result<bool, StoreError>,
+    ) -> Found {
+        let slot = self.slot(id, call);
+        let expect = match &slot {
+            None | Some((_, Live::No)) => Expect::Is(true),
+            Some((Slot::Unknown, _)) | Some((Slot::InFlight { token: None, .. }, _)) => {
+                Expect::Either
+            }
+            Some((Slot::InFlight { token: Some(t), .. }, live)) => match (t == token, live) {
+                (true, _) => Expect::Is(true),
+                (false, Live::Yes) => Expect::Is(false),
+                (false, _) => Expect::Either,
+            },
+            Some((
+                Slot::Completed {
+                    completed: held, ..
+                },
+                live,
+            )) => match (held == completed, live) {
+                (true, _) => Expect::Is(true),
+                (false, Live::Yes) => Expect::Is(false),
+                (false, _) => Expect::Either,
+            },
+        };
+        let mut found = Found::new();
+        match answer {
+            Ok(written) => {
+                if let Expect::Is(expected) = expect
+                    && expected != *written
+                {
+                    found.push((
+                        Rule::Store,
+                        format!(
+                            "complete: answered {written}, the model says {expected} over {:?}",
+                            slot.as_ref().map(|(slot, _)| slot)
+                        ),
+                    ));
+                }
+                let same = matches!(&slot, Some((Slot::Completed { completed: held, .. }, Live::Yes)) if held == completed);
+                if *written && !same {
+                    self.slots.insert(
+                        *id,
+                        Slot::Completed {
+                            completed: completed.clone(),
+                            expires: Window::after(call, ttl),
+                        },
+                    );
+                    self.seen
+                        .landed
+                        .entry(*id)
+                        .or_default()
+                        .push(completed.clone());
+                }
+            }
+            Err(err) => self.failed(id, err),
+        }
+        found
+    }
+
+    pub fn renew(
+        &mut self,
+        id: &RecordId,
+        token: &ClaimToken,
+        lease: Duration,
+        call: Call,
+        answer: &Result<bool, StoreError>,
+    ) -> Found {
+        let slot = self.slot(id, call);
+        let (expect, ours) = match &slot {
+            Some((Slot::Unknown, _)) | Some((Slot::InFlight { token: None, .. }, _)) => {
+                (Expect::Either, false)
+            }
+            Some((Slot::InFlight { token: Some(t), .. }, live)) if t == token => match live {
+                Live::Yes => (Expect::Is(true), true),
+                Live::Either => (Expect::Either, true),
+                Live::No => (Expect::Is(false), true),
+            },
+            _ => (Expect::Is(false), false),
+        };
+        self.boolean(id, "renew", expect, ours, answer, |model, fingerprint| {
+            let expires = Window::after(call, lease);
+            model.slots.insert(
+                *id,
+                Slot::InFlight {
+                    token: Some(*token),
+                    fingerprint,
+                    expires,
+                },
+            );
+            model.set_lease(id, call, expires);
+        })
+    }
+
+    pub fn release(
+        &mut self,
+        id: &RecordId,
+        token: &ClaimToken,
+        call: Call,
+        answer: &Result<bool, StoreError>,
+    ) -> Found {
+        let slot = self.slot(id, call);
+        let (expect, ours) = match &slot {
+            Some((Slot::Unknown, _)) | Some((Slot::InFlight { token: None, .. }, _)) => {
+                (Expect::Either, false)
+            }
+            Some((Slot::InFlight { token: Some(t), .. }, live))
+                if t.unique_half() == token.unique_half() =>
+            {
+                match live {
+                    Live::Yes => (Expect::Is(true), true),
+                    Live::Either => (Expect::Either, true),
+                    Live::No => (Expect::Is(false), true),
+                }
+            }
+            _ => (Expect::Is(false), false),
+        };
+        self.boolean(id, "release", expect, ours, answer, |model, _| {
+            model.slots.remove(id);
+        })
+    }
+
+    /// A renewal's or a release's answer: `applied` runs on `true`; on `false` a claim of ours
+    /// that may have run out did run out.
+    fn boolean(
+        &mut self,
+        id: &RecordId,
+        what: &str,
+        expect: Expect,
+        ours: bool,
+        answer: &Result<bool, StoreError>,
+        applied: impl FnOnce(&mut Self, Fingerprint),
+    ) -> Found {
+        let mut found = Found::new();
+        match answer {
+            Ok(answer) => {
+                if let Expect::Is(expected) = expect
+                    && expected != *answer
+                {
+                    found.push((
+                        Rule::Store,
+                        format!(
+                            "{what}: answered {answer}, the model says {expected} over {:?}",
+                            self.slots.get(id)
+                        ),
+                    ));
+                }
+                let fingerprint = match self.slots.get(id) {
+                    Some(Slot::InFlight { fingerprint, .. }) => Some(*fingerprint),
+                    _ => None,
+                };
+                match (answer, fingerprint) {
+                    (true, Some(fingerprint)) => applied(self, fingerprint),
+                    // A renewal the model cannot place (an unknown slot): the record is in
+                    // flight, of a fingerprint not known; the next claim's answer tells.
+                    (true, None) => {
+                        self.slots.insert(*id, Slot::Unknown);
+                    }
+                    (false, _) if ours => {
+                        self.slots.remove(id);
+                    }
+                    (false, _) => {}
+                }
+            }
+            Err(err) => self.failed(id, err),
+        }
+        found
+    }
+
+    /// A fault that forgets every record (a restart without persistence).
+    pub fn forget_all(&mut self) {
+        self.slots.clear();
+    }
+
+    /// A fault that forgets one record (an eviction, a failover losing a write).
+    pub fn forget(&mut self, id: &RecordId) {
+        self.slots.remove(id);
+    }
+}
