@@ -427,7 +427,13 @@ impl SimStore {
         let lock = self.order(id);
         let _in_order = lock.lock().await;
         let sent = Instant::now();
+        let mut abandoned = Abandoned {
+            oracle: &self.shared.oracle,
+            id: Some(*id),
+            settle: self.shared.lease,
+        };
         let answer = send(self.inner()).await;
+        abandoned.id = None;
         let call = Call {
             sent,
             answered: Instant::now(),
@@ -539,6 +545,26 @@ impl SimStore {
 }
 
 type Found = Vec<(super::oracle::Rule, String)>;
+
+/// A call in flight: dropped before its answer (its caller went away, as a request's claim does
+/// when its client leaves), it may or may not have reached the store, and the model is told so.
+struct Abandoned<'a> {
+    oracle: &'a Oracle,
+    id: Option<RecordId>,
+    /// How long the store may take to clean up after it: a lease.
+    settle: Duration,
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.oracle.call(&id, |model| {
+                model.abandoned(&id, self.settle);
+                Vec::new()
+            });
+        }
+    }
+}
 
 impl Store for SimStore {
     async fn claim(

@@ -117,7 +117,7 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
         .map(|_| Mode::ALL[rng.below(0..3) as usize])
         .collect();
     let real_time = backend.real_time;
-    let setup = Setup::draw(&mut rng, lease, real_time);
+    let mut setup = Setup::draw(&mut rng, lease, real_time);
     let lease = setup.lease;
     let ms = |factor: f64| lease.mul_f64(factor).as_millis() as u64;
     let quiet = start + lease.mul_f64(FAULTS_FOR);
@@ -125,7 +125,24 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
     let instance_faults: Vec<InstanceFaults> = (0..instances)
         .map(|_| InstanceFaults::draw(&mut rng, start, lease, quiet))
         .collect();
-    let behaviours: Vec<Behaviour> = (0..ops).map(|_| Behaviour::draw(&mut rng)).collect();
+    let mut behaviours: Vec<Behaviour> = (0..ops).map(|_| Behaviour::draw(&mut rng)).collect();
+    // `SIM_LONG=1`: every handler runs for several leases, and every fault is short, so that any
+    // unfenced double effect is one the renewals let through (§9.2).
+    let long_only = std::env::var("SIM_LONG").is_ok();
+    let (mut profile, mut instance_faults) = (profile, instance_faults);
+    if long_only {
+        behaviours.fill(Behaviour::Long);
+        // Nor the protocol's own second runs: fail-open, a window that passes.
+        setup.fail_open = false;
+        setup.dedup_window = Duration::from_secs(3600);
+        profile.stall = 0;
+        profile.lossy_failover = false;
+        for faults in &mut instance_faults {
+            faults
+                .partitions
+                .retain(|(from, to)| *to - *from < lease / 4);
+        }
+    }
     let ledger = Arc::new(Ledger::new(modes.clone(), bug == Bug::UnguardedEffects));
     // On real time the store's clock and expiry stray from the run's by a few milliseconds, and
     // the machine's load by more.
@@ -188,7 +205,7 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
     });
 
     // The world's own faults, each in about a third of the runs.
-    if rng.chance(300) {
+    if rng.chance(300) && !long_only {
         let (store, at) = (store.clone(), rng.millis(0..ms(2.0)));
         tokio::spawn(async move {
             tokio::time::sleep(at).await;
@@ -205,7 +222,7 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
             store.fail_over().await;
         });
     }
-    if rng.chance(300) {
+    if rng.chance(300) && !long_only {
         let (store, at) = (store.clone(), rng.millis(0..ms(2.0)));
         let victim = rng.below(0..instances as u64) as usize;
         let flag = dead[victim].clone();
@@ -215,7 +232,7 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
             store.died(victim);
         });
     }
-    if rng.chance(300) {
+    if rng.chance(300) && !long_only {
         let (store, at, pick, ids) = (
             store.clone(),
             rng.millis(0..ms(6.0)),

@@ -45,8 +45,10 @@ enum Slot {
         fingerprint: Fingerprint,
         expires: Window,
     },
+    /// `by`: the claim that wrote it, when the model saw the write.
     Completed {
         completed: Completed,
+        by: Option<ClaimToken>,
         expires: Window,
     },
     /// What the store holds is not known: the next answer decides.
@@ -85,6 +87,10 @@ pub struct Model {
     fuzz: Duration,
     fences: HashMap<RecordId, Fence>,
     tokens: HashSet<ClaimToken>,
+    /// Records a call was abandoned on, until when: a store may clean up after an abandoned
+    /// call in the background (`RedisStore` releases a claim its `SET` may still make), so
+    /// until then every answer is taken as it comes.
+    loose: HashMap<RecordId, Instant>,
     pub seen: Seen,
 }
 
@@ -97,6 +103,7 @@ impl Model {
             fuzz,
             fences: HashMap::new(),
             tokens: HashSet::new(),
+            loose: HashMap::new(),
             seen: Seen::default(),
         }
     }
@@ -181,6 +188,12 @@ impl Model {
         call: Call,
         answer: &Result<Claim, StoreError>,
     ) -> Found {
+        if self.is_loose(id, call) {
+            if let Ok(Claim::Claimed(token)) = answer {
+                self.tokens.insert(*token);
+            }
+            return Found::new();
+        }
         let mut found = Found::new();
         let slot = self.slot(id, call);
         match answer {
@@ -248,7 +261,9 @@ impl Model {
                             .earliest
                             .saturating_duration_since(call.answered)
                             .saturating_sub(self.fuzz);
-                        if left.is_zero() || left > most || left < least || left > lease {
+                        // Zero only where the lease may be over (a store's clock in milliseconds).
+                        let zero = left.is_zero() && !least.is_zero();
+                        if zero || left > most || left < least || left > lease {
                             found.push((
                                 Rule::Store,
                                 format!(
@@ -294,6 +309,7 @@ impl Model {
                         *id,
                         Slot::Completed {
                             completed: completed.clone(),
+                            by: None,
                             expires,
                         },
                     );
@@ -317,6 +333,16 @@ impl Model {
         call: Call,
         answer: &Result<bool, StoreError>,
     ) -> Found {
+        if self.is_loose(id, call) {
+            if let Ok(true) = answer {
+                self.seen
+                    .landed
+                    .entry(*id)
+                    .or_default()
+                    .push(completed.clone());
+            }
+            return Found::new();
+        }
         let slot = self.slot(id, call);
         let expect = match &slot {
             None | Some((_, Live::No)) => Expect::Is(true),
@@ -328,15 +354,20 @@ impl Model {
                 (false, Live::Yes) => Expect::Is(false),
                 (false, _) => Expect::Either,
             },
+            // The same completion sent again is accepted; the same bytes from another claim may
+            // be told apart or not.
             Some((
                 Slot::Completed {
-                    completed: held, ..
+                    completed: held,
+                    by,
+                    ..
                 },
                 live,
-            )) => match (held == completed, live) {
-                (true, _) => Expect::Is(true),
-                (false, Live::Yes) => Expect::Is(false),
-                (false, _) => Expect::Either,
+            )) => match (held == completed, *by == Some(*token), live) {
+                (true, true, _) => Expect::Is(true),
+                (true, false, _) => Expect::Either,
+                (false, _, Live::Yes) => Expect::Is(false),
+                (false, _, _) => Expect::Either,
             },
         };
         let mut found = Found::new();
@@ -359,6 +390,7 @@ impl Model {
                         *id,
                         Slot::Completed {
                             completed: completed.clone(),
+                            by: Some(*token),
                             expires: Window::after(call, ttl),
                         },
                     );
@@ -382,6 +414,9 @@ impl Model {
         call: Call,
         answer: &Result<bool, StoreError>,
     ) -> Found {
+        if self.is_loose(id, call) {
+            return Found::new();
+        }
         let slot = self.slot(id, call);
         let (expect, ours) = match &slot {
             Some((Slot::Unknown, _)) | Some((Slot::InFlight { token: None, .. }, _)) => {
@@ -415,6 +450,9 @@ impl Model {
         call: Call,
         answer: &Result<bool, StoreError>,
     ) -> Found {
+        if self.is_loose(id, call) {
+            return Found::new();
+        }
         let slot = self.slot(id, call);
         let (expect, ours) = match &slot {
             Some((Slot::Unknown, _)) | Some((Slot::InFlight { token: None, .. }, _)) => {
@@ -481,6 +519,22 @@ impl Model {
             Err(err) => self.failed(id, err),
         }
         found
+    }
+
+    /// A call that was abandoned on its way (its caller went away): it may have applied or not,
+    /// and the store may clean up after it within `settle`.
+    pub fn abandoned(&mut self, id: &RecordId, settle: Duration) {
+        self.slots.insert(*id, Slot::Unknown);
+        self.loose.insert(*id, Instant::now() + settle);
+    }
+
+    /// Whether `id`'s answers are taken as they come at `call`: its slot stays unknown.
+    fn is_loose(&mut self, id: &RecordId, call: Call) -> bool {
+        let loose = self.loose.get(id).is_some_and(|until| call.sent <= *until);
+        if loose {
+            self.slots.insert(*id, Slot::Unknown);
+        }
+        loose
     }
 
     /// A fault that forgets every record (a restart without persistence).
