@@ -101,7 +101,9 @@ impl SharedConnection {
 
     /// A new connection of its own, not shared, for blocking commands: each of its commands may
     /// take up to `response_timeout` (a `BLOCK` and a margin), and fails past it. Made within the
-    /// store's timeout. It does not heal: after an error, make another one.
+    /// store's timeout; on a Cluster within the store's timeout plus `response_timeout`, as a
+    /// seed node that does not answer (frozen, its replica promoted) holds the build that long
+    /// before the nodes that answer are used. It does not heal: after an error, make another one.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -127,6 +129,11 @@ impl SharedConnection {
         response_timeout: Duration,
     ) -> Result<RedisConnection, RedisStoreError> {
         let timeout = self.store.inner.timeout;
+        let bound = if self.is_cluster() {
+            timeout + response_timeout
+        } else {
+            timeout
+        };
         let connect = async {
             match &*self.store.inner.backend {
                 // Taken out of the pool for good: a blocking read must not hold a pooled one.
@@ -149,9 +156,9 @@ impl SharedConnection {
                 }
             }
         };
-        let connection = tokio::time::timeout(timeout, connect)
+        let connection = tokio::time::timeout(bound, connect)
             .await
-            .unwrap_or(Err(RedisStoreError::Timeout(timeout)))?;
+            .unwrap_or(Err(RedisStoreError::Timeout(bound)))?;
         Ok(RedisConnection {
             connection,
             response_timeout: Some(response_timeout),
