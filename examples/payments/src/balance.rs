@@ -41,12 +41,12 @@ use deadpool_redis::redis::{self, Script};
 use serde::Serialize;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tower_idempotency_redis::{RedisStoreError, SharedConnection};
 
 use super::AppState;
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::redis_conn::{RedisConn, RedisFailure};
 use sqlx::{self, PgConnection};
 use tower_idempotency_postgres::PgStore;
 
@@ -98,7 +98,7 @@ pub enum BalanceError {
     /// Redis failed: nothing is known to have changed (the script may have run; applying again
     /// is safe).
     #[error("the balance ledger is unavailable")]
-    Redis(#[from] RedisFailure),
+    Redis(#[from] RedisStoreError),
     /// The event would take the balance past what an `i64` holds: nothing changed, and applying
     /// it again fails the same way.
     #[error("the {currency} balance would overflow")]
@@ -186,7 +186,7 @@ struct Book {
 
 #[derive(Clone)]
 struct RedisBalances {
-    conn: RedisConn,
+    conn: SharedConnection,
     prefix: Arc<str>,
     apply: Arc<Script>,
 }
@@ -198,7 +198,7 @@ impl Balances {
     }
 
     /// Balances in Redis, under keys that start with `prefix`.
-    pub fn redis(conn: RedisConn, prefix: &str) -> Self {
+    pub fn redis(conn: SharedConnection, prefix: &str) -> Self {
         Self::with(Backend::Redis(RedisBalances {
             conn,
             prefix: prefix.into(),
@@ -397,10 +397,7 @@ impl RedisBalances {
         let (_, available) = self.keys(account);
         let mut all = redis::cmd("HGETALL");
         all.arg(available);
-        let amounts: Vec<(String, i64)> = self
-            .conn
-            .run(move |mut c| async move { all.query_async(&mut c).await })
-            .await?;
+        let amounts: Vec<(String, i64)> = self.conn.query(&all).await?;
         Ok(amounts
             .into_iter()
             .map(|(currency, amount)| Available { amount, currency })
@@ -411,10 +408,7 @@ impl RedisBalances {
         let (applied, _) = self.keys(account);
         let mut count = redis::cmd("ZCARD");
         count.arg(applied);
-        Ok(self
-            .conn
-            .run(move |mut c| async move { count.query_async(&mut c).await })
-            .await?)
+        Ok(self.conn.query(&count).await?)
     }
 }
 

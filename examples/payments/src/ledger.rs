@@ -44,13 +44,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use deadpool_redis::redis;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+use tower_idempotency_redis::{RedisStoreError, SharedConnection};
 
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::{PaymentEvent, Publisher};
 use super::pg::PgCharges;
 use super::provider::{Source, now_ms};
-use super::redis_conn::RedisConn;
 use super::state_machine::{Event, Status, next};
 use super::work::Work;
 
@@ -243,7 +243,7 @@ struct Charges {
 /// they last changed), `seq`.
 #[derive(Debug, Clone)]
 struct RedisCharges {
-    conn: RedisConn,
+    conn: SharedConnection,
     open: Arc<redis::Script>,
     swap: Arc<redis::Script>,
     remove: Arc<redis::Script>,
@@ -325,7 +325,7 @@ impl Ledger {
 
     /// The charges in the Redis of `conn`, under [`LEDGER_PREFIX`]: one ledger for every instance
     /// on that Redis.
-    pub fn redis(conn: RedisConn) -> Self {
+    pub fn redis(conn: SharedConnection) -> Self {
         Self::on(Backend::Redis(RedisCharges {
             conn,
             open: Arc::new(redis::Script::new(OPEN)),
@@ -740,11 +740,7 @@ impl RedisCharges {
     ) -> Result<Option<Charge>, ApiError> {
         let mut incr = redis::cmd("INCR");
         incr.arg(format!("{LEDGER_PREFIX}seq"));
-        charge.seq = self
-            .conn
-            .run(move |mut c| async move { incr.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)?;
+        charge.seq = self.conn.query(&incr).await.map_err(unavailable)?;
         let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
         let mut invocation = self
             .open
@@ -770,10 +766,7 @@ impl RedisCharges {
     async fn read_raw(&self, id: &str) -> Result<Option<String>, ApiError> {
         let mut get = redis::cmd("GET");
         get.arg(Self::charge_key(id));
-        self.conn
-            .run(move |mut c| async move { get.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)
+        self.conn.query(&get).await.map_err(unavailable)
     }
 
     async fn read(&self, id: &str) -> Result<Option<Charge>, ApiError> {
@@ -881,11 +874,7 @@ impl RedisCharges {
     async fn operation(&self, account: &Account, provider_key: &str) -> Result<bool, ApiError> {
         let mut exists = redis::cmd("EXISTS");
         exists.arg(Self::operation_key(account, provider_key));
-        let found: i64 = self
-            .conn
-            .run(move |mut c| async move { exists.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)?;
+        let found: i64 = self.conn.query(&exists).await.map_err(unavailable)?;
         Ok(found == 1)
     }
 
@@ -898,22 +887,14 @@ impl RedisCharges {
         for id in &ids {
             get.arg(Self::charge_key(id));
         }
-        let found: Vec<Option<String>> = self
-            .conn
-            .run(move |mut c| async move { get.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)?;
+        let found: Vec<Option<String>> = self.conn.query(&get).await.map_err(unavailable)?;
         found.iter().flatten().map(|raw| decode(raw)).collect()
     }
 
     async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError> {
         let mut range = redis::cmd("ZRANGE");
         range.arg(Self::list_key(account)).arg(0).arg(-1).arg("REV");
-        let ids: Vec<String> = self
-            .conn
-            .run(move |mut c| async move { range.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)?;
+        let ids: Vec<String> = self.conn.query(&range).await.map_err(unavailable)?;
         self.read_many(ids).await
     }
 
@@ -927,11 +908,7 @@ impl RedisCharges {
             .arg("LIMIT")
             .arg(0)
             .arg(limit);
-        let ids: Vec<String> = self
-            .conn
-            .run(move |mut c| async move { range.query_async(&mut c).await })
-            .await
-            .map_err(unavailable)?;
+        let ids: Vec<String> = self.conn.query(&range).await.map_err(unavailable)?;
         self.read_many(ids).await
     }
 }
@@ -954,7 +931,7 @@ fn pg_unavailable(err: sqlx::Error) -> ApiError {
     super::pg::unavailable(err)
 }
 
-fn unavailable(err: super::redis_conn::RedisFailure) -> ApiError {
+fn unavailable(err: RedisStoreError) -> ApiError {
     tracing::warn!(error = %super::report(&err), "the ledger's Redis failed");
     ApiError::storage_unavailable()
 }

@@ -94,6 +94,15 @@
 //! an outside provider's), unlike the idempotency records, which all expire and may be flushed, so
 //! in production they belong on a Redis with persistence and no eviction.
 //!
+//! Every Redis command goes through the idempotency store's connection
+//! ([`tower_idempotency_redis::SharedConnection`], one per Redis: `LEDGER_REDIS_URL` gets a store
+//! of its own for it), with the store's 1 s bound on each call and its healing: on a Redis
+//! Cluster, a master that stops answering with its connections open (frozen, hung, partitioned)
+//! is left for its promoted replica within seconds. A Redis that times out or cannot be reached
+//! is a `503` for the caller (a `504` when a provider's write may have happened). The ledger
+//! consumer's blocking reads take a dedicated connection (`queue/redis.rs`), made again after
+//! any error.
+//!
 //! With `DATABASE_URL` set (and the `postgres` feature), everything is in that PostgreSQL
 //! instead (`pg/`): the idempotency records ([`tower_idempotency_postgres::PgStore`]), the charges, the
 //! balances, an outbox of events, the consumer's processed event ids and the provider's keys. A
@@ -210,7 +219,6 @@ pub mod prometheus;
 pub mod provider;
 pub mod queue;
 pub mod reconciler;
-pub mod redis_conn;
 mod state_machine;
 mod work;
 
@@ -227,7 +235,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ProblemKind, ScopeQuota};
-use tower_idempotency_redis::RedisStore;
+use tower_idempotency_redis::{RedisStore, SharedConnection};
 
 pub use balance::Balances;
 pub use consumer::LedgerConsumer;
@@ -369,22 +377,22 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         (Some(_), Some(_)) => {
             return Err("set REDIS_URL or REDIS_CLUSTER_URLS, not both".into());
         }
-        (Some(url), None) => Some(RedisAt::Server("REDIS_URL", url)),
-        (None, Some(urls)) => Some(RedisAt::Cluster(urls)),
+        (Some(url), None) => Some(connect_redis(RedisAt::Server("REDIS_URL", url)).await?),
+        (None, Some(urls)) => Some(connect_redis(RedisAt::Cluster(urls)).await?),
         (None, None) => None,
     };
     // The consumer's Deduplicator keeps its records beside the queue: in memory with the
     // in-memory queue, in the stream's Redis otherwise (under a prefix of their own).
-    // The ledger's Redis is the records' unless `LEDGER_REDIS_URL` names another one; its
-    // errors name the variable the URL came from.
+    // The ledger's Redis is the records' (one connection for both) unless `LEDGER_REDIS_URL`
+    // names another one; its errors name the variable the URL came from.
     let ledger = match env_url("LEDGER_REDIS_URL") {
-        Some(url) => Some(RedisAt::Server("LEDGER_REDIS_URL", url)),
+        Some(url) => Some(connect_redis(RedisAt::Server("LEDGER_REDIS_URL", url)).await?),
         None => records.clone(),
     };
     let (state, consumer_store) = match ledger {
         None => (state, BoxStore::new(MemoryStore::new())),
-        Some(at) => {
-            let (conn, queue, balances, store) = connect_ledger(&at).await?;
+        Some((redis, var)) => {
+            let (conn, queue, balances) = connect_ledger(&redis, var).await?;
             tracing::info!("events and balances: Redis stream {STREAM:?}");
             // The provider stands for one outside service that every instance calls: its keys
             // are shared, beside the ledger's durable data (apart from the idempotency records
@@ -396,14 +404,15 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
                     .with_events(queue, balances)
                     .with_provider(Provider::with_keys(latency, keys))
                     .with_ledger(Ledger::redis(conn)),
-                BoxStore::new(store),
+                BoxStore::new(redis.with_prefix(CONSUMER_PREFIX)),
             )
         }
     };
     // The idempotency records' store, chosen here at run time: the server is the same whichever.
-    let (store, store_name) = match &records {
+    let (store, store_name) = match records {
         None => (BoxStore::new(MemoryStore::new()), "memory"),
-        Some(at) => (BoxStore::new(connect_redis(at).await?), at.kind()),
+        Some((store, _)) if store.is_cluster() => (BoxStore::new(store), "redis cluster"),
+        Some((store, _)) => (BoxStore::new(store), "redis"),
     };
     let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(pg::RECONCILE_AFTER);
     serve(
@@ -487,7 +496,6 @@ fn env_urls(name: &str) -> Option<Vec<String>> {
 
 /// Where a Redis is: one server (and the variable its URL came from, for error messages), or a
 /// cluster (`REDIS_CLUSTER_URLS`).
-#[derive(Clone)]
 enum RedisAt {
     Server(&'static str, String),
     Cluster(Vec<String>),
@@ -502,25 +510,10 @@ impl RedisAt {
         }
     }
 
-    /// The store's name in logs.
-    fn kind(&self) -> &'static str {
-        match self {
-            RedisAt::Server(..) => "redis",
-            RedisAt::Cluster(_) => "redis cluster",
-        }
-    }
-
     fn store(&self) -> Result<RedisStore, tower_idempotency_redis::RedisStoreError> {
         match self {
             RedisAt::Server(_, url) => RedisStore::from_url(url),
             RedisAt::Cluster(urls) => RedisStore::cluster(urls),
-        }
-    }
-
-    fn conn(&self) -> Result<redis_conn::RedisConn, redis_conn::RedisFailure> {
-        match self {
-            RedisAt::Server(_, url) => redis_conn::RedisConn::open(url),
-            RedisAt::Cluster(urls) => redis_conn::RedisConn::cluster(urls),
         }
     }
 }
@@ -682,34 +675,26 @@ fn consumer_name() -> String {
     format!("ledger-{}-{nonce:08x}", std::process::id())
 }
 
-/// A connection to the Redis `at` (7.0 or newer), checked now, and the event stream, the
-/// balances and the consumer's records in it. Errors name the environment variable it came from.
+/// The connection of `redis` (the ledger's Redis, from the environment variable `var`), and the
+/// event stream and the balances in it.
 async fn connect_ledger(
-    at: &RedisAt,
-) -> Result<(redis_conn::RedisConn, Queue, Balances, RedisStore), String> {
-    let var = at.var();
-    let bad_url = |err: &dyn Error| format!("bad {var}: {}", report(err));
-    let unusable = |err: &dyn Error| format!("cannot use Redis at {var}: {}", report(err));
-    let conn = at.conn().map_err(|err| bad_url(&err))?;
-    let store = at
-        .store()
-        .map_err(|err| bad_url(&err))?
-        .with_prefix(CONSUMER_PREFIX);
-    store.check().await.map_err(|err| unusable(&err))?;
+    redis: &RedisStore,
+    var: &str,
+) -> Result<(SharedConnection, Queue, Balances), String> {
+    let conn = redis.shared_connection();
     let queue = queue::RedisQueue::connect(conn.clone(), STREAM, consumer::SCOPE)
         .await
-        .map_err(|err| unusable(&err))?;
+        .map_err(|err| format!("cannot use Redis at {var}: {}", report(&err)))?;
     Ok((
         conn.clone(),
         Queue::Redis(queue),
         Balances::redis(conn, BALANCES_PREFIX),
-        store,
     ))
 }
 
-/// A Redis store, checked now so that a wrong `REDIS_URL` or `REDIS_CLUSTER_URLS` fails at
-/// start-up, not at the first request.
-async fn connect_redis(at: &RedisAt) -> Result<RedisStore, String> {
+/// A Redis store (7.0 or newer), checked now so that a wrong URL fails at start-up, not at the
+/// first request, and the environment variable it came from, which its errors name.
+async fn connect_redis(at: RedisAt) -> Result<(RedisStore, &'static str), String> {
     let var = at.var();
     let store = at
         .store()
@@ -718,7 +703,7 @@ async fn connect_redis(at: &RedisAt) -> Result<RedisStore, String> {
         .check()
         .await
         .map_err(|err| format!("cannot use Redis at {var}: {}", report(&err)))?;
-    Ok(store)
+    Ok((store, var))
 }
 
 /// Resolves at the first SIGTERM or Ctrl-C. The handlers are installed now, before the server

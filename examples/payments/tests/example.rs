@@ -16,7 +16,6 @@ use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
 use server::provider::{self, KeyTable};
-use server::redis_conn::RedisConn;
 use server::{AppState, Ledger, Provider, app};
 use support::api::{ALICE, BOB, Call, authorize, create_charge, visa};
 
@@ -61,9 +60,8 @@ impl Harness {
         let server = RedisServer::start();
         let store = RedisStore::from_url(&server.url()).expect("a valid URL");
         store.check().await.expect("the fixture's Redis answers");
-        let conn = RedisConn::open(&server.url()).expect("a valid URL");
         let mut harness = Self::on(
-            AppState::new(Duration::ZERO).with_ledger(Ledger::redis(conn)),
+            AppState::new(Duration::ZERO).with_ledger(Ledger::redis(store.shared_connection())),
             Records::Redis(store),
             Some(server),
         );
@@ -94,7 +92,9 @@ impl Harness {
     fn provider_window(&mut self, window: Duration) {
         let keys = match &self.redis {
             Some(server) => {
-                let conn = RedisConn::open(&server.url()).expect("a valid URL");
+                let conn = RedisStore::from_url(&server.url())
+                    .expect("a valid URL")
+                    .shared_connection();
                 KeyTable::redis(conn, server::PROVIDER_PREFIX, window)
             }
             None => KeyTable::memory(window),
@@ -108,7 +108,9 @@ impl Harness {
     /// its own layer, ledger handle and provider client, sharing every record through Redis.
     fn second_instance(&self) -> Harness {
         let url = self.redis.as_ref().expect("a Redis").url();
-        let conn = RedisConn::open(&url).expect("a valid URL");
+        let conn = RedisStore::from_url(&url)
+            .expect("a valid URL")
+            .shared_connection();
         let keys = KeyTable::redis(conn.clone(), server::PROVIDER_PREFIX, provider::WINDOW);
         let state = AppState::new(Duration::ZERO)
             .with_provider(Provider::with_keys(Duration::ZERO, keys))

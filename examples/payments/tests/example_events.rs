@@ -28,7 +28,6 @@ use server::balance::{Applied, Available, BalanceError, Fault};
 use server::consumer::{Counts, Handled, LedgerConsumer, deduplicator};
 use server::events::{EventType, PaymentEvent};
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
-use server::redis_conn::RedisConn;
 use server::{AppState, Balances, app};
 use support::api::{ALICE, BOB, Call, account, create_charge, visa};
 
@@ -70,7 +69,9 @@ impl Env<RedisStore> {
             .expect("a valid URL")
             .with_prefix(server::CONSUMER_PREFIX);
         store.check().await.expect("the fixture's Redis answers");
-        let conn = RedisConn::open(&url).expect("a valid URL");
+        let conn = RedisStore::from_url(&url)
+            .expect("a valid URL")
+            .shared_connection();
         let queue = RedisQueue::connect(conn.clone(), server::STREAM, "ledger")
             .await
             .expect("the consumer group is created");

@@ -35,14 +35,13 @@ use tower_idempotency::{
     BoxStore, Claim, ClaimToken, Completed, Fingerprint, IdempotencyLayer, MemoryStore, RecordId,
     Store, StoreError,
 };
-use tower_idempotency_redis::RedisStore;
+use tower_idempotency_redis::{RedisStore, SharedConnection};
 
 use server::consumer::deduplicator;
 use server::pg::{Database, outbox};
 use server::provider::KeyTable;
 use server::queue::{ConsumerConfig, Queue, RedisQueue};
 use server::reconciler::Reconciler;
-use server::redis_conn::RedisConn;
 use server::{AppState, Balances, Ledger, LedgerConsumer, Provider, app};
 use support::api::{ALICE, Call, Reply, account, create_charge, visa};
 
@@ -184,33 +183,24 @@ impl Pair {
     async fn redis() -> Self {
         let server = RedisServer::start();
         let url = server.url();
-        let conn = RedisConn::open(&url).expect("a valid URL");
         let store = RedisStore::from_url(&url).expect("a valid URL");
-        let dedup = RedisStore::from_url(&url)
-            .expect("a valid URL")
-            .with_prefix(server::CONSUMER_PREFIX);
-        Self::on_redis(conn, store, dedup, Servers::Redis(server)).await
+        Self::on_redis(store, Servers::Redis(server)).await
     }
 
     /// The same on a Redis Cluster, as `REDIS_CLUSTER_URLS` puts them.
     async fn cluster() -> Self {
         let cluster = RedisCluster::start();
         let urls = cluster.urls();
-        let conn = RedisConn::cluster(&urls).expect("valid URLs");
         let store = RedisStore::cluster(&urls).expect("valid URLs");
-        let dedup = RedisStore::cluster(&urls)
-            .expect("valid URLs")
-            .with_prefix(server::CONSUMER_PREFIX);
-        Self::on_redis(conn, store, dedup, Servers::Cluster(cluster)).await
+        Self::on_redis(store, Servers::Cluster(cluster)).await
     }
 
-    async fn on_redis(
-        conn: RedisConn,
-        store: RedisStore,
-        dedup: RedisStore,
-        servers: Servers,
-    ) -> Self {
+    /// Everything on `store`'s Redis and its connection, as `main` puts it: the consumer's
+    /// records under their own prefix.
+    async fn on_redis(store: RedisStore, servers: Servers) -> Self {
         store.check().await.expect("the fixture's Redis answers");
+        let conn = store.shared_connection();
+        let dedup = store.clone().with_prefix(server::CONSUMER_PREFIX);
         let queue = RedisQueue::connect(conn.clone(), server::STREAM, server::consumer::SCOPE)
             .await
             .expect("the stream's group");
@@ -600,7 +590,7 @@ async fn postgres_charges_once_when_a_lease_runs_out_under_a_stalled_handler() {
 }
 
 /// The ledger on Redis: as `main` sets it up when `REDIS_URL` is set.
-fn redis_ledger(state: AppState, conn: &RedisConn) -> AppState {
+fn redis_ledger(state: AppState, conn: &SharedConnection) -> AppState {
     state.with_ledger(Ledger::redis(conn.clone()))
 }
 
@@ -667,7 +657,9 @@ async fn the_provider_refuses_a_smaller_fence_in_memory() {
 #[tokio::test]
 async fn the_provider_refuses_a_smaller_fence_on_redis() {
     let server = RedisServer::start();
-    let conn = RedisConn::open(&server.url()).expect("a valid URL");
+    let conn = RedisStore::from_url(&server.url())
+        .expect("a valid URL")
+        .shared_connection();
     let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
     the_provider_refuses_a_smaller_fence(Provider::with_keys(Duration::ZERO, keys)).await;
 }
@@ -796,7 +788,9 @@ async fn the_provider_refuses_an_over_refund_in_memory() {
 #[tokio::test]
 async fn the_provider_refuses_an_over_refund_on_redis() {
     let server = RedisServer::start();
-    let conn = RedisConn::open(&server.url()).expect("a valid URL");
+    let conn = RedisStore::from_url(&server.url())
+        .expect("a valid URL")
+        .shared_connection();
     let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
     the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
 }
@@ -804,7 +798,9 @@ async fn the_provider_refuses_an_over_refund_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_provider_refuses_an_over_refund_on_a_redis_cluster() {
     let cluster = RedisCluster::start();
-    let conn = RedisConn::cluster(&cluster.urls()).expect("valid URLs");
+    let conn = RedisStore::cluster(cluster.urls())
+        .expect("valid URLs")
+        .shared_connection();
     let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
     the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
 }

@@ -31,8 +31,8 @@ use deadpool_redis::redis;
 use serde::{Deserialize, Serialize};
 use sqlx::{self, PgPool, Row};
 use tokio::time::Instant;
+use tower_idempotency_redis::{RedisStoreError, SharedConnection};
 
-use super::super::redis_conn::{RedisConn, RedisFailure};
 use super::{Effect, PaymentRecord, ProviderError};
 
 /// Milliseconds since the Unix epoch, now.
@@ -120,7 +120,7 @@ const SWEEP_BATCH: i64 = 1000;
 pub enum KeyTableError {
     /// Redis failed, or did not answer in time.
     #[error("the provider's key table is unavailable")]
-    Redis(#[from] RedisFailure),
+    Redis(#[from] RedisStoreError),
     /// A key holds something that is not a [`Used`].
     #[error("the provider's key table holds an unreadable record")]
     Unreadable(#[from] serde_json::Error),
@@ -140,7 +140,7 @@ pub struct KeyTable {
 enum Backend {
     Memory(Arc<Mutex<MemoryKeys>>),
     Redis {
-        conn: RedisConn,
+        conn: SharedConnection,
         prefix: Arc<str>,
         insert: Arc<redis::Script>,
     },
@@ -167,7 +167,7 @@ impl KeyTable {
     }
 
     /// Keys in the Redis of `conn`, under `prefix`, each remembered for `window`.
-    pub fn redis(conn: RedisConn, prefix: &str, window: Duration) -> Self {
+    pub fn redis(conn: SharedConnection, prefix: &str, window: Duration) -> Self {
         Self {
             window,
             backend: Backend::Redis {
@@ -198,9 +198,7 @@ impl KeyTable {
             Backend::Redis { conn, prefix, .. } => {
                 let mut get = redis::cmd("GET");
                 get.arg(format!("{prefix}key:{key}"));
-                let held: Option<String> = conn
-                    .run(move |mut c| async move { get.query_async(&mut c).await })
-                    .await?;
+                let held: Option<String> = conn.query(&get).await?;
                 Ok(held.as_deref().map(serde_json::from_str).transpose()?)
             }
             Backend::Postgres(pool) => {
@@ -441,9 +439,7 @@ impl KeyTable {
                     .arg("LIMIT")
                     .arg(0)
                     .arg(limit);
-                let ids: Vec<String> = conn
-                    .run(move |mut c| async move { range.query_async(&mut c).await })
-                    .await?;
+                let ids: Vec<String> = conn.query(&range).await?;
                 if ids.is_empty() {
                     return Ok(Vec::new());
                 }
@@ -451,9 +447,7 @@ impl KeyTable {
                 for id in &ids {
                     get.arg(format!("{prefix}payment:{id}"));
                 }
-                let records: Vec<Option<String>> = conn
-                    .run(move |mut c| async move { get.query_async(&mut c).await })
-                    .await?;
+                let records: Vec<Option<String>> = conn.query(&get).await?;
                 let records = records.into_iter().flatten();
                 Ok(records
                     .map(|record| serde_json::from_str(&record))

@@ -16,10 +16,10 @@ mod redis;
 
 use std::time::Duration;
 
+use tower_idempotency_redis::RedisStoreError;
+
 pub use memory::{MemoryConsumer, MemoryQueue};
 pub use redis::{RedisConsumer, RedisQueue};
-
-use super::redis_conn::RedisFailure;
 
 /// One delivery of a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +80,7 @@ impl ConsumerConfig {
 pub enum QueueError {
     /// Redis failed or was unreachable.
     #[error("the event stream is unavailable")]
-    Redis(#[from] RedisFailure),
+    Redis(#[from] RedisStoreError),
 }
 
 /// Where messages go: in memory (one process) or a Redis Stream (shared). Clones share it.

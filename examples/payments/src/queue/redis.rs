@@ -9,8 +9,10 @@
 //! | done | `XACK <stream> <group> <id>` |
 //! | graceful stop | `XGROUP DELCONSUMER`, only when nothing is pending for the consumer |
 //!
-//! Each consumer reads, claims and acks on a dedicated connection: its `BLOCK` never holds up the
-//! shared connection that publishing and the balances use.
+//! Publishing and the group's bookkeeping go through the store's [`SharedConnection`], which
+//! follows a failover. Each consumer reads, claims and acks on a dedicated connection of its own
+//! ([`SharedConnection::dedicated`]): its `BLOCK` never holds up the shared one; after any error
+//! it is dropped, and the next command makes another.
 //!
 //! Retention: the stream is trimmed to about [`MAX_LEN`] entries (`MAXLEN ~`). An entry trimmed
 //! while still pending is reported as deleted and dropped; keep the stream far longer than the
@@ -19,14 +21,18 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_redis::redis::{self, Cmd, FromRedisValue, Value};
+use tower_idempotency_redis::{RedisConnection, RedisStoreError, SharedConnection};
 
-use super::super::redis_conn::{Conn, RedisConn, RedisFailure, TIMEOUT, broken};
 use super::{ConsumerConfig, Delivery, QueueError};
 
 /// About how many entries the stream keeps.
 pub const MAX_LEN: usize = 1_000_000;
+
+/// How long after its `BLOCK` a blocking read may answer before its connection is given up.
+const MARGIN: Duration = Duration::from_secs(1);
 
 /// The stream entry's field that carries the message.
 const FIELD: &str = "event";
@@ -37,14 +43,18 @@ type Entry = (String, Option<Vec<String>>);
 /// A Redis Stream and its consumer group; clones share the connection.
 #[derive(Clone)]
 pub struct RedisQueue {
-    conn: RedisConn,
+    conn: SharedConnection,
     stream: Arc<str>,
     group: Arc<str>,
 }
 
 impl RedisQueue {
     /// The queue on `stream`, read by consumer group `group`, which is created if missing.
-    pub async fn connect(conn: RedisConn, stream: &str, group: &str) -> Result<Self, QueueError> {
+    pub async fn connect(
+        conn: SharedConnection,
+        stream: &str,
+        group: &str,
+    ) -> Result<Self, QueueError> {
         let queue = Self {
             conn,
             stream: stream.into(),
@@ -56,7 +66,7 @@ impl RedisQueue {
 
     /// Creates the consumer group, and the stream with it, unless the group exists. It reads from
     /// the start of the stream: nothing published before the group existed is missed.
-    async fn create_group(&self) -> Result<(), RedisFailure> {
+    async fn create_group(&self) -> Result<(), RedisStoreError> {
         let mut create = redis::cmd("XGROUP");
         create
             .arg("CREATE")
@@ -64,8 +74,8 @@ impl RedisQueue {
             .arg(&*self.group)
             .arg("0")
             .arg("MKSTREAM");
-        match self.query::<()>(create).await {
-            Err(RedisFailure::Redis(err)) if err.code() == Some("BUSYGROUP") => Ok(()),
+        match self.conn.query::<()>(&create).await {
+            Err(RedisStoreError::Redis(err)) if err.code() == Some("BUSYGROUP") => Ok(()),
             created => created,
         }
     }
@@ -80,7 +90,7 @@ impl RedisQueue {
             .arg("*")
             .arg(FIELD)
             .arg(payload);
-        Ok(self.query(add).await?)
+        Ok(self.conn.query(&add).await?)
     }
 
     /// A consumer of the group, on a connection of its own.
@@ -104,7 +114,7 @@ impl RedisQueue {
     pub async fn backlog(&self) -> Result<usize, QueueError> {
         let mut info = redis::cmd("XINFO");
         info.arg("GROUPS").arg(&*self.stream);
-        let groups: Vec<HashMap<String, Value>> = self.query(info).await?;
+        let groups: Vec<HashMap<String, Value>> = self.conn.query(&info).await?;
         let group = groups.iter().find(|group| {
             group
                 .get("name")
@@ -128,7 +138,7 @@ impl RedisQueue {
                     .unwrap_or_else(|| String::from("0-0"));
                 let mut range = redis::cmd("XRANGE");
                 range.arg(&*self.stream).arg(format!("({last}")).arg("+");
-                let entries: Vec<Entry> = self.query(range).await?;
+                let entries: Vec<Entry> = self.conn.query(&range).await?;
                 entries.len()
             }
         };
@@ -144,7 +154,7 @@ impl RedisQueue {
             .arg(id)
             .arg(id)
             .arg(1);
-        let entries: Vec<(String, String, u64, u64)> = self.query(pending).await?;
+        let entries: Vec<(String, String, u64, u64)> = self.conn.query(&pending).await?;
         Ok(entries.first().map(|(_, _, _, deliveries)| *deliveries))
     }
 
@@ -152,13 +162,7 @@ impl RedisQueue {
     pub async fn published(&self) -> Result<usize, QueueError> {
         let mut len = redis::cmd("XLEN");
         len.arg(&*self.stream);
-        Ok(self.query(len).await?)
-    }
-
-    async fn query<T: FromRedisValue + Send>(&self, command: Cmd) -> Result<T, RedisFailure> {
-        self.conn
-            .run(move |mut c| async move { command.query_async(&mut c).await })
-            .await
+        Ok(self.conn.query(&len).await?)
     }
 }
 
@@ -169,7 +173,7 @@ pub struct RedisConsumer {
     name: String,
     config: ConsumerConfig,
     /// Dedicated: only this consumer's commands, one at a time.
-    connection: Option<Conn>,
+    connection: Option<RedisConnection>,
     /// Where the next `XAUTOCLAIM` goes on scanning the group's pending entries.
     cursor: String,
 }
@@ -181,7 +185,7 @@ impl RedisConsumer {
     /// and returns nothing: the next receive reads the stream from its start.
     pub async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
         match self.receive_in_group().await {
-            Err(RedisFailure::Redis(err)) if err.code() == Some("NOGROUP") => {
+            Err(RedisStoreError::Redis(err)) if err.code() == Some("NOGROUP") => {
                 tracing::warn!(
                     consumer = %self.name,
                     group = %self.queue.group,
@@ -195,7 +199,7 @@ impl RedisConsumer {
         }
     }
 
-    async fn receive_in_group(&mut self) -> Result<Vec<Delivery>, RedisFailure> {
+    async fn receive_in_group(&mut self) -> Result<Vec<Delivery>, RedisStoreError> {
         let min_idle = u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX);
         let mut claim = redis::cmd("XAUTOCLAIM");
         claim
@@ -288,36 +292,27 @@ impl RedisConsumer {
         }
     }
 
-    async fn connection(&mut self) -> Result<&mut Conn, RedisFailure> {
+    async fn connection(&mut self) -> Result<&mut RedisConnection, RedisStoreError> {
         let connection = match self.connection.take() {
             Some(connection) => connection,
             None => {
-                self.queue
-                    .conn
-                    .dedicated(self.config.block + TIMEOUT)
-                    .await?
+                let bound = self.config.block + MARGIN;
+                self.queue.conn.dedicated(bound).await?
             }
         };
         Ok(self.connection.insert(connection))
     }
 
-    /// Runs `command` on the dedicated connection; drops the connection when it broke.
-    async fn query<T: FromRedisValue>(&mut self, command: &Cmd) -> Result<T, RedisFailure> {
-        let bound = self.config.block + TIMEOUT;
+    /// Runs `command` on the dedicated connection, each command bounded by its `BLOCK` and
+    /// [`MARGIN`]. After any error the connection is dropped: one that timed out may be stuck on
+    /// a frozen node, and a fresh one finds the cluster as it is now.
+    async fn query<T: FromRedisValue>(&mut self, command: &Cmd) -> Result<T, RedisStoreError> {
         let connection = self.connection().await?;
-        match tokio::time::timeout(bound, command.query_async(connection)).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(err)) => {
-                if broken(&err) {
-                    self.connection = None;
-                }
-                Err(err.into())
-            }
-            Err(_) => {
-                self.connection = None;
-                Err(RedisFailure::Timeout(bound))
-            }
+        let answer = command.query_async(connection).await;
+        if answer.is_err() {
+            self.connection = None;
         }
+        answer.map_err(RedisStoreError::Redis)
     }
 }
 
