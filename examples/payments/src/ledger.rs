@@ -11,7 +11,7 @@
 //!   [`Ledger::update`]): committed at once, so that a call whose outcome is unknown (a timeout,
 //!   a crash) leaves the charge where a retry, or the reconciler (`reconciler.rs`), finds it;
 //! - after it, the provider's answer ([`Ledger::record`], [`Ledger::settle`]) through the
-//!   request's [`Work`]: in PostgreSQL, the transaction that commits with the request's
+//!   request's `Work` (`work.rs`): in PostgreSQL, the transaction that commits with the request's
 //!   idempotency record and its event, or not at all.
 //!
 //! Every write reads the charge, applies the change to it, and writes it back only if nobody
