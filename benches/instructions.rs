@@ -13,7 +13,8 @@
 //! 203-byte JSON `201`. Per request = (Ir of 2,500 requests − Ir of 500) / 2,000, each count a
 //! whole run of this program under `valgrind --tool=callgrind`: start-up, the first requests'
 //! allocations and the runtime's set-up cancel out. Every answer's status is checked. The stores:
-//! `memory`, `boxed` (the same behind `BoxStore`), `redis` (a `redis-server` of its own, whose
+//! `memory`, `boxed` (the same behind `BoxStore`), `memory-quota` (the same with a scope quota it
+//! never reaches: what keeping the budgets costs), `redis` (a `redis-server` of its own, whose
 //! instructions are not counted: only the application's), and each `-sealed` behind `SealedStore`
 //! (feature `seal`). A second table gives the bytes a stored record takes, plain and sealed.
 //!
@@ -44,7 +45,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use app::{CHARGE, PATH, REPLAY_KEY, Variant, app, call, layered, post_request};
+use app::{CHARGE, PATH, REPLAY_KEY, Variant, app, call, layered, layered_with, post_request};
 use axum::Router;
 use axum::body::Bytes;
 use axum::http::{StatusCode, header};
@@ -52,7 +53,9 @@ use axum::response::IntoResponse;
 use deadpool_redis::redis;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{BoxStore, Fingerprint, MemoryStore, Record, RecordId};
+use tower_idempotency::{
+    BoxStore, Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId, ScopeQuota,
+};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
@@ -98,6 +101,8 @@ fn cases() -> Vec<(&'static str, Workload)> {
         ("memory", Workload::Replay),
         ("memory", Workload::Conflict),
         ("boxed", Workload::NewKey),
+        ("memory-quota", Workload::NewKey),
+        ("memory-quota", Workload::Replay),
         ("memory-sealed", Workload::NewKey),
         ("memory-sealed", Workload::Replay),
         ("redis-floor", Workload::NewKey),
@@ -334,6 +339,12 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
                 .with_sweep_interval(None);
             store.migrate().await.expect("the store's table");
             (layered(store.clone()), Some(BoxStore::new(store)))
+        }
+        // A quota per scope that is never reached: what keeping the budgets costs a request.
+        "memory-quota" => {
+            let layer =
+                IdempotencyLayer::new(MemoryStore::new()).scope_quota(ScopeQuota::new(1 << 50));
+            (layered_with(layer), None)
         }
         "memory-sealed" => {
             let store = MemoryStore::new();

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -72,9 +73,30 @@ pub(crate) struct Quotas {
 /// A shard of the budgets, by scope tag.
 #[derive(Default)]
 struct Shard {
-    budgets: HashMap<u64, Budget>,
+    budgets: HashMap<u64, Budget, BuildHasherDefault<TagHasher>>,
     /// How many budgets the shard may hold before the full ones are forgotten.
     sweep_at: usize,
+}
+
+/// Hashes a scope tag as itself: the tag is a keyed hash already (`RecordId`), so hashing it again
+/// would only cost time.
+#[derive(Default)]
+struct TagHasher(u64);
+
+impl Hasher for TagHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, tag: u64) {
+        self.0 = tag;
+    }
 }
 
 /// One scope's budget: what it held at `at`. Negative when responses stored after its admission
@@ -117,17 +139,14 @@ impl Quotas {
         let rate = self.rate(window);
         let mut shard = self.shard(scope);
         let burst = self.burst;
-        let budget = match shard.budgets.get(&scope) {
-            Some(budget) => self.refilled(budget, rate, now),
-            None => burst,
+        let budget = shard.budgets.entry(scope).or_insert(Budget {
+            left: burst,
+            at: now,
+        });
+        *budget = Budget {
+            left: self.refilled(budget, rate, now) - bytes as f64,
+            at: now,
         };
-        shard.budgets.insert(
-            scope,
-            Budget {
-                left: budget - bytes as f64,
-                at: now,
-            },
-        );
         if shard.budgets.len() >= shard.sweep_at.max(SWEEP_FLOOR) {
             shard
                 .budgets
@@ -147,8 +166,9 @@ impl Quotas {
     }
 
     fn shard(&self, scope: u64) -> std::sync::MutexGuard<'_, Shard> {
-        // The tag is a keyed hash already: its low bits spread scopes evenly.
-        let shard = &self.shards[(scope as usize) % SHARDS];
+        // The tag is a keyed hash already: its high bits spread scopes evenly over the shards,
+        // and its low bits, which the maps use, over each shard's map.
+        let shard = &self.shards[(scope >> 60) as usize % SHARDS];
         // A panic under this lock leaves only numbers behind, each whole.
         shard.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -238,14 +258,18 @@ mod tests {
     fn refilled_budgets_are_forgotten() {
         let quotas = quotas(10_000);
         let now = Instant::now();
-        // One short of a sweep in every shard (scopes go to shards by their low bits)...
-        for scope in 0..(SHARDS * (SWEEP_FLOOR - 1)) as u64 {
-            quotas.spend(scope, 1, WINDOW, now);
+        // A scope tag in `shard` (shards are chosen by the tag's high bits).
+        let tag = |shard: usize, n: usize| ((shard as u64) << 60) | n as u64;
+        // One short of a sweep in every shard...
+        for shard in 0..SHARDS {
+            for n in 0..SWEEP_FLOOR - 1 {
+                quotas.spend(tag(shard, n), 1, WINDOW, now);
+            }
         }
         // ...then, once those have refilled, one more each: only the new ones are kept.
         let later = now + WINDOW;
-        for scope in 0..SHARDS as u64 {
-            quotas.spend(scope + (SHARDS as u64) * 1_000, 1, WINDOW, later);
+        for shard in 0..SHARDS {
+            quotas.spend(tag(shard, SWEEP_FLOOR), 1, WINDOW, later);
         }
         let held: usize = quotas
             .shards
@@ -253,6 +277,6 @@ mod tests {
             .map(|s| s.lock().unwrap().budgets.len())
             .sum();
         assert_eq!(held, SHARDS);
-        assert!(quotas.admit(SHARDS as u64 * 1_000, WINDOW, later).is_ok());
+        assert!(quotas.admit(tag(3, 0), WINDOW, later).is_ok());
     }
 }

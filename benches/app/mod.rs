@@ -73,6 +73,11 @@ pub fn layered<St: Store + Clone>(store: St) -> Router {
     ready(router().layer(IdempotencyLayer::new(store)))
 }
 
+/// The app behind `layer`, configured by the caller.
+pub fn layered_with<St: Store + Clone>(layer: IdempotencyLayer<St>) -> Router {
+    ready(router().layer(layer))
+}
+
 fn router() -> Router {
     Router::new().route(PATH, post(charge).get(charge))
 }
