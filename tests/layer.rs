@@ -20,8 +20,8 @@ use tower_idempotency::{
     ScopeQuota,
 };
 use tower_idempotency_test::{
-    Counting, Faulty, Handler, Reply, account_post, account_scope, created, flood, gated_handler,
-    keyed, pattern, post as post_request, send, service, spawn_send, status_handler,
+    Counting, Faulty, Handler, Reply, assert_a_quota_keeps_a_flood_off_the_others, created,
+    gated_handler, keyed, post as post_request, send, service, spawn_send, status_handler,
     status_request, streamed,
 };
 
@@ -1060,39 +1060,7 @@ async fn shutdown_counts_the_task_that_watches_a_key_for_its_waiters() {
 #[tokio::test(start_paused = true)]
 async fn a_quota_keeps_one_tenant_from_filling_the_store_for_the_others() {
     const CAPACITY: usize = 4 << 20;
-    let handler = Handler::ok(|_| created(pattern(60 * 1024)));
-    let app = |quota: Option<ScopeQuota>| {
-        let layer =
-            IdempotencyLayer::new(MemoryStore::with_capacity(CAPACITY)).scope(account_scope);
-        let layer = match quota {
-            Some(quota) => layer.scope_quota(quota),
-            None => layer,
-        };
-        service(layer, handler.clone())
-    };
-
-    let unbounded = app(None);
-    let (_, full) = flood(&unbounded, "acct_flood", 1_000).await;
-    let full = full.expect("a store of 4 MiB fills");
-    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
-    let other = send(&unbounded, account_post("acct_other", "k")).await;
-    assert_eq!(
-        other.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "without a quota, one tenant's flood refuses the others: {other:?}"
-    );
-
-    let bounded = app(Some(ScopeQuota::new(CAPACITY as u64 / 4)));
-    let (_, refused) = flood(&bounded, "acct_flood", 1_000).await;
-    let refused = refused.expect("the quota refuses the flood");
-    refused.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
-    // Well inside its own quota (half of it at once: about 8 such responses).
-    for n in 0..5 {
-        let other = send(&bounded, account_post("acct_other", &format!("k{n}"))).await;
-        assert_eq!(
-            other.outcome,
-            Some(Outcome::Executed),
-            "§3.4: with a quota, the other tenants' requests run: {other:?}"
-        );
-    }
+    let quota = ScopeQuota::new(CAPACITY as u64 / 4);
+    assert_a_quota_keeps_a_flood_off_the_others(|| MemoryStore::with_capacity(CAPACITY), quota)
+        .await;
 }

@@ -77,9 +77,9 @@ mod handler;
 mod stores;
 
 pub use handler::{
-    Call, Handler, Reply, account_post, account_scope, call, created, expect_one_execution, flood,
-    gated_handler, keyed, pattern, post, respond, send, spawn_send, status_handler, status_request,
-    streamed,
+    Call, Handler, Reply, account_post, account_scope, assert_a_quota_keeps_a_flood_off_the_others,
+    call, created, expect_one_execution, flood, gated_handler, keyed, pattern, post, respond, send,
+    spawn_send, status_handler, status_request, streamed,
 };
 pub use stores::{Calls, Counting, Faulty, Prepared};
 

@@ -15,9 +15,7 @@ use tower::ServiceExt;
 use tower_idempotency::store::{Store, StoreError};
 use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId, ScopeQuota};
 use tower_idempotency_redis::{RedisStore, RedisStoreError};
-use tower_idempotency_test::{
-    Handler, account_post, account_scope, created, flood, pattern, send, service,
-};
+use tower_idempotency_test::assert_a_quota_keeps_a_flood_off_the_others;
 
 /// Every policy Redis 7 knows that removes keys to make room: `volatile-*` included, since every
 /// record has a TTL.
@@ -197,42 +195,9 @@ async fn a_quota_keeps_one_tenant_from_filling_redis_for_the_others() {
     );
     let store = RedisStore::from_url(&server.url()).expect("a store");
     store.check().await.expect("noeviction");
-    let handler = Handler::ok(|_| created(pattern(60 * 1024)));
-    let app = |quota: Option<ScopeQuota>| {
-        let layer = IdempotencyLayer::new(store.clone()).scope(account_scope);
-        let layer = match quota {
-            Some(quota) => layer.scope_quota(quota),
-            None => layer,
-        };
-        service(layer, handler.clone())
+    let fresh = || {
+        server.flushall();
+        store.clone()
     };
-
-    let unbounded = app(None);
-    let (ran, full) = flood(&unbounded, "acct_flood", 1_000).await;
-    let full = full.expect("8 MiB of Redis fills");
-    assert_eq!(
-        full.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "after {ran}: {full:?}"
-    );
-    let other = send(&unbounded, account_post("acct_other", "k")).await;
-    assert_eq!(
-        other.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "without a quota, one tenant's flood refuses the others: {other:?}"
-    );
-
-    assert!(server.command(&["FLUSHALL"]).is_ok());
-    let bounded = app(Some(ScopeQuota::new(2 << 20)));
-    let (_, refused) = flood(&bounded, "acct_flood", 1_000).await;
-    let refused = refused.expect("the quota refuses the flood");
-    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{refused:?}");
-    for n in 0..5 {
-        let other = send(&bounded, account_post("acct_other", &format!("k{n}"))).await;
-        assert_eq!(
-            other.outcome,
-            Some(Outcome::Executed),
-            "§3.4: with a quota, the other tenants' requests run: {other:?}"
-        );
-    }
+    assert_a_quota_keeps_a_flood_off_the_others(fresh, ScopeQuota::new(2 << 20)).await;
 }
