@@ -49,7 +49,12 @@ pub(crate) struct Waits {
 /// One key's shared wait.
 #[derive(Debug)]
 struct Watch {
+    /// The answer, once there is one; its receivers count the waiters.
     settled: watch::Sender<Option<Settled>>,
+    /// Wakes the waiters once the answer is there, in the order they came. (A watch receiver's
+    /// own wake-up draws its place at random, so that the waiters of one history would run in an
+    /// order that changes from run to run.)
+    answered: Notify,
     /// Woken when this layer completes or releases the key.
     changed: Notify,
 }
@@ -126,13 +131,14 @@ impl<St: Store> Shared<St> {
         fingerprint: &Fingerprint,
         deadline: Instant,
     ) -> Option<Settled> {
-        let mut waiter = {
+        let waiter = {
             let mut keys = self.waits.lock();
             let watch = match keys.get(id) {
                 Some(watch) => watch.clone(),
                 None => {
                     let watch = Arc::new(Watch {
                         settled: watch::Sender::new(None),
+                        answered: Notify::new(),
                         changed: Notify::new(),
                     });
                     keys.insert(*id, watch.clone());
@@ -149,14 +155,20 @@ impl<St: Store> Shared<St> {
                 id: *id,
             }
         };
-        let settled = waiter.settled.as_mut()?;
-        let settled = tokio::time::timeout_at(deadline, settled.wait_for(Option::is_some)).await;
-        match settled {
-            Ok(Ok(settled)) => settled.clone(),
-            // Timed out, or the task ended without an answer (it cannot: it answers or waits for
-            // every waiter to leave).
-            Ok(Err(_)) | Err(_) => None,
-        }
+        let settled = waiter.settled.as_ref()?;
+        let answered = async {
+            loop {
+                // Registered before the answer is looked at, so that one sent in between wakes it.
+                let woken = waiter.watch.answered.notified();
+                let mut woken = std::pin::pin!(woken);
+                woken.as_mut().enable();
+                if let Some(settled) = settled.borrow().clone() {
+                    return settled;
+                }
+                woken.await;
+            }
+        };
+        tokio::time::timeout_at(deadline, answered).await.ok()
     }
 
     /// The shared wait's task: asks the store when this layer changed the key, or after the
@@ -175,7 +187,9 @@ impl<St: Store> Shared<St> {
                     None => std::future::pending().await,
                 }
             };
+            // In this order when several are ready, so that one history makes one choice.
             tokio::select! {
+                biased;
                 () = watch.settled.closed() => {
                     if self.waits.leave(&id, &watch, false) {
                         return;
@@ -210,6 +224,7 @@ impl<St: Store> Shared<St> {
             };
             self.waits.leave(&id, &watch, true);
             watch.settled.send_replace(Some(settled));
+            watch.answered.notify_waiters();
             return;
         }
     }

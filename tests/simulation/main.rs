@@ -11,6 +11,8 @@
 //! SIM_BUG=<name> ...                  # a bug put back (`bugs.rs`): the checker must flag it
 //! ```
 //!
+//! Every seed runs twice, and its two histories must agree: one seed, one history.
+//!
 //! The last two lines are the summary:
 //! `simulation: <seeds> seeds, <faults> faults, double effects fenced=<a> transactional=<b>
 //! unfenced=<c>, lost completions=<d>, wrong answers=<e>` and
@@ -49,14 +51,6 @@ fn main() {
         }
     };
 
-    // One seed, one history: run one twice and compare.
-    let probe = seeds[0];
-    assert_eq!(
-        world::run(probe, bug).digest(),
-        world::run(probe, bug).digest(),
-        "seed {probe} made two different histories: the simulation is not deterministic"
-    );
-
     let mut faults: BTreeMap<faults::Fault, u64> = BTreeMap::new();
     let (mut doubles, mut lost, mut wrong, mut stale) = ([0; 3], 0, 0, 0);
     let (mut calls, mut answers, mut broken) = (0, 0, 0);
@@ -67,6 +61,12 @@ fn main() {
         if seeds.len() == 1 {
             println!("{history:#?}");
         }
+        // One seed, one history: every seed runs twice. The second run draws tokio's and std's
+        // per-run randomness anew (the scheduler's, a hash map's order, the wall clock), so a
+        // history that depends on any of them comes out different. Checking every seed costs a
+        // second run each; a seed in a hundred would have missed every seed a watch receiver's
+        // random wake-up order changed (about one seed in 250).
+        let twice = world::run(seed, bug).digest() == history.digest();
         for (fault, n) in &history.faults {
             *faults.entry(*fault).or_default() += n;
         }
@@ -85,6 +85,12 @@ fn main() {
         broken += history.oracle.violations.len() as u64;
         let mut violations: Vec<String> =
             verdict.violations.iter().map(|v| v.to_string()).collect();
+        if !twice {
+            *by_rule.entry(String::from("Deterministic")).or_default() += 1;
+            violations.push(String::from(
+                "Deterministic: the seed made two different histories",
+            ));
+        }
         for violation in &verdict.violations {
             *by_rule
                 .entry(format!("{:?}", violation.finding))

@@ -63,6 +63,8 @@ pub struct OpHistory {
 
 #[derive(Debug)]
 pub struct History {
+    /// When the run started: every time of the history is from it.
+    pub start: Instant,
     pub setup: Setup,
     pub instances: usize,
     pub ops: Vec<OpHistory>,
@@ -87,12 +89,16 @@ impl History {
             )
                 .hash(&mut hasher);
             for answer in &op.answers {
-                (answer.status.as_u16(), &answer.body).hash(&mut hasher);
+                (answer.client, answer.instance, answer.status.as_u16()).hash(&mut hasher);
+                (&answer.body, answer.answered.duration_since(self.start)).hash(&mut hasher);
             }
             (&op.charges, &op.record, &op.hits).hash(&mut hasher);
         }
         self.faults.hash(&mut hasher);
         (self.oracle.calls, self.oracle.answers).hash(&mut hasher);
+        for violation in &self.oracle.violations {
+            violation.to_string().hash(&mut hasher);
+        }
         hasher.finish()
     }
 }
@@ -376,6 +382,7 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
         });
     }
     History {
+        start,
         setup,
         instances,
         ops: histories,
