@@ -32,14 +32,17 @@ pub(crate) const CLAIM_COST: u64 = 256;
 /// burst.
 ///
 /// ```
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore, ScopeQuota};
+/// use http::StatusCode;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, Rejection, Scope, ScopeQuota};
 ///
-/// // Each tenant may hold at most 64 MiB of records per instance.
+/// // Each tenant may write at most 64 MiB of records a day through this instance.
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
-///     .scope(|parts: &http::request::Parts| {
-///         parts.headers.get("x-account").map(|v| v.as_bytes().to_vec()).unwrap_or_default()
+///     .scope(|parts: &http::request::Parts| match parts.headers.get("x-account") {
+///         Some(account) => Ok(Scope::from(account.as_bytes())),
+///         None => Err(Rejection::from(StatusCode::UNAUTHORIZED)),
 ///     })
 ///     .scope_quota(ScopeQuota::new(64 << 20));
+/// assert_eq!(ScopeQuota::new(64 << 20).bytes(), 64 << 20);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScopeQuota {
