@@ -308,11 +308,14 @@ pub(crate) struct GrpcAnswer {
 }
 
 impl GrpcAnswer {
-    /// Whether the answer says "later": `UNAVAILABLE` and `ABORTED`, after their `RetryInfo`.
+    /// Whether the answer says "later": `UNAVAILABLE` and `ABORTED`, after their `RetryInfo`, and
+    /// `RESOURCE_EXHAUSTED` when a `RetryInfo` says when (a quota spent for now, as HTTP's 429;
+    /// without one it is a limit the same call meets again, such as a message over the size).
     pub(crate) fn retryable(&self) -> Option<Retryable> {
         let reason = match self.code {
             Code::Unavailable => Reason::Unavailable,
             Code::Aborted => Reason::Aborted,
+            Code::ResourceExhausted if self.retry_delay.is_some() => Reason::RateLimited,
             _ => return None,
         };
         Some(Retryable {
@@ -327,15 +330,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_unavailable_and_aborted_are_retried() {
+    fn only_unavailable_aborted_and_a_quota_with_its_wait_are_retried() {
         for n in 0..=16 {
             let code = Code::from_i32(n);
             let answer = GrpcAnswer {
                 code,
                 retry_delay: Some(Duration::from_secs(1)),
             };
-            let retried = matches!(code, Code::Unavailable | Code::Aborted);
+            let retried = matches!(
+                code,
+                Code::Unavailable | Code::Aborted | Code::ResourceExhausted
+            );
             assert_eq!(answer.retryable().is_some(), retried, "{code:?}");
+            let without_a_wait = GrpcAnswer {
+                code,
+                retry_delay: None,
+            };
+            let retried = matches!(code, Code::Unavailable | Code::Aborted);
+            assert_eq!(without_a_wait.retryable().is_some(), retried, "{code:?}");
             if let Some(retryable) = answer.retryable() {
                 assert_eq!(retryable.retry_after, Some(Duration::from_secs(1)));
             }
