@@ -1,6 +1,7 @@
 //! The faults a run injects, and how often: per store call (a delay, a loss, a stall, a call
 //! delivered twice, an error of each kind), per instance (a partition from the store that heals,
-//! a clock that is off and jumps), and on the store (a restart, a failover, an eviction).
+//! a clock that is off and jumps), and on the store (a restart, a failover, one whose clock is
+//! behind, an eviction).
 
 use std::time::Duration;
 
@@ -34,6 +35,9 @@ pub enum Fault {
     Restart,
     /// The store failed over to a replica without the claims of the last moments.
     Failover,
+    /// A failover to a replica whose clock is behind the old primary's: the fences the store
+    /// numbers from its clock (§5.3) go back by as much.
+    ClockBack,
     /// A failover lost the completions of the last moments.
     LostWrites,
     /// The store evicted a completed record before its window ended.

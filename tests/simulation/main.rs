@@ -52,7 +52,7 @@ fn main() {
     };
 
     let mut faults: BTreeMap<faults::Fault, u64> = BTreeMap::new();
-    let (mut doubles, mut lost, mut wrong, mut stale) = ([0; 3], 0, 0, 0);
+    let (mut doubles, mut lost, mut wrong, mut stale, mut back) = ([0; 3], 0, 0, 0, 0);
     let (mut calls, mut answers, mut broken) = (0, 0, 0);
     let mut by_rule: BTreeMap<String, u64> = BTreeMap::new();
     let mut failing = Vec::new();
@@ -80,6 +80,7 @@ fn main() {
         lost += verdict.lost_completions;
         wrong += verdict.wrong_answers;
         stale += verdict.stale_fences;
+        back += history.ops.iter().map(|op| op.fences_back).sum::<usize>();
         calls += history.oracle.calls;
         answers += history.oracle.answers;
         broken += history.oracle.violations.len() as u64;
@@ -119,7 +120,8 @@ fn main() {
         .first()
         .map_or(String::from("none"), |(seed, _)| format!("seed {seed}"));
     println!(
-        "faults by class: {}; fences that did not grow: {stale}; violations by rule: [{}]; {} of {} \
+        "faults by class: {}; fences that did not grow: {stale} (and {back} that went back with the \
+         store's clock); violations by rule: [{}]; {} of {} \
          seeds violated a guarantee (the first: {first}); {:.1} s",
         by_class.join(" "),
         rules.join(" "),

@@ -5,7 +5,8 @@
 //! an error after the store applied them (a lost reply), applied twice, or stall past the lease;
 //! an instance can be cut off from the store for a while, and read leases with a clock that is
 //! off. The store can restart empty, fail over to a replica that lacks the claims (and perhaps
-//! the completions) of the replication lag, and evict a completed record. It also models a
+//! the completions) of the replication lag and whose clock may be behind (its fences then go
+//! back), and evict a completed record. It also models a
 //! transactional store (`PgTx`): an effect staged by a handler commits with its record, in the
 //! completion, or is refused for good.
 
@@ -46,8 +47,15 @@ struct Log {
     unreplicated: Vec<(Instant, RecordId, Option<ClaimToken>)>,
     /// The records each instance claimed.
     claimed_by: HashMap<usize, BTreeSet<RecordId>>,
-    /// The fences of each record's claims, in the order they were made.
-    fences: HashMap<RecordId, Vec<Fence>>,
+    /// The fences of each record's claims, in the order they were made, each with how many
+    /// times the store's clock had gone back by then.
+    fences: HashMap<RecordId, Vec<(u64, Fence)>>,
+    /// Each time the store's clock went back, and by how much. Until that much time has passed,
+    /// the fences it gives are smaller than those it gave before, by what is left of it (§5.3).
+    clock_backs: Vec<(Instant, Duration)>,
+    /// The token each claim's caller holds, by the token the store holds (when its clock is
+    /// behind, the fences differ).
+    tokens: HashMap<ClaimToken, ClaimToken>,
     /// Transactions begun by `prepare`, by token.
     open: HashMap<ClaimToken, Staged>,
     /// How many calls each fault struck.
@@ -191,9 +199,17 @@ impl StoreControl {
     }
 
     /// A replica takes over without the claims made within the replication lag, and, if the
-    /// run's failovers are lossy, without the completions made within it either.
-    pub async fn fail_over(&self) {
+    /// run's failovers are lossy, without the completions made within it either. With `behind`,
+    /// the replica's clock is behind the old primary's by that much: a store that numbers claims
+    /// from its clock alone (`RedisStore`'s `TIME`; `PgStore` for a key whose row is gone) gives
+    /// fences smaller by as much from now on (§5.3).
+    pub async fn fail_over(&self, behind: Option<Duration>) {
         self.shared.failovers.fetch_add(1, Ordering::SeqCst);
+        if let Some(behind) = behind {
+            self.log().clock_backs.push((Instant::now(), behind));
+            self.hit_all(Fault::ClockBack);
+            self.shared.oracle.clock_went_back();
+        }
         let now = Instant::now();
         let lossy = self.shared.profile.lossy_failover;
         let lost: Vec<_> = {
@@ -295,8 +311,9 @@ impl StoreControl {
         self.log().hits.get(id).cloned().unwrap_or_default()
     }
 
-    /// The fences of `id`'s claims, in the order they were made.
-    pub fn fences(&self, id: &RecordId) -> Vec<Fence> {
+    /// The fences of `id`'s claims, in the order they were made, each with how many times the
+    /// store's clock had gone back by then.
+    pub fn fences(&self, id: &RecordId) -> Vec<(u64, Fence)> {
         self.log().fences.get(id).cloned().unwrap_or_default()
     }
 
@@ -346,6 +363,31 @@ impl SimStore {
                 .lock()
                 .expect("the rng's lock")
                 .chance(per_mille)
+    }
+
+    /// A claim the store answered, as a store whose clock is behind would have numbered it.
+    fn numbered(&self, claim: Result<Claim, StoreError>) -> Result<Claim, StoreError> {
+        let Ok(Claim::Claimed(token)) = claim else {
+            return claim;
+        };
+        let mut log = self.log();
+        // The store numbers claims from its clock; the memory store's is the process's, which
+        // paused time does not move, so the part of the lag that time has made up is taken off.
+        let behind: Duration = (log.clock_backs.iter())
+            .map(|(at, behind)| behind.saturating_sub(at.elapsed()))
+            .sum();
+        if behind.is_zero() {
+            return Ok(Claim::Claimed(token));
+        }
+        let fence = Fence::new((token.fence().get()).saturating_sub(behind.as_micros() as u64));
+        let given = token.with_fence(fence);
+        log.tokens.insert(given, token);
+        Ok(Claim::Claimed(given))
+    }
+
+    /// The token the store holds for the one a caller sent.
+    fn held(&self, token: &ClaimToken) -> ClaimToken {
+        self.log().tokens.get(token).copied().unwrap_or(*token)
     }
 
     fn order(&self, id: &RecordId) -> Arc<tokio::sync::Mutex<()>> {
@@ -475,7 +517,7 @@ impl SimStore {
     ) -> Result<Claim, StoreError> {
         self.checked(
             id,
-            async |store| store.claim(id, fingerprint, lease).await,
+            async |store| self.numbered(store.claim(id, fingerprint, lease).await),
             |model, call, answer| model.claim(id, fingerprint, lease, call, answer),
         )
         .await
@@ -488,18 +530,27 @@ impl SimStore {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let (mut sent_token, mut sent_ttl) = (*token, ttl);
+        let (mut sent_token, mut sent_ttl) = (self.held(token), ttl);
         if self.shared.bug == Bug::StaleToken
             && let Some(owner) = self.shared.oracle.owner(id)
         {
-            sent_token = owner;
+            sent_token = self.held(&owner);
         }
         if self.shared.bug == Bug::ShortWindow {
             sent_ttl = self.shared.lease;
         }
+        let transaction = self.log().open.get(token).is_some_and(|s| !s.is_empty());
         self.checked(
             id,
-            async |store| store.complete(id, &sent_token, completed, sent_ttl).await,
+            async |store| {
+                // A store whose completion commits with the work (`PgStore`) tells claims apart
+                // by their token: a record of the same bytes written by another claim (two
+                // tombstones) is not this claim's, and the transaction rolls back.
+                if transaction && self.shared.oracle.completed_by_another(id, token) {
+                    return Ok(false);
+                }
+                store.complete(id, &sent_token, completed, sent_ttl).await
+            },
             |model, call, answer| model.complete(id, token, completed, ttl, call, answer),
         )
         .await
@@ -513,7 +564,7 @@ impl SimStore {
     ) -> Result<bool, StoreError> {
         self.checked(
             id,
-            async |store| store.renew(id, token, lease).await,
+            async |store| store.renew(id, &self.held(token), lease).await,
             |model, call, answer| model.renew(id, token, lease, call, answer),
         )
         .await
@@ -522,7 +573,7 @@ impl SimStore {
     async fn checked_release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.checked(
             id,
-            async |store| store.release(id, token).await,
+            async |store| store.release(id, &self.held(token)).await,
             |model, call, answer| model.release(id, token, call, answer),
         )
         .await
@@ -586,7 +637,11 @@ impl Store for SimStore {
             let mut log = self.log();
             log.unreplicated.push((Instant::now(), *id, Some(*token)));
             log.claimed_by.entry(self.instance).or_default().insert(*id);
-            log.fences.entry(*id).or_default().push(token.fence());
+            let clock_backs = log.clock_backs.len() as u64;
+            log.fences
+                .entry(*id)
+                .or_default()
+                .push((clock_backs, token.fence()));
         }
         if self.shared.replication_wait && matches!(claim, Claim::Claimed(_)) {
             // Answered once the replica has it: a failover meanwhile lost it, and says so.

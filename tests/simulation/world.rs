@@ -53,8 +53,12 @@ pub struct OpHistory {
     /// Runs whose handler finished with a charge, and whose completion the store neither wrote
     /// nor refused, on an instance that did not die.
     pub unwritten: usize,
-    /// Whether every claim of the key had a larger fence than the claim before it.
+    /// Whether every claim of the key had a larger fence than the claim before it, while the
+    /// store's clock did not go back in between.
     pub fences_grew: bool,
+    /// Claims whose fence was not larger than the claim's before it, the store's clock having
+    /// gone back in between (§5.3).
+    pub fences_back: usize,
     /// A handler ran for it without a claim (fail-open).
     pub unprotected: bool,
     /// Its completed record ran out its window and the key was claimed again (§8.6).
@@ -117,6 +121,8 @@ pub fn run(seed: u64, bug: Bug) -> History {
 pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> History {
     let start = Instant::now();
     let mut rng = Rng::new(seed);
+    // The draws of faults added since, from a generator of their own: a seed keeps its history.
+    let mut later = Rng::new(seed ^ 0xc10c_bac4_c10c_bac4);
     let instances = rng.below(2..5) as usize;
     let ops = rng.below(3..9) as usize;
     let modes: Vec<Mode> = (0..ops)
@@ -220,12 +226,14 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
     }
     if rng.chance(300) {
         // Mostly while the first claims are made: a failover then finds claims unreplicated. A
-        // lossy one, later, finds completions too.
+        // lossy one, later, finds completions too. Half the time the replica's clock is behind
+        // the old primary's, by up to two leases.
         let within = if profile.lossy_failover { 4.0 } else { 0.5 };
         let (store, at) = (store.clone(), rng.millis(0..ms(within)));
+        let behind = later.chance(500).then(|| later.millis(1..ms(2.0)));
         tokio::spawn(async move {
             tokio::time::sleep(at).await;
-            store.fail_over().await;
+            store.fail_over(behind).await;
         });
     }
     if rng.chance(300) && !long_only {
@@ -376,7 +384,14 @@ pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> Hi
             record,
             hits: store.hits(id),
             unwritten,
-            fences_grew: fences.windows(2).all(|pair| pair[0] < pair[1]),
+            // Within each stretch of the store's clock: a clock that went back gives smaller ones.
+            fences_grew: fences
+                .windows(2)
+                .all(|pair| pair[0].0 < pair[1].0 || pair[0].1 < pair[1].1),
+            fences_back: fences
+                .windows(2)
+                .filter(|pair| pair[0].1 >= pair[1].1)
+                .count(),
             unprotected: ledger.ran_unprotected(op),
             window_passed: oracle.window_passed(id),
         });

@@ -127,6 +127,13 @@ impl Oracle {
         self.lock().model.is_completed(id, Instant::now())
     }
 
+    /// Whether the model knows `id`'s completed record to be another claim's than `token`'s.
+    pub fn completed_by_another(&self, id: &RecordId, token: &ClaimToken) -> bool {
+        self.lock()
+            .model
+            .completed_by_another(id, token, Instant::now())
+    }
+
     /// Whether a completed record of `id` ran out its window and the key was claimed again.
     pub fn window_passed(&self, id: &RecordId) -> bool {
         self.lock().model.seen.window_passed.contains(id)
@@ -150,6 +157,12 @@ impl Oracle {
                 ),
             });
         }
+    }
+
+    /// The store's clock went back: the fences it gives from now on may be smaller than those
+    /// it gave before (§5.3), and need grow only from here.
+    pub fn clock_went_back(&self) {
+        self.lock().model.clock_went_back();
     }
 
     pub fn forget_all(&self) {

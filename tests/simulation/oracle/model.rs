@@ -162,6 +162,19 @@ impl Model {
         )
     }
 
+    /// Whether `id` holds, for certain at `now`, a completed record written by a claim other than
+    /// `token`'s.
+    pub fn completed_by_another(&self, id: &RecordId, token: &ClaimToken, now: Instant) -> bool {
+        let call = Call {
+            sent: now,
+            answered: now,
+        };
+        matches!(
+            self.slot(id, call),
+            Some((Slot::Completed { by: Some(by), .. }, Live::Yes)) if by != *token
+        )
+    }
+
     /// Whether the claim with `fence` may own `id` at `call`.
     pub fn may_own(&self, id: &RecordId, fence: Fence, call: Call) -> bool {
         match self.slot(id, call) {
@@ -535,6 +548,11 @@ impl Model {
             self.slots.insert(*id, Slot::Unknown);
         }
         loose
+    }
+
+    /// The store's clock went back (a failover to a replica behind): fences grow from here.
+    pub fn clock_went_back(&mut self) {
+        self.fences.clear();
     }
 
     /// A fault that forgets every record (a restart without persistence).
