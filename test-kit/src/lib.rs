@@ -159,6 +159,7 @@ macro_rules! store_contract {
             store_tombstone_is_kept,
             store_completed_record_lives_for_its_ttl_not_the_lease,
             store_lease_expires_without_renewal,
+            store_lease_left_is_more_than_zero_to_its_end,
             store_renew_extends_the_lease,
             store_release_frees_the_key,
             store_fencing_stops_an_owner_whose_lease_was_lost,

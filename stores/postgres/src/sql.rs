@@ -148,11 +148,12 @@ WHERE id = $1 AND substring(token FROM 9) = substring($2::bytea FROM 9) AND comp
             // the caller runs the statement again with a fresh snapshot. The claim's fence (the
             // token's first 8 bytes, §5.3) is the database's clock in microseconds, or one more
             // than the fence of the row it takes over where that is larger; the caller sends the
-            // token's unique half and reads the fence back.
+            // token's unique half and reads the fence back. The lease left is rounded up to the
+            // millisecond: a live row has more than zero left (§10.1).
             claim: format!(
                 "WITH live AS (
     SELECT token, fingerprint, completed,
-           (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS remaining_ms
+           ceil(extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS remaining_ms
     FROM {t}
     WHERE id = $1 AND expires_at > statement_timestamp()
 ), claimed AS (

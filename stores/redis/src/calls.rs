@@ -76,7 +76,7 @@ impl RedisStore {
                 let record = decompress(record, self.inner.max_decompressed)
                     .map_err(|err| StoreError::Unreadable(err.into()))?;
                 Record::decode(Bytes::from(record))
-                    .map(Claim::Existing)
+                    .map(|record| Claim::Existing(at_least_a_millisecond_left(record)))
                     .map_err(|err| StoreError::Codec(Box::new(err)))
             }
         }
@@ -197,10 +197,10 @@ impl RedisStore {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let lease_end = layout::lease_end_bytes(SystemTime::now() + lease);
+        // Redis stamps the new lease end from its clock (renew.lua).
         let lease = millis(lease).to_string();
-        let args: [&[u8]; 2] = [&lease_end, lease.as_bytes()];
-        self.fenced(&self.inner.renew, id, token, &args, None).await
+        self.fenced(&self.inner.renew, id, token, &[lease.as_bytes()], None)
+            .await
     }
 
     pub(super) async fn release_call(
@@ -446,6 +446,19 @@ pub(super) fn millis(duration: Duration) -> u64 {
         .max(1)
 }
 
+/// An in-flight record read from the key has not expired, so more than zero of its lease is left
+/// (§10.1); its lease end, in whole milliseconds, can read as none left while the key still lives
+/// for the rest of that millisecond.
+fn at_least_a_millisecond_left(record: Record) -> Record {
+    match record {
+        Record::InFlight(mut in_flight) => {
+            in_flight.lease_remaining = in_flight.lease_remaining.max(Duration::from_millis(1));
+            Record::InFlight(in_flight)
+        }
+        completed => completed,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,5 +485,26 @@ mod tests {
             None,
             "a short value is not a claim"
         );
+    }
+
+    #[test]
+    fn an_in_flight_record_read_at_its_lease_end_has_a_millisecond_left() {
+        let record = layout::in_flight(
+            &ClaimToken::new(Fence::new(42)),
+            &Fingerprint::from_bytes([1; 32]),
+            SystemTime::now(),
+        );
+        let Ok(Record::InFlight(read)) = Record::decode(Bytes::from(record.to_vec())) else {
+            panic!("an in-flight record");
+        };
+        assert_eq!(
+            read.lease_remaining,
+            Duration::ZERO,
+            "the lease end, read as it is"
+        );
+        let Record::InFlight(answered) = at_least_a_millisecond_left(Record::InFlight(read)) else {
+            panic!("an in-flight record");
+        };
+        assert_eq!(answered.lease_remaining, Duration::from_millis(1));
     }
 }

@@ -15,7 +15,7 @@ pub(super) const CLAIM: &str = include_str!("claim.lua");
 /// writes it where the key has no record. KEYS[1] record; ARGV[1] token, ARGV[2] completed record, ARGV[3] ttl in ms.
 pub(super) const COMPLETE: &str = include_str!("complete.lua");
 /// Extends the lease of the in-flight record, if the claim's token still matches.
-/// KEYS[1] record; ARGV[1] token, ARGV[2] new lease end (8 bytes), ARGV[3] lease in ms.
+/// KEYS[1] record; ARGV[1] token, ARGV[2] lease in ms (Redis stamps the lease end).
 pub(super) const RENEW: &str = include_str!("renew.lua");
 /// Deletes the in-flight record, if the claim's token still matches (its unique half).
 /// KEYS[1] record; ARGV[1] token.
@@ -153,14 +153,17 @@ mod tests {
             "release.lua reads the token's unique half as {unique}"
         );
         let (fence_first, fence_last) = lua(layout::TOKEN.start..layout::TOKEN.start + 8);
+        let (_, before_lease) = lua(0..layout::LEASE_END.start);
         let fenced = format!(
-            "string.sub(ARGV[1], 1, {}) .. fence .. string.sub(ARGV[1], {})",
+            "string.sub(ARGV[1], 1, {}) .. fence .. string.sub(ARGV[1], {}, {before_lease}) .. \
+             lease_end",
             fence_first - 1,
             fence_last + 1
         );
         assert!(
             CLAIM.contains(&fenced),
-            "claim.lua writes the fence as {fenced}"
+            "claim.lua writes the fence, and stamps the lease end after the fingerprint, as \
+             {fenced}"
         );
         for (name, script) in [("complete", COMPLETE), ("renew", RENEW)] {
             assert!(
@@ -172,8 +175,7 @@ mod tests {
                 "{name}.lua reads the token as {token}"
             );
         }
-        let (_, before_lease) = lua(0..layout::LEASE_END.start);
-        let kept = format!("string.sub(record, 1, {before_lease}) .. ARGV[2]");
+        let kept = format!("string.sub(record, 1, {before_lease}) .. lease_end");
         assert!(
             RENEW.contains(&kept),
             "renew.lua rewrites the lease end: {kept}"

@@ -316,6 +316,49 @@ pub async fn store_lease_expires_without_renewal<H: Harness>(h: H) {
     claimed(&store, &id, &fingerprint(2), lease).await;
 }
 
+/// A record in flight has more than zero of its lease left for as long as a claim finds it:
+/// claims sent a moment apart as its lease runs out read a lease left that counts down and never
+/// reaches zero, and then claim the key. (A store that reads its expiry in whole milliseconds,
+/// rounded down or to the nearest, answers zero in the last one.)
+/// PROTOCOL.md §10.1 (claim).
+pub async fn store_lease_left_is_more_than_zero_to_its_end<H: Harness>(h: H) {
+    let store = h.store();
+    let lease = h.lease();
+    let (before, step) = (Duration::from_millis(20), Duration::from_micros(250));
+    for round in 0..5 {
+        let id = record_id(&format!("lease-left-{round}"));
+        claimed(&store, &id, &fingerprint(1), lease).await;
+        h.advance(lease - before).await;
+        let mut read = 0;
+        loop {
+            match store
+                .claim(&id, &fingerprint(2), lease)
+                .await
+                .expect(ANSWERS)
+            {
+                Claim::Claimed(_) => break,
+                Claim::Existing(Record::InFlight(in_flight)) => {
+                    read += 1;
+                    assert!(
+                        in_flight.lease_remaining > Duration::ZERO,
+                        "§10.1 claim: a record in flight has more than zero of its lease left \
+                         until it expires; claim {read} near its end read {:?}",
+                        in_flight.lease_remaining
+                    );
+                }
+                other => {
+                    panic!("§10.1 claim: a key in flight, or free once it expired; got {other:?}")
+                }
+            }
+            assert!(
+                read < 10_000,
+                "§10.2: a claim not renewed expires with its lease"
+            );
+            h.advance(step).await;
+        }
+    }
+}
+
 /// `renew` extends the lease to a full lease from now.
 /// PROTOCOL.md §10.1 (renew).
 pub async fn store_renew_extends_the_lease<H: Harness>(h: H) {
