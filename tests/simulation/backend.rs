@@ -24,6 +24,8 @@ pub struct Backend {
     pub evict: Evict,
     /// On tokio's real clock (a server's store), where the machine's load can stall a run.
     pub real_time: bool,
+    /// Whether the store releases, behind it, a claim it answered with an error (`RedisStore`).
+    pub releases_behind: bool,
 }
 
 impl Backend {
@@ -42,6 +44,7 @@ impl Backend {
                 Box::pin(async {})
             }),
             real_time: false,
+            releases_behind: false,
         }
     }
 }

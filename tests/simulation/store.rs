@@ -87,6 +87,9 @@ struct Shared {
     /// a restart waits for the steps under way, so that it never forgets a record whose effects
     /// then commit, or the effects of a record it kept.
     commit_gate: tokio::sync::RwLock<()>,
+    /// Every call holds it while the store has it: a restart waits for the calls under way, so
+    /// that the model knows whether each came before it or after.
+    calls_gate: tokio::sync::RwLock<()>,
 }
 
 /// One instance's handle on the shared store: a dead instance's calls never finish.
@@ -157,6 +160,7 @@ impl StoreControl {
                 bug,
                 order: Mutex::default(),
                 commit_gate: tokio::sync::RwLock::new(()),
+                calls_gate: tokio::sync::RwLock::new(()),
                 log: Mutex::default(),
             }),
         }
@@ -186,6 +190,7 @@ impl StoreControl {
     /// The store comes back empty: every record, and the effects committed with records, gone.
     pub async fn restart(&self) {
         let _no_commit_under_way = self.shared.commit_gate.write().await;
+        let _no_call_under_way = self.shared.calls_gate.write().await;
         (self.shared.forget)().await;
         self.shared.oracle.forget_all();
         self.shared.ledger.forget_committed();
@@ -457,15 +462,17 @@ impl SimStore {
     }
 
     /// Sends one call to the store, in the record's order, and has the model check its answer.
-    async fn checked<T, F>(
+    async fn checked<T: std::fmt::Debug, F>(
         &self,
         id: &RecordId,
+        what: &str,
         send: impl AsyncFnOnce(BoxStore) -> Result<T, StoreError>,
         check: F,
     ) -> Result<T, StoreError>
     where
         F: FnOnce(&mut super::oracle::model::Model, Call, &Result<T, StoreError>) -> Found,
     {
+        let _not_across_a_restart = self.shared.calls_gate.read().await;
         let lock = self.order(id);
         let _in_order = lock.lock().await;
         let sent = Instant::now();
@@ -480,9 +487,21 @@ impl SimStore {
             sent,
             answered: Instant::now(),
         };
-        self.shared
-            .oracle
-            .call(id, |model| check(model, call, &answer));
+        let instance = self.instance;
+        self.shared.oracle.call(id, |model| {
+            let found = check(model, call, &answer);
+            model.note(id, |origin| {
+                let at = |t: Instant| t.saturating_duration_since(origin).as_micros() as f64 / 1e3;
+                let answer = format!("{answer:?}");
+                let answer: String = answer.chars().take(80).collect();
+                format!(
+                    "{what} by {instance} at {}..{} ms: {answer}",
+                    at(call.sent),
+                    at(call.answered)
+                )
+            });
+            found
+        });
         answer
     }
 
@@ -517,6 +536,7 @@ impl SimStore {
     ) -> Result<Claim, StoreError> {
         self.checked(
             id,
+            "claim",
             async |store| self.numbered(store.claim(id, fingerprint, lease).await),
             |model, call, answer| model.claim(id, fingerprint, lease, call, answer),
         )
@@ -542,6 +562,7 @@ impl SimStore {
         let transaction = self.log().open.get(token).is_some_and(|s| !s.is_empty());
         self.checked(
             id,
+            "complete",
             async |store| {
                 // A store whose completion commits with the work (`PgStore`) tells claims apart
                 // by their token: a record of the same bytes written by another claim (two
@@ -564,6 +585,7 @@ impl SimStore {
     ) -> Result<bool, StoreError> {
         self.checked(
             id,
+            "renew",
             async |store| store.renew(id, &self.held(token), lease).await,
             |model, call, answer| model.renew(id, token, lease, call, answer),
         )
@@ -573,6 +595,7 @@ impl SimStore {
     async fn checked_release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.checked(
             id,
+            "release",
             async |store| store.release(id, &self.held(token)).await,
             |model, call, answer| model.release(id, token, call, answer),
         )
@@ -611,6 +634,10 @@ impl Drop for Abandoned<'_> {
         if let Some(id) = self.id.take() {
             self.oracle.call(&id, |model| {
                 model.abandoned(&id, self.settle);
+                model.note(&id, |origin| {
+                    let at = Instant::now().saturating_duration_since(origin);
+                    format!("a call abandoned at {} ms", at.as_millis())
+                });
                 Vec::new()
             });
         }

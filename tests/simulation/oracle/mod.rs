@@ -81,11 +81,13 @@ pub struct Oracle {
 }
 
 impl Oracle {
-    /// `fuzz`: how far the store's clock may stray from the run's (zero on the paused clock).
-    pub fn new(fuzz: Duration) -> Self {
+    /// `fuzz`: how far the store's clock may stray from the run's (zero on the paused clock);
+    /// `releases_behind`: for a store that releases behind a claim answered with an error, how
+    /// long that may take.
+    pub fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
         Self {
             state: Mutex::new(State {
-                model: Model::new(fuzz),
+                model: Model::new(fuzz, releases_behind),
                 names: Default::default(),
                 counts: Counts::default(),
                 violations: Vec::new(),
@@ -103,11 +105,12 @@ impl Oracle {
         state.counts.calls += 1;
         let found = check(&mut state.model);
         let subject = state.subject(id);
+        let notes = state.model.notes(id).join("; ");
         for (rule, detail) in found {
             state.violations.push(Violation {
                 rule,
                 subject: subject.clone(),
-                detail,
+                detail: format!("{detail} (the record's last calls: {notes})"),
             });
         }
     }

@@ -85,27 +85,51 @@ pub struct Model {
     slots: HashMap<RecordId, Slot>,
     /// How far a store's clock and expiry may stray from the model's (real time only).
     fuzz: Duration,
+    /// For a store that releases behind a claim answered with an error, how long that may take.
+    releases_behind: Option<Duration>,
     fences: HashMap<RecordId, Fence>,
     tokens: HashSet<ClaimToken>,
     /// Records a call was abandoned on, until when: a store may clean up after an abandoned
     /// call in the background (`RedisStore` releases a claim its `SET` may still make), so
     /// until then every answer is taken as it comes.
     loose: HashMap<RecordId, Instant>,
+    /// The last calls on each record, for a violation's report.
+    notes: HashMap<RecordId, std::collections::VecDeque<String>>,
+    /// When the model began: the times of its notes are from it.
+    origin: Instant,
     pub seen: Seen,
 }
 
 type Found = Vec<(Rule, String)>;
 
 impl Model {
-    pub fn new(fuzz: Duration) -> Self {
+    pub fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
         Self {
             slots: HashMap::new(),
             fuzz,
+            releases_behind,
             fences: HashMap::new(),
             tokens: HashSet::new(),
             loose: HashMap::new(),
+            notes: HashMap::new(),
+            origin: Instant::now(),
             seen: Seen::default(),
         }
+    }
+
+    /// Notes what happened to `id` (the last few notes are kept).
+    pub fn note(&mut self, id: &RecordId, what: impl FnOnce(Instant) -> String) {
+        let note = what(self.origin);
+        let notes = self.notes.entry(*id).or_default();
+        if notes.len() == 6 {
+            notes.pop_front();
+        }
+        notes.push_back(note);
+    }
+
+    /// The last notes on `id`, oldest first.
+    pub fn notes(&self, id: &RecordId) -> Vec<String> {
+        self.notes.get(id).into_iter().flatten().cloned().collect()
     }
 
     fn live(&self, expires: Window, call: Call) -> Live {
@@ -193,6 +217,18 @@ impl Model {
         }
     }
 
+    /// A claim answered with an error may have landed; a store that releases such a claim behind
+    /// it (`RedisStore`, §10.6) may do so a moment later: its answers are taken as they come
+    /// until then, as after an abandoned call.
+    fn claim_failed(&mut self, id: &RecordId, err: &StoreError) {
+        self.failed(id, err);
+        if let Some(settle) = self.releases_behind
+            && !matches!(err, StoreError::Full { .. })
+        {
+            self.loose.insert(*id, Instant::now() + settle);
+        }
+    }
+
     pub fn claim(
         &mut self,
         id: &RecordId,
@@ -274,9 +310,9 @@ impl Model {
                             .earliest
                             .saturating_duration_since(call.answered)
                             .saturating_sub(self.fuzz);
-                        // Zero only where the lease may be over (a store's clock in milliseconds).
-                        let zero = left.is_zero() && !least.is_zero();
-                        if zero || left > most || left < least || left > lease {
+                        // A live record's lease left is more than zero (§10.1), whatever a
+                        // store's clock rounds to.
+                        if left.is_zero() || left > most || left < least || left > lease {
                             found.push((
                                 Rule::Store,
                                 format!(
@@ -332,7 +368,7 @@ impl Model {
                     format!("claim: a completed record where the model has {other:?}"),
                 )),
             },
-            Err(err) => self.failed(id, err),
+            Err(err) => self.claim_failed(id, err),
         }
         found
     }
@@ -557,11 +593,21 @@ impl Model {
 
     /// A fault that forgets every record (a restart without persistence).
     pub fn forget_all(&mut self) {
+        let ids: Vec<RecordId> = self.slots.keys().copied().collect();
+        for id in ids {
+            self.note(&id, |origin| format!("a restart at {} ms", since(origin)));
+        }
         self.slots.clear();
     }
 
     /// A fault that forgets one record (an eviction, a failover losing a write).
     pub fn forget(&mut self, id: &RecordId) {
+        self.note(id, |origin| format!("forgotten at {} ms", since(origin)));
         self.slots.remove(id);
     }
+}
+
+/// The milliseconds from `origin` to now.
+fn since(origin: Instant) -> u128 {
+    Instant::now().saturating_duration_since(origin).as_millis()
 }
