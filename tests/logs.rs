@@ -339,3 +339,43 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
     .await;
     assert_eq!(unscoped(from), 0, "no warning where the tenancy is stated");
 }
+
+/// Renewals that fail and are tried again are warned of once, not per try, and the renewal that
+/// lands after them says how many failed. PROTOCOL.md §9.2, §12.3.
+#[tokio::test(start_paused = true)]
+async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let store = Faulty::new(MemoryStore::new());
+    let (started, gate) = (
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+    );
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
+        tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
+    );
+    let from = captured.events().len();
+    let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    store.fail_renewals(3);
+    tokio::time::sleep(std::time::Duration::from_secs(15)).await;
+    let events: Vec<LogEvent> = captured.events().into_iter().skip(from).collect();
+    let with = |prefix: &str| -> Vec<&LogEvent> {
+        events
+            .iter()
+            .filter(|e| e.field("message").is_some_and(|m| m.starts_with(prefix)))
+            .collect()
+    };
+    let failed = with("renewing the claim's lease failed");
+    assert_eq!(
+        failed.len(),
+        1,
+        "one warning for three failed tries: {failed:?}"
+    );
+    let landed = with("the claim's lease renewed after the store came back");
+    assert_eq!(landed.len(), 1, "{landed:?}");
+    assert_eq!(landed[0].field("failures"), Some("3"));
+    gate.notify_one();
+    assert_eq!(first.await.expect("task").outcome, Some(Outcome::Executed));
+}

@@ -892,6 +892,13 @@ pub async fn renewals_lost_to_a_short_fault_keep_the_claim<H: Harness>(h: H) {
         h.advance(h.lease() / 4).await;
         send(&svc, post("k", "x")).await.assert_in_flight();
     }
+    // Later, once renewals have landed, the same fault again: the tries run until the lease as
+    // renewed last ends, not the first claim's.
+    faulty.fail_renewals(3);
+    for _ in 0..8 {
+        h.advance(h.lease() / 4).await;
+        send(&svc, post("k", "x")).await.assert_in_flight();
+    }
     assert_eq!(
         handler.calls(),
         1,
