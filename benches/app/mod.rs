@@ -70,7 +70,7 @@ pub fn app(variant: Variant) -> Router {
 
 /// The app behind a layer over `store`.
 pub fn layered<St: Store + Clone>(store: St) -> Router {
-    ready(router().layer(IdempotencyLayer::new(store)))
+    layered_with(IdempotencyLayer::new(store))
 }
 
 /// The app behind `layer`, configured by the caller.
