@@ -258,6 +258,50 @@ mod tests {
     }
 
     #[test]
+    fn a_quota_is_at_least_two_claims() {
+        assert_eq!(ScopeQuota::new(0).bytes(), 2 * CLAIM_COST);
+        assert_eq!(ScopeQuota::new(10_000).bytes(), 10_000);
+    }
+
+    #[test]
+    fn a_claim_is_admitted_with_exactly_its_cost_left() {
+        // A burst of 512: one claim spent leaves exactly one more.
+        let quotas = quotas(1_024);
+        let now = Instant::now();
+        quotas.spend(1, CLAIM_COST, WINDOW, now);
+        assert_eq!(quotas.admit(1, WINDOW, now), Ok(()));
+        quotas.spend(1, 1, WINDOW, now);
+        assert!(quotas.admit(1, WINDOW, now).is_err());
+    }
+
+    #[test]
+    fn a_completion_costs_its_body_fields_and_framing() {
+        let fingerprint = crate::Fingerprint::from_bytes([0; 32]);
+        let mut headers = http::HeaderMap::new();
+        headers.insert("content-type", http::HeaderValue::from_static("text/plain"));
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let response = crate::StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers,
+            body: bytes::Bytes::from_static(b"0123456789"),
+            trailers: Some(trailers),
+        };
+        let completed = Completed {
+            fingerprint,
+            response: Some(Payload::Plain(std::sync::Arc::new(response))),
+        };
+        // 10 of body; "content-type" (12) + "text/plain" (10) + 6; "grpc-status" (11) + "0" (1)
+        // + 6; and 44.
+        assert_eq!(completion_cost(&completed), 10 + 28 + 18 + 44);
+        let tombstone = Completed {
+            fingerprint,
+            response: None,
+        };
+        assert_eq!(completion_cost(&tombstone), 0);
+    }
+
+    #[test]
     fn refilled_budgets_are_forgotten() {
         let quotas = quotas(10_000);
         let now = Instant::now();
