@@ -162,7 +162,7 @@ impl<'a, St: Store> Held<'a, St> {
     /// `within` has passed. A record that vanished meanwhile (its lease ran out and nobody claimed
     /// it since) is written all the same: the work did run. `failed` is how many attempts failed
     /// (and were logged) before this call.
-    pub(crate) async fn complete_with<F, Fut>(self, within: Duration, failed: u32, call: F) -> bool
+    pub(crate) async fn complete_with<F, Fut>(self, within: Duration, failed: u32, call: F)
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
@@ -174,7 +174,7 @@ impl<'a, St: Store> Held<'a, St> {
     /// Releases the claim (`call` makes one attempt), retrying a failed attempt with backoff for
     /// up to a lease: after that the claim has run out by itself. `failed` as for
     /// [`Held::complete_with`].
-    pub(crate) async fn release_with<F, Fut>(self, failed: u32, call: F) -> bool
+    pub(crate) async fn release_with<F, Fut>(self, failed: u32, call: F)
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
@@ -184,15 +184,14 @@ impl<'a, St: Store> Held<'a, St> {
 
     /// Makes a fenced write (`what`: "complete" or "release"), retrying a failed one with capped
     /// exponential backoff for up to `within`; after `failed` earlier failures, it starts with a
-    /// pause. Returns whether the write was made.
+    /// pause. Whether it was made is logged: no caller acts on it.
     async fn retried<F, Fut>(
         self,
         what: &'static str,
         within: Duration,
         mut failures: u32,
         mut call: F,
-    ) -> bool
-    where
+    ) where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
@@ -213,11 +212,11 @@ impl<'a, St: Store> Held<'a, St> {
                             "store write made after the store came back"
                         );
                     }
-                    return true;
+                    return;
                 }
                 Ok(false) => {
                     not_written(what);
-                    return false;
+                    return;
                 }
                 // Refused for good: the same write sent again is refused again.
                 Err(StoreError::Rejected(err)) => {
@@ -227,7 +226,7 @@ impl<'a, St: Store> Held<'a, St> {
                         error = %ErrorChain(&*err),
                         "the store rejected the write; it cannot succeed as it is, giving up"
                     );
-                    return false;
+                    return;
                 }
                 Err(err) => {
                     failures += 1;
@@ -255,7 +254,7 @@ impl<'a, St: Store> Held<'a, St> {
                             failures,
                             "giving up on the store write: the store stayed unreachable past the point where the write could matter"
                         );
-                        return false;
+                        return;
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(WRITE_BACKOFF_MAX);

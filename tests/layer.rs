@@ -1064,3 +1064,35 @@ async fn a_quota_keeps_one_tenant_from_filling_the_store_for_the_others() {
     assert_a_quota_keeps_a_flood_off_the_others(|| MemoryStore::with_capacity(CAPACITY), quota)
         .await;
 }
+
+/// A completion that failed while the request was answered is tried again on a task of its own:
+/// first after 100 ms, never at once, then after pauses that double (200 ms, 400 ms, ...), until
+/// it lands. PROTOCOL.md §9.5.
+#[tokio::test(start_paused = true)]
+async fn a_failed_completion_is_tried_again_after_doubling_pauses() {
+    let faulty = Faulty::new(MemoryStore::new());
+    let store = Counting::new(faulty.clone());
+    let svc = service(IdempotencyLayer::new(store.clone()), echo());
+    faulty.fail_writes(true);
+    let first = send(&svc, post_request("k", "x")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed), "{first:?}");
+    let started = tokio::time::Instant::now();
+    // Attempts are due at 0 (in the request), 100, 300 and 700 ms.
+    for (at, attempts) in [(50, 1), (150, 2), (250, 2), (350, 3), (650, 3), (750, 4)] {
+        tokio::time::sleep_until(started + Duration::from_millis(at)).await;
+        assert_eq!(
+            store.calls().complete,
+            attempts,
+            "§9.5: {attempts} completion attempts by {at} ms"
+        );
+    }
+    faulty.fail_writes(false);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        store.calls().complete,
+        5,
+        "§9.5: the attempt after the store came back lands"
+    );
+    let replay = send(&svc, post_request("k", "x")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
+}

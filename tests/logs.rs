@@ -359,7 +359,8 @@ async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them()
     let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
     started.notified().await;
     store.fail_renewals(3);
-    tokio::time::sleep(std::time::Duration::from_secs(15)).await;
+    // The renewal at 10 s and its tries fail, then land; the one at 20 s lands at once.
+    tokio::time::sleep(std::time::Duration::from_secs(25)).await;
     let events: Vec<LogEvent> = captured.events().into_iter().skip(from).collect();
     let with = |prefix: &str| -> Vec<&LogEvent> {
         events
@@ -378,4 +379,52 @@ async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them()
     assert_eq!(landed[0].field("failures"), Some("3"));
     gate.notify_one();
     assert_eq!(first.await.expect("task").outcome, Some(Outcome::Executed));
+}
+
+/// A store write that failed and lands on a later attempt says so once, with the failures; a write
+/// that lands at its first attempt (a consumer's completion) says nothing of it.
+/// PROTOCOL.md §9.5, §12.3.
+#[tokio::test(start_paused = true)]
+async fn a_write_that_lands_after_failures_says_so_once() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let landed_since = |from: usize| -> Vec<LogEvent> {
+        captured
+            .events()
+            .into_iter()
+            .skip(from)
+            .filter(|e| {
+                e.field("message")
+                    .is_some_and(|m| m.starts_with("store write made after the store came back"))
+            })
+            .collect()
+    };
+
+    let store = Faulty::new(MemoryStore::new());
+    let svc = service(
+        IdempotencyLayer::new(store.clone()),
+        Handler::ok(|_| created("ok")),
+    );
+    let from = captured.events().len();
+    store.fail_writes(true);
+    send(&svc, post("k", "x")).await;
+    tokio::time::sleep(std::time::Duration::from_millis(350)).await;
+    store.fail_writes(false);
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let landed = landed_since(from);
+    assert_eq!(landed.len(), 1, "{landed:?}");
+    // The attempts in the request and at 100 and 300 ms failed; the one at 700 ms landed.
+    assert_eq!(landed[0].field("failures"), Some("3"));
+
+    let from = captured.events().len();
+    let dedup = tower_idempotency::consumer::Deduplicator::new(MemoryStore::new(), "ledger");
+    dedup
+        .process("evt_1", || async { Ok::<_, std::convert::Infallible>(()) })
+        .await
+        .expect("processed");
+    assert_eq!(
+        landed_since(from).len(),
+        0,
+        "a first attempt that lands is no news"
+    );
 }
