@@ -1096,3 +1096,31 @@ async fn a_failed_completion_is_tried_again_after_doubling_pauses() {
     let replay = send(&svc, post_request("k", "x")).await;
     assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
 }
+
+/// A release that keeps failing is tried again for up to one lease, and not after: by then the
+/// claim has run out by itself. PROTOCOL.md §9.5.
+#[tokio::test(start_paused = true)]
+async fn a_failing_release_is_given_up_within_a_lease() {
+    let faulty = Faulty::new(MemoryStore::new());
+    let store = Counting::new(faulty.clone());
+    let failing = Handler::new(|_| async { Err::<Response<Body>, _>("boom".into()) });
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).lease(Duration::from_secs(30)),
+        failing,
+    );
+    faulty.fail_writes(true);
+    let reply = send(&svc, post_request("k", "x")).await;
+    assert_eq!(reply.outcome, Some(Outcome::HandlerFailed), "{reply:?}");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let by_the_lease = store.calls().release;
+    assert!(
+        by_the_lease > 3,
+        "§9.5: the release is tried again: {by_the_lease}"
+    );
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        store.calls().release,
+        by_the_lease,
+        "§9.5: no release attempt after the lease"
+    );
+}

@@ -415,6 +415,17 @@ async fn a_write_that_lands_after_failures_says_so_once() {
     assert_eq!(landed.len(), 1, "{landed:?}");
     // The attempts in the request and at 100 and 300 ms failed; the one at 700 ms landed.
     assert_eq!(landed[0].field("failures"), Some("3"));
+    // The request warned of the first failure; the retries after it are not warned of again.
+    let rewarned: Vec<LogEvent> = captured
+        .events()
+        .into_iter()
+        .skip(from)
+        .filter(|e| {
+            e.field("message")
+                .is_some_and(|m| m.starts_with("store write failed; retrying it"))
+        })
+        .collect();
+    assert_eq!(rewarned.len(), 0, "{rewarned:?}");
 
     let from = captured.events().len();
     let dedup = tower_idempotency::consumer::Deduplicator::new(MemoryStore::new(), "ledger");
