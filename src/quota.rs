@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::record::{Completed, Payload};
+use crate::record::Completed;
 
 /// What a claim counts against its scope's quota: about what an in-flight record costs a store
 /// (its key, value and expiry), whatever happens to it afterwards.
@@ -186,23 +186,18 @@ impl fmt::Debug for Quotas {
 }
 
 /// What a completion counts against its scope's quota: its response's bytes, about as a store
-/// encodes them (a tombstone costs nothing more than its claim).
+/// holds them ([`StoredResponse::size`](crate::StoredResponse::size); a tombstone costs nothing more
+/// than its claim).
 pub(crate) fn completion_cost(completed: &Completed) -> u64 {
-    let Some(Payload::Plain(response)) = &completed.response else {
-        return 0;
-    };
-    let fields = |map: &http::HeaderMap| -> usize {
-        map.iter()
-            .map(|(name, value)| name.as_str().len() + value.len() + 6)
-            .sum()
-    };
-    let trailers = response.trailers.as_ref().map_or(0, fields);
-    (response.body.len() + fields(&response.headers) + trailers + 44) as u64
+    completed
+        .plain()
+        .map_or(0, |response| response.size() as u64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::Payload;
 
     const WINDOW: Duration = Duration::from_secs(1000);
 
@@ -258,6 +253,14 @@ mod tests {
     }
 
     #[test]
+    fn quotas_show_their_burst() {
+        assert_eq!(
+            format!("{:?}", quotas(1_000)),
+            "Quotas { burst: 500.0, .. }"
+        );
+    }
+
+    #[test]
     fn a_quota_is_at_least_two_claims() {
         assert_eq!(ScopeQuota::new(0).bytes(), 2 * CLAIM_COST);
         assert_eq!(ScopeQuota::new(10_000).bytes(), 10_000);
@@ -291,9 +294,9 @@ mod tests {
             fingerprint,
             response: Some(Payload::Plain(std::sync::Arc::new(response))),
         };
-        // 10 of body; "content-type" (12) + "text/plain" (10) + 6; "grpc-status" (11) + "0" (1)
-        // + 6; and 44.
-        assert_eq!(completion_cost(&completed), 10 + 28 + 18 + 44);
+        // 10 of body; "content-type" (12) + "text/plain" (10) + 8; "grpc-status" (11) + "0" (1)
+        // + 8.
+        assert_eq!(completion_cost(&completed), 10 + 30 + 20);
         let tombstone = Completed {
             fingerprint,
             response: None,

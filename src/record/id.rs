@@ -352,6 +352,21 @@ mod fence_tests {
     use super::*;
 
     #[test]
+    fn ids_tokens_and_fences_show_themselves() {
+        let id = RecordId::new(b"acct_1", "k");
+        assert_eq!(format!("{id:?}"), format!("RecordId({id})"));
+        let token = ClaimToken::from_bytes([0xab; 16]);
+        assert_eq!(
+            format!("{token:?}"),
+            format!("ClaimToken({})", "ab".repeat(16))
+        );
+        assert_eq!(
+            token.fence().to_string(),
+            u64::from_be_bytes([0xab; 8]).to_string()
+        );
+    }
+
+    #[test]
     fn a_token_carries_its_fence_and_sorts_by_it() {
         let low = ClaimToken::new(Fence::new(5));
         let high = ClaimToken::new(Fence::new(6));
