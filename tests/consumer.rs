@@ -375,3 +375,21 @@ mod cluster {
         super::a_dead_consumers_message_is_taken_over(store("dead:"), lease).await;
     }
 }
+
+/// A message whose work is done is recorded at once: the first write of its record waits for
+/// nothing (only a write that failed before waits before it is tried again). PROTOCOL.md §9.5,
+/// §11.2.
+#[tokio::test(start_paused = true)]
+async fn a_processed_message_is_recorded_without_a_pause() {
+    let dedup = Deduplicator::new(MemoryStore::new(), "ledger");
+    let started = tokio::time::Instant::now();
+    let processed = dedup
+        .process("evt_1", || async { Ok::<_, std::convert::Infallible>(()) })
+        .await;
+    assert!(processed.is_ok(), "{processed:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "recorded after {:?}",
+        started.elapsed()
+    );
+}
