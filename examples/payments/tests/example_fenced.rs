@@ -840,16 +840,7 @@ async fn a_provider_stalled_past_its_deadline_charges_once(pair: Pair, ending: S
     let first = create_charge(&pair.a.router, ALICE, &key, &body)
         .send()
         .await;
-    first.assert_error(
-        StatusCode::GATEWAY_TIMEOUT,
-        "api_error",
-        "provider_outcome_unknown",
-    );
-    assert!(
-        !first.text().contains("nothing was charged"),
-        "{}",
-        first.text()
-    );
+    first.assert_outcome_unknown();
     assert_eq!(first.header("stripe-should-retry"), Some("true"));
     let kept = charges_of(&pair.a.router, 2500).await;
     assert_eq!(kept.len(), 1, "the charge is kept: {kept:?}");

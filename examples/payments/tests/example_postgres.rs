@@ -1056,16 +1056,7 @@ async fn release(mut lock: PgConnection) {
 async fn charge_through_a_locked_provider(server: &PostgresServer, instance: &Instance, key: &str) {
     let lock = lock_provider_keys(server).await;
     let first = instance.charge(key, &visa(3100)).await;
-    first.assert_error(
-        StatusCode::GATEWAY_TIMEOUT,
-        "api_error",
-        "provider_outcome_unknown",
-    );
-    assert!(
-        !first.text().contains("nothing was charged"),
-        "{}",
-        first.text()
-    );
+    first.assert_outcome_unknown();
     release(lock).await;
     wait_for_count(server, "SELECT count(*) FROM provider_payments", 1).await;
 }

@@ -203,4 +203,20 @@ impl Reply {
             self.text()
         );
     }
+
+    /// Asserts the answer to a provider call whose outcome is not known: `504`
+    /// `provider_outcome_unknown`, never "nothing was charged".
+    #[track_caller]
+    pub fn assert_outcome_unknown(&self) {
+        self.assert_error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "api_error",
+            "provider_outcome_unknown",
+        );
+        assert!(
+            !self.text().contains("nothing was charged"),
+            "{}",
+            self.text()
+        );
+    }
 }
