@@ -298,7 +298,7 @@ impl Problem {
 ///
 /// A renderer for an API whose errors are `{"error": {"type", "code", "message"}}` can keep the
 /// RFC 9457 members beside its own (a problem document may carry extension members), so that
-/// clients of either format understand it; the payments example (`examples/server/error.rs`) does
+/// clients of either format understand it; the payments example (`examples/payments/src/error.rs`) does
 /// so for Stripe's SDKs.
 pub trait RenderProblem: Send + Sync + 'static {
     /// The body and headers of `problem`'s response.

@@ -2,7 +2,7 @@
 //! continuously under a window of minutes, kept in bounds one of two ways:
 //!
 //! - `delete`: the store's own table (`PgStore::migrate`) and its own sweep, the batched `DELETE`
-//!   of `src/store/postgres/sweep.rs`, run through `PgStore::sweep` every few seconds;
+//!   of `stores/postgres/src/sweep.rs`, run through `PgStore::sweep` every few seconds;
 //! - `partitions`: the same columns in a table partitioned by `expires_at` into slices of a
 //!   quarter of the window; a slice whose every row has expired is detached (`CONCURRENTLY`) and
 //!   dropped whole. This variant is SQL of the bench's own: a partitioned table cannot have a

@@ -3,7 +3,7 @@
 //! record encoding, no lease renewal). A layer's throughput over its floor's is what the layer
 //! itself costs; the floor over bare is what the store's round trips cost.
 //!
-//! Redis: a claim is the crate's claim script (`src/store/redis/claim.lua`: one round trip that
+//! Redis: a claim is the crate's claim script (`stores/redis/src/claim.lua`: one round trip that
 //! claims, numbering the claim with Redis's clock, or returns the record), and a completion is
 //! its fenced completion script (`complete.lua`); each `EVALSHA`, falling back to `EVAL` once. A
 //! replay answers from the record the claim returned; an in-flight record answers 409, as the

@@ -105,7 +105,7 @@
 //! [`IdempotentRetryLayer::body_limit`]; over it, [`Error::BodyTooLarge`] and nothing is sent),
 //! and the inner service gets a `Request<Full<Bytes>>`. A retry covers the attempt up to the
 //! response's head: a response body cut off while the caller reads it is the caller's to handle
-//! (the same request again, with [`Attempts::key`], gets the replay; `examples/client.rs` does
+//! (the same request again, with [`Attempts::key`], gets the replay; `examples/payments/src/bin/client.rs` does
 //! so).
 
 #![forbid(unsafe_code)]
