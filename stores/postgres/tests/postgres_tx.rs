@@ -852,3 +852,54 @@ async fn writes_through_the_pool_are_not_undone_with_the_transaction() {
         .get(0);
     assert_eq!(keyed, 1, "the write keyed by the operation was made once");
 }
+
+/// `PgTx` behind a `SealedStore`: the sealed store hands the claim's transaction through
+/// (`Store::prepare`), so the handler's rows commit with the record, the record at rest is sealed,
+/// and the retry replays the opened response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_store_hands_the_transaction_through() {
+    use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
+
+    let mut f = fixture().await;
+    let keys = SealKeys::new([SealKey::new("k1", [7; 32]).unwrap()]).unwrap();
+    let counter = f.calls.clone();
+    f.app = Router::new()
+        .route(
+            "/charges",
+            post(move |tx: PgTx, body: String| {
+                counter.fetch_add(1, Ordering::SeqCst);
+                charge(tx, body)
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(SealedStore::new(
+            f.store.clone(),
+            keys,
+        )));
+
+    let first = f.send("/charges", "k", "a-sealed-charge").await;
+    assert_eq!(
+        (first.status, first.outcome),
+        (StatusCode::CREATED, Some(Outcome::Executed)),
+        "{}",
+        first.body
+    );
+    assert_eq!(f.effects("a-sealed-charge").await, 1);
+    assert_eq!(f.record("k").await, Some((true, true)));
+
+    let mut admin = admin(&f.server).await;
+    let stored: Vec<u8> = sqlx::query("SELECT completed FROM idempotency_records WHERE id = $1")
+        .bind(RecordId::new(b"", "k").as_bytes().as_slice())
+        .fetch_one(&mut admin)
+        .await
+        .expect("the record")
+        .get(0);
+    assert!(
+        !stored.windows(15).any(|w| w == b"a-sealed-charge"),
+        "the stored response is sealed at rest"
+    );
+
+    let replay = f.send("/charges", "k", "a-sealed-charge").await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed));
+    assert_eq!(replay.body, "a-sealed-charge");
+    assert_eq!((f.effects("a-sealed-charge").await, f.calls()), (1, 1));
+}
