@@ -439,3 +439,41 @@ async fn a_write_that_lands_after_failures_says_so_once() {
         "a first attempt that lands is no news"
     );
 }
+
+/// A handler that outlived its lost claim finds the key taken by a retry that ran: its completion
+/// writes nothing and says so, once, naming the write. PROTOCOL.md §9.2, §12.3.
+#[tokio::test(start_paused = true)]
+async fn a_completion_after_a_lost_claim_says_nothing_was_written() {
+    let _turn = TURN.lock().await;
+    let captured = captured();
+    let store = Faulty::new(MemoryStore::new());
+    let (started, gate) = (
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+    );
+    let svc = service(
+        IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
+        tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
+    );
+    let from = captured.events().len();
+    let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    // Every renewal fails: the claim runs out, and the retry claims the key and completes it.
+    store.fail_renewals(usize::MAX);
+    tokio::time::sleep(std::time::Duration::from_secs(31)).await;
+    let retry = send(&svc, post("k", "x")).await;
+    assert_eq!(retry.outcome, Some(Outcome::Executed));
+    gate.notify_one();
+    first.await.expect("task");
+    let not_written: Vec<LogEvent> = captured
+        .events()
+        .into_iter()
+        .skip(from)
+        .filter(|e| {
+            e.field("message")
+                .is_some_and(|m| m.starts_with("the record no longer carries this claim"))
+        })
+        .collect();
+    assert_eq!(not_written.len(), 1, "{not_written:?}");
+    assert_eq!(not_written[0].field("operation"), Some("complete"));
+}
