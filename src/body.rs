@@ -69,9 +69,8 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// A whole body: `bytes`, then `trailers` if there are any; for middleware that reads an
-    /// answer whole before it passes it on (the gRPC client half does).
-    pub fn with_trailers(bytes: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
+    /// A whole body: `bytes`, then `trailers` if there are any.
+    pub(crate) fn with_trailers(bytes: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         let Some(trailers) = trailers else {
             return Self::full(bytes);
         };
@@ -84,7 +83,7 @@ impl<B> ResponseBody<B> {
     }
 
     /// `body`, passed through as it comes.
-    pub fn inner(body: B) -> Self {
+    pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
         }
@@ -92,7 +91,11 @@ impl<B> ResponseBody<B> {
 
     /// `prefix` (bytes already read of a body), then `trailers` if any, then the `rest` of the
     /// body as it comes.
-    pub fn chained(prefix: Bytes, trailers: Option<Box<HeaderMap>>, rest: Pin<Box<B>>) -> Self {
+    pub(crate) fn chained(
+        prefix: Bytes,
+        trailers: Option<Box<HeaderMap>>,
+        rest: Pin<Box<B>>,
+    ) -> Self {
         let prefix = Some(prefix).filter(|p| !p.is_empty());
         Self {
             kind: Kind::Chained {

@@ -49,14 +49,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures_util::{StreamExt, TryStreamExt, stream};
 use http::{HeaderMap, Request, Response};
-use http_body::Body;
-use http_body_util::{BodyExt, Full};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
 use tonic::Code;
 use tower_layer::Layer;
 use tower_service::Service;
-
-use tower_idempotency::ResponseBody;
 
 use crate::BoxError;
 use crate::classify::{Reason, Retryable};
@@ -178,7 +177,7 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<tonic::body::Body>;
     type Error = Error;
     type Future = BoxFuture<Result<Self::Response, Error>>;
 
@@ -197,7 +196,7 @@ where
             let call = inner.call(request);
             return Box::pin(async move {
                 match call.await {
-                    Ok(response) => Ok(response.map(ResponseBody::inner)),
+                    Ok(response) => Ok(response.map(tonic::body::Body::new)),
                     Err(err) => Err(Error::Transport {
                         attempts: 1,
                         source: err.into(),
@@ -230,7 +229,7 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<tonic::body::Body>;
     type Error = BoxError;
     type Future = BoxFuture<Result<Self::Response, BoxError>>;
 
@@ -253,7 +252,7 @@ where
 async fn read_answer<B>(
     response: Response<B>,
     limit: usize,
-) -> Result<Response<ResponseBody<B>>, BoxError>
+) -> Result<Response<tonic::body::Body>, BoxError>
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -269,7 +268,9 @@ where
                 if data.len() > limit {
                     // Too large to hold: delivered as it comes, judged by its headers alone.
                     note_answer(&mut parts, None);
-                    let body = ResponseBody::chained(data.freeze(), None, body);
+                    let read = stream::once(async move { Ok(Frame::data(data.freeze())) });
+                    let rest = TryStreamExt::map_err(BodyStream::new(body), Into::<BoxError>::into);
+                    let body = tonic::body::Body::new(StreamBody::new(read.chain(rest)));
                     return Ok(Response::from_parts(parts, body));
                 }
             }
@@ -282,7 +283,8 @@ where
         }
     }
     note_answer(&mut parts, trailers.as_deref());
-    let body = ResponseBody::with_trailers(data.freeze(), trailers);
+    let trailers = async move { trailers.map(|fields| Ok(*fields)) };
+    let body = tonic::body::Body::new(Full::new(data.freeze()).with_trailers(trailers));
     Ok(Response::from_parts(parts, body))
 }
 
@@ -295,8 +297,13 @@ fn note_answer(parts: &mut http::response::Parts, trailers: Option<&HeaderMap>) 
         .find(|fields| fields.contains_key("grpc-status"));
     let Some(fields) = fields else { return };
     let code = Code::from_bytes(fields["grpc-status"].as_bytes());
-    let retry_delay = (fields.get("grpc-status-details-bin"))
-        .and_then(|value| tower_idempotency::grpc::retry_delay_in_details(value.as_bytes()));
+    // Read through tonic's binary metadata, which refuses bad base64 rather than panicking.
+    let details = tonic::metadata::MetadataMap::from_headers(fields.clone())
+        .get_bin("grpc-status-details-bin")
+        .and_then(|value| value.to_bytes().ok());
+    let retry_delay = details.and_then(|details| {
+        tower_idempotency::grpc::retry_delay(&tonic::Status::with_details(code, "", details))
+    });
     parts.extensions.insert(GrpcAnswer { code, retry_delay });
 }
 
@@ -384,5 +391,38 @@ mod tests {
         let mut none = parts(None);
         note_answer(&mut none, None);
         assert!(none.extensions.get::<GrpcAnswer>().is_none());
+    }
+
+    #[test]
+    fn the_wait_is_read_from_retry_info_and_bad_details_are_ignored() {
+        // google.rpc.Status { code: 14, details: [Any { RetryInfo { retry_delay: 2 s } }] }.
+        let type_url = b"type.googleapis.com/google.rpc.RetryInfo";
+        let mut any = vec![0x0a, type_url.len() as u8];
+        any.extend_from_slice(type_url);
+        any.extend_from_slice(&[0x12, 0x04, 0x0a, 0x02, 0x08, 0x02]);
+        let mut status = vec![0x08, 14, 0x1a, any.len() as u8];
+        status.extend_from_slice(&any);
+        let with_details = tonic::Status::with_details(Code::Unavailable, "", status.into())
+            .into_http::<()>()
+            .into_parts()
+            .0;
+        let mut parts = Response::new(()).into_parts().0;
+        note_answer(&mut parts, Some(&with_details.headers));
+        let answer = parts.extensions.get::<GrpcAnswer>().unwrap();
+        assert_eq!(
+            (answer.code, answer.retry_delay),
+            (Code::Unavailable, Some(Duration::from_secs(2)))
+        );
+
+        // Details that are not base64: the status stands, with no wait, and nothing panics.
+        let mut trailers = with_details.headers;
+        trailers.insert(
+            "grpc-status-details-bin",
+            http::HeaderValue::from_static("not base64!"),
+        );
+        let mut parts = Response::new(()).into_parts().0;
+        note_answer(&mut parts, Some(&trailers));
+        let answer = parts.extensions.get::<GrpcAnswer>().unwrap();
+        assert_eq!((answer.code, answer.retry_delay), (Code::Unavailable, None));
     }
 }

@@ -84,7 +84,7 @@
 //! # What the caller learns
 //! Every response carries [`Attempts`] in its extensions: how many attempts it took, the key
 //! they carried, and whether the answer was a replay. Each retry is a `tracing` event (target
-//! `tower_idempotency`, fields `attempt`, `reason`, `delay_ms`, `server_asked`); giving up on a
+//! `tower_idempotency_client`, fields `attempt`, `reason`, `delay_ms`, `server_asked`); giving up on a
 //! retryable answer is a warning that says why. Keys and bodies are never logged.
 //!
 //! # Built from tower

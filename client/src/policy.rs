@@ -57,7 +57,7 @@ impl AttemptPolicy {
         } = outcome;
         let reason = reason.as_str();
         if attempt >= self.config.max_attempts {
-            tracing::warn!(target: "tower_idempotency", attempt, reason, "retry: out of attempts");
+            tracing::warn!(target: "tower_idempotency_client", attempt, reason, "retry: out of attempts");
             return None;
         }
         let delay =
@@ -65,7 +65,7 @@ impl AttemptPolicy {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if delay >= left {
             tracing::warn!(
-                target: "tower_idempotency",
+                target: "tower_idempotency_client",
                 attempt,
                 reason,
                 delay_ms = delay.as_millis() as u64,
@@ -77,11 +77,11 @@ impl AttemptPolicy {
         if let Some(budget) = &self.config.budget
             && !budget.withdraw()
         {
-            tracing::warn!(target: "tower_idempotency", attempt, reason, "retry: the retry budget is spent");
+            tracing::warn!(target: "tower_idempotency_client", attempt, reason, "retry: the retry budget is spent");
             return None;
         }
         tracing::info!(
-            target: "tower_idempotency",
+            target: "tower_idempotency_client",
             attempt,
             reason,
             delay_ms = delay.as_millis() as u64,

@@ -28,7 +28,7 @@ impl tracing::field::Visit for Fields<'_> {
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Captured {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if event.metadata().target() == "tower_idempotency" {
+        if event.metadata().target() == "tower_idempotency_client" {
             let mut fields = vec![("level".to_owned(), event.metadata().level().to_string())];
             event.record(&mut Fields(&mut fields));
             self.0.lock().unwrap().push(fields);

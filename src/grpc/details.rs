@@ -7,9 +7,6 @@
 
 use std::time::Duration;
 
-use base64::Engine as _;
-use base64::engine::DecodePaddingMode;
-use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
 use bytes::Bytes;
 use prost::Message;
 
@@ -136,26 +133,28 @@ pub(crate) fn error_info(status: &RpcStatus) -> Option<ErrorInfo> {
     ErrorInfo::decode(&any.value[..]).ok()
 }
 
-/// Base64 as gRPC's `-bin` metadata reads it: the standard alphabet, padded or not.
-const BIN_METADATA: GeneralPurpose = GeneralPurpose::new(
-    &base64::alphabet::STANDARD,
-    GeneralPurposeConfig::new()
-        .with_encode_padding(false)
-        .with_decode_padding_mode(DecodePaddingMode::Indifferent),
-);
-
-/// The `google.rpc.Status` in a `grpc-status-details-bin` value; `None` when it is not base64 of
-/// one. (Not `tonic::Status::from_header_map`, which panics on a value that is not base64.)
-pub(crate) fn from_header(value: &[u8]) -> Option<RpcStatus> {
-    let bytes = BIN_METADATA.decode(value).ok()?;
-    decode(&bytes)
-}
-
 #[cfg(test)]
 mod tests {
-    use base64::engine::general_purpose;
+    use base64::Engine as _;
+    use base64::engine::DecodePaddingMode;
+    use base64::engine::general_purpose::{self, GeneralPurpose, GeneralPurposeConfig};
 
     use super::*;
+
+    /// Base64 as gRPC's `-bin` metadata reads it: the standard alphabet, padded or not.
+    const BIN_METADATA: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new()
+            .with_encode_padding(false)
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent),
+    );
+
+    /// The `google.rpc.Status` in a `grpc-status-details-bin` value; `None` when it is not base64 of
+    /// one. (Not `tonic::Status::from_header_map`, which panics on a value that is not base64.)
+    fn from_header(value: &[u8]) -> Option<RpcStatus> {
+        let bytes = BIN_METADATA.decode(value).ok()?;
+        decode(&bytes)
+    }
 
     #[test]
     fn a_status_with_retry_info_round_trips() {

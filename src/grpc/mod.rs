@@ -301,20 +301,6 @@ pub fn retry_delay(status: &tonic::Status) -> Option<Duration> {
     details::retry_delay(&details::decode(status.details())?)
 }
 
-/// The wait a `grpc-status-details-bin` metadata value asks for, in the `google.rpc.RetryInfo` of
-/// the `google.rpc.Status` it carries; `None` when it carries none, or is not base64 of a
-/// `google.rpc.Status` (hostile or broken input never panics). What a client reads from an
-/// answer's trailers.
-///
-/// ```
-/// use tower_idempotency::grpc::retry_delay_in_details;
-///
-/// assert_eq!(retry_delay_in_details(b"not base64!"), None);
-/// ```
-pub fn retry_delay_in_details(value: &[u8]) -> Option<Duration> {
-    details::retry_delay(&details::from_header(value)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -411,7 +397,8 @@ mod tests {
         assert_eq!(headers["grpc-message"], "still%20running");
         let details = headers["grpc-status-details-bin"].as_bytes();
         assert!(!details.ends_with(b"="), "unpadded base64");
-        let status = details::from_header(details).unwrap();
+        let tonic_status = tonic::Status::from_header_map(headers).unwrap();
+        let status = details::decode(tonic_status.details()).unwrap();
         assert_eq!(status.code, tonic::Code::Aborted as i32);
         assert_eq!(status.message, "still running");
         assert_eq!(details::retry_delay(&status), Some(Duration::from_secs(2)));
@@ -419,7 +406,6 @@ mod tests {
             response.extensions().get::<ProblemKind>(),
             Some(&ProblemKind::InFlight)
         );
-        let tonic_status = tonic::Status::from_header_map(headers).unwrap();
         assert_eq!(problem_kind(&tonic_status), Some(ProblemKind::InFlight));
         assert_eq!(retry_delay(&tonic_status), Some(Duration::from_secs(2)));
     }
