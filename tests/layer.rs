@@ -359,6 +359,13 @@ async fn oversized_request_gets_413_and_claims_nothing() {
         ProblemKind::BodyTooLarge,
         StatusCode::PAYLOAD_TOO_LARGE,
     );
+    assert!(
+        reply.json()["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("larger than 16 bytes")),
+        "the detail names the limit: {}",
+        reply.text()
+    );
 
     // 4 chunks of 8 bytes, no length: the layer finds out while reading.
     let reply = send(&svc, post_request("k", streamed(4, 8))).await;

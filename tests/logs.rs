@@ -14,6 +14,7 @@ use tower_idempotency_test::{Faulty, Handler, created, keyed, post, send, servic
 #[derive(Debug, Clone)]
 struct LogEvent {
     target: String,
+    level: tracing::Level,
     fields: Vec<(String, String)>,
 }
 
@@ -90,6 +91,7 @@ where
         event.record(&mut FieldsAsText(&mut fields));
         let event = LogEvent {
             target: event.metadata().target().to_owned(),
+            level: *event.metadata().level(),
             fields,
         };
         self.0.lock().unwrap_or_else(|e| e.into_inner()).push(event);
@@ -150,6 +152,12 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
         assert_eq!(events.len(), 1, "one outcome event per request: {events:?}");
         let event = &events[0];
         assert_eq!(event.field("outcome"), Some(outcome.as_str()));
+        // What a client did wrong is news; what went as it should is detail.
+        let level = match outcome {
+            Outcome::Mismatch => tracing::Level::INFO,
+            _ => tracing::Level::DEBUG,
+        };
+        assert_eq!(event.level, level, "{event:?}");
         let key = event.field("key").expect("a key field").to_owned();
         let scope = event.field("scope").expect("a scope field").to_owned();
         assert!(!key.is_empty() && !scope.is_empty(), "{event:?}");
@@ -176,6 +184,19 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
     let events = captured.outcomes_since(before);
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].field("outcome"), Some("rejected"));
+    assert_eq!(events[0].level, tracing::Level::INFO);
+
+    // A handler that failed is a warning.
+    let failing = service(
+        IdempotencyLayer::new(MemoryStore::new()).single_tenant(),
+        Handler::new(|_| async { Err("the handler failed".into()) }),
+    );
+    let before = captured.events().len();
+    let reply = send(&failing, post("k", "x")).await;
+    assert_eq!(reply.outcome, Some(Outcome::HandlerFailed));
+    let events = captured.outcomes_since(before);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].level, tracing::Level::WARN);
 
     for event in captured.events().iter().skip(from) {
         for (name, value) in &event.fields {

@@ -427,6 +427,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn debug_shows_the_inner_service_the_store_and_the_settings() {
+        use tower_layer::Layer as _;
+
+        #[derive(Debug)]
+        struct Inner;
+        let layer = crate::IdempotencyLayer::new(crate::MemoryStore::new());
+        let debug = format!("{:?}", layer.layer(Inner));
+        for part in [
+            "Idempotency",
+            "inner: Inner",
+            "store: MemoryStore",
+            "config: Config",
+        ] {
+            assert!(debug.contains(part), "{part} in {debug}");
+        }
+    }
+
+    #[test]
     fn whole_seconds_round_up() {
         assert_eq!(whole_seconds(Duration::ZERO), 1);
         assert_eq!(whole_seconds(Duration::from_millis(300)), 1);
