@@ -210,15 +210,9 @@ impl<St: Store> Store for Metered<St> {
         timed(call_keys!("renew"), self.0.renew(id, token, lease)).await
     }
 
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
-        self.0.prepare(id, token, extensions);
-    }
-
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         timed(call_keys!("release"), self.0.release(id, token)).await
     }
 
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.0.changed(id)
-    }
+    crate::forward_store!(0 => prepare, changed);
 }

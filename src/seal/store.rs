@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Extensions;
-
 use super::keys::{OpenError, SealKeys};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Payload, Record, RecordId};
@@ -163,24 +161,5 @@ impl<St: Store> Store for SealedStore<St> {
         self.inner.complete(id, token, &sealed, ttl).await
     }
 
-    async fn renew(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(id, token, lease).await
-    }
-
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
-        self.inner.prepare(id, token, extensions);
-    }
-
-    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        self.inner.release(id, token).await
-    }
-
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.inner.changed(id)
-    }
+    crate::forward_store!(inner => renew, prepare, release, changed);
 }

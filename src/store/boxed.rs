@@ -184,47 +184,5 @@ impl Store for BoxStore {
 /// A shared store is a store: every method is forwarded, [`Store::prepare`] and
 /// [`Store::changed`] included.
 impl<S: Store> Store for Arc<S> {
-    fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        S::claim(self, id, fingerprint, lease)
-    }
-
-    fn complete(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        completed: &Completed,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        S::complete(self, id, token, completed, ttl)
-    }
-
-    fn renew(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        S::renew(self, id, token, lease)
-    }
-
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
-        S::prepare(self, id, token, extensions);
-    }
-
-    fn release(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        S::release(self, id, token)
-    }
-
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        S::changed(self, id)
-    }
+    crate::forward_store!(* => claim, complete, renew, prepare, release, changed);
 }

@@ -17,6 +17,9 @@
 //! A store chosen at run time goes behind [`BoxStore`], so that the layer's type does not depend
 //! on it; `Arc<S>` is a store wherever `S` is.
 
+// First: the wrappers below forward through its macro.
+mod forward;
+
 mod boxed;
 mod memory;
 mod replay_cache;
@@ -27,6 +30,11 @@ use std::time::Duration;
 pub use boxed::BoxStore;
 pub use memory::MemoryStore;
 pub use replay_cache::ReplayCache;
+
+/// `http`, for [`forward_store!`](crate::forward_store) to name `http::Extensions` whatever the
+/// calling crate depends on.
+#[doc(hidden)]
+pub use http as __http;
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};

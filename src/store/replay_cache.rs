@@ -12,7 +12,6 @@
 //! instance has the header on.
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,30 +120,7 @@ impl<St: Store> Store for ReplayCache<St> {
         written
     }
 
-    fn renew(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.store.renew(id, token, lease)
-    }
-
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
-        self.store.prepare(id, token, extensions);
-    }
-
-    fn release(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.store.release(id, token)
-    }
-
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.store.changed(id)
-    }
+    crate::forward_store!(store => renew, prepare, release, changed);
 }
 
 /// The bytes an entry costs besides its response: the id, fingerprint, deadline and the cache's

@@ -101,18 +101,12 @@ impl<St: Store> Store for Counting<St> {
         self.inner.renew(id, token, lease).await
     }
 
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
-        self.inner.prepare(id, token, extensions);
-    }
-
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.counters.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(id, token).await
     }
 
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.inner.changed(id)
-    }
+    tower_idempotency::forward_store!(inner => prepare, changed);
 }
 
 #[derive(Debug, Default)]
@@ -288,7 +282,5 @@ impl<St: Store> Store for Faulty<St> {
         self.inner.release(id, token).await
     }
 
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.inner.changed(id)
-    }
+    tower_idempotency::forward_store!(inner => changed);
 }
