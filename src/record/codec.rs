@@ -120,13 +120,13 @@ impl Completed {
             }
             Some(Payload::Sealed(sealed)) => {
                 let ciphertext_len = len_u32(sealed.ciphertext.len())?;
-                let mut out = Vec::with_capacity(
-                    sealed_header_len(&sealed.key_id) + 24 + 4 + sealed.ciphertext.len(),
-                );
+                let len = sealed_header_len(&sealed.key_id) + 24 + 4 + sealed.ciphertext.len();
+                let mut out = Vec::with_capacity(len);
                 encode_sealed_header(&self.fingerprint, &sealed.key_id, &mut out)?;
                 out.extend_from_slice(&sealed.nonce);
                 out.extend_from_slice(&ciphertext_len.to_le_bytes());
                 out.extend_from_slice(&sealed.ciphertext);
+                debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
                 Ok(out)
             }
         }
