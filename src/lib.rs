@@ -125,10 +125,9 @@
 //! [`metrics`](https://docs.rs/metrics) facade, into whatever recorder the application installs
 //! (`metrics-exporter-prometheus`, StatsD, ...); with none installed, nothing is recorded.
 //!
-//! | name | kind | labels |
-//! |---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name (`executed`, `replayed`, `in_flight`, `mismatch`, `not_replayable`, `not_stored`, `store_unavailable`, `failed_open`, `handler_failed`, `commit_rejected`, `record_unreadable`, `quota_exceeded`, `rejected`, `unprotected`) |
-//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, `full`, `timeout`, `unavailable`, `aborted`, `rejected` or `codec` |
+//! Two metrics: `idempotency_requests_total`, a counter by `outcome` (an [`Outcome`]'s name),
+//! and `idempotency_store_call_duration_seconds`, a histogram by store `operation` and `result`
+//! ([PROTOCOL §12.5](protocol#125-metrics) lists every label value).
 //!
 //! One count per covered request (a passthrough of an uncovered method is not counted), one
 //! sample per store call, the layer's and the consumer's. Labels take only the values listed: no

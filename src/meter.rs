@@ -2,13 +2,9 @@
 //! layer did with each request, and how long each store call took. Without the feature, or
 //! without a recorder installed, nothing is recorded.
 //!
-//! | name | kind | labels |
-//! |---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: the [`Outcome`]'s name |
-//! | `idempotency_store_call_duration_seconds` | histogram | `operation`: `claim`, `complete`, `renew` or `release`; `result`: `ok`, or the error's kind |
-//!
-//! No label carries a key, a scope or anything else of a request's: the label values are the
-//! fixed sets above.
+//! The metrics and their labels are PROTOCOL §12.5's; the values of the labels come from
+//! [`Outcome::ALL`] and `RESULTS`, and a test checks the docs' tables against them. No label
+//! carries a key, a scope or anything else of a request's.
 
 use std::fmt;
 use std::future::Future;
@@ -66,55 +62,54 @@ macro_rules! static_key {
 pub(crate) fn outcome(outcome: Outcome) {
     #[cfg(feature = "metrics")]
     {
-        macro_rules! key_of {
-            ($($variant:ident),+) => {
-                match outcome {
-                    $(Outcome::$variant => {
-                        static_key!(REQUESTS; "outcome" => Outcome::$variant.as_str())
-                    })+
-                }
-            };
-        }
-        let key = key_of!(
-            Unprotected,
-            Executed,
-            NotStored,
-            Replayed,
-            InFlight,
-            Mismatch,
-            NotReplayable,
-            Rejected,
-            StoreUnavailable,
-            FailedOpen,
-            HandlerFailed,
-            CommitRejected,
-            RecordUnreadable,
-            QuotaExceeded
-        );
+        // One key per outcome, made once: the labels of `Outcome::ALL`, in the enum's order.
+        static KEYS: std::sync::OnceLock<Vec<::metrics::Key>> = std::sync::OnceLock::new();
+        let keys = KEYS.get_or_init(|| {
+            (Outcome::ALL.iter())
+                .map(|outcome| {
+                    let label = ::metrics::Label::from_static_parts("outcome", outcome.as_str());
+                    ::metrics::Key::from_parts(REQUESTS, vec![label])
+                })
+                .collect()
+        });
+        let key = &keys[outcome as usize];
         ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
     }
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
 }
 
-/// The keys of one store operation's calls, by result: `ok`, `full`, `timeout`, `unavailable`,
-/// `aborted`, `codec`, `rejected`, `unreadable` (see [`result`]).
+/// The values of a store call's `result` label: `ok`, then each [`StoreError`] kind, in the
+/// order of [`result`].
 #[cfg(feature = "metrics")]
-type CallKeys = [&'static ::metrics::Key; 8];
+pub(crate) const RESULTS: [&str; 8] = [
+    "ok",
+    "full",
+    "timeout",
+    "unavailable",
+    "aborted",
+    "codec",
+    "rejected",
+    "unreadable",
+];
+
+/// The keys of one store operation's calls, by result ([`RESULTS`]).
+#[cfg(feature = "metrics")]
+type CallKeys = [&'static ::metrics::Key; RESULTS.len()];
 
 /// The [`CallKeys`] of `operation`.
 #[cfg(feature = "metrics")]
 macro_rules! call_keys {
     ($operation:literal) => {{
         static KEYS: CallKeys = [
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "ok"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "full"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "timeout"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "unavailable"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "aborted"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "codec"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "rejected"),
-        static_key!(STORE_CALLS; "operation" => $operation, "result" => "unreadable"),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[0]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[1]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[2]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[3]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[4]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[5]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[6]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[7]),
         ];
         &KEYS
     }};
@@ -215,4 +210,68 @@ impl<St: Store> Store for Metered<St> {
     }
 
     crate::forward_store!(0 => prepare, changed);
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::protocol::text::{PROTOCOL, README, code_spans, row, section, table_rows};
+
+    /// The metrics tables of PROTOCOL §12.5 and the README name the metrics and every value of
+    /// their labels, and no other; an outcome's names are either all there or left to §6.5.
+    #[test]
+    fn the_docs_list_every_label_value_and_no_other() {
+        let values = |cell: &str, skip: &[&str]| -> BTreeSet<String> {
+            (code_spans(cell).into_iter())
+                .filter(|span| !skip.contains(span))
+                .map(str::to_owned)
+                .collect()
+        };
+        let results: BTreeSet<String> = RESULTS.iter().map(|r| (*r).to_owned()).collect();
+        let outcomes: BTreeSet<String> = (Outcome::ALL.iter())
+            .map(|o| o.as_str().to_owned())
+            .collect();
+        for (doc, table) in [
+            ("PROTOCOL", section(PROTOCOL, "### 12.5")),
+            ("README", section(README, "## Metrics")),
+        ] {
+            let rows = table_rows(table);
+            let calls = row(&rows, STORE_CALLS)[2];
+            let (operations, results_cell) = calls.split_once("`result`").expect("a result label");
+            assert_eq!(
+                values(operations, &["operation"]),
+                ["claim", "complete", "release", "renew"]
+                    .map(str::to_owned)
+                    .into(),
+                "{doc}"
+            );
+            assert_eq!(values(results_cell, &["StoreError"]), results, "{doc}");
+            let named = values(row(&rows, REQUESTS)[2], &["outcome", "Outcome"]);
+            assert!(named.is_empty() || named == outcomes, "{doc}: {named:?}");
+        }
+    }
+
+    /// Each store error counts under its own `result` label.
+    #[test]
+    fn each_store_error_has_its_result() {
+        let err = || Box::new(std::io::Error::other("x"));
+        let answers: [(Result<(), StoreError>, &str); 8] = [
+            (Ok(()), "ok"),
+            (Err(StoreError::Full { retry_after: None }), "full"),
+            (
+                Err(StoreError::Timeout(std::time::Duration::ZERO)),
+                "timeout",
+            ),
+            (Err(StoreError::Unavailable(err())), "unavailable"),
+            (Err(StoreError::Aborted(err())), "aborted"),
+            (Err(StoreError::Codec(err())), "codec"),
+            (Err(StoreError::Rejected(err())), "rejected"),
+            (Err(StoreError::Unreadable(err())), "unreadable"),
+        ];
+        for (answer, name) in answers {
+            assert_eq!(RESULTS[result(&answer)], name);
+        }
+    }
 }

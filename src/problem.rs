@@ -127,6 +127,24 @@ impl ProblemKind {
         self as usize
     }
 
+    /// The outcome of a request the layer answers with this kind: those refused before any
+    /// claim are `Rejected`.
+    pub(crate) fn outcome(self) -> crate::Outcome {
+        use crate::Outcome;
+        match self {
+            ProblemKind::MissingKey | ProblemKind::InvalidKey => Outcome::Rejected,
+            ProblemKind::BodyTooLarge | ProblemKind::BodyUnreadable => Outcome::Rejected,
+            ProblemKind::InFlight => Outcome::InFlight,
+            ProblemKind::Mismatch => Outcome::Mismatch,
+            ProblemKind::NotReplayable => Outcome::NotReplayable,
+            ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
+            ProblemKind::HandlerFailed => Outcome::HandlerFailed,
+            ProblemKind::CommitRejected => Outcome::CommitRejected,
+            ProblemKind::RecordUnreadable => Outcome::RecordUnreadable,
+            ProblemKind::QuotaExceeded => Outcome::QuotaExceeded,
+        }
+    }
+
     /// The default status: the IETF draft's where it names one.
     pub fn default_status(self) -> StatusCode {
         match self {
@@ -476,6 +494,34 @@ pub(crate) fn about_blank(status: StatusCode) -> Response<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::text::{PROTOCOL, section, table_rows};
+
+    /// PROTOCOL §7.2's table has a row per kind, and no other, each with the kind's status,
+    /// anchor and title.
+    #[test]
+    fn the_protocol_lists_every_kind_as_the_code_answers_it() {
+        let rows = table_rows(section(PROTOCOL, "### 7.2"));
+        let documented: Vec<Vec<String>> = (rows.iter().skip(1))
+            .map(|row| {
+                row[..4]
+                    .iter()
+                    .map(|cell| cell.trim_matches('`').to_owned())
+                    .collect()
+            })
+            .collect();
+        let emitted: Vec<Vec<String>> = (ProblemKind::ALL.iter())
+            .map(|kind| {
+                let uri = kind.type_uri();
+                vec![
+                    format!("{kind:?}"),
+                    kind.default_status().as_u16().to_string(),
+                    uri[uri.find('#').expect("an anchor") + 1..].to_owned(),
+                    kind.title().to_owned(),
+                ]
+            })
+            .collect();
+        assert_eq!(documented, emitted);
+    }
 
     /// The document is what serde_json writes for the same members, whatever the text holds.
     #[test]

@@ -346,18 +346,7 @@ impl<St: Store> Shared<St> {
             Some(dialect) => dialect.respond(&problem),
             None => problem::respond(&problem, &*self.config.render),
         };
-        let outcome = match kind {
-            ProblemKind::InFlight => Outcome::InFlight,
-            ProblemKind::Mismatch => Outcome::Mismatch,
-            ProblemKind::NotReplayable => Outcome::NotReplayable,
-            ProblemKind::StoreUnavailable => Outcome::StoreUnavailable,
-            ProblemKind::HandlerFailed => Outcome::HandlerFailed,
-            ProblemKind::CommitRejected => Outcome::CommitRejected,
-            ProblemKind::RecordUnreadable => Outcome::RecordUnreadable,
-            ProblemKind::QuotaExceeded => Outcome::QuotaExceeded,
-            _ => Outcome::Rejected,
-        };
-        (response.map(ResponseBody::full), outcome)
+        (response.map(ResponseBody::full), kind.outcome())
     }
 
     /// Counts `bytes` written for `id`'s scope against its quota, when the layer has one.
