@@ -35,7 +35,6 @@ impl Account {
     }
 
     /// The account whose id is `id`, as [`Account::id`] gave it (read back from a database).
-    #[allow(dead_code)] // with the postgres feature
     pub fn from_id(id: String) -> Self {
         Self(id)
     }

@@ -13,8 +13,10 @@
 //! consumer applies it once.
 //!
 //! Each handler commits the `-ing` state that holds a charge before it calls the provider, and
-//! writes the provider's answer and its event through the request's [`Work`] (`work.rs`): with
-//! the charges in PostgreSQL, they commit together with the request's idempotency record.
+//! writes the provider's answer and its event with the request ([`Ledger::settle`]): with the
+//! charges in PostgreSQL, they commit together with the request's idempotency record.
+//!
+//! [`Ledger::settle`]: super::ledger::Ledger::settle
 //!
 //! # Fencing
 //! A lease is a promise about time: a handler stalled past its claim's lease (a locked table, a
@@ -29,7 +31,7 @@
 //!   out right after it) cannot act after the newer one did; it answers the same `409`.
 //!
 //! The ledger's writes need no fence of their own: one charge per operation is the store's
-//! constraint (`ledger.rs`), and with the charges in PostgreSQL the final writes go through the
+//! constraint (`ledger/`), and with the charges in PostgreSQL the final writes go through the
 //! request's transaction, which commits only with the claim's record, so a displaced run's whole
 //! transaction rolls back. The provider call is outside every transaction of ours: the fence is
 //! what the provider refuses it by.
@@ -54,7 +56,6 @@ use super::params::{self, Form};
 use super::provider::{Outcome, ProviderError, Source};
 use super::reconciler::Reference;
 use super::state_machine::{Event, Status};
-use super::work::Work;
 
 /// The amounts a charge may have, in minor units (cents): 1 to 99,999,999, as card payment APIs
 /// allow. The bound keeps every sum the example makes (a balance, a refund total) far from
@@ -177,11 +178,7 @@ pub async fn create(
     let claim = extensions.get::<HeldClaim>().cloned();
     let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
-    let window = state.provider.window();
-    let opened = state
-        .ledger
-        .open(&account, &provider_key, &request, window)
-        .await?;
+    let opened = state.ledger.open(&account, &provider_key, &request).await?;
     let mut charge = match opened {
         Opened::Authorizing(charge) => charge,
         // An earlier attempt with this key crashed, and the reconciler settled its charge.
@@ -189,12 +186,10 @@ pub async fn create(
             return Err(ApiError::card_declined(&charge.id));
         }
         Opened::Settled(charge) => {
-            // Outside PostgreSQL the event is published after the charge is written: a process
-            // that died between the two lost it. Published again (the same id: applied once).
-            if !state.ledger.is_postgres() {
-                let event = PaymentEvent::succeeded(&charge, charge.capture);
-                state.events.publish(event).await;
-            }
+            // Its event may have been lost with a process that died: published again (the same
+            // id, applied once).
+            let event = PaymentEvent::succeeded(&charge, charge.capture);
+            state.ledger.publish_again(event).await;
             return Ok((StatusCode::CREATED, Json(charge.to_json())));
         }
     };
@@ -202,7 +197,7 @@ pub async fn create(
     // charge, which the newer run resumes (or the reconciler settles).
     still_held(claim.as_ref()).await?;
     let created = state
-        .provider_client
+        .provider
         .create_payment(
             &provider_key,
             fence(claim.as_ref()),
@@ -235,17 +230,18 @@ pub async fn create(
             charge.apply(Event::Captured)?;
         }
     }
-    let mut work = Work::begin(&state, &extensions).await?;
-    let charge = state.ledger.record(&mut work, charge).await?;
-    tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
-    if payment.outcome == Outcome::Declined {
-        return Err(ApiError::card_declined(&charge.id));
-    }
     // A repeated run gets the same reply from the provider and finds the same charge: the same
     // event, id and content.
-    let captured = payment.outcome == Outcome::Captured;
-    work.publish(&state.events, PaymentEvent::succeeded(&charge, captured))
-        .await?;
+    let (declined, captured) = (
+        payment.outcome == Outcome::Declined,
+        payment.outcome == Outcome::Captured,
+    );
+    let event = |c: &Charge| (!declined).then(|| PaymentEvent::succeeded(c, captured));
+    let charge = state.ledger.record(&extensions, charge, &event).await?;
+    tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
+    if declined {
+        return Err(ApiError::card_declined(&charge.id));
+    }
     Ok((StatusCode::CREATED, Json(charge.to_json())))
 }
 
@@ -342,48 +338,37 @@ pub async fn capture(
     let call_key = provider_key(&key, &account);
     // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`; this
     // request's own earlier run (taken over) left it there, and it goes on from it.
-    let charge = state
-        .ledger
-        .update(&account, &id, |c| {
-            begin_call(c, Event::Capture, &call_key, 0)
+    let charge = (state.ledger)
+        .update(&account, &id, &mut |c| {
+            begin_call(c, Event::Capture, &call_key)
         })
         .await?;
     still_held(claim.as_ref()).await?;
-    let captured = state
-        .provider_client
+    let captured = (state.provider)
         .capture(&call_key, fence(claim.as_ref()), &charge.payment)
         .await;
     if let Err(err) = captured {
         return Err(roll_back(&state, &account, &id, err).await);
     }
-    let mut work = Work::begin(&state, &extensions).await?;
-    let charge = state
-        .ledger
-        .settle(&mut work, &account, &id, |c| {
-            end_call(c, Event::Captured, &call_key)
-        })
-        .await?;
-    work.publish(&state.events, PaymentEvent::captured(&charge))
+    let end = &mut |c: &mut Charge| end_call(c, Event::Captured, &call_key);
+    let event = |c: &Charge| Some(PaymentEvent::captured(c));
+    let charge = (state.ledger)
+        .settle(&extensions, &account, &id, end, &event)
         .await?;
     Ok(Json(charge.to_json()))
 }
 
-/// Moves `charge` along `event` into the `-ing` state of a provider call with `call_key` (and
-/// `amount`, for a refund). A charge whose last call had this key is left as it is: an earlier run
-/// of this request (taken over) began the call, or made it; either way the provider answers the
-/// call again (or refuses a key that was another request's), and [`end_call`] settles it once.
-fn begin_call(
-    charge: &mut Charge,
-    event: Event,
-    call_key: &str,
-    amount: i64,
-) -> Result<(), ApiError> {
+/// Moves `charge` along `event` into the `-ing` state of a provider call with `call_key`. A
+/// charge whose last call had this key is left as it is: an earlier run of this request (taken
+/// over) began the call, or made it; either way the provider answers the call again (or refuses a
+/// key that was another request's), and [`end_call`] settles it once.
+fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
     if charge.call_key == call_key {
         return Ok(());
     }
     charge.apply(event)?;
     charge.call_key = call_key.to_owned();
-    charge.call_amount = amount;
+    charge.call_amount = 0;
     Ok(())
 }
 
@@ -430,7 +415,7 @@ pub async fn refund(
     };
     let call_key = provider_key(&key, &account);
     let mut amount = 0;
-    let update = state.ledger.update(&account, &id, |c| {
+    let begin = &mut |c: &mut Charge| {
         if c.call_key == call_key {
             // An earlier run of this request began (or made) this refund: the provider answers
             // it again, or refuses the key if it was another request's.
@@ -451,19 +436,18 @@ pub async fn refund(
             return Err(ApiError::amount_too_large(amount, c.refundable()));
         }
         Ok(())
-    });
-    let charge = update.await?;
+    };
+    let charge = state.ledger.update(&account, &id, begin).await?;
     still_held(claim.as_ref()).await?;
     let refund_id = match state
-        .provider_client
+        .provider
         .refund(&call_key, fence(claim.as_ref()), &charge.payment, amount)
         .await
     {
         Ok(refund_id) => refund_id,
         Err(err) => return Err(roll_back(&state, &account, &id, err).await),
     };
-    let mut work = Work::begin(&state, &extensions).await?;
-    let settle = state.ledger.settle(&mut work, &account, &id, |c| {
+    let settle = &mut |c: &mut Charge| {
         if !waits_on(c, &call_key) {
             return Ok(());
         }
@@ -474,13 +458,11 @@ pub async fn refund(
             Event::PartiallyRefunded
         };
         c.apply(event)
-    });
-    let charge = settle.await?;
-    work.publish(
-        &state.events,
-        PaymentEvent::refunded(&charge, &refund_id, amount),
-    )
-    .await?;
+    };
+    let event = |c: &Charge| Some(PaymentEvent::refunded(c, &refund_id, amount));
+    let charge = (state.ledger)
+        .settle(&extensions, &account, &id, settle, &event)
+        .await?;
     let refund = RefundJson {
         id: refund_id,
         object: "refund",
@@ -502,26 +484,21 @@ pub async fn cancel(
     // The claim the request runs under (none when the layer let it through without one).
     let claim = extensions.get::<HeldClaim>().cloned();
     let call_key = provider_key(&key, &account);
-    let charge = state
-        .ledger
-        .update(&account, &id, |c| {
-            begin_call(c, Event::Cancel, &call_key, 0)
+    let charge = (state.ledger)
+        .update(&account, &id, &mut |c| {
+            begin_call(c, Event::Cancel, &call_key)
         })
         .await?;
     still_held(claim.as_ref()).await?;
-    let canceled = state
-        .provider_client
+    let canceled = (state.provider)
         .cancel(&call_key, fence(claim.as_ref()), &charge.payment)
         .await;
     if let Err(err) = canceled {
         return Err(roll_back(&state, &account, &id, err).await);
     }
-    let mut work = Work::begin(&state, &extensions).await?;
-    let charge = state
-        .ledger
-        .settle(&mut work, &account, &id, |c| {
-            end_call(c, Event::Canceled, &call_key)
-        })
+    let end = &mut |c: &mut Charge| end_call(c, Event::Canceled, &call_key);
+    let charge = (state.ledger)
+        .settle(&extensions, &account, &id, end, &|_| None)
         .await?;
     Ok(Json(charge.to_json()))
 }
@@ -538,7 +515,7 @@ async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderE
     let error = ApiError::from(err);
     let rolled_back = state
         .ledger
-        .update(account, id, |c| {
+        .update(account, id, &mut |c| {
             if !is_busy(c) {
                 // Not in a call of this request (its key was another's): nothing to undo.
                 return Ok(());

@@ -1,63 +1,36 @@
 //! The ledger consumer: every event applied to its account's balance once, from a queue that
-//! delivers at least once.
+//! delivers at least once (on PostgreSQL, the outbox's consumer: `outbox.rs`).
 //!
-//! For each delivery: decode the event, run [`Balances::apply`] for it through the crate's
+//! For each delivery: decode the event, run [`Balances::apply`] through the crate's
 //! [`Deduplicator`] (scope `ledger`, keyed by the *event* id, so a republished event is recognised
-//! as well as a redelivered message), then ack the message unless the attempt failed or another
-//! consumer is still on it.
+//! as well as a redelivered message), then ack unless the attempt failed or another consumer is
+//! still on it:
 //!
 //! | the delivery | what happens | ack? |
 //! |---|---|---|
-//! | first of its event | the Deduplicator claims the id, the ledger applies it: [`Handled::Applied`] | yes |
-//! | again, after it was done | the Deduplicator skips it: [`Handled::Duplicate`] | yes |
-//! | again, while another consumer runs it | waits for that one (up to `max_wait`), then [`Handled::Duplicate`], or [`Handled::InProgress`] | not on `InProgress` |
-//! | the ledger already has it, though the Deduplicator has no record | the ledger skips it: [`Handled::AlreadyApplied`] | yes |
+//! | first of its event | claimed and applied: [`Handled::Applied`] | yes |
+//! | again, after it was done | skipped: [`Handled::Duplicate`] | yes |
+//! | again, while another consumer runs it | waits for it (up to `max_wait`): [`Handled::Duplicate`], or [`Handled::InProgress`] | not on `InProgress` |
+//! | applied, though the Deduplicator has no record | the ledger skips it: [`Handled::AlreadyApplied`] | yes |
 //! | the apply failed | the claim is released: [`Handled::Failed`] | no: it comes back after `min_idle` |
-//! | the apply can never succeed (the balance would overflow, the amount is not positive) | logged as an error and dropped: [`Handled::Rejected`] | yes: it would fail every time |
-//! | not an event | logged and dropped: [`Handled::Unreadable`] | yes |
+//! | the apply can never succeed (overflow, an amount not positive) | logged as an error: [`Handled::Rejected`] | yes |
+//! | not an event | logged: [`Handled::Unreadable`] | yes |
 //!
-//! # What is guaranteed, and where the remaining gap is closed
-//! The queue delivers every message at least once: a message that is not acked (its consumer
-//! crashed, or failed) is taken over by another consumer of the group after `min_idle`. The
-//! Deduplicator turns that into "at most once per event id" only as long as it recorded the
-//! completion, and that record is written *after* the work, in another store. Two windows remain:
+//! **Where the gap is closed.** The Deduplicator records a completion *after* the work, in another
+//! store: a crash between applying and acking is caught by it (the id is done), but a crash
+//! between applying and recording (or a lost completion, a flushed store) runs the work again once
+//! the claim's lease runs out. The ledger closes that gap: [`Balances::apply`] records the event
+//! id in the same atomic step as the balance change, so the second run changes nothing
+//! ([`Handled::AlreadyApplied`]). The Deduplicator adds the cheap skip and keeps two consumers off
+//! one event. Not covered: an event redelivered after the ledger forgot it (`RETENTION`, 7 days),
+//! and a dead-letter stream (an event refused for good is logged and acked).
 //!
-//! 1. **Crash between applying and acking**, after the Deduplicator recorded the completion: the
-//!    message is taken over, the Deduplicator finds the id done and skips it. Closed by the
-//!    Deduplicator alone.
-//! 2. **Crash between applying and recording**, or a completion write that failed or was lost
-//!    (a Redis restart, a flushed store, a dedup window that ran out, an apply whose reply was
-//!    lost after its effect): the Deduplicator's claim expires after its lease or is released,
-//!    the redelivery runs the work again. The Deduplicator cannot close this gap; the ledger does:
-//!    [`Balances::apply`] checks and records the event id in the same atomic step as the balance
-//!    change (one lock in memory; one Lua script in Redis, `ZADD NX` on the account's
-//!    applied-events set, then `HINCRBY`), so the second run changes nothing and reports
-//!    [`Handled::AlreadyApplied`].
-//!
-//! So each event changes its balance exactly once, for as long as the ledger remembers its id
-//! (`balance::RETENTION`, 7 days). What the Deduplicator adds is the cheap skip (one `SET NX` in the
-//! idempotency store instead of a script on the ledger) and mutual exclusion: two consumers that
-//! got the same event (a redelivery taken over while the first consumer is still slow, or a
-//! republished copy) do not run it side by side while the first holds its lease; the second waits
-//! for the first. Should a stalled consumer lose its lease anyway, the ledger still applies the
-//! event once.
-//!
-//! Not covered: an event the ledger forgot (older than the retention) and delivered again is
-//! applied again; a message whose apply fails for a transient reason every time (a ledger that
-//! stays unreachable) is retried every `min_idle` until it succeeds, and one refused for good is
-//! only logged (no dead-letter stream here); an event that never reached the queue (the
-//! publisher's outbox is in memory, like the charges; on PostgreSQL it is a table, read by a
-//! consumer of its own: `pg/outbox.rs`) is never applied; with the in-memory queue, everything is
-//! lost with the process.
-//!
-//! # Stopping
-//! [`LedgerConsumer::run`] stops when its token is cancelled (SIGTERM in `main`), after finishing
-//! and acking the message at hand. Messages received with it and not yet handled stay pending, and
-//! another consumer (or this service, restarted) takes them over after `min_idle`.
+//! [`LedgerConsumer::run`] stops when its token is cancelled, after finishing the message at hand;
+//! messages received and not handled stay pending, for another consumer after `min_idle`.
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ops::Add;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -71,15 +44,16 @@ use super::queue::{Delivery, QueueConsumer};
 /// The Deduplicator's scope: the consumer group's name.
 pub const SCOPE: &str = "ledger";
 
+/// The prefix of the Deduplicator's records in the stream's Redis: a namespace apart from the
+/// HTTP layer's records, which may be flushed on their own.
+pub const RECORDS_PREFIX: &str = "payments:consumer:";
+
 /// The longest pause after a failed receive.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-/// The ledger's [`Deduplicator`] on `store`: scope [`SCOPE`], a lease of `min_idle` (the queue's;
-/// a consumer that dies mid-event frees the id by the time its message is taken over), and at
-/// most 1 s of waiting for another consumer on the same event (then the message is left pending).
-///
-/// Its records sit beside the ledger's data (the ledger's Redis, under a prefix of their own),
-/// apart from the HTTP layer's records, which may be flushed independently.
+/// The ledger's [`Deduplicator`] on `store`: a lease of `min_idle` (the queue's: a consumer that
+/// dies mid-event frees the id by the time its message is taken over), and at most 1 s of waiting
+/// for another consumer on the same event (then the message is left pending).
 pub fn deduplicator<St>(store: St, min_idle: Duration) -> Deduplicator<St> {
     Deduplicator::new(store, SCOPE)
         .lease(min_idle.max(Duration::from_millis(100)))
@@ -89,22 +63,19 @@ pub fn deduplicator<St>(store: St, min_idle: Duration) -> Deduplicator<St> {
 /// What the consumer did with one delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handled {
-    /// The event was applied now. Acked.
+    /// Applied now. Acked.
     Applied,
-    /// The Deduplicator had no record, but the ledger had applied the event: nothing changed. Acked.
+    /// The Deduplicator had no record, but the ledger had applied it: nothing changed. Acked.
     AlreadyApplied,
-    /// The Deduplicator knew the event as done. Acked.
+    /// The Deduplicator knew it as done. Acked.
     Duplicate,
-    /// Another consumer is still on this event. Not acked: it comes back.
+    /// Another consumer is still on it. Not acked: it comes back.
     InProgress,
     /// The apply failed, or the idempotency store did. Not acked: it comes back.
     Failed,
-    /// The apply can never succeed (see [`BalanceError::is_permanent`]). Logged, acked, and
-    /// dropped: a retry would fail the same way, forever.
-    ///
-    /// [`BalanceError::is_permanent`]: super::balance::BalanceError::is_permanent
+    /// The apply can never succeed. Logged, acked, dropped.
     Rejected,
-    /// The message is not an event (or was deleted from the stream). Acked, and dropped.
+    /// Not an event (or deleted from the stream). Acked, dropped.
     Unreadable,
 }
 
@@ -115,19 +86,7 @@ impl Handled {
     }
 }
 
-/// What a consumer did so far.
-#[derive(Debug, Default)]
-pub struct Stats {
-    applied: AtomicUsize,
-    already_applied: AtomicUsize,
-    duplicates: AtomicUsize,
-    in_progress: AtomicUsize,
-    failed: AtomicUsize,
-    rejected: AtomicUsize,
-    unreadable: AtomicUsize,
-}
-
-/// A snapshot of [`Stats`].
+/// What a consumer did so far, per [`Handled`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     pub applied: usize,
@@ -139,37 +98,22 @@ pub struct Counts {
     pub unreadable: usize,
 }
 
-impl Stats {
+impl Counts {
     /// Counts one delivery.
-    pub fn record(&self, handled: Handled) {
-        let counter = match handled {
-            Handled::Applied => &self.applied,
-            Handled::AlreadyApplied => &self.already_applied,
-            Handled::Duplicate => &self.duplicates,
-            Handled::InProgress => &self.in_progress,
-            Handled::Failed => &self.failed,
-            Handled::Rejected => &self.rejected,
-            Handled::Unreadable => &self.unreadable,
-        };
-        counter.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// The counts now.
-    pub fn counts(&self) -> Counts {
-        let load = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
-        Counts {
-            applied: load(&self.applied),
-            already_applied: load(&self.already_applied),
-            duplicates: load(&self.duplicates),
-            in_progress: load(&self.in_progress),
-            failed: load(&self.failed),
-            rejected: load(&self.rejected),
-            unreadable: load(&self.unreadable),
-        }
+    pub fn record(&mut self, handled: Handled) {
+        *match handled {
+            Handled::Applied => &mut self.applied,
+            Handled::AlreadyApplied => &mut self.already_applied,
+            Handled::Duplicate => &mut self.duplicates,
+            Handled::InProgress => &mut self.in_progress,
+            Handled::Failed => &mut self.failed,
+            Handled::Rejected => &mut self.rejected,
+            Handled::Unreadable => &mut self.unreadable,
+        } += 1;
     }
 }
 
-impl std::ops::Add for Counts {
+impl Add for Counts {
     type Output = Counts;
 
     fn add(self, other: Counts) -> Counts {
@@ -185,42 +129,34 @@ impl std::ops::Add for Counts {
     }
 }
 
-/// One consumer of the ledger's group.
+/// One consumer of the ledger's group: what it applies events to, and through which
+/// Deduplicator.
 pub struct LedgerConsumer<St> {
-    queue: QueueConsumer,
-    balances: Balances,
+    balances: Arc<dyn Balances>,
     dedup: Deduplicator<St>,
-    stats: Arc<Stats>,
+    counts: Mutex<Counts>,
 }
 
 impl<St: Store> LedgerConsumer<St> {
-    /// A consumer that receives from `queue` and applies to `balances` through `dedup` (see
-    /// [`deduplicator`]).
-    pub fn new(queue: QueueConsumer, balances: Balances, dedup: Deduplicator<St>) -> Self {
+    /// A consumer that applies to `balances` through `dedup` (see [`deduplicator`]).
+    pub fn new(balances: Arc<dyn Balances>, dedup: Deduplicator<St>) -> Self {
         Self {
-            queue,
             balances,
             dedup,
-            stats: Arc::default(),
+            counts: Mutex::default(),
         }
     }
 
-    /// The consumer's end of the queue, to receive and ack by hand (tests).
-    #[allow(dead_code)] // for tests
-    pub fn queue(&mut self) -> &mut QueueConsumer {
-        &mut self.queue
-    }
-
-    /// Receives and handles messages until `stop` is cancelled; then finishes the message at hand,
-    /// leaves the group, and returns what it did.
-    pub async fn run(mut self, stop: CancellationToken) -> Counts {
+    /// Receives from `queue` and handles messages until `stop`; then finishes the message at
+    /// hand, leaves the group, and returns what it did.
+    pub async fn run(self, mut queue: Box<dyn QueueConsumer>, stop: CancellationToken) -> Counts {
         tracing::info!("ledger consumer started");
         let mut backoff = Duration::from_millis(100);
         'receiving: while !stop.is_cancelled() {
             let received = tokio::select! {
                 biased;
                 () = stop.cancelled() => break,
-                received = self.queue.receive() => received,
+                received = queue.receive() => received,
             };
             let batch = match received {
                 Ok(batch) => {
@@ -241,20 +177,25 @@ impl<St: Store> LedgerConsumer<St> {
                 if stop.is_cancelled() {
                     break 'receiving;
                 }
-                self.finish(&delivery).await;
+                self.finish(&mut *queue, &delivery).await;
             }
         }
-        let counts = self.stats.counts();
-        self.queue.close().await;
+        queue.close().await;
+        let counts = self.counts();
         tracing::info!(?counts, "ledger consumer stopped");
         counts
     }
 
-    /// Handles `delivery` and acks it when it is done with.
-    pub async fn finish(&mut self, delivery: &Delivery) -> Handled {
+    /// What it did so far.
+    pub fn counts(&self) -> Counts {
+        *self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Handles `delivery` and acks it on `queue` when it is done with.
+    pub async fn finish(&self, queue: &mut dyn QueueConsumer, delivery: &Delivery) -> Handled {
         let handled = self.handle(delivery).await;
         if handled.acks()
-            && let Err(err) = self.queue.ack(&delivery.id).await
+            && let Err(err) = queue.ack(&delivery.id).await
         {
             // The message comes back, and is then found done.
             tracing::warn!(message = %delivery.id, error = %super::report(&err), "ack failed");
@@ -265,16 +206,16 @@ impl<St: Store> LedgerConsumer<St> {
     /// Applies the event `delivery` carries, at most once per event id; does not ack.
     pub async fn handle(&self, delivery: &Delivery) -> Handled {
         let handled = self.apply(delivery).await;
-        self.stats.record(handled);
+        (self.counts.lock().unwrap_or_else(PoisonError::into_inner)).record(handled);
         handled
     }
 
     async fn apply(&self, delivery: &Delivery) -> Handled {
-        let event = delivery
+        let event = match delivery
             .payload
             .as_deref()
-            .map(serde_json::from_str::<PaymentEvent>);
-        let event = match event {
+            .map(serde_json::from_str::<PaymentEvent>)
+        {
             Some(Ok(event)) => event,
             Some(Err(err)) => {
                 tracing::error!(message = %delivery.id, %err, "dropping a message that is not an event");
@@ -285,8 +226,7 @@ impl<St: Store> LedgerConsumer<St> {
                 return Handled::Unreadable;
             }
         };
-        let outcome = self
-            .dedup
+        let outcome = (self.dedup)
             .process(&event.id, || self.balances.apply(&event))
             .await;
         let handled = match outcome {
@@ -298,12 +238,8 @@ impl<St: Store> LedgerConsumer<St> {
                 tracing::error!(event = %event.id, account = %event.account, error = %super::report(&err), "dropping an event the ledger refuses for good");
                 Handled::Rejected
             }
-            Err(DedupError::Failed(err)) => {
-                tracing::warn!(event = %event.id, error = %super::report(&err), "applying the event failed; it will be retried");
-                Handled::Failed
-            }
             Err(err) => {
-                tracing::warn!(event = %event.id, error = %super::report(&err), "the event will be retried");
+                tracing::warn!(event = %event.id, error = %super::report(&err), "applying the event failed; it will be retried");
                 Handled::Failed
             }
         };
@@ -315,9 +251,7 @@ impl<St: Store> LedgerConsumer<St> {
 impl<St: fmt::Debug> fmt::Debug for LedgerConsumer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LedgerConsumer")
-            .field("queue", &self.queue)
             .field("dedup", &self.dedup)
-            .field("stats", &self.stats.counts())
             .finish_non_exhaustive()
     }
 }

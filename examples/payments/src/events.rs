@@ -8,9 +8,8 @@
 //!
 //! Publishing goes through a small outbox ([`Publisher`]): an event the queue refuses waits in memory
 //! and is sent again from there, so an unreachable queue delays an event instead of losing it or
-//! failing a request whose money already moved. (This outbox lives in memory, like the charges. On
-//! PostgreSQL the events go to an outbox table instead, written in the same transaction as the
-//! charge: `pg/outbox.rs`.)
+//! failing a request whose money already moved. (On PostgreSQL the events go to an outbox table
+//! instead, written in the charge's transaction: `outbox.rs`.)
 //!
 //! No lock is held across a call to the queue: a stalled Redis costs each request at most one
 //! publish timeout, side by side, instead of queueing every request behind the one that waits. An
@@ -109,7 +108,7 @@ impl PaymentEvent {
     /// Only captured money is available: `charge.succeeded` adds the amount when the charge was
     /// captured at once and nothing when it was authorized only (its `charge.captured` adds it
     /// later); `charge.refunded` subtracts the refund. (An amount is positive, and
-    /// [`Balances::apply`](super::Balances::apply) refuses any other, so the negation is exact.)
+    /// [`Balances::apply`](super::balance::Balances::apply) refuses any other, so the negation is exact.)
     pub fn balance_change(&self) -> Option<(&str, i64)> {
         match self.kind {
             EventType::Succeeded if !self.captured => None,
@@ -137,7 +136,7 @@ fn event_id(kind: EventType, object: &str) -> String {
 /// Publishes events to the queue through an in-memory outbox, in order; clones share it.
 #[derive(Clone)]
 pub struct Publisher {
-    queue: Queue,
+    queue: Arc<dyn Queue>,
     /// The events the queue refused, oldest first. Locked only to look or change, never across a
     /// call to the queue.
     outbox: Arc<Mutex<VecDeque<PaymentEvent>>>,
@@ -148,17 +147,12 @@ pub struct Publisher {
 
 impl Publisher {
     /// A publisher to `queue`, with an empty outbox.
-    pub fn new(queue: Queue) -> Self {
+    pub fn new(queue: Arc<dyn Queue>) -> Self {
         Self {
             queue,
             outbox: Arc::default(),
             sending: Arc::default(),
         }
-    }
-
-    /// The queue the events go to.
-    pub fn queue(&self) -> &Queue {
-        &self.queue
     }
 
     /// Sends `event` to the queue, or leaves it in the outbox for [`Publisher::relay`]: behind
@@ -171,7 +165,7 @@ impl Publisher {
                 return;
             }
         }
-        if let Err(err) = send(&self.queue, &event).await {
+        if let Err(err) = send(&*self.queue, &event).await {
             let mut outbox = self.outbox();
             refused(&event, outbox.len() + 1, &err);
             outbox.push_back(event);
@@ -189,7 +183,7 @@ impl Publisher {
             let Some(event) = self.outbox().front().cloned() else {
                 return 0;
             };
-            if let Err(err) = send(&self.queue, &event).await {
+            if let Err(err) = send(&*self.queue, &event).await {
                 let waiting = self.outbox().len();
                 refused(&event, waiting, &err);
                 return waiting;
@@ -219,7 +213,7 @@ impl Publisher {
 }
 
 /// Sends one event to the queue.
-async fn send(queue: &Queue, event: &PaymentEvent) -> Result<(), QueueError> {
+async fn send(queue: &dyn Queue, event: &PaymentEvent) -> Result<(), QueueError> {
     let message = queue.publish(&event.to_json()).await?;
     tracing::debug!(event = %event.id, %message, "event published");
     Ok(())

@@ -8,9 +8,9 @@
 //! leaves its charge there, never deleted. Every `every`, the reconciler takes those unchanged for
 //! longer than `after` (a few lease lengths of the idempotency layer, far above the provider
 //! client's deadline: a live request renews its lease, and its provider call has long ended by
-//! then) and asks the provider, by the key of the call in flight, what became of it: the charge's
-//! `provider_key` for a creation ([`ProviderClient::find_payment`]), its `call_key` for a capture,
-//! a refund or a cancellation ([`ProviderClient::find_call`]):
+//! then) and asks the provider, by the key of the call in flight ([`ProviderClient::find_call`]:
+//! the charge's `provider_key` for a creation, its `call_key` for a capture, a refund or a
+//! cancellation), what became of it:
 //!
 //! - the provider made it: the charge moves to the state the answer says (a payment authorized,
 //!   captured or declined; a capture, a refund in part or in full, a cancellation), with its event,
@@ -38,21 +38,21 @@
 //! operation has one), so it can make neither a second charge nor a second event for one payment.
 //! The provider remembers a key for its window (24 h): a charge must be reconciled within it.
 
-use std::time::Duration;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::AppState;
 use super::auth::Account;
 use super::error::ApiError;
-use super::events::{PaymentEvent, Publisher};
-use super::ledger::{Charge, Ledger, NewCharge, new_id};
-use super::provider::{Outcome, PaymentRecord, ProviderClient, ProviderError, Request, now_ms};
+use super::events::PaymentEvent;
+use super::ledger::{Charge, Ledger, NewCharge};
+use super::provider::{
+    Outcome, PaymentRecord, ProviderClient, ProviderError, Request, WINDOW, now_ms,
+};
 use super::state_machine::{Event, Status};
 
 /// Charges, and provider payments, looked at per round.
@@ -99,11 +99,8 @@ pub struct Reconciled {
 /// The reconciler of one instance (several may run: they agree through the ledger).
 #[derive(Debug, Clone)]
 pub struct Reconciler {
-    ledger: Arc<Ledger>,
+    ledger: Arc<dyn Ledger>,
     provider: ProviderClient,
-    events: Publisher,
-    /// The provider's key window: how long an adopted charge holds its operation.
-    window: Duration,
     /// How long a charge stays in an `-ing` state before the reconciler settles it.
     after: Duration,
     /// How often it looks.
@@ -113,17 +110,14 @@ pub struct Reconciler {
 }
 
 impl Reconciler {
-    /// A reconciler of `state`'s ledger, asking its provider, for charges unchanged in an `-ing`
-    /// state for longer than `after`; it looks every quarter of `after` (at least every 50 ms, at
-    /// most every 30 s).
-    pub fn new(state: &AppState, after: Duration) -> Self {
-        let window = state.provider.window();
-        let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+    /// A reconciler of `ledger`, asking `provider`, for charges unchanged in an `-ing` state for
+    /// longer than `after`; it looks every quarter of `after` (at least every 50 ms, at most
+    /// every 30 s), and reads the provider's payments from a window ago on.
+    pub fn new(ledger: Arc<dyn Ledger>, provider: ProviderClient, after: Duration) -> Self {
+        let window_ms = u64::try_from(WINDOW.as_millis()).unwrap_or(u64::MAX);
         Self {
-            ledger: state.ledger.clone(),
-            provider: state.provider_client.clone(),
-            events: state.events.clone(),
-            window,
+            ledger,
+            provider,
             after,
             every: (after / 4).clamp(Duration::from_millis(50), Duration::from_secs(30)),
             since: Arc::new(AtomicU64::new(now_ms().saturating_sub(window_ms))),
@@ -230,7 +224,6 @@ impl Reconciler {
             metadata: reference.metadata,
         };
         let mut charge = Charge::new(reference.account, &request, &payment.key);
-        charge.id = new_id();
         charge.payment.clone_from(&payment.id);
         let moves: &[Event] = match payment.outcome {
             Outcome::Declined => &[Event::Authorize, Event::Declined],
@@ -247,10 +240,7 @@ impl Reconciler {
         }
         let event = (payment.outcome != Outcome::Declined)
             .then(|| PaymentEvent::succeeded(&charge, payment.outcome == Outcome::Captured));
-        let adopted = self
-            .ledger
-            .adopt(charge.clone(), event, &self.events, self.window)
-            .await?;
+        let adopted = self.ledger.adopt(charge.clone(), event).await?;
         if adopted {
             tracing::warn!(charge = %charge.id, payment = %payment.id, "a provider payment no charge named: its charge is written from it");
         }
@@ -262,15 +252,16 @@ impl Reconciler {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
         Ok(match charge.status {
-            Status::Authorizing => provider
-                .find_payment(
-                    &charge.provider_key,
-                    charge.source,
-                    charge.amount,
-                    charge.capture,
-                )
-                .await?
-                .map(|payment| Answer::Payment(payment.id, payment.outcome)),
+            Status::Authorizing => {
+                let (source, amount, capture) = (charge.source, charge.amount, charge.capture);
+                let create = Request::CreatePayment {
+                    source,
+                    amount,
+                    capture,
+                };
+                (provider.find_call(&charge.provider_key, create).await?)
+                    .map(|id| Answer::Payment(id, Outcome::of(source, capture)))
+            }
             Status::Capturing => provider
                 .find_call(&charge.call_key, Request::Capture { payment })
                 .await?
@@ -337,7 +328,7 @@ impl Reconciler {
         }
         let settled = self
             .ledger
-            .swap(&found, &charge, event, &self.events, Duration::ZERO)
+            .swap(&found, &charge, event, Duration::ZERO)
             .await?;
         if settled {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), status = charge.status.as_str(), "reconciled a charge from the provider's answer");
@@ -362,10 +353,7 @@ impl Reconciler {
         }
         charge.call_key.clear();
         charge.call_amount = 0;
-        let undone = self
-            .ledger
-            .swap(&found, &charge, None, &self.events, self.after)
-            .await?;
+        let undone = self.ledger.swap(&found, &charge, None, self.after).await?;
         if undone {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }

@@ -78,7 +78,7 @@ CREATE TABLE IF NOT EXISTS payment_events (
     published_at timestamptz NOT NULL DEFAULT statement_timestamp()
 );
 
--- The simulated provider's idempotency keys (provider/keys.rs): they stand for an outside
+-- The simulated provider's idempotency keys (provider/keys/postgres.rs): they stand for an outside
 -- service's own records, shared by every instance of the example.
 CREATE TABLE IF NOT EXISTS provider_keys (
     key        text        PRIMARY KEY,

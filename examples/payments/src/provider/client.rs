@@ -37,10 +37,10 @@ use tower::{Layer, Service, ServiceExt};
 use tower_idempotency_client::IdempotentRetryLayer;
 
 use super::api::{
-    self, CallQuery, ErrorJson, FENCE_HEADER, IdJson, KEY_HEADER, ListQuery, NewPayment, NewRefund,
+    CallQuery, ErrorJson, FENCE_HEADER, IdJson, KEY_HEADER, ListQuery, NewPayment, NewRefund,
     PaymentJson, PaymentList,
 };
-use super::{Outcome, Payment, PaymentRecord, Provider, ProviderError, Request as Call, Source};
+use super::{Payment, PaymentRecord, ProviderError, Request as Call, Source};
 
 /// The most times one provider call is sent: 3, so a provider that is down for a moment (a
 /// `503`) gets two more tries within the charge request, and one that is down for good costs a
@@ -73,21 +73,19 @@ pub struct ProviderClient {
 }
 
 impl ProviderClient {
-    /// A client of `provider`'s API, served in process.
-    pub fn new(provider: Provider) -> Self {
+    /// A client of the provider's API `api` ([`Provider::router`](super::Provider::router)),
+    /// served in process.
+    pub fn new(api: Router) -> Self {
         let retry = IdempotentRetryLayer::new()
             .max_attempts(ATTEMPTS)
             .attempt_timeout(ATTEMPT_TIMEOUT)
             .deadline(DEADLINE)
             .backoff(BACKOFF.0, BACKOFF.1);
-        Self {
-            retry,
-            api: api::router(provider),
-        }
+        Self { retry, api }
     }
 
-    /// `GET /v1/payments`: up to `limit` payments made since `since` (milliseconds since the Unix
-    /// epoch), oldest first.
+    /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the Unix epoch),
+    /// oldest first.
     pub async fn payments_since(
         &self,
         since: u64,
@@ -97,11 +95,7 @@ impl ProviderClient {
             created_gte: since,
             limit,
         };
-        let query = form_urlencoded::Serializer::new(String::new())
-            .append_pair("created_gte", &query.created_gte.to_string())
-            .append_pair("limit", &query.limit.to_string())
-            .finish();
-        let path = format!("/v1/payments?{query}");
+        let path = format!("/v1/payments?{}", query_string(&query)?);
         let (status, answer) = self.send(Method::GET, &path, None, None).await?;
         decode::<PaymentList>(status, &answer).map(|list| list.data)
     }
@@ -117,8 +111,12 @@ impl ProviderClient {
         capture: bool,
         reference: &str,
     ) -> Result<Payment, ProviderError> {
-        let mut body = new_payment(source, amount, capture);
-        body.reference = reference.to_owned();
+        let body = NewPayment {
+            source,
+            amount,
+            capture,
+            reference: reference.to_owned(),
+        };
         let (status, answer) = self
             .send(
                 Method::POST,
@@ -127,50 +125,25 @@ impl ProviderClient {
                 Some(json(&body)?),
             )
             .await?;
-        payment(decode(status, &answer)?)
+        let payment: PaymentJson = decode(status, &answer)?;
+        Ok(Payment {
+            id: payment.id,
+            outcome: payment.outcome,
+        })
     }
 
-    /// `GET /v1/payments/by-key/{key}`: the payment a create call with `key` made for this
-    /// request, or `None` (see [`Provider::find_payment`]).
-    #[allow(dead_code)] // with the postgres feature
-    pub async fn find_payment(
-        &self,
-        key: &str,
-        source: Source,
-        amount: i64,
-        capture: bool,
-    ) -> Result<Option<Payment>, ProviderError> {
-        let query = new_payment(source, amount, capture);
-        let query = form_urlencoded::Serializer::new(String::new())
-            .append_pair("source", &query.source)
-            .append_pair("amount", &query.amount.to_string())
-            .append_pair("capture", if capture { "true" } else { "false" })
-            .finish();
-        let key: String = form_urlencoded::byte_serialize(key.as_bytes()).collect();
-        let path = format!("/v1/payments/by-key/{key}?{query}");
-        let (status, answer) = self.send(Method::GET, &path, None, None).await?;
-        if status == StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        payment(decode(status, &answer)?).map(Some)
-    }
-
-    /// `GET /v1/calls/by-key/{key}`: the id a call with `key` answered for `call`, or `None` (see
-    /// [`Provider::find_call`]).
-    #[allow(dead_code)] // with the postgres feature
+    /// `GET /v1/calls/{key}`: the id a call with `key` answered for `call`, or `None` (no such
+    /// call reached the provider, or the key was another request's).
     pub async fn find_call(
         &self,
         key: &str,
         call: Call<'_>,
     ) -> Result<Option<String>, ProviderError> {
-        let query = CallQuery {
+        let query = query_string(&CallQuery {
             request: call.describe(),
-        };
-        let query = form_urlencoded::Serializer::new(String::new())
-            .append_pair("request", &query.request)
-            .finish();
+        })?;
         let key: String = form_urlencoded::byte_serialize(key.as_bytes()).collect();
-        let path = format!("/v1/calls/by-key/{key}?{query}");
+        let path = format!("/v1/calls/{key}?{query}");
         let (status, answer) = self.send(Method::GET, &path, None, None).await?;
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -329,13 +302,9 @@ fn json(body: &impl Serialize) -> Result<Bytes, ProviderError> {
         .map_err(|err| unusable("encoding the call", &err))
 }
 
-fn new_payment(source: Source, amount: i64, capture: bool) -> NewPayment {
-    NewPayment {
-        source: source.token().to_owned(),
-        amount,
-        capture,
-        reference: String::new(),
-    }
+/// `query` as a URL's query string.
+fn query_string(query: &impl Serialize) -> Result<String, ProviderError> {
+    serde_urlencoded::to_string(query).map_err(|err| unusable("encoding the call", &err))
 }
 
 /// A `2xx` answer's body, or the provider's refusal as a [`ProviderError`].
@@ -366,28 +335,9 @@ fn decode<T: DeserializeOwned>(status: StatusCode, answer: &[u8]) -> Result<T, P
     }
 }
 
-fn payment(answer: PaymentJson) -> Result<Payment, ProviderError> {
-    let outcome = match answer.outcome.as_str() {
-        "authorized" => Outcome::Authorized,
-        "captured" => Outcome::Captured,
-        "declined" => Outcome::Declined,
-        other => {
-            tracing::warn!(
-                outcome = other,
-                "provider: a payment outcome this client does not know"
-            );
-            return Err(ProviderError::Unavailable);
-        }
-    };
-    Ok(Payment {
-        id: answer.id,
-        outcome,
-    })
-}
-
 /// The call failed on this side, or ended without a usable answer: what happened is unknown (a
 /// retry with the same key finds out).
 fn unusable(what: &str, err: &(dyn std::error::Error + 'static)) -> ProviderError {
-    tracing::warn!(error = %super::super::report(err), "provider: {what} failed");
+    tracing::warn!(error = %crate::report(err), "provider: {what} failed");
     ProviderError::Unknown
 }

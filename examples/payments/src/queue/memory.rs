@@ -1,15 +1,15 @@
-//! The queue in memory: one process, the consumer-group contract of a Redis Stream.
-//!
-//! Time is [`tokio::time::Instant`], so tests on paused time drive `min_idle` and `block`.
+//! The queue in memory: one process, a Redis consumer group's contract. Its clock is tokio's,
+//! so tests on paused time drive `min_idle` and `block`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{ConsumerConfig, Delivery};
+use super::{ConsumerConfig, Delivery, Queue, QueueConsumer, QueueError};
 
 /// An in-memory queue with one consumer group; clones share it.
 #[derive(Clone, Default)]
@@ -27,23 +27,12 @@ struct Inner {
 #[derive(Default)]
 struct State {
     next_id: u64,
-    published: usize,
-    /// Every message not acknowledged yet.
-    messages: HashMap<u64, Message>,
+    /// Every message not acknowledged yet: its payload.
+    messages: HashMap<u64, String>,
     /// Messages never delivered, oldest first.
     ready: VecDeque<u64>,
-    /// Messages delivered and not acknowledged, by id.
-    pending: BTreeMap<u64, Pending>,
-}
-
-struct Message {
-    payload: String,
-    deliveries: u64,
-}
-
-struct Pending {
-    consumer: String,
-    since: Instant,
+    /// Messages delivered and not acknowledged: since when.
+    pending: BTreeMap<u64, Instant>,
 }
 
 impl MemoryQueue {
@@ -52,70 +41,44 @@ impl MemoryQueue {
         Self::default()
     }
 
-    /// Appends a message; returns its id (`<n>-0`, as a stream's ids look).
-    pub fn publish(&self, payload: &str) -> String {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        (self.inner.state.lock()).unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl Queue for MemoryQueue {
+    async fn publish(&self, payload: &str) -> Result<String, QueueError> {
         let id = {
             let mut state = self.lock();
             state.next_id += 1;
-            state.published += 1;
             let id = state.next_id;
-            state.messages.insert(
-                id,
-                Message {
-                    payload: payload.to_owned(),
-                    deliveries: 0,
-                },
-            );
+            state.messages.insert(id, payload.to_owned());
             state.ready.push_back(id);
             id
         };
         self.inner.published.notify_waiters();
-        format!("{id}-0")
+        // As a stream's ids look.
+        Ok(format!("{id}-0"))
     }
 
-    /// A consumer of the group.
-    pub fn consumer(&self, name: &str, config: ConsumerConfig) -> MemoryConsumer {
-        MemoryConsumer {
+    async fn consumer(
+        &self,
+        _name: &str,
+        config: ConsumerConfig,
+    ) -> Result<Box<dyn QueueConsumer>, QueueError> {
+        Ok(Box::new(MemoryConsumer {
             queue: self.clone(),
-            name: name.to_owned(),
             config,
-        }
-    }
-
-    /// Messages not delivered yet, plus pending ones.
-    pub fn backlog(&self) -> usize {
-        let state = self.lock();
-        state.ready.len() + state.pending.len()
-    }
-
-    /// How many times the pending message `id` was delivered.
-    pub fn delivery_count(&self, id: &str) -> Option<u64> {
-        let state = self.lock();
-        let id = parse_id(id)?;
-        state.pending.get(&id)?;
-        state.messages.get(&id).map(|message| message.deliveries)
-    }
-
-    /// How many messages were ever published.
-    pub fn published(&self) -> usize {
-        self.lock().published
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        }))
     }
 }
 
 impl State {
     /// Takes over messages pending for `min_idle` or longer; or else takes new ones.
-    fn take(&mut self, consumer: &str, config: &ConsumerConfig, now: Instant) -> Vec<Delivery> {
-        let stale: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, pending)| now.duration_since(pending.since) >= config.min_idle)
+    fn take(&mut self, config: &ConsumerConfig, now: Instant) -> Vec<Delivery> {
+        let stale: Vec<u64> = (self.pending.iter())
+            .filter(|(_, since)| now.duration_since(**since) >= config.min_idle)
             .map(|(id, _)| *id)
             .take(config.batch)
             .collect();
@@ -127,18 +90,11 @@ impl State {
         };
         ids.into_iter()
             .filter_map(|id| {
-                let message = self.messages.get_mut(&id)?;
-                message.deliveries += 1;
-                self.pending.insert(
-                    id,
-                    Pending {
-                        consumer: consumer.to_owned(),
-                        since: now,
-                    },
-                );
+                let payload = self.messages.get(&id)?.clone();
+                self.pending.insert(id, now);
                 Some(Delivery {
                     id: format!("{id}-0"),
-                    payload: Some(message.payload.clone()),
+                    payload: Some(payload),
                 })
             })
             .collect()
@@ -148,40 +104,36 @@ impl State {
     fn next_stale(&self, config: &ConsumerConfig) -> Option<Instant> {
         self.pending
             .values()
-            .map(|pending| pending.since + config.min_idle)
+            .map(|since| *since + config.min_idle)
             .min()
     }
 }
 
-/// A consumer of a [`MemoryQueue`]. Dropping it leaves its pending messages pending, as a
-/// crashed process would.
-pub struct MemoryConsumer {
+/// A consumer of a [`MemoryQueue`].
+struct MemoryConsumer {
     queue: MemoryQueue,
-    name: String,
     config: ConsumerConfig,
 }
 
-impl MemoryConsumer {
-    /// Stale pending messages, taken over; or else new ones, waiting up to `block`.
-    pub async fn receive(&mut self) -> Vec<Delivery> {
+#[async_trait]
+impl QueueConsumer for MemoryConsumer {
+    async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
         // A receive is a round trip to a real queue: let the other tasks (consumers) in.
         tokio::task::yield_now().await;
         let deadline = Instant::now() + self.config.block;
         loop {
             let published = self.queue.inner.published.notified();
             tokio::pin!(published);
-            // Registered before looking, so a publish between the look and the wait still wakes.
+            // Registered before looking, so that a publish between the look and the wait wakes.
             published.as_mut().enable();
             let wake_at = {
                 let mut state = self.queue.lock();
                 let now = Instant::now();
-                let taken = state.take(&self.name, &self.config, now);
+                let taken = state.take(&self.config, now);
                 if !taken.is_empty() || now >= deadline {
-                    return taken;
+                    return Ok(taken);
                 }
-                state
-                    .next_stale(&self.config)
-                    .map_or(deadline, |stale| stale.min(deadline))
+                (state.next_stale(&self.config)).map_or(deadline, |stale| stale.min(deadline))
             };
             tokio::select! {
                 () = &mut published => {}
@@ -190,18 +142,18 @@ impl MemoryConsumer {
         }
     }
 
-    /// Acknowledges message `id`; nothing happens when it is not pending.
-    pub fn ack(&mut self, id: &str) {
-        let Some(id) = parse_id(id) else { return };
+    async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
+        let id = id.strip_suffix("-0").and_then(|id| id.parse().ok());
         let mut state = self.queue.lock();
-        if state.pending.remove(&id).is_some() {
+        if let Some(id) = id
+            && state.pending.remove(&id).is_some()
+        {
             state.messages.remove(&id);
         }
+        Ok(())
     }
-}
 
-fn parse_id(id: &str) -> Option<u64> {
-    id.strip_suffix("-0")?.parse().ok()
+    async fn close(self: Box<Self>) {}
 }
 
 impl fmt::Debug for MemoryQueue {
@@ -217,17 +169,7 @@ impl fmt::Debug for MemoryQueue {
 impl fmt::Debug for MemoryConsumer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryConsumer")
-            .field("name", &self.name)
             .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Who holds each pending message (for debugging).
-impl fmt::Debug for Pending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pending")
-            .field("consumer", &self.consumer)
             .finish_non_exhaustive()
     }
 }

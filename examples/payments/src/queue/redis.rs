@@ -18,15 +18,15 @@
 //! while still pending is reported as deleted and dropped; keep the stream far longer than the
 //! group's backlog can grow.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_redis::redis::{self, Cmd, FromRedisValue, Value};
+use async_trait::async_trait;
+use deadpool_redis::redis::{self, Cmd, FromRedisValue};
 use tower_idempotency_redis::{RedisConnection, RedisStoreError, SharedConnection};
 
-use super::{ConsumerConfig, Delivery, QueueError};
+use super::{ConsumerConfig, Delivery, Queue, QueueConsumer, QueueError};
 
 /// About how many entries the stream keeps.
 pub const MAX_LEN: usize = 1_000_000;
@@ -79,9 +79,11 @@ impl RedisQueue {
             created => created,
         }
     }
+}
 
-    /// `XADD`s a message; returns its entry id.
-    pub async fn publish(&self, payload: &str) -> Result<String, QueueError> {
+#[async_trait]
+impl Queue for RedisQueue {
+    async fn publish(&self, payload: &str) -> Result<String, QueueError> {
         let mut add = redis::cmd("XADD");
         add.arg(&*self.stream)
             .arg("MAXLEN")
@@ -93,12 +95,11 @@ impl RedisQueue {
         Ok(self.conn.query(&add).await?)
     }
 
-    /// A consumer of the group, on a connection of its own.
-    pub async fn consumer(
+    async fn consumer(
         &self,
         name: &str,
         config: ConsumerConfig,
-    ) -> Result<RedisConsumer, QueueError> {
+    ) -> Result<Box<dyn QueueConsumer>, QueueError> {
         let mut consumer = RedisConsumer {
             queue: self.clone(),
             name: name.to_owned(),
@@ -107,68 +108,13 @@ impl RedisQueue {
             cursor: String::from("0-0"),
         };
         consumer.connection().await?;
-        Ok(consumer)
-    }
-
-    /// The group's pending messages plus its lag (entries not delivered yet).
-    pub async fn backlog(&self) -> Result<usize, QueueError> {
-        let mut info = redis::cmd("XINFO");
-        info.arg("GROUPS").arg(&*self.stream);
-        let groups: Vec<HashMap<String, Value>> = self.conn.query(&info).await?;
-        let group = groups.iter().find(|group| {
-            group
-                .get("name")
-                .and_then(|name| String::from_redis_value_ref(name).ok())
-                .is_some_and(|name| *name == *self.group)
-        });
-        let Some(group) = group else { return Ok(0) };
-        let number = |field: &str| {
-            group
-                .get(field)
-                .and_then(|value| usize::from_redis_value_ref(value).ok())
-        };
-        let pending = number("pending").unwrap_or(0);
-        let lag = match number("lag") {
-            Some(lag) => lag,
-            // Redis cannot tell the lag after some deletions: count the undelivered entries.
-            None => {
-                let last = group
-                    .get("last-delivered-id")
-                    .and_then(|id| String::from_redis_value_ref(id).ok())
-                    .unwrap_or_else(|| String::from("0-0"));
-                let mut range = redis::cmd("XRANGE");
-                range.arg(&*self.stream).arg(format!("({last}")).arg("+");
-                let entries: Vec<Entry> = self.conn.query(&range).await?;
-                entries.len()
-            }
-        };
-        Ok(pending + lag)
-    }
-
-    /// How many times the pending entry `id` was delivered (`XPENDING`).
-    pub async fn delivery_count(&self, id: &str) -> Result<Option<u64>, QueueError> {
-        let mut pending = redis::cmd("XPENDING");
-        pending
-            .arg(&*self.stream)
-            .arg(&*self.group)
-            .arg(id)
-            .arg(id)
-            .arg(1);
-        let entries: Vec<(String, String, u64, u64)> = self.conn.query(&pending).await?;
-        Ok(entries.first().map(|(_, _, _, deliveries)| *deliveries))
-    }
-
-    /// The stream's length (`XLEN`): every message published, unless trimmed.
-    pub async fn published(&self) -> Result<usize, QueueError> {
-        let mut len = redis::cmd("XLEN");
-        len.arg(&*self.stream);
-        Ok(self.conn.query(&len).await?)
+        Ok(Box::new(consumer))
     }
 }
 
 /// A consumer of a [`RedisQueue`]'s group. Dropping it without [`RedisConsumer::close`] leaves its
 /// pending entries for the others to take over.
-pub struct RedisConsumer {
+struct RedisConsumer {
     queue: RedisQueue,
     name: String,
     config: ConsumerConfig,
@@ -178,12 +124,12 @@ pub struct RedisConsumer {
     cursor: String,
 }
 
-impl RedisConsumer {
-    /// Stale pending entries taken over (`XAUTOCLAIM`), or else new ones (`XREADGROUP`).
-    ///
-    /// When the group is gone (Redis restarted empty, or the stream was deleted), creates it again
-    /// and returns nothing: the next receive reads the stream from its start.
-    pub async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
+#[async_trait]
+impl QueueConsumer for RedisConsumer {
+    /// Stale pending entries taken over (`XAUTOCLAIM`), or else new ones (`XREADGROUP`). When
+    /// the group is gone (Redis restarted empty), creates it again and returns nothing: the next
+    /// receive reads the stream from its start.
+    async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
         match self.receive_in_group().await {
             Err(RedisStoreError::Redis(err)) if err.code() == Some("NOGROUP") => {
                 tracing::warn!(
@@ -199,6 +145,49 @@ impl RedisConsumer {
         }
     }
 
+    async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
+        let mut ack = redis::cmd("XACK");
+        ack.arg(&*self.queue.stream).arg(&*self.queue.group).arg(id);
+        self.query::<i64>(&ack).await?;
+        Ok(())
+    }
+
+    async fn close(mut self: Box<Self>) {
+        let mut pending = redis::cmd("XPENDING");
+        pending
+            .arg(&*self.queue.stream)
+            .arg(&*self.queue.group)
+            .arg("-")
+            .arg("+")
+            .arg(1)
+            .arg(&self.name);
+        match self
+            .query::<Vec<(String, String, u64, u64)>>(&pending)
+            .await
+        {
+            Ok(entries) if entries.is_empty() => {
+                let mut delete = redis::cmd("XGROUP");
+                delete
+                    .arg("DELCONSUMER")
+                    .arg(&*self.queue.stream)
+                    .arg(&*self.queue.group)
+                    .arg(&self.name);
+                if let Err(err) = self.query::<i64>(&delete).await {
+                    tracing::debug!(error = %crate::report(&err), "could not leave the group");
+                }
+            }
+            Ok(_) => tracing::info!(
+                consumer = %self.name,
+                "stopping with messages pending; another consumer takes them over"
+            ),
+            Err(err) => {
+                tracing::debug!(error = %crate::report(&err), "could not leave the group")
+            }
+        }
+    }
+}
+
+impl RedisConsumer {
     async fn receive_in_group(&mut self) -> Result<Vec<Delivery>, RedisStoreError> {
         let min_idle = u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX);
         let mut claim = redis::cmd("XAUTOCLAIM");
@@ -246,50 +235,6 @@ impl RedisConsumer {
             .flat_map(|(_, entries)| entries)
             .map(delivery)
             .collect())
-    }
-
-    /// `XACK`s entry `id`.
-    pub async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
-        let mut ack = redis::cmd("XACK");
-        ack.arg(&*self.queue.stream).arg(&*self.queue.group).arg(id);
-        self.query::<i64>(&ack).await?;
-        Ok(())
-    }
-
-    /// Leaves the group, unless entries are still pending for this consumer: those stay, to be
-    /// taken over after `min_idle`.
-    pub async fn close(mut self) {
-        let mut pending = redis::cmd("XPENDING");
-        pending
-            .arg(&*self.queue.stream)
-            .arg(&*self.queue.group)
-            .arg("-")
-            .arg("+")
-            .arg(1)
-            .arg(&self.name);
-        match self
-            .query::<Vec<(String, String, u64, u64)>>(&pending)
-            .await
-        {
-            Ok(entries) if entries.is_empty() => {
-                let mut delete = redis::cmd("XGROUP");
-                delete
-                    .arg("DELCONSUMER")
-                    .arg(&*self.queue.stream)
-                    .arg(&*self.queue.group)
-                    .arg(&self.name);
-                if let Err(err) = self.query::<i64>(&delete).await {
-                    tracing::debug!(error = %super::super::report(&err), "could not leave the group");
-                }
-            }
-            Ok(_) => tracing::info!(
-                consumer = %self.name,
-                "stopping with messages pending; another consumer takes them over"
-            ),
-            Err(err) => {
-                tracing::debug!(error = %super::super::report(&err), "could not leave the group")
-            }
-        }
     }
 
     async fn connection(&mut self) -> Result<&mut RedisConnection, RedisStoreError> {

@@ -1,5 +1,6 @@
-//! What the tests share: the API called in-process, the package's binaries run as processes, and
-//! a proxy that cuts answers off.
+//! What the tests share: the API called in-process (`api.rs`), the example's components on each
+//! backend behind test instruments (`stack.rs`, `instruments.rs`), the package's binaries run as
+//! processes, and a proxy that cuts answers off (`cut_proxy.rs`).
 #![allow(
     dead_code,
     reason = "every test binary that says `mod support;` compiles all of it, and each uses a part"
@@ -7,6 +8,10 @@
 
 pub mod api;
 pub mod cut_proxy;
+pub mod instance;
+pub mod instruments;
+pub mod process;
+pub mod stack;
 
 use std::path::PathBuf;
 use std::process::{Child, ExitStatus};

@@ -10,8 +10,6 @@
 //!
 //! Driven in-process with `oneshot`, on the in-memory store.
 
-use example_payments as server;
-
 mod support;
 
 use std::time::Duration;
@@ -23,8 +21,10 @@ use serde_json::Value;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_test::Faulty;
 
-use server::{AppState, Provider, app};
+use example_payments::app;
+use example_payments::provider::WINDOW;
 use support::api::{self, Reply};
+use support::stack::Parts;
 
 /// A key as stripe-python makes one when none is given: 16 random bytes in a UUID's groups.
 const SDK_KEY: &str = "189e0d67-52a9-d895-0de9-f4f83245023f";
@@ -100,17 +100,19 @@ async fn send(app: &Router, request: Request<Body>) -> Reply {
     answer
 }
 
-fn app_on(store: impl Store, provider: Provider) -> Router {
-    let state = AppState::new(Duration::ZERO).with_provider(provider);
-    app(state, IdempotencyLayer::new(BoxStore::new(store)))
+/// The app on `store`, its provider taking `latency` per call.
+fn app_on(store: impl Store, latency: Duration) -> (Router, Parts) {
+    let parts = Parts::memory(WINDOW).latency(latency);
+    let app = app(parts.state(), IdempotencyLayer::new(BoxStore::new(store)));
+    (app, parts)
 }
 
 /// Create, the SDK's retry (a replay), the key reused with other parameters (its
 /// `IdempotencyError`), and a declined card (its `CardError`).
 #[tokio::test]
 async fn create_retry_mismatch_and_decline_as_stripe_python_sees_them() {
-    let provider = Provider::new(Duration::ZERO);
-    let app = app_on(MemoryStore::new(), provider.clone());
+    let (app, provider) = app_on(MemoryStore::new(), Duration::ZERO);
+    let provider = &provider.outage;
 
     let created = send(&app, sdk_request("/v1/charges", SDK_KEY, CREATE)).await;
     assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
@@ -201,8 +203,8 @@ async fn create_retry_mismatch_and_decline_as_stripe_python_sees_them() {
 /// charge itself. The provider is called once.
 #[tokio::test(start_paused = true)]
 async fn a_retry_while_the_charge_runs_is_told_to_retry_then_replayed() {
-    let provider = Provider::new(Duration::from_secs(2));
-    let app = app_on(MemoryStore::new(), provider.clone());
+    let (app, provider) = app_on(MemoryStore::new(), Duration::from_secs(2));
+    let provider = &provider.outage;
     let body = "amount=1500&currency=eur&source=tok_visa";
 
     let first = tokio::spawn({
@@ -232,9 +234,9 @@ async fn a_retry_while_the_charge_runs_is_told_to_retry_then_replayed() {
 /// (the API's own 503, not stored) and the idempotency store away (the layer's 503).
 #[tokio::test]
 async fn unavailable_answers_tell_the_sdk_to_retry() {
-    let provider = Provider::new(Duration::ZERO);
     let store = Faulty::new(MemoryStore::new());
-    let app = app_on(store.clone(), provider.clone());
+    let (app, provider) = app_on(store.clone(), Duration::ZERO);
+    let provider = &provider.outage;
     let body = "amount=1500&currency=eur&source=tok_pspUnavailable";
 
     for attempt in 1..=2 {
@@ -269,7 +271,7 @@ async fn unavailable_answers_tell_the_sdk_to_retry() {
 /// A request without an API key is the SDK's `AuthenticationError`.
 #[tokio::test]
 async fn no_api_key_is_the_sdks_authentication_error() {
-    let app = app_on(MemoryStore::new(), Provider::new(Duration::ZERO));
+    let (app, _) = app_on(MemoryStore::new(), Duration::ZERO);
     let mut request = sdk_request("/v1/charges", SDK_KEY, CREATE);
     request.headers_mut().remove("authorization");
     let answer = send(&app, request).await;

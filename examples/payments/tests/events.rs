@@ -1,35 +1,41 @@
-//! The payments example's events and its ledger consumer, in-process: every scenario runs on the
-//! in-memory queue (on paused time) and on a Redis Stream (a private `redis-server` per test,
-//! real time with short timeouts).
+//! Events and the idempotent consumer, in-process: every scenario runs on the in-memory queue
+//! (on paused time) and on a Redis Stream (a private `redis-server` per test, real time with
+//! short timeouts); the outbox's consumer on PostgreSQL.
 //!
 //! The consumer's records are kept by the crate's `Deduplicator` on a `MemoryStore` or a
-//! `RedisStore`; the events go through the example's queue; the balances are the example's ledger.
-
-use example_payments as server;
+//! `RedisStore`; the events go through the example's queue; the balances are the example's.
 
 mod support;
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use axum::Router;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
+use sqlx::{Connection, PgConnection, Row};
+use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_server::RedisServer;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, RecordId, Store};
 use tower_idempotency_redis::RedisStore;
 
-use server::balance::{Applied, Available, BalanceError, Fault};
-use server::consumer::{Counts, Handled, LedgerConsumer, deduplicator};
-use server::events::{EventType, PaymentEvent};
-use server::queue::{ConsumerConfig, Queue, RedisQueue};
-use server::{AppState, Balances, app};
+use example_payments::app;
+use example_payments::balance::{Applied, Available, BALANCES_PREFIX, BalanceError, Balances};
+use example_payments::config::STREAM;
+use example_payments::consumer::{self, Counts, Handled, LedgerConsumer, SCOPE, deduplicator};
+use example_payments::events::{EventType, PaymentEvent};
+use example_payments::outbox::{self, OutboxConsumer};
+use example_payments::provider::WINDOW;
+use example_payments::queue::{ConsumerConfig, QueueConsumer};
+use example_payments::{balance::PgBalances, pg};
 use support::api::{ALICE, BOB, Call, account, create_charge, visa};
+use support::instruments::{CountingQueue, Fault};
+use support::stack::Parts;
 
 /// How long a message stays pending before another consumer takes it over, in these tests.
 const MIN_IDLE: Duration = Duration::from_millis(300);
@@ -38,12 +44,11 @@ const BLOCK: Duration = Duration::from_millis(50);
 /// How long a test waits for the consumers to get somewhere.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A queue, the balances and the consumers' store, on one backend.
+/// The example's components on one backend, and the consumers' store.
 struct Env<St> {
+    parts: Parts,
     /// The Deduplicator's store.
     store: St,
-    queue: Queue,
-    balances: Balances,
     /// A fresh idempotency store for the HTTP layer, in a namespace named by the argument.
     http_store: Box<dyn Fn(&str) -> St>,
     redis: Option<RedisServer>,
@@ -52,9 +57,8 @@ struct Env<St> {
 impl Env<MemoryStore> {
     fn memory() -> Self {
         Env {
+            parts: Parts::memory(WINDOW),
             store: MemoryStore::new(),
-            queue: Queue::memory(),
-            balances: Balances::memory(),
             http_store: Box::new(|_| MemoryStore::new()),
             redis: None,
         }
@@ -67,19 +71,15 @@ impl Env<RedisStore> {
         let url = server.url();
         let store = RedisStore::from_url(&url)
             .expect("a valid URL")
-            .with_prefix(server::CONSUMER_PREFIX);
+            .with_prefix(consumer::RECORDS_PREFIX);
         store.check().await.expect("the fixture's Redis answers");
         let conn = RedisStore::from_url(&url)
             .expect("a valid URL")
             .shared_connection();
-        let queue = RedisQueue::connect(conn.clone(), server::STREAM, "ledger")
-            .await
-            .expect("the consumer group is created");
         let http_url = url.clone();
         Env {
+            parts: Parts::redis_events(&conn, WINDOW).await,
             store,
-            queue: Queue::Redis(queue),
-            balances: Balances::redis(conn, server::BALANCES_PREFIX),
             http_store: Box::new(move |namespace| {
                 RedisStore::from_url(&http_url)
                     .expect("a valid URL")
@@ -104,43 +104,47 @@ impl Running {
     }
 }
 
-impl<St: Store + Clone> Env<St> {
+impl<St: Store + Clone + 'static> Env<St> {
     fn config(&self) -> ConsumerConfig {
         ConsumerConfig::default().min_idle(MIN_IDLE).block(BLOCK)
     }
 
-    async fn consumer(&self, name: &str) -> LedgerConsumer<St> {
-        self.consumer_with(name, self.config()).await
+    fn queue(&self) -> &CountingQueue {
+        self.parts.queue.as_deref().expect("a queue")
     }
 
-    async fn consumer_with(&self, name: &str, config: ConsumerConfig) -> LedgerConsumer<St> {
-        let queue = self
-            .queue
-            .consumer(name, config)
-            .await
-            .expect("a consumer of the group");
+    /// A consumer, and its end of the queue to receive and ack by hand.
+    async fn consumer_with(
+        &self,
+        name: &str,
+        config: ConsumerConfig,
+    ) -> (LedgerConsumer<St>, Box<dyn QueueConsumer>) {
+        let reads = self.queue().consumer_of(name, config).await;
         let dedup = deduplicator(self.store.clone(), config.min_idle);
-        LedgerConsumer::new(queue, self.balances.clone(), dedup)
+        (
+            LedgerConsumer::new(self.parts.balances.clone(), dedup),
+            reads,
+        )
     }
 
     async fn start(&self, name: &str) -> Running {
-        let consumer = self.consumer(name).await;
         let stop = CancellationToken::new();
-        let task = tokio::spawn(consumer.run(stop.clone()));
+        let task = (self.parts)
+            .consume(name, self.store.clone(), self.config(), &stop)
+            .await;
         Running { stop, task }
     }
 
     async fn publish(&self, event: &PaymentEvent) -> String {
-        self.queue
+        use example_payments::queue::Queue;
+        self.queue()
             .publish(&event.to_json())
             .await
             .expect("the queue takes the event")
     }
 
     async fn balance(&self, account: &str) -> Vec<(i64, String)> {
-        let available = self
-            .balances
-            .get(account)
+        let available = (self.parts.balances.get(account))
             .await
             .expect("the balance is readable");
         available
@@ -149,15 +153,20 @@ impl<St: Store + Clone> Env<St> {
             .collect()
     }
 
+    /// How many events the ledger records as applied to `account` (in Redis, its set's size).
     async fn applied_count(&self, account: &str) -> usize {
-        self.balances
-            .applied_count(account)
-            .await
-            .expect("the ledger is readable")
+        match &self.redis {
+            Some(redis) => {
+                let key = format!("{BALANCES_PREFIX}{{{account}}}:applied");
+                let count = redis.command(&["ZCARD", &key]).as_integer();
+                usize::try_from(count.expect("a count")).expect("a size")
+            }
+            None => self.parts.balances.applied(account),
+        }
     }
 
     async fn backlog(&self) -> usize {
-        self.queue.backlog().await.expect("the queue is readable")
+        self.queue().backlog()
     }
 
     /// Waits until every message published so far is acknowledged.
@@ -199,21 +208,21 @@ fn eur(amount: i64) -> Vec<(i64, String)> {
     vec![(amount, "eur".to_owned())]
 }
 
-async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
+async fn redeliveries_change_the_balance_once<St: Store + Clone + 'static>(env: Env<St>) {
     for n in [2_u64, 10, 100] {
         let account = format!("acct_{n}");
         let event = captured(&format!("evt_{n}"), &account, 2500, "eur");
         let message = env.publish(&event).await;
         // Every receive takes the unacknowledged message over again at once.
         let config = env.config().min_idle(Duration::ZERO);
-        let mut consumer = env.consumer_with(&format!("consumer-{n}"), config).await;
+        let (consumer, mut reads) = env.consumer_with(&format!("consumer-{n}"), config).await;
         let mut handled = Vec::new();
         for delivery in 1..=n {
-            let batch = consumer.queue().receive().await.expect("a receive");
+            let batch = reads.receive().await.expect("a receive");
             assert_eq!(batch.len(), 1, "delivery {delivery} of {n}: {batch:?}");
             assert_eq!(batch[0].id, message, "the same message");
             assert_eq!(
-                env.queue.delivery_count(&message).await.unwrap(),
+                env.queue().delivery_count(&message),
                 Some(delivery),
                 "delivered {delivery} times"
             );
@@ -221,7 +230,7 @@ async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
             handled.push(if delivery < n {
                 consumer.handle(&batch[0]).await
             } else {
-                consumer.finish(&batch[0]).await
+                consumer.finish(&mut *reads, &batch[0]).await
             });
         }
         assert_eq!(handled[0], Handled::Applied, "{n} deliveries");
@@ -229,7 +238,7 @@ async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
             handled[1..].iter().all(|h| *h == Handled::Duplicate),
             "{handled:?}"
         );
-        assert_eq!(env.queue.delivery_count(&message).await.unwrap(), None);
+        assert_eq!(env.queue().delivery_count(&message), None);
         assert_eq!(env.balance(&account).await, eur(2500), "{n} deliveries");
 
         // The same event published again (a handler that ran again): other messages, one event.
@@ -238,8 +247,8 @@ async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
         }
         let mut copies = Vec::new();
         while copies.len() < 3 {
-            for delivery in consumer.queue().receive().await.expect("a receive") {
-                copies.push(consumer.finish(&delivery).await);
+            for delivery in reads.receive().await.expect("a receive") {
+                copies.push(consumer.finish(&mut *reads, &delivery).await);
             }
         }
         assert_eq!(copies, vec![Handled::Duplicate; 3]);
@@ -249,17 +258,19 @@ async fn redeliveries_change_the_balance_once<St: Store + Clone>(env: Env<St>) {
     }
 }
 
-async fn a_consumer_that_dies_before_acking_is_taken_over<St: Store + Clone>(env: Env<St>) {
+async fn a_consumer_that_dies_before_acking_is_taken_over<St: Store + Clone + 'static>(
+    env: Env<St>,
+) {
     let event = captured("evt_1", &account(ALICE), 2500, "eur");
     let message = env.publish(&event).await;
-    let mut dying = env.consumer("dying").await;
-    let batch = dying.queue().receive().await.expect("a receive");
+    let (dying, mut reads) = env.consumer_with("dying", env.config()).await;
+    let batch = reads.receive().await.expect("a receive");
     assert_eq!(batch.len(), 1);
     assert_eq!(dying.handle(&batch[0]).await, Handled::Applied);
     assert_eq!(env.balance(&account(ALICE)).await, eur(2500));
     // The process dies here: applied, recorded as done, never acked.
-    drop(dying);
-    assert_eq!(env.queue.delivery_count(&message).await.unwrap(), Some(1));
+    drop((dying, reads));
+    assert_eq!(env.queue().delivery_count(&message), Some(1));
 
     let survivor = env.start("survivor").await;
     env.drained().await;
@@ -274,12 +285,14 @@ async fn a_consumer_that_dies_before_acking_is_taken_over<St: Store + Clone>(env
 }
 
 async fn a_consumer_that_dies_between_applying_and_recording_is_caught_by_the_ledger<
-    St: Store + Clone,
+    St: Store + Clone + 'static,
 >(
     env: Env<St>,
 ) {
     let event = captured("evt_1", &account(ALICE), 2500, "eur");
-    env.balances.inject(&event.id, Fault::HangAfterApplying);
+    env.parts
+        .balances
+        .inject(&event.id, Fault::HangAfterApplying);
     env.publish(&event).await;
     let dying = env.start("dying").await;
     wait_for("the ledger to apply the event", || async {
@@ -300,12 +313,12 @@ async fn a_consumer_that_dies_between_applying_and_recording_is_caught_by_the_le
         (0, 1),
         "run again, and the ledger skipped it: {counts:?}"
     );
-    assert_eq!(env.balances.attempts(&event.id), 2);
+    assert_eq!(env.parts.balances.attempts(&event.id), 2);
     assert_eq!(env.balance(&account(ALICE)).await, eur(2500));
     assert_eq!(env.applied_count(&account(ALICE)).await, 1);
 }
 
-async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<St>) {
+async fn two_consumers_apply_1000_events_once_each<St: Store + Clone + 'static>(env: Env<St>) {
     let accounts = ["acct_a", "acct_b", "acct_c"];
     let currencies = ["eur", "usd"];
     let mut expected: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
@@ -330,11 +343,14 @@ async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<S
         }
         match i % 50 {
             7 => {
-                env.balances.inject(&event.id, Fault::Fail { times: 1 });
+                env.parts
+                    .balances
+                    .inject(&event.id, Fault::Fail { times: 1 });
                 failing += 1;
             }
             23 => {
-                env.balances
+                env.parts
+                    .balances
                     .inject(&event.id, Fault::FailAfterApplying { times: 1 });
                 lost_replies += 1;
             }
@@ -356,7 +372,7 @@ async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<S
             tokio::task::yield_now().await;
         }
     }
-    let published = env.queue.published().await.unwrap();
+    let published = env.queue().published();
     assert_eq!(published, 1000 + 142);
     env.drained().await;
     let (first, second) = (first.stop().await, second.stop().await);
@@ -391,12 +407,14 @@ async fn two_consumers_apply_1000_events_once_each<St: Store + Clone>(env: Env<S
     assert_eq!(counts.unreadable, 0, "{counts:?}");
 }
 
-async fn a_failing_apply_is_retried_on_redelivery_then_applied_once<St: Store + Clone>(
+async fn a_failing_apply_is_retried_on_redelivery_then_applied_once<St: Store + Clone + 'static>(
     env: Env<St>,
 ) {
     let failing = captured("evt_failing", &account(ALICE), 2500, "eur");
     let fine = captured("evt_fine", &account(ALICE), 700, "eur");
-    env.balances.inject(&failing.id, Fault::Fail { times: 2 });
+    env.parts
+        .balances
+        .inject(&failing.id, Fault::Fail { times: 2 });
     env.publish(&failing).await;
     env.publish(&fine).await;
 
@@ -404,20 +422,20 @@ async fn a_failing_apply_is_retried_on_redelivery_then_applied_once<St: Store + 
     env.drained().await;
     let counts = consumer.stop().await;
     // Not acked after a failure: delivered again, twice, and then applied.
-    assert_eq!(env.balances.attempts(&failing.id), 3);
+    assert_eq!(env.parts.balances.attempts(&failing.id), 3);
     assert_eq!((counts.failed, counts.applied), (2, 2), "{counts:?}");
     assert_eq!(env.balance(&account(ALICE)).await, eur(3200));
     assert_eq!(env.applied_count(&account(ALICE)).await, 2);
 }
 
-async fn a_stop_finishes_the_message_at_hand<St: Store + Clone>(env: Env<St>) {
+async fn a_stop_finishes_the_message_at_hand<St: Store + Clone + 'static>(env: Env<St>) {
     let (reached, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let events = [
         captured("evt_1", &account(ALICE), 100, "eur"),
         captured("evt_2", &account(ALICE), 20, "eur"),
         captured("evt_3", &account(ALICE), 3, "eur"),
     ];
-    env.balances.inject(
+    env.parts.balances.inject(
         &events[0].id,
         Fault::Hold {
             reached: reached.clone(),
@@ -453,12 +471,15 @@ fn refunded(id: &str, account: &str, amount: i64, currency: &str) -> PaymentEven
     }
 }
 
-async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
+async fn balances_never_wrap<St: Store + Clone + 'static>(env: Env<St>) {
     let max = captured("evt_max", &account(ALICE), i64::MAX, "eur");
     let one_more = captured("evt_one_more", &account(ALICE), 1, "eur");
-    assert!(matches!(env.balances.apply(&max).await, Ok(Applied::New)));
+    assert!(matches!(
+        env.parts.balances.apply(&max).await,
+        Ok(Applied::New)
+    ));
     for _ in 0..2 {
-        let overflow = env.balances.apply(&one_more).await;
+        let overflow = env.parts.balances.apply(&one_more).await;
         assert!(
             matches!(&overflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
             "{overflow:?}"
@@ -477,11 +498,11 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
     // Once there is room, the same event applies.
     let refund = refunded("evt_refund", &account(ALICE), 1, "eur");
     assert!(matches!(
-        env.balances.apply(&refund).await,
+        env.parts.balances.apply(&refund).await,
         Ok(Applied::New)
     ));
     assert!(matches!(
-        env.balances.apply(&one_more).await,
+        env.parts.balances.apply(&one_more).await,
         Ok(Applied::New)
     ));
     assert_eq!(env.balance(&account(ALICE)).await, eur(i64::MAX));
@@ -490,10 +511,10 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
     let big_refund = refunded("evt_big_refund", &account(BOB), i64::MAX, "eur");
     let two_more = refunded("evt_two_more", &account(BOB), 2, "eur");
     assert!(matches!(
-        env.balances.apply(&big_refund).await,
+        env.parts.balances.apply(&big_refund).await,
         Ok(Applied::New)
     ));
-    let underflow = env.balances.apply(&two_more).await;
+    let underflow = env.parts.balances.apply(&two_more).await;
     assert!(
         matches!(&underflow, Err(BalanceError::Overflow { currency }) if currency == "eur"),
         "{underflow:?}"
@@ -503,7 +524,7 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
     // An amount that is not positive is refused, even the one whose negation overflows.
     for amount in [0, -5, i64::MIN] {
         let refund = refunded("evt_not_positive", &account(BOB), amount, "eur");
-        let refused = env.balances.apply(&refund).await;
+        let refused = env.parts.balances.apply(&refund).await;
         assert!(
             matches!(refused, Err(BalanceError::InvalidAmount(a)) if a == amount),
             "{refused:?}"
@@ -513,7 +534,7 @@ async fn balances_never_wrap<St: Store + Clone>(env: Env<St>) {
     assert_eq!(env.applied_count(&account(BOB)).await, 1);
 }
 
-async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone>(env: Env<St>) {
+async fn an_overflowing_event_is_dropped_not_retried<St: Store + Clone + 'static>(env: Env<St>) {
     env.publish(&captured("evt_max", &account(ALICE), i64::MAX, "eur"))
         .await;
     env.publish(&captured("evt_overflow", &account(ALICE), 1, "eur"))
@@ -539,8 +560,8 @@ async fn balance_json(router: &Router, api_key: &str) -> Value {
     reply.json
 }
 
-async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
-    let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
+async fn end_to_end_through_the_http_api<St: Store + Clone + 'static>(env: Env<St>) {
+    let state = env.parts.state();
     let router = app(
         state.clone(),
         IdempotencyLayer::new(BoxStore::new((env.http_store)("http"))),
@@ -601,7 +622,7 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
             .await;
         assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
     }
-    assert_eq!(env.queue.published().await.unwrap(), 6);
+    assert_eq!(env.queue().published(), 6);
 
     // The idempotency records are lost: the create runs again, the provider answers with the same
     // payment, and the same event is published again.
@@ -615,7 +636,7 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.text());
     assert!(!again.replayed(), "the handler ran again");
     assert_eq!(again.json["id"], c1.as_str());
-    assert_eq!(env.queue.published().await.unwrap(), 7);
+    assert_eq!(env.queue().published(), 7);
     env.drained().await;
 
     assert_eq!(
@@ -644,13 +665,9 @@ async fn end_to_end_through_the_http_api<St: Store + Clone>(env: Env<St>) {
     if let Some(redis) = &env.redis {
         // The stream and the balances are kept; idempotency records and applied-event sets expire.
         let mut durable = vec![
-            format!(
-                "{}{{{}}}:available",
-                server::BALANCES_PREFIX,
-                account(ALICE)
-            ),
-            format!("{}{{{}}}:available", server::BALANCES_PREFIX, account(BOB)),
-            server::STREAM.to_owned(),
+            format!("{BALANCES_PREFIX}{{{}}}:available", account(ALICE)),
+            format!("{BALANCES_PREFIX}{{{}}}:available", account(BOB)),
+            STREAM.to_owned(),
         ];
         durable.sort();
         assert_eq!(redis.keys_without_ttl(), durable);
@@ -706,14 +723,14 @@ async fn a_stalled_redis_does_not_serialise_charges() {
     const ANSWER_BOUND: Duration = Duration::from_millis(2000);
     let env = Env::redis().await;
     let redis = env.redis.as_ref().expect("a Redis environment");
-    let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
     let router = app(
-        state.clone(),
+        env.parts.state(),
         IdempotencyLayer::new(BoxStore::new(MemoryStore::new())),
     );
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
-    let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
+    let events = env.parts.events.clone().expect("a publisher");
+    let relay = tokio::spawn(events.relay(relay_stop.clone()));
     let warm_up = create_charge(&router, ALICE, "warm-up", &visa(1000))
         .send()
         .await;
@@ -772,14 +789,14 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     // The consumer's longest pause between receives is 5 s; this is that and a margin.
     const RESUME_BOUND: Duration = Duration::from_secs(8);
     let mut env = Env::redis().await;
-    let state = AppState::new(Duration::ZERO).with_events(env.queue.clone(), env.balances.clone());
     let router = app(
-        state.clone(),
+        env.parts.state(),
         IdempotencyLayer::new(BoxStore::new(MemoryStore::new())),
     );
     let consumer = env.start("ledger").await;
     let relay_stop = CancellationToken::new();
-    let relay = tokio::spawn(state.events.clone().relay(relay_stop.clone()));
+    let events = env.parts.events.clone().expect("a publisher");
+    let relay = tokio::spawn(events.relay(relay_stop.clone()));
     let before = create_charge(&router, ALICE, "before", &visa(1000))
         .send()
         .await;
@@ -794,6 +811,7 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
         .await;
     assert_eq!(after.status, StatusCode::CREATED, "{}", after.text());
     while env
+        .parts
         .balances
         .get(&account(ALICE))
         .await
@@ -817,4 +835,117 @@ async fn the_consumer_resumes_after_redis_restarts_empty() {
     relay.await.expect("the relay does not panic");
     let counts = consumer.stop().await;
     assert_eq!(counts.applied, 2, "{counts:?}");
+}
+
+/// The outbox's consumer on PostgreSQL applies every event once: a consumer that dies in the
+/// middle of an event (its id recorded as processed, its balance change held up by a lock, nothing
+/// committed) leaves it to the next one, two consumers share the rest, and events published twice
+/// change the balance once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_outbox_event_is_applied_once_across_consumer_restarts() {
+    let server = PostgresServer::start();
+    let store = pg::connect(&server.url()).await.expect("the database");
+    let pool = store.pool().clone();
+    let alice = account(ALICE);
+    let events: Vec<PaymentEvent> = (1..=40)
+        .map(|n| PaymentEvent {
+            id: format!("evt_succeeded_ch_{n}"),
+            kind: EventType::Succeeded,
+            account: alice.clone(),
+            amount: n,
+            currency: "eur".into(),
+            charge: format!("ch_{n}"),
+            captured: true,
+        })
+        .collect();
+    let mut conn = pool.acquire().await.expect("a connection");
+    for event in events.iter().chain(&events[5..10]) {
+        outbox::insert(&mut conn, event).await.expect("published");
+    }
+    drop(conn);
+    let total: i64 = (1..=40).sum();
+    let mut admin = PgConnection::connect(&server.url())
+        .await
+        .expect("an admin connection");
+
+    // The first consumer takes the first event and applies it, held up before it commits (the
+    // balances locked), and dies there.
+    let mut lock = PgConnection::connect(&server.url())
+        .await
+        .expect("a connection");
+    for sql in ["BEGIN", "LOCK TABLE balances IN EXCLUSIVE MODE"] {
+        sqlx::query(sql).execute(&mut lock).await.expect(sql);
+    }
+    let poll = Duration::from_millis(20);
+    let consumer = || OutboxConsumer::new(pool.clone(), PgBalances::new(store.clone()), poll);
+    let stop = CancellationToken::new();
+    let dying = tokio::spawn(consumer().run(stop.clone()));
+    // Taken: the first row is locked, and a look that skips locked rows finds the second.
+    let deadline = StdInstant::now() + PATIENCE;
+    loop {
+        let free: i64 = sqlx::query_scalar(
+            "SELECT seq FROM payment_events ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .expect("a row");
+        let first: i64 = sqlx::query_scalar("SELECT min(seq) FROM payment_events")
+            .fetch_one(&mut admin)
+            .await
+            .expect("a row");
+        if free != first {
+            break;
+        }
+        assert!(
+            StdInstant::now() < deadline,
+            "the first event was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    dying.abort();
+    assert!(dying.await.is_err_and(|err| err.is_cancelled()));
+    sqlx::query("COMMIT")
+        .execute(&mut lock)
+        .await
+        .expect("the lock goes");
+
+    let consumers: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(consumer().run(stop.clone())))
+        .collect();
+    let deadline = StdInstant::now() + PATIENCE;
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM payment_events")
+            .fetch_one(&mut admin)
+            .await
+            .expect("a count");
+        if left == 0 {
+            break;
+        }
+        assert!(StdInstant::now() < deadline, "{left} events never applied");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let mut counts = Counts::default();
+    for consumer in consumers {
+        counts = counts + consumer.await.expect("a consumer");
+    }
+    assert_eq!((counts.applied, counts.duplicates), (40, 5), "{counts:?}");
+    let balance = PgBalances::new(store.clone())
+        .get(&alice)
+        .await
+        .expect("a balance");
+    assert_eq!(balance.len(), 1);
+    assert_eq!(balance[0].amount, total, "each event applied once");
+
+    // Each id is recorded as processed, in the store's table.
+    for event in &events {
+        let id = RecordId::for_message(SCOPE.as_bytes(), &event.id);
+        let found: i64 = sqlx::query("SELECT count(*) FROM idempotency_records WHERE id = $1")
+            .bind(id.as_bytes().as_slice())
+            .fetch_one(&mut admin)
+            .await
+            .expect("a count")
+            .get(0);
+        assert_eq!(found, 1, "{}", event.id);
+    }
 }

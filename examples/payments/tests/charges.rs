@@ -1,7 +1,9 @@
 //! The payments example (`examples/server`), driven in-process with `oneshot`: every scenario runs
 //! on the in-memory store and on Redis (a private `redis-server` per test).
 
-use example_payments as server;
+//! Exactly-once charges, captures, refunds and cancellations through the API, driven in-process
+//! with `oneshot`: every scenario runs on the in-memory store and on Redis (a private
+//! `redis-server` per test), with the provider's calls and effects counted.
 
 mod support;
 
@@ -11,13 +13,31 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{Method, StatusCode};
 use serde_json::{Value, json};
+use test_servers::postgres_server::PostgresServer;
+use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
-use server::provider::{self, KeyTable};
-use server::{AppState, Ledger, Provider, app};
+use example_payments::config::STREAM;
+use example_payments::ledger::LEDGER_PREFIX;
+use example_payments::provider::keys::PROVIDER_PREFIX;
+use std::sync::Arc;
+
+use example_payments::pg;
+use example_payments::provider::{
+    self, KeyTable, MemoryKeys, Outcome, PgKeys, Provider, ProviderClient, ProviderError,
+    RedisKeys, Request, Source, WINDOW,
+};
+use example_payments::{AppState, app};
 use support::api::{ALICE, BOB, Call, authorize, create_charge, visa};
+use support::cut_proxy::{Cut, CutProxy};
+use support::instruments::{Hang, Outage, ProbedKeys};
+use support::process::{
+    API_KEY, Server, assert_charges, charge_id, key_of, line_starting, request,
+    run_example_to_exit, wait_for_balance,
+};
+use support::stack::Parts;
 
 /// The example's documented limits: characters of `description`, bytes of a request body.
 const DESCRIPTION_LIMIT: usize = 1000;
@@ -25,10 +45,13 @@ const REQUEST_LIMIT: usize = 64 * 1024;
 
 /// One app on one store, and the means to call it.
 struct Harness {
+    parts: Parts,
     state: AppState,
     router: Router,
     records: Records,
     redis: Option<RedisServer>,
+    /// How long the provider remembers a key.
+    window: Duration,
     /// Numbers the keys of [`Harness::charge`].
     keys: AtomicUsize,
 }
@@ -47,35 +70,30 @@ const SHORT_WINDOW: Duration = Duration::from_millis(100);
 
 impl Harness {
     fn memory() -> Self {
-        Self::on(
-            AppState::new(Duration::ZERO),
-            Records::Memory(MemoryStore::new()),
-            None,
-        )
+        let parts = Parts::memory(provider::WINDOW);
+        Self::on(parts, Records::Memory(MemoryStore::new()), None)
     }
 
-    /// The layer's records, the charges and the provider's keys in one Redis, as `main` puts
-    /// them when `REDIS_URL` is set.
+    /// The layer's records, the charges, the events and the provider's keys in one Redis, as
+    /// `config.rs` puts them when `REDIS_URL` is set.
     async fn redis() -> Self {
         let server = RedisServer::start();
         let store = RedisStore::from_url(&server.url()).expect("a valid URL");
         store.check().await.expect("the fixture's Redis answers");
-        let mut harness = Self::on(
-            AppState::new(Duration::ZERO).with_ledger(Ledger::redis(store.shared_connection())),
-            Records::Redis(store),
-            Some(server),
-        );
-        harness.provider_window(provider::WINDOW);
-        harness
+        let parts = Parts::redis(&store.shared_connection(), provider::WINDOW).await;
+        Self::on(parts, Records::Redis(store), Some(server))
     }
 
-    fn on(state: AppState, records: Records, redis: Option<RedisServer>) -> Self {
+    fn on(parts: Parts, records: Records, redis: Option<RedisServer>) -> Self {
+        let state = parts.state();
         let router = Self::app(&state, &records);
         Self {
+            parts,
             state,
             router,
             records,
             redis,
+            window: provider::WINDOW,
             keys: AtomicUsize::new(0),
         }
     }
@@ -88,44 +106,30 @@ impl Harness {
         app(state.clone(), IdempotencyLayer::new(store))
     }
 
-    /// A new provider that remembers its keys for `window`, beside the layer's records.
-    fn provider_window(&mut self, window: Duration) {
-        let keys = match &self.redis {
-            Some(server) => {
-                let conn = RedisStore::from_url(&server.url())
-                    .expect("a valid URL")
-                    .shared_connection();
-                KeyTable::redis(conn, server::PROVIDER_PREFIX, window)
-            }
-            None => KeyTable::memory(window),
+    /// Everything but the layer's records built anew, the provider's keys and the charges'
+    /// operations held for `window`.
+    async fn provider_window(&mut self, window: Duration) {
+        self.parts = match &self.records {
+            Records::Redis(store) => Parts::redis(&store.shared_connection(), window).await,
+            Records::Memory(_) => Parts::memory(window),
         };
-        let provider = Provider::with_keys(Duration::ZERO, keys);
-        self.state = self.state.clone().with_provider(provider);
+        self.state = self.parts.state();
         self.router = Self::app(&self.state, &self.records);
+        self.window = window;
     }
 
     /// Another instance on this harness's Redis, as a second process with the same `REDIS_URL`:
     /// its own layer, ledger handle and provider client, sharing every record through Redis.
-    fn second_instance(&self) -> Harness {
+    async fn second_instance(&self) -> Harness {
         let url = self.redis.as_ref().expect("a Redis").url();
-        let conn = RedisStore::from_url(&url)
-            .expect("a valid URL")
-            .shared_connection();
-        let keys = KeyTable::redis(conn.clone(), server::PROVIDER_PREFIX, provider::WINDOW);
-        let state = AppState::new(Duration::ZERO)
-            .with_provider(Provider::with_keys(Duration::ZERO, keys))
-            .with_ledger(Ledger::redis(conn));
         let records = RedisStore::from_url(&url).expect("a valid URL");
-        Harness::on(state, Records::Redis(records), None)
-    }
-
-    fn provider(&self) -> &Provider {
-        &self.state.provider
+        let parts = Parts::redis(&records.shared_connection(), provider::WINDOW).await;
+        Harness::on(parts, Records::Redis(records), None)
     }
 
     /// The provider's `(calls, effects)`.
     fn provider_counts(&self) -> (usize, usize) {
-        (self.provider().calls(), self.provider().effects())
+        (self.parts.outage.calls(), self.parts.keys.effects())
     }
 
     /// Forgets every idempotency record (a flushed Redis, a dedup window that ran out), keeping the
@@ -152,7 +156,7 @@ impl Harness {
 
     /// Lets the layer's and the provider's dedup windows run out; the provider's must be short.
     async fn pass_the_windows(&mut self) {
-        let window = self.provider().window();
+        let window = self.window;
         assert!(
             window <= Duration::from_secs(1),
             "{window:?}: shorten it first"
@@ -213,15 +217,15 @@ impl Harness {
 }
 
 /// Whether the Redis key `key` holds durable data, kept with no expiry: a charge, an account's
-/// list, the ledger's indexes, the provider's payments.
+/// list, the ledger's indexes, the provider's payments, the event stream.
 fn is_durable(key: &str) -> bool {
     let ledger = key
-        .strip_prefix(server::ledger::LEDGER_PREFIX)
+        .strip_prefix(LEDGER_PREFIX)
         .is_some_and(|rest| !rest.starts_with("op:"));
     let payments = key
-        .strip_prefix(server::PROVIDER_PREFIX)
+        .strip_prefix(PROVIDER_PREFIX)
         .is_some_and(|rest| rest.starts_with("payment"));
-    ledger || payments
+    ledger || payments || key == STREAM
 }
 
 fn ids(list: &Value) -> Vec<&str> {
@@ -917,7 +921,7 @@ async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
             .key("capture-outage")
     };
 
-    h.provider().set_outage(true);
+    h.parts.outage.set_down(true);
     let down = capture().send().await;
     down.assert_error(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -926,7 +930,7 @@ async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
     );
     assert_eq!(h.charge_status(ALICE, id).await["status"], "authorized");
 
-    h.provider().set_outage(false);
+    h.parts.outage.set_down(false);
     let retry = capture().send().await;
     assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
     assert!(!retry.replayed());
@@ -939,7 +943,7 @@ async fn a_provider_outage_rolls_a_capture_back(h: &mut Harness) {
 /// A provider down for a moment (two calls) is retried by the client layer within the request:
 /// the charge and a capture each succeed at the first request, with one payment and one capture.
 async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harness) {
-    h.provider().set_down_for(2);
+    h.parts.outage.set_down_for(2);
     let created = h
         .post("/v1/charges")
         .auth(ALICE)
@@ -952,7 +956,7 @@ async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harn
     assert_eq!(h.provider_counts(), (3, 1), "two 503s, then the payment");
 
     let id = created.json["id"].as_str().expect("an id").to_owned();
-    h.provider().set_down_for(1);
+    h.parts.outage.set_down_for(1);
     let captured = h
         .post(&format!("/v1/charges/{id}/capture"))
         .auth(ALICE)
@@ -967,7 +971,7 @@ async fn a_provider_down_for_a_moment_is_retried_within_the_request(h: &mut Harn
 /// The key of a refund, reused for a charge once both windows ran out: a new charge, not the
 /// refund's (nor a 500).
 async fn a_key_reused_after_the_window_for_another_operation_is_a_new_charge(h: &mut Harness) {
-    h.provider_window(SHORT_WINDOW);
+    h.provider_window(SHORT_WINDOW).await;
     let charge = h.charge(ALICE, visa(1000)).await;
     let id = charge["id"].as_str().unwrap();
     let refund = h
@@ -998,7 +1002,7 @@ async fn a_key_reused_after_the_window_for_another_operation_is_a_new_charge(h: 
 
 /// A key reused for another amount once both windows ran out: a new charge of that amount.
 async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mut Harness) {
-    h.provider_window(SHORT_WINDOW);
+    h.provider_window(SHORT_WINDOW).await;
     fn create(h: &Harness, amount: i64) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
@@ -1307,7 +1311,7 @@ on_both_stores!(
 #[tokio::test(start_paused = true)]
 async fn a_provider_answer_lost_to_the_attempt_timeout_is_retried_and_charged_once() {
     let h = Harness::memory();
-    h.provider().hang(Some(provider::Hang::AfterEffect));
+    h.parts.keys.hang(Hang::AfterEffect);
     let started = tokio::time::Instant::now();
     let created = h
         .post("/v1/charges")
@@ -1337,7 +1341,7 @@ async fn a_provider_answer_lost_to_the_attempt_timeout_is_retried_and_charged_on
 #[tokio::test]
 async fn two_instances_on_one_redis_share_the_charges_and_the_providers_keys() {
     let mut first = Harness::redis().await;
-    let second = first.second_instance();
+    let second = first.second_instance().await;
     fn create(h: &Harness, amount: i64) -> Call {
         h.post("/v1/charges")
             .auth(ALICE)
@@ -1369,10 +1373,11 @@ async fn two_instances_on_one_redis_share_the_charges_and_the_providers_keys() {
 /// API key, and nothing of a request (key, account) in a label.
 #[tokio::test]
 async fn metrics_are_served_in_prometheus_text() {
-    let (recorder, handle) = server::prometheus::recorder();
+    let (recorder, handle) = example_payments::prometheus::recorder();
     let _recording = metrics::set_default_local_recorder(&recorder);
-    let state = AppState::new(Duration::ZERO).with_metrics(handle);
-    let h = Harness::on(state, Records::Memory(MemoryStore::new()), None);
+    let mut h = Harness::memory();
+    h.state.metrics = Some(handle);
+    h.router = Harness::app(&h.state, &h.records);
     let create = || {
         h.post("/v1/charges")
             .auth(ALICE)
@@ -1447,4 +1452,602 @@ async fn an_unknown_route_is_404_in_stripes_form() {
     );
     assert_eq!(h.provider_counts(), (0, 0), "nothing ran");
     h.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The provider alone: its keys, its fences and its refund bound, on every key table.
+
+/// A provider whose keys are in memory for `window`, and its probe.
+fn memory_provider(window: Duration) -> (Provider, Arc<ProbedKeys>) {
+    probed(MemoryKeys::new(window))
+}
+
+/// A provider on `keys`, and their probe.
+fn probed(keys: impl KeyTable + 'static) -> (Provider, Arc<ProbedKeys>) {
+    let keys = ProbedKeys::new(Arc::new(keys));
+    (Provider::new(keys.clone(), Duration::ZERO), keys)
+}
+
+#[tokio::test]
+async fn a_repeated_key_gets_the_first_reply_without_a_second_effect() {
+    let (provider, keys) = memory_provider(WINDOW);
+    let first = provider
+        .create_payment("k1", 0, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    let again = provider
+        .create_payment("k1", 0, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    assert_eq!(first, again);
+    assert_eq!(first.outcome, Outcome::Captured);
+    assert_eq!(keys.effects(), 1);
+
+    let other = provider
+        .create_payment("k2", 0, Source::Visa, 100, false, "")
+        .await
+        .unwrap();
+    assert_ne!(other.id, first.id);
+    assert_eq!(other.outcome, Outcome::Authorized);
+    assert_eq!(keys.effects(), 2);
+}
+
+#[tokio::test]
+async fn a_smaller_fence_is_refused_and_an_equal_or_larger_one_resends() {
+    let (provider, keys) = memory_provider(WINDOW);
+    let payment = provider
+        .create_payment("k", 20, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    assert_eq!(
+        provider
+            .create_payment("k", 10, Source::Visa, 100, true, "")
+            .await,
+        Err(ProviderError::Superseded),
+        "a run taken over acts no more"
+    );
+    assert_eq!(
+        provider
+            .create_payment("k", 20, Source::Visa, 100, true, "")
+            .await,
+        Ok(payment.clone()),
+        "the same claim's resend"
+    );
+    assert_eq!(
+        provider
+            .create_payment("k", 30, Source::Visa, 100, true, "")
+            .await,
+        Ok(payment.clone()),
+        "a later claim of the same request gets the same payment"
+    );
+    assert_eq!(
+        provider
+            .create_payment("k", 20, Source::Visa, 100, true, "")
+            .await,
+        Err(ProviderError::Superseded),
+        "the key keeps the largest fence"
+    );
+    assert_eq!(
+        provider
+            .create_payment("k", 40, Source::Visa, 101, true, "")
+            .await,
+        Err(ProviderError::KeyReused),
+        "another request is refused whatever its fence"
+    );
+    assert_eq!(provider.capture("c", 5, &payment.id).await, Ok(()));
+    assert_eq!(
+        provider.capture("c", 4, &payment.id).await,
+        Err(ProviderError::Superseded)
+    );
+    assert_eq!(keys.effects(), 2, "one payment, one capture");
+}
+
+#[tokio::test]
+async fn a_decline_is_a_decided_outcome() {
+    let (provider, keys) = memory_provider(WINDOW);
+    for _ in 0..2 {
+        let reply = provider
+            .create_payment("k", 0, Source::ChargeDeclined, 100, true, "")
+            .await
+            .unwrap();
+        assert_eq!(reply.outcome, Outcome::Declined);
+    }
+    assert_eq!(keys.effects(), 1);
+}
+
+#[tokio::test]
+async fn an_unavailable_call_does_nothing_and_is_not_remembered() {
+    let (provider, keys) = memory_provider(WINDOW);
+    for _ in 0..2 {
+        let reply = provider
+            .create_payment("k", 0, Source::ProviderUnavailable, 100, true, "")
+            .await;
+        assert_eq!(reply, Err(ProviderError::Unavailable));
+    }
+    assert_eq!(keys.effects(), 0);
+
+    // Down for every call, through the API as the handlers call it.
+    let outage = Arc::new(Outage::default());
+    let client = ProviderClient::new(outage.router(&provider));
+    outage.set_down(true);
+    assert_eq!(
+        client.capture("c", 0, "py_1").await,
+        Err(ProviderError::Unavailable)
+    );
+    outage.set_down(false);
+    assert_eq!(client.capture("c", 0, "py_1").await, Ok(()));
+    assert_eq!(keys.effects(), 1);
+}
+
+#[tokio::test]
+async fn a_key_is_bound_to_its_operation_and_parameters() {
+    let (provider, keys) = memory_provider(WINDOW);
+    let payment = provider
+        .create_payment("k", 0, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    let reused = [
+        provider
+            .create_payment("k", 0, Source::Visa, 101, true, "")
+            .await,
+        provider
+            .create_payment("k", 0, Source::Visa, 100, false, "")
+            .await,
+        provider
+            .create_payment("k", 0, Source::ChargeDeclined, 100, true, "")
+            .await,
+    ];
+    for reply in reused {
+        assert_eq!(reply, Err(ProviderError::KeyReused));
+    }
+    assert_eq!(
+        provider.refund("k", 0, &payment.id, 100).await,
+        Err(ProviderError::KeyReused)
+    );
+    assert_eq!(
+        provider.capture("k", 0, &payment.id).await,
+        Err(ProviderError::KeyReused)
+    );
+    assert_eq!(
+        provider.cancel("k", 0, &payment.id).await,
+        Err(ProviderError::KeyReused)
+    );
+
+    let refund = provider.refund("r", 0, &payment.id, 40).await.unwrap();
+    assert_eq!(provider.refund("r", 0, &payment.id, 40).await, Ok(refund));
+    assert_eq!(
+        provider.refund("r", 0, &payment.id, 60).await,
+        Err(ProviderError::KeyReused)
+    );
+    assert_eq!(
+        provider.refund("r", 0, "py_other", 40).await,
+        Err(ProviderError::KeyReused)
+    );
+    assert_eq!(keys.effects(), 2);
+}
+
+#[tokio::test]
+async fn a_payment_is_found_by_its_key_and_request_only() {
+    let (provider, keys) = memory_provider(WINDOW);
+    let find = |amount, capture| {
+        let request = Request::CreatePayment {
+            source: Source::Visa,
+            amount,
+            capture,
+        }
+        .describe();
+        let provider = provider.clone();
+        async move { provider.find_call("k", &request).await }
+    };
+    assert_eq!(find(100, false).await, Ok(None));
+    let payment = provider
+        .create_payment("k", 0, Source::Visa, 100, false, "")
+        .await
+        .unwrap();
+    let payment_id = payment.id.clone();
+    assert_eq!(find(100, false).await, Ok(Some(payment.id)));
+    assert_eq!(Outcome::of(Source::Visa, false), payment.outcome);
+    assert_eq!(
+        find(101, false).await,
+        Ok(None),
+        "the key was used for another request"
+    );
+    provider.refund("r", 0, &payment_id, 100).await.unwrap();
+    let create = Request::CreatePayment {
+        source: Source::Visa,
+        amount: 100,
+        capture: true,
+    };
+    assert_eq!(provider.find_call("r", &create.describe()).await, Ok(None));
+    assert_eq!(keys.effects(), 2, "a lookup moves no money");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_is_new_again_after_the_window() {
+    let window = Duration::from_secs(60);
+    let (provider, keys) = memory_provider(window);
+    let paid = provider
+        .create_payment("paid", 0, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    let refund = provider.refund("k", 0, &paid.id, 100).await.unwrap();
+
+    tokio::time::advance(window - Duration::from_millis(1)).await;
+    assert_eq!(
+        provider
+            .create_payment("k", 0, Source::Visa, 100, true, "")
+            .await,
+        Err(ProviderError::KeyReused)
+    );
+
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let payment = provider
+        .create_payment("k", 0, Source::Visa, 100, true, "")
+        .await
+        .unwrap();
+    assert_ne!(payment.id, refund);
+    assert_eq!(payment.outcome, Outcome::Captured);
+    assert_eq!(
+        provider
+            .create_payment("k", 0, Source::Visa, 100, true, "")
+            .await,
+        Ok(payment)
+    );
+    assert_eq!(keys.effects(), 3);
+}
+
+#[tokio::test]
+async fn a_refund_beyond_what_is_left_of_its_payment_is_refused() {
+    let (provider, keys) = memory_provider(WINDOW);
+    let payment = provider
+        .create_payment("pay", 0, Source::Visa, 1000, true, "")
+        .await
+        .unwrap();
+    provider.refund("r1", 0, &payment.id, 600).await.unwrap();
+    assert_eq!(
+        provider.refund("r2", 0, &payment.id, 600).await,
+        Err(ProviderError::AmountTooLarge {
+            amount: 600,
+            refundable: 400
+        })
+    );
+    provider.refund("r3", 0, &payment.id, 400).await.unwrap();
+    assert_eq!(
+        provider.refund("r1", 0, &payment.id, 600).await.map(drop),
+        Ok(()),
+        "a resend gets its first reply"
+    );
+    assert_eq!(
+        provider.refund("r4", 0, "py_none", 1).await,
+        Err(ProviderError::NoSuchPayment)
+    );
+    assert_eq!(keys.effects(), 3, "one payment, two refunds");
+    let listed = provider.payments_since(0, 10).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].id.as_str(), listed[0].refunded),
+        (payment.id.as_str(), 1000)
+    );
+}
+
+/// The provider refuses a call whose fence is smaller than one its key has seen, and takes an
+/// equal or larger one as the same request sent again, on the key table under test.
+async fn the_provider_refuses_a_smaller_fence((provider, keys): (Provider, Arc<ProbedKeys>)) {
+    let payment = provider
+        .create_payment("fenced", 20, Source::Visa, 700, true, "")
+        .await
+        .expect("a payment");
+    assert_eq!(
+        provider
+            .create_payment("fenced", 19, Source::Visa, 700, true, "")
+            .await,
+        Err(ProviderError::Superseded)
+    );
+    for fence in [20, 21] {
+        assert_eq!(
+            provider
+                .create_payment("fenced", fence, Source::Visa, 700, true, "")
+                .await,
+            Ok(payment.clone())
+        );
+    }
+    assert_eq!(
+        provider
+            .create_payment("fenced", 20, Source::Visa, 700, true, "")
+            .await,
+        Err(ProviderError::Superseded),
+        "the key keeps its largest fence"
+    );
+    assert_eq!(
+        provider
+            .create_payment("fenced", 99, Source::Visa, 701, true, "")
+            .await,
+        Err(ProviderError::KeyReused)
+    );
+    let refund = provider
+        .refund("fenced-refund", u64::MAX, &payment.id, 100)
+        .await
+        .expect("a refund");
+    assert_eq!(
+        provider
+            .refund("fenced-refund", u64::MAX - 1, &payment.id, 100)
+            .await,
+        Err(ProviderError::Superseded),
+        "fences compare exactly, up to the largest"
+    );
+    assert_eq!(
+        provider
+            .refund("fenced-refund", u64::MAX, &payment.id, 100)
+            .await,
+        Ok(refund)
+    );
+    assert_eq!(keys.effects(), 2, "one payment, one refund");
+}
+
+#[tokio::test]
+async fn the_provider_refuses_a_smaller_fence_in_memory() {
+    the_provider_refuses_a_smaller_fence(memory_provider(WINDOW)).await;
+}
+
+#[tokio::test]
+async fn the_provider_refuses_a_smaller_fence_on_redis() {
+    let server = RedisServer::start();
+    let conn = RedisStore::from_url(&server.url())
+        .expect("a valid URL")
+        .shared_connection();
+    the_provider_refuses_a_smaller_fence(probed(RedisKeys::new(conn, WINDOW))).await;
+}
+
+/// On PostgreSQL too; and the keys whose window ended are swept from the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_a_smaller_fence_on_postgres_and_sweeps_expired_keys() {
+    let server = PostgresServer::start();
+    let db = pg::connect(&server.url()).await.expect("the database");
+    the_provider_refuses_a_smaller_fence(probed(PgKeys::new(db.pool().clone(), WINDOW))).await;
+
+    let short = Arc::new(PgKeys::new(db.pool().clone(), Duration::from_millis(50)));
+    Provider::new(short.clone(), Duration::ZERO)
+        .capture("short-lived", 1, "py_1")
+        .await
+        .expect("captured");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(short.sweep().await.expect("a sweep"), 1);
+    assert_eq!(short.sweep().await.expect("a sweep"), 0);
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM provider_keys WHERE key = 'short-lived'")
+            .fetch_one(db.pool())
+            .await
+            .expect("a count");
+    assert_eq!(left, 0);
+}
+
+/// The provider alone refuses a refund beyond what is left of its payment, whatever key it comes
+/// under, atomically with its keys: the last line of defence, on the key table under test.
+async fn the_provider_refuses_an_over_refund((provider, _): (Provider, Arc<ProbedKeys>)) {
+    let payment = provider
+        .create_payment("over", 1, Source::Visa, 1000, true, "")
+        .await
+        .expect("a payment");
+    let refunds = [("over-1", 700), ("over-2", 700), ("over-3", 300)];
+    let mut answers = Vec::new();
+    for (key, amount) in refunds {
+        answers.push(provider.refund(key, 1, &payment.id, amount).await.map(drop));
+    }
+    assert_eq!(
+        answers,
+        [
+            Ok(()),
+            Err(ProviderError::AmountTooLarge {
+                amount: 700,
+                refundable: 300
+            }),
+            Ok(())
+        ]
+    );
+    assert_eq!(
+        provider.refund("over-4", 1, &payment.id, 1).await,
+        Err(ProviderError::AmountTooLarge {
+            amount: 1,
+            refundable: 0
+        })
+    );
+    let listed = provider.payments_since(0, 10).await.expect("a listing");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].refunded, 1000);
+}
+
+#[tokio::test]
+async fn the_provider_refuses_an_over_refund_in_memory() {
+    the_provider_refuses_an_over_refund(memory_provider(WINDOW)).await;
+}
+
+#[tokio::test]
+async fn the_provider_refuses_an_over_refund_on_redis() {
+    let server = RedisServer::start();
+    let conn = RedisStore::from_url(&server.url())
+        .expect("a valid URL")
+        .shared_connection();
+    the_provider_refuses_an_over_refund(probed(RedisKeys::new(conn, WINDOW))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_an_over_refund_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let conn = RedisStore::cluster(cluster.urls())
+        .expect("valid URLs")
+        .shared_connection();
+    the_provider_refuses_an_over_refund(probed(RedisKeys::new(conn, WINDOW))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_provider_refuses_an_over_refund_on_postgres() {
+    let server = PostgresServer::start();
+    let db = pg::connect(&server.url()).await.expect("the database");
+    the_provider_refuses_an_over_refund(probed(PgKeys::new(db.pool().clone(), WINDOW))).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client's half (`src/bin/client.rs`) against the server as users run it: answers lost or cut
+// off on the way, and each charge made once.
+
+/// `the client (`src/bin/client.rs`)` against the payments example: the flaky link loses the first answer, the
+/// client layer retries with the same key, the server replays its stored answer, and the charge
+/// is applied once (one charge in the list, its amount once in the balance).
+#[cfg(unix)]
+#[test]
+fn the_client_example_pays_once_through_a_flaky_link() {
+    let server = Server::start(&[]);
+    let url = format!("http://{}", server.addr);
+    let (status, stdout, stderr) = run_example_to_exit("client", &[("SERVER", &url)]);
+    assert!(
+        status.success(),
+        "exit {status:?}; stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    let line = |prefix: &str| line_starting(&stdout, prefix);
+    let lost = line("attempt 1: POST /v1/charges");
+    assert!(
+        lost.ends_with("the server answered 201 Created, the link lost it"),
+        "{lost}"
+    );
+    let replayed = line("attempt 2: POST /v1/charges");
+    assert!(
+        replayed.ends_with("201 Created (idempotent-replayed: true)"),
+        "{replayed}"
+    );
+    assert_eq!(key_of(&lost), key_of(&replayed), "one key on both attempts");
+    assert!(
+        !stdout.contains("attempt 3"),
+        "two attempts only:\n{stdout}"
+    );
+    let done = line("charge ");
+    assert!(
+        done.ends_with(", after 2 attempts, replayed: true"),
+        "{done}"
+    );
+    let id = charge_id(&done);
+
+    // The server applied the charge once.
+    assert_charges(server.addr, &[id]);
+    wait_for_balance(server.addr, r#"{"amount":2500,"currency":"eur"}"#);
+
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// `the client (`src/bin/client.rs`)` through a proxy that cuts answers off after their head (a reset, or a
+/// body that ends short): the layer's retries end at the head, so the example sends the charge
+/// again with the same key until an answer arrives whole, and the server makes each charge once.
+#[cfg(unix)]
+#[test]
+fn the_client_example_sends_the_charge_again_when_its_answer_is_cut_off() {
+    use Cut::{Pass, Reset, Truncate};
+    let server = Server::start(&[]);
+    // A connection per attempt until one passes: a cut connection is closed. The first carries
+    // the attempt the example's own link loses, which the layer retries; each later cut is one
+    // more send of the charge.
+    let scripts: [&'static [Cut]; 3] = [
+        &[Reset, Reset],
+        &[Truncate, Truncate],
+        &[Truncate, Reset, Truncate, Reset],
+    ];
+    let mut ids = Vec::new();
+    for script in scripts {
+        let proxy = CutProxy::start(server.addr, |n| script.get(n).copied().unwrap_or(Pass));
+        let (status, stdout, stderr) = run_example_to_exit("client", &[("SERVER", &proxy.url())]);
+        assert!(
+            status.success(),
+            "{script:?}: exit {status:?}; stdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        assert_eq!(proxy.cuts(), script.len(), "{script:?}:\n{stdout}");
+
+        let attempts: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("attempt "))
+            .collect();
+        assert_eq!(attempts.len(), script.len() + 1, "{script:?}:\n{stdout}");
+        let key = key_of(attempts[0]);
+        let sent_again: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("the answer was cut off"))
+            .collect();
+        assert_eq!(sent_again.len(), script.len() - 1, "{script:?}:\n{stdout}");
+        for line in attempts.iter().chain(&sent_again) {
+            assert_eq!(key_of(line), key, "one key on every send: {line}");
+        }
+        let last = attempts.last().expect("attempts");
+        assert!(
+            last.ends_with("201 Created (idempotent-replayed: true)"),
+            "{script:?}: {last}"
+        );
+        let done = line_starting(&stdout, "charge ");
+        let count = script.len() + 1;
+        assert!(
+            done.ends_with(&format!(", after {count} attempts, replayed: true")),
+            "{script:?}: {done}"
+        );
+        ids.push(charge_id(&done).to_owned());
+    }
+
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert_charges(server.addr, &ids);
+    wait_for_balance(server.addr, r#"{"amount":7500,"currency":"eur"}"#);
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+}
+
+/// Every answer cut off after its head: the example gives up at its deadline with an error that
+/// names the charge's key. The charge was made once, and the same request sent again by hand
+/// with that key gets its replay.
+#[cfg(unix)]
+#[test]
+fn the_client_example_names_the_key_when_every_answer_is_cut_off() {
+    let server = Server::start(&[]);
+    let proxy = CutProxy::start(server.addr, |n| {
+        if n % 2 == 0 {
+            Cut::Reset
+        } else {
+            Cut::Truncate
+        }
+    });
+    let url = proxy.url();
+    let env = [("SERVER", url.as_str()), ("DEADLINE_MS", "3000")];
+    let (status, stdout, stderr) = run_example_to_exit("client", &env);
+
+    assert!(!status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let key = key_of(&line_starting(&stdout, "attempt 1: "));
+    assert!(proxy.cuts() >= 3, "the charge was sent again:\n{stdout}");
+    assert!(!stdout.contains("\ncharge "), "{stdout}");
+    let error = stderr.lines().last().unwrap_or_default();
+    assert!(
+        error.contains(&format!("charge with key {key} failed")),
+        "the error names the key {key}: {stderr}"
+    );
+
+    // By hand, as an operator would: the same request with the key is the charge's replay.
+    let auth = format!("Bearer {API_KEY}");
+    let again = request(
+        server.addr,
+        "POST",
+        "/v1/charges",
+        &[
+            ("Authorization", &auth),
+            ("Idempotency-Key", &key),
+            ("Content-Type", "application/x-www-form-urlencoded"),
+        ],
+        "amount=2500&currency=eur&source=tok_visa",
+    );
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(
+        again.head.contains("idempotent-replayed: true"),
+        "{again:?}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&again.body).expect("a charge");
+    assert_charges(server.addr, &[json["id"].as_str().expect("an id")]);
+    server.terminate();
+    let (status, stderr) = server.wait();
+    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
 }

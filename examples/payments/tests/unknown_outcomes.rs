@@ -15,8 +15,6 @@
 
 #![cfg(unix)]
 
-use example_payments as server;
-
 mod support;
 
 use std::future::Future;
@@ -27,34 +25,40 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::http::StatusCode;
 use serde_json::Value;
+use sqlx::Row;
 use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::{
-    BoxStore, Claim, ClaimToken, Completed, Fingerprint, IdempotencyLayer, MemoryStore, RecordId,
-    Store, StoreError,
+    BoxStore, Claim, ClaimToken, Completed, Fingerprint, IdempotencyLayer, MemoryStore, Outcome,
+    RecordId, Store, StoreError,
 };
-use tower_idempotency_redis::{RedisStore, SharedConnection};
+use tower_idempotency_redis::RedisStore;
 
-use server::consumer::deduplicator;
-use server::pg::{Database, outbox};
-use server::provider::KeyTable;
-use server::queue::{ConsumerConfig, Queue, RedisQueue};
-use server::reconciler::Reconciler;
-use server::{AppState, Balances, Ledger, LedgerConsumer, Provider, app};
-use support::api::{ALICE, Call, Reply, account, create_charge, visa};
+use example_payments::app;
+use example_payments::balance::Balances;
+use example_payments::consumer;
+use example_payments::pg;
+use example_payments::provider::WINDOW;
+use example_payments::queue::ConsumerConfig;
+use support::api::{ALICE, Call, Reply, account, authorize, create_charge, visa};
+use support::instance::{
+    AUTHORIZING, Instance, LEASE as PG_LEASE, NEVER, admin, charge_through_a_locked_provider,
+    count, crash_during_the_provider_call, lock_provider_keys, provider_payments, release,
+    wait_for_count,
+};
+use support::instruments::Hang;
+use support::stack::Parts;
 
 /// The idempotency layer's lease here: short, so that each repetition takes about a second.
-const LEASE: Duration = Duration::from_millis(300);
+const SHORT_LEASE: Duration = Duration::from_millis(300);
 /// How often a client sends its request again after a `409` or a `503`.
 const RETRY_EVERY: Duration = Duration::from_millis(100);
 /// Repetitions per store.
 const REPETITIONS: usize = 20;
 /// How long a test waits for something to happen.
 const PATIENCE: Duration = Duration::from_secs(30);
-/// A reconciler that stays out of the way until the test runs a round itself.
-const NEVER: Duration = Duration::from_secs(3600);
 
 /// A store whose lease renewals fail while `stalled` is set: the claim's lease runs out in the
 /// store while its handler is still running, as behind a stalled network or a locked table.
@@ -109,19 +113,17 @@ impl<St: Store> Store for Stalling<St> {
     }
 }
 
-/// One instance: its API over its own layer.
-struct Instance {
+/// One instance: its API over its own layer, and its components.
+struct Side {
     router: Router,
-    state: AppState,
+    parts: Arc<Parts>,
 }
 
 /// Two instances over the same stores, and what the test reads them by.
 struct Pair {
-    a: Instance,
-    b: Instance,
+    a: Side,
+    b: Side,
     stalled: Arc<AtomicBool>,
-    /// Set on PostgreSQL: the database, to run the reconciler and read the outbox.
-    db: Option<Database>,
     stop: CancellationToken,
     /// The servers, kept running for the test.
     _servers: Servers,
@@ -146,37 +148,25 @@ fn layer<St: Store>(store: St, stalled: &Arc<AtomicBool>) -> IdempotencyLayer<Bo
         inner: store,
         stalled: stalled.clone(),
     }))
-    .lease(LEASE)
+    .lease(SHORT_LEASE)
 }
 
-/// Starts the ledger consumer of `state`'s queue, its Deduplicator on `dedup`.
-async fn consume<St: Store + Clone>(state: &AppState, dedup: St, stop: &CancellationToken) {
+/// Starts the ledger consumer of `parts`, its Deduplicator on `dedup`.
+async fn consume(parts: &Parts, dedup: impl Store + 'static, stop: &CancellationToken) {
     let config = ConsumerConfig::default()
         .min_idle(Duration::from_millis(300))
         .block(Duration::from_millis(50));
-    let queue = state
-        .events
-        .queue()
-        .consumer("ledger-test", config)
-        .await
-        .expect("a consumer of the queue");
-    let consumer = LedgerConsumer::new(
-        queue,
-        state.balances.clone(),
-        deduplicator(dedup, config.min_idle),
-    );
-    tokio::spawn(consumer.run(stop.clone()));
+    drop(parts.consume("ledger-test", dedup, config, stop).await);
 }
 
 impl Pair {
     /// Both instances share one process's state and one `MemoryStore`.
     async fn memory() -> Self {
         let stalled = Arc::new(AtomicBool::new(false));
-        let state = AppState::new(Duration::ZERO);
-        let store = MemoryStore::new();
+        let parts = Parts::memory(WINDOW);
         let stop = CancellationToken::new();
-        consume(&state, MemoryStore::new(), &stop).await;
-        Self::shared((state.clone(), state), store, stalled, stop, Servers::None)
+        consume(&parts, MemoryStore::new(), &stop).await;
+        Self::shared(parts, MemoryStore::new(), stalled, stop, Servers::None)
     }
 
     /// The records, provider keys, events and balances in one Redis, as `REDIS_URL` puts them.
@@ -199,51 +189,35 @@ impl Pair {
     /// records under their own prefix.
     async fn on_redis(store: RedisStore, servers: Servers) -> Self {
         store.check().await.expect("the fixture's Redis answers");
-        let conn = store.shared_connection();
-        let dedup = store.clone().with_prefix(server::CONSUMER_PREFIX);
-        let queue = RedisQueue::connect(conn.clone(), server::STREAM, server::consumer::SCOPE)
-            .await
-            .expect("the stream's group");
-        let keys = KeyTable::redis(
-            conn.clone(),
-            server::PROVIDER_PREFIX,
-            server::provider::WINDOW,
-        );
-        let state = AppState::new(Duration::ZERO)
-            .with_events(
-                Queue::Redis(queue),
-                Balances::redis(conn.clone(), server::BALANCES_PREFIX),
-            )
-            .with_provider(Provider::with_keys(Duration::ZERO, keys));
-        // Each instance has its own handle on the ledger: they share the charges through Redis.
-        let b = redis_ledger(state.clone(), &conn);
-        let a = redis_ledger(state, &conn);
+        let parts = Parts::redis(&store.shared_connection(), WINDOW).await;
+        let dedup = store.clone().with_prefix(consumer::RECORDS_PREFIX);
         let stalled = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
-        consume(&a, dedup, &stop).await;
-        Self::shared((a, b), store, stalled, stop, servers)
+        consume(&parts, dedup, &stop).await;
+        Self::shared(parts, store, stalled, stop, servers)
     }
 
+    /// Two instances over one set of components, each with its own layer.
     fn shared<St: Store + Clone>(
-        (a, b): (AppState, AppState),
+        parts: Parts,
         store: St,
         stalled: Arc<AtomicBool>,
         stop: CancellationToken,
         servers: Servers,
     ) -> Self {
-        let a = Instance {
-            router: app(a.clone(), layer(store.clone(), &stalled)),
-            state: a,
+        let parts = Arc::new(parts);
+        let a = Side {
+            router: app(parts.state(), layer(store.clone(), &stalled)),
+            parts: parts.clone(),
         };
-        let b = Instance {
-            router: app(b.clone(), layer(store, &stalled)),
-            state: b,
+        let b = Side {
+            router: app(parts.state(), layer(store, &stalled)),
+            parts,
         };
         Self {
             a,
             b,
             stalled,
-            db: None,
             stop,
             _servers: servers,
         }
@@ -256,18 +230,16 @@ impl Pair {
         let stalled = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
         let mut instances = Vec::new();
-        let mut first_db = None;
         for i in 0..2 {
-            let db = Database::connect(&server.url())
+            let store = pg::connect(&server.url())
                 .await
                 .expect("the database is usable");
-            let state = db.state(AppState::new(Duration::ZERO));
+            let parts = Arc::new(Parts::postgres(&store, WINDOW));
             if i == 0 {
-                drop(db.spawn_workers(&state, NEVER, stop.clone()));
+                consume(&parts, MemoryStore::new(), &stop).await;
             }
-            let router = app(state.clone(), layer(db.store().clone(), &stalled));
-            instances.push(Instance { router, state });
-            first_db.get_or_insert(db);
+            let router = app(parts.state(), layer(store.clone(), &stalled));
+            instances.push(Side { router, parts });
         }
         let b = instances.pop().expect("two instances");
         let a = instances.pop().expect("two instances");
@@ -275,15 +247,14 @@ impl Pair {
             a,
             b,
             stalled,
-            db: first_db,
             stop,
             _servers: Servers::Postgres(server),
         }
     }
 
-    /// The ledgers of the two instances (one, when they share it).
-    fn ledgers(&self) -> Vec<&Arc<Ledger>> {
-        let (a, b) = (&self.a.state.ledger, &self.b.state.ledger);
+    /// The components of the two instances (one set, when they share it).
+    fn parts(&self) -> Vec<&Arc<Parts>> {
+        let (a, b) = (&self.a.parts, &self.b.parts);
         if Arc::ptr_eq(a, b) {
             vec![a]
         } else {
@@ -291,11 +262,9 @@ impl Pair {
         }
     }
 
-    /// How many payments the providers made (one provider object when they share it).
+    /// How many payments and other effects the provider made, across instances.
     fn payments(&self) -> usize {
-        let (a, b) = (&self.a.state.provider, &self.b.state.provider);
-        let same = self.db.is_none();
-        a.effects() + if same { 0 } else { b.effects() }
+        self.parts().iter().map(|parts| parts.keys.effects()).sum()
     }
 
     /// Forgets every idempotency record (a flushed Redis), keeping everything else.
@@ -322,9 +291,8 @@ impl Pair {
     }
 
     fn held_opens(&self) -> usize {
-        self.ledgers()
-            .iter()
-            .map(|ledger| ledger.held_opens())
+        (self.parts().iter())
+            .map(|parts| parts.ledger.opens.waiting())
             .sum()
     }
 
@@ -332,21 +300,10 @@ impl Pair {
     /// charge still in an intermediate state; then waits until every event published
     /// so far is applied.
     async fn settle(&self) {
-        let reconciler = Reconciler::new(&self.a.state, Duration::ZERO);
-        reconciler.round().await.expect("a reconciler round");
+        self.a.parts.reconcile().await;
         let deadline = Instant::now() + PATIENCE;
         loop {
-            let backlog = match &self.db {
-                Some(db) => outbox::backlog(db.pool()).await.expect("the outbox") as usize,
-                None => self
-                    .a
-                    .state
-                    .events
-                    .queue()
-                    .backlog()
-                    .await
-                    .expect("the queue"),
-            };
+            let backlog = self.a.parts.backlog().await;
             if backlog == 0 {
                 return;
             }
@@ -357,11 +314,7 @@ impl Pair {
 
     /// Alice's balance in euro cents.
     async fn balance(&self) -> i64 {
-        let available = self
-            .a
-            .state
-            .balances
-            .get(&account(ALICE))
+        let available = (self.a.parts.balances.get(&account(ALICE)))
             .await
             .expect("the balance");
         available
@@ -451,8 +404,8 @@ async fn repetition(pair: &Pair, key: &str, amount: i64) -> Ending {
     let balance_before = pair.balance().await;
 
     let mut holds = Vec::new();
-    for ledger in pair.ledgers() {
-        holds.push(ledger.hold_opens().await);
+    for parts in pair.parts() {
+        holds.push(parts.ledger.opens.shut().await);
     }
     pair.stalled.store(true, Ordering::SeqCst);
 
@@ -589,110 +542,6 @@ async fn postgres_charges_once_when_a_lease_runs_out_under_a_stalled_handler() {
     every_operation_charges_once(Pair::postgres().await).await;
 }
 
-/// The ledger on Redis: as `main` sets it up when `REDIS_URL` is set.
-fn redis_ledger(state: AppState, conn: &SharedConnection) -> AppState {
-    state.with_ledger(Ledger::redis(conn.clone()))
-}
-
-/// The provider refuses a call whose fence is smaller than one its key has seen, and takes an
-/// equal or larger one as the same request sent again, on the key table under test.
-async fn the_provider_refuses_a_smaller_fence(provider: Provider) {
-    use server::provider::{ProviderError, Source};
-    let payment = provider
-        .create_payment("fenced", 20, Source::Visa, 700, true, "")
-        .await
-        .expect("a payment");
-    assert_eq!(
-        provider
-            .create_payment("fenced", 19, Source::Visa, 700, true, "")
-            .await,
-        Err(ProviderError::Superseded)
-    );
-    for fence in [20, 21] {
-        assert_eq!(
-            provider
-                .create_payment("fenced", fence, Source::Visa, 700, true, "")
-                .await,
-            Ok(payment.clone())
-        );
-    }
-    assert_eq!(
-        provider
-            .create_payment("fenced", 20, Source::Visa, 700, true, "")
-            .await,
-        Err(ProviderError::Superseded),
-        "the key keeps its largest fence"
-    );
-    assert_eq!(
-        provider
-            .create_payment("fenced", 99, Source::Visa, 701, true, "")
-            .await,
-        Err(ProviderError::KeyReused)
-    );
-    let refund = provider
-        .refund("fenced-refund", u64::MAX, &payment.id, 100)
-        .await
-        .expect("a refund");
-    assert_eq!(
-        provider
-            .refund("fenced-refund", u64::MAX - 1, &payment.id, 100)
-            .await,
-        Err(ProviderError::Superseded),
-        "fences compare exactly, up to the largest"
-    );
-    assert_eq!(
-        provider
-            .refund("fenced-refund", u64::MAX, &payment.id, 100)
-            .await,
-        Ok(refund)
-    );
-    assert_eq!(provider.effects(), 2, "one payment, one refund");
-}
-
-#[tokio::test]
-async fn the_provider_refuses_a_smaller_fence_in_memory() {
-    the_provider_refuses_a_smaller_fence(Provider::default()).await;
-}
-
-#[tokio::test]
-async fn the_provider_refuses_a_smaller_fence_on_redis() {
-    let server = RedisServer::start();
-    let conn = RedisStore::from_url(&server.url())
-        .expect("a valid URL")
-        .shared_connection();
-    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
-    the_provider_refuses_a_smaller_fence(Provider::with_keys(Duration::ZERO, keys)).await;
-}
-
-/// On PostgreSQL too; and the keys whose window ended are swept from the table.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_a_smaller_fence_on_postgres_and_sweeps_expired_keys() {
-    let server = PostgresServer::start();
-    let db = Database::connect(&server.url())
-        .await
-        .expect("the database");
-    let keys = KeyTable::postgres(db.pool().clone(), server::provider::WINDOW);
-    the_provider_refuses_a_smaller_fence(Provider::with_keys(Duration::ZERO, keys)).await;
-
-    let short = Provider::with_keys(
-        Duration::ZERO,
-        KeyTable::postgres(db.pool().clone(), Duration::from_millis(50)),
-    );
-    short
-        .capture("short-lived", 1, "py_1")
-        .await
-        .expect("captured");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(short.sweep_keys().await.expect("a sweep"), 1);
-    assert_eq!(short.sweep_keys().await.expect("a sweep"), 0);
-    let left: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM provider_keys WHERE key = 'short-lived'")
-            .fetch_one(db.pool())
-            .await
-            .expect("a count");
-    assert_eq!(left, 0);
-}
-
 /// A charge whose handler ran on both instances (its record lost between the two), then a full
 /// refund sent to each instance under two keys: one ledger, so the second refund is refused with
 /// a clear error, the provider refunds once, and the balance ends at 0, not at minus the amount.
@@ -744,77 +593,6 @@ async fn redis_cluster_refunds_a_charge_once_across_two_instances() {
     a_charge_is_refunded_once_across_two_instances(Pair::cluster().await).await;
 }
 
-/// The provider alone refuses a refund beyond what is left of its payment, whatever key it comes
-/// under, atomically with its keys: the last line of defence, on the key table under test.
-async fn the_provider_refuses_an_over_refund(provider: Provider) {
-    use server::provider::{ProviderError, Source};
-    let payment = provider
-        .create_payment("over", 1, Source::Visa, 1000, true, "")
-        .await
-        .expect("a payment");
-    let refunds = [("over-1", 700), ("over-2", 700), ("over-3", 300)];
-    let mut answers = Vec::new();
-    for (key, amount) in refunds {
-        answers.push(provider.refund(key, 1, &payment.id, amount).await.map(drop));
-    }
-    assert_eq!(
-        answers,
-        [
-            Ok(()),
-            Err(ProviderError::AmountTooLarge {
-                amount: 700,
-                refundable: 300
-            }),
-            Ok(())
-        ]
-    );
-    assert_eq!(
-        provider.refund("over-4", 1, &payment.id, 1).await,
-        Err(ProviderError::AmountTooLarge {
-            amount: 1,
-            refundable: 0
-        })
-    );
-    let listed = provider.payments_since(0, 10).await.expect("a listing");
-    assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].refunded, 1000);
-}
-
-#[tokio::test]
-async fn the_provider_refuses_an_over_refund_in_memory() {
-    the_provider_refuses_an_over_refund(Provider::default()).await;
-}
-
-#[tokio::test]
-async fn the_provider_refuses_an_over_refund_on_redis() {
-    let server = RedisServer::start();
-    let conn = RedisStore::from_url(&server.url())
-        .expect("a valid URL")
-        .shared_connection();
-    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
-    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_an_over_refund_on_a_redis_cluster() {
-    let cluster = RedisCluster::start();
-    let conn = RedisStore::cluster(cluster.urls())
-        .expect("valid URLs")
-        .shared_connection();
-    let keys = KeyTable::redis(conn, server::PROVIDER_PREFIX, server::provider::WINDOW);
-    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_an_over_refund_on_postgres() {
-    let server = PostgresServer::start();
-    let db = Database::connect(&server.url())
-        .await
-        .expect("the database");
-    let keys = KeyTable::postgres(db.pool().clone(), server::provider::WINDOW);
-    the_provider_refuses_an_over_refund(Provider::with_keys(Duration::ZERO, keys)).await;
-}
-
 /// What ends a charge whose provider call was stalled past the client's deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Settler {
@@ -835,8 +613,7 @@ enum Settler {
 async fn a_provider_stalled_past_its_deadline_charges_once(pair: Pair, ending: Settler) {
     let body = visa(2500);
     let key = format!("stalled-{ending:?}");
-    let provider = pair.a.state.provider.clone();
-    let stall = provider.stall().await;
+    let stall = pair.a.parts.keys.stall().await;
     let first = create_charge(&pair.a.router, ALICE, &key, &body)
         .send()
         .await;
@@ -848,10 +625,7 @@ async fn a_provider_stalled_past_its_deadline_charges_once(pair: Pair, ending: S
     assert_eq!(pair.payments(), 0);
 
     if ending == Settler::ReconcilerTooEarly {
-        let round = Reconciler::new(&pair.a.state, Duration::ZERO)
-            .round()
-            .await
-            .expect("a round");
+        let round = pair.a.parts.reconcile().await;
         assert_eq!(round.removed, 1, "{round:?}");
         assert!(charges_of(&pair.a.router, 2500).await.is_empty());
     }
@@ -915,4 +689,302 @@ async fn redis_a_stalled_provider_call_is_settled_by_the_reconciler() {
 async fn redis_a_payment_no_charge_names_is_found_by_the_reconciler() {
     let pair = Pair::redis().await;
     a_provider_stalled_past_its_deadline_charges_once(pair, Settler::ReconcilerTooEarly).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// On PostgreSQL: an instance that crashes during the provider call, or a provider whose key table
+// is locked past its client's deadline, and the retry or the reconciler that settles the charge.
+
+/// The instance dies after committing `authorizing` and after the provider charged, before it
+/// answered. The client's retry, once the claim's lease ran out, resumes the charge on another
+/// instance: the provider answers with the same payment, nothing is charged twice, and the
+/// balance counts the charge once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_the_provider_call_is_settled_by_the_retry() {
+    let server = PostgresServer::start();
+    let body = visa(4200);
+    crash_during_the_provider_call(&server, Hang::AfterEffect, "crash-1", &body).await;
+
+    let second = Instance::start(&server.url(), NEVER).await;
+    let retry = second.retry_charge("crash-1", &body).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(
+        retry.outcome,
+        Some(Outcome::Executed),
+        "resumed, not replayed"
+    );
+    assert_eq!(retry.json["status"], "captured");
+    let id = retry.json["id"].as_str().expect("an id").to_owned();
+    assert_eq!(second.charges().await, [(id, "captured".into())]);
+    assert_eq!(
+        second.parts.keys.effects(),
+        0,
+        "the provider charged no more"
+    );
+    assert_eq!(provider_payments(&server).await, 1);
+    second.wait_for_balance(4200).await;
+
+    let replay = second.charge("crash-1", &body).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.text(), retry.text());
+    assert_eq!(
+        count(&server, "SELECT count(*) FROM payment_events").await,
+        0
+    );
+    second.wait_for_balance(4200).await;
+}
+
+/// The instance dies after the provider charged, and no retry comes: the reconciler of another
+/// instance asks the provider by the charge's key, and settles the charge with its event, once.
+/// The client's late retry then gets that charge: still one payment, one charge, one balance
+/// change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_the_provider_call_is_settled_by_the_reconciler() {
+    let server = PostgresServer::start();
+    let body = visa(1300);
+    crash_during_the_provider_call(&server, Hang::AfterEffect, "crash-2", &body).await;
+
+    let second = Instance::start(&server.url(), 2 * PG_LEASE).await;
+    wait_for_count(&server, AUTHORIZING, 0).await;
+    let charges = second.charges().await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0].1, "captured");
+    second.wait_for_balance(1300).await;
+
+    let late = second.retry_charge("crash-2", &body).await;
+    assert_eq!(late.status, StatusCode::CREATED, "{}", late.text());
+    assert_eq!(late.json["id"].as_str(), Some(charges[0].0.as_str()));
+    assert_eq!(second.charges().await, charges, "no second charge");
+    assert_eq!(provider_payments(&server).await, 1);
+    assert_eq!(second.parts.keys.effects(), 0);
+    assert_eq!(
+        count(&server, "SELECT count(*) FROM payment_events").await,
+        0
+    );
+    second.wait_for_balance(1300).await;
+}
+
+/// The instance dies after committing `authorizing`, before the provider did anything: the
+/// reconciler finds no payment under the key and removes the charge; the client's retry makes it,
+/// charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_the_provider_never_saw_is_removed_then_made_by_the_retry() {
+    let server = PostgresServer::start();
+    let body = visa(900);
+    crash_during_the_provider_call(&server, Hang::BeforeEffect, "crash-3", &body).await;
+
+    let second = Instance::start(&server.url(), 2 * PG_LEASE).await;
+    wait_for_count(&server, "SELECT count(*) FROM charges", 0).await;
+    assert_eq!(provider_payments(&server).await, 0);
+
+    let retry = second.retry_charge("crash-3", &body).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(second.charges().await.len(), 1);
+    assert_eq!(provider_payments(&server).await, 1);
+    second.wait_for_balance(900).await;
+}
+
+/// Two reconcilers on one stuck charge, and a retry: one of them settles it, and one event is
+/// written; the retry answers with the settled charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_reconcilers_settle_a_charge_once() {
+    let server = PostgresServer::start();
+    let body = authorize(800);
+    crash_during_the_provider_call(&server, Hang::AfterEffect, "crash-4", &body).await;
+
+    let store = pg::connect(&server.url()).await.expect("the database");
+    let parts = Parts::postgres(&store, WINDOW);
+    let reconcilers = [Duration::ZERO, Duration::ZERO].map(|after| parts.reconciler(after));
+    let (one, two) = tokio::join!(reconcilers[0].round(), reconcilers[1].round());
+    let (one, two) = (one.expect("a round"), two.expect("a round"));
+    assert_eq!(one.settled + two.settled, 1, "{one:?} {two:?}");
+    assert_eq!(one.removed + two.removed, 0);
+    assert_eq!(count(&server, AUTHORIZING).await, 0);
+    assert_eq!(
+        count(&server, "SELECT count(*) FROM payment_events").await,
+        1
+    );
+
+    let second = Instance::start(&server.url(), NEVER).await;
+    let retry = second.retry_charge("crash-4", &body).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(retry.json["status"], "authorized");
+    assert_eq!(second.charges().await.len(), 1);
+    assert_eq!(provider_payments(&server).await, 1);
+}
+
+/// The reconciler settles every intermediate state a crash can leave, from what the provider did
+/// under the key of the call in flight: a capture, a cancellation and a refund the provider made
+/// are completed, with the events the requests would have published (the balance counts the
+/// capture and the refund once); a capture and a refund it never saw go back to where the charge
+/// was. A second round finds nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_settles_every_intermediate_state() {
+    let server = PostgresServer::start();
+    let h = Instance::start(&server.url(), NEVER).await;
+    let mut ids = Vec::new();
+    for (key, body) in [
+        ("capture-made", authorize(1000)),
+        ("cancel-made", authorize(200)),
+        ("refund-made", visa(3000)),
+        ("capture-lost", authorize(400)),
+        ("refund-lost", visa(500)),
+    ] {
+        let reply = h.charge(key, &body).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+        ids.push(reply.json["id"].as_str().expect("an id").to_owned());
+    }
+    h.wait_for_balance(3500).await;
+
+    let mut admin = admin(&server).await;
+    let mut payment_of = async |id: &str| -> String {
+        sqlx::query("SELECT payment FROM charges WHERE id = $1")
+            .bind(id)
+            .fetch_one(&mut admin)
+            .await
+            .expect("the charge")
+            .get(0)
+    };
+    let payments = [
+        payment_of(&ids[0]).await,
+        payment_of(&ids[1]).await,
+        payment_of(&ids[2]).await,
+    ];
+    // The provider did these; the process that asked died before recording them.
+    h.parts
+        .provider
+        .capture("capture-call", 1, &payments[0])
+        .await
+        .expect("captured");
+    h.parts
+        .provider
+        .cancel("cancel-call", 1, &payments[1])
+        .await
+        .expect("canceled");
+    h.parts
+        .provider
+        .refund("refund-call", 1, &payments[2], 1200)
+        .await
+        .expect("refunded");
+    let mut admin = self::admin(&server).await;
+    for (id, status, call_key, amount) in [
+        (&ids[0], "capturing", "capture-call", 0),
+        (&ids[1], "canceling", "cancel-call", 0),
+        (&ids[2], "refunding", "refund-call", 1200),
+        (&ids[3], "capturing", "never-sent", 0),
+        (&ids[4], "refunding", "never-sent-either", 100),
+    ] {
+        sqlx::query(
+            "UPDATE charges SET status = $2, call_key = $3, call_amount = $4 WHERE id = $1",
+        )
+        .bind(id)
+        .bind(status)
+        .bind(call_key)
+        .bind(amount)
+        .execute(&mut admin)
+        .await
+        .expect("the charge is left mid-call");
+    }
+
+    let store = pg::connect(&server.url()).await.expect("the database");
+    let reconciler = Parts::postgres(&store, WINDOW).reconciler(Duration::ZERO);
+    let done = reconciler.round().await.expect("a round");
+    assert_eq!(
+        (done.settled, done.removed, done.left),
+        (3, 2, 0),
+        "{done:?}"
+    );
+
+    let mut found = Vec::new();
+    for id in &ids {
+        let charge = h.get(&format!("/v1/charges/{id}")).await;
+        found.push((
+            charge.json["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            charge.json["amount_refunded"].as_i64().unwrap_or(-1),
+        ));
+    }
+    let expected = [
+        ("captured", 0),
+        ("canceled", 0),
+        ("captured", 1200),
+        ("authorized", 0),
+        ("captured", 0),
+    ]
+    .map(|(status, refunded)| (status.to_owned(), refunded));
+    assert_eq!(found, expected);
+    h.wait_for_balance(3500 + 1000 - 1200).await;
+
+    let again = reconciler.round().await.expect("a round");
+    assert_eq!(
+        (again.settled, again.removed, again.left),
+        (0, 0, 0),
+        "{again:?}"
+    );
+    wait_for_count(&server, "SELECT count(*) FROM payment_events", 0).await;
+    h.wait_for_balance(3500 + 1000 - 1200).await;
+}
+
+/// The provider's key table locked past its client's deadline, then released, and the client
+/// retries with its key: the charge it kept is resumed and settled, one payment, one credit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_locked_past_its_deadline_is_settled_by_the_retry() {
+    let server = PostgresServer::start();
+    let instance = Instance::start(&server.url(), NEVER).await;
+    charge_through_a_locked_provider(&server, &instance, "locked-1").await;
+    assert_eq!(count(&server, AUTHORIZING).await, 1, "the charge is kept");
+
+    let retry = instance.retry_charge("locked-1", &visa(3100)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(retry.json["status"], "captured");
+    assert_eq!(instance.charges().await.len(), 1);
+    assert_eq!(provider_payments(&server).await, 1);
+    instance.wait_for_balance(3100).await;
+}
+
+/// The same without a retry: the reconciler settles the charge from what the provider did under
+/// its key, and the client's late retry gets that charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_locked_past_its_deadline_is_settled_by_the_reconciler() {
+    let server = PostgresServer::start();
+    // Not before the provider client's deadline has passed (8 s), so that it finds the payment.
+    let instance = Instance::start(&server.url(), Duration::from_secs(10)).await;
+    charge_through_a_locked_provider(&server, &instance, "locked-2").await;
+    instance.wait_for_balance(3100).await;
+    let charges = instance.charges().await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0].1, "captured");
+    let late = instance.retry_charge("locked-2", &visa(3100)).await;
+    assert_eq!(late.json["id"].as_str(), Some(charges[0].0.as_str()));
+    assert_eq!(provider_payments(&server).await, 1);
+}
+
+/// The reconciler comes while the provider still holds the call: it finds no payment under the key
+/// and removes the charge; then the lock goes and the payment commits, which no charge names. The
+/// reconciler's scan of the provider's payments finds it, and writes its charge: the money the
+/// provider took is in the ledger and the balance, and the client's retry gets that charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_payment_no_charge_names_is_found_by_the_reconciler() {
+    let server = PostgresServer::start();
+    let instance = Instance::start(&server.url(), 2 * PG_LEASE).await;
+    let lock = lock_provider_keys(&server).await;
+    let first = instance.charge("locked-3", &visa(3100)).await;
+    assert_eq!(
+        first.status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        first.text()
+    );
+    wait_for_count(&server, "SELECT count(*) FROM charges", 0).await;
+    release(lock).await;
+    instance.wait_for_balance(3100).await;
+    let charges = instance.charges().await;
+    assert_eq!(charges.len(), 1, "{charges:?}");
+    assert_eq!(charges[0].1, "captured");
+    let retry = instance.retry_charge("locked-3", &visa(3100)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(retry.json["id"].as_str(), Some(charges[0].0.as_str()));
+    assert_eq!(provider_payments(&server).await, 1);
 }

@@ -7,8 +7,7 @@
 //!
 //! The ledger consumer ([`OutboxConsumer`]) takes the oldest event with
 //! `SELECT ... FOR UPDATE SKIP LOCKED` in a transaction, applies it to its balance in that
-//! transaction ([`Balances::apply_in`]: the event id recorded with
-//! [`PgStore::mark_processed`](tower_idempotency_postgres::PgStore::mark_processed), then the balance
+//! transaction ([`PgBalances::apply_in`]: the event id recorded as processed, then the balance
 //! changed), deletes it and commits. Consumers on several instances each take another event
 //! (`SKIP LOCKED`); a consumer that dies mid-event leaves nothing behind (its transaction rolls
 //! back, its lock goes), and the next one takes the event at once. An event published twice (the
@@ -22,15 +21,14 @@
 //! | the apply can never succeed (the balance would overflow) | logged as an error: [`Handled::Rejected`] | yes |
 //! | not an event | logged: [`Handled::Unreadable`] | yes |
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{self, PgConnection, PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
-use super::super::balance::{Applied, Balances};
-use super::super::consumer::{Counts, Handled, Stats};
-use super::super::events::PaymentEvent;
+use super::balance::{Applied, PgBalances};
+use super::consumer::{Counts, Handled};
+use super::events::PaymentEvent;
 
 /// The longest pause after a failure.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -45,34 +43,23 @@ pub async fn insert(conn: &mut PgConnection, event: &PaymentEvent) -> Result<(),
         .map(drop)
 }
 
-/// How many events wait in the outbox (taken by a consumer or not).
-#[allow(dead_code)] // for tests
-pub async fn backlog(pool: &PgPool) -> Result<i64, sqlx::Error> {
-    sqlx::query("SELECT count(*) FROM payment_events")
-        .fetch_one(pool)
-        .await?
-        .try_get(0)
-}
-
 /// One consumer of the outbox.
 #[derive(Debug)]
 pub struct OutboxConsumer {
     pool: PgPool,
-    balances: Balances,
+    balances: PgBalances,
     /// How long to wait before looking again when the outbox is empty.
     poll: Duration,
-    stats: Arc<Stats>,
 }
 
 impl OutboxConsumer {
-    /// A consumer that applies the events of `pool`'s outbox to `balances` (in PostgreSQL), and
-    /// looks again every `poll` while the outbox is empty.
-    pub fn new(pool: PgPool, balances: Balances, poll: Duration) -> Self {
+    /// A consumer that applies the events of `pool`'s outbox to `balances`, and looks again
+    /// every `poll` while the outbox is empty.
+    pub fn new(pool: PgPool, balances: PgBalances, poll: Duration) -> Self {
         Self {
             pool,
             balances,
             poll,
-            stats: Arc::default(),
         }
     }
 
@@ -81,10 +68,11 @@ impl OutboxConsumer {
     pub async fn run(self, stop: CancellationToken) -> Counts {
         tracing::info!("ledger consumer started (outbox)");
         let mut backoff = Duration::from_millis(100);
+        let mut counts = Counts::default();
         while !stop.is_cancelled() {
             let pause = match self.next().await {
                 Ok(Some(handled)) => {
-                    self.stats.record(handled);
+                    counts.record(handled);
                     if handled != Handled::Failed {
                         backoff = Duration::from_millis(100);
                         continue;
@@ -93,7 +81,7 @@ impl OutboxConsumer {
                 }
                 Ok(None) => self.poll,
                 Err(err) => {
-                    tracing::warn!(error = %super::super::report(&err), ?backoff, "cannot take events off the outbox");
+                    tracing::warn!(error = %super::report(&err), ?backoff, "cannot take events off the outbox");
                     backoff
                 }
             };
@@ -105,7 +93,6 @@ impl OutboxConsumer {
                 () = tokio::time::sleep(pause) => {}
             }
         }
-        let counts = self.stats.counts();
         tracing::info!(?counts, "ledger consumer stopped");
         counts
     }
@@ -134,7 +121,7 @@ impl OutboxConsumer {
                 Ok(Applied::New) => Handled::Applied,
                 Ok(Applied::Already) => Handled::Duplicate,
                 Err(err) if err.is_permanent() => {
-                    tracing::error!(event = %event.id, account = %event.account, error = %super::super::report(&err), "dropping an event the ledger refuses for good");
+                    tracing::error!(event = %event.id, account = %event.account, error = %super::report(&err), "dropping an event the ledger refuses for good");
                     // The failed statement aborted the transaction: drop the event in another.
                     tx.rollback().await?;
                     tx = self.pool.begin().await?;
@@ -151,7 +138,7 @@ impl OutboxConsumer {
                     Handled::Rejected
                 }
                 Err(err) => {
-                    tracing::warn!(event = %event.id, error = %super::super::report(&err), "applying the event failed; it will be retried");
+                    tracing::warn!(event = %event.id, error = %super::report(&err), "applying the event failed; it will be retried");
                     tx.rollback().await?;
                     return Ok(Some(Handled::Failed));
                 }

@@ -1,0 +1,128 @@
+//! Every account's available balance per currency, and the events that made it: the [`Balances`]
+//! trait, one implementation per backend (`memory.rs`, `redis.rs`, `postgres.rs`).
+//!
+//! [`Balances::apply`] is where the money moves, and it is idempotent on its own: the balance
+//! change and the record "event `evt_...` was applied" are one atomic step (one lock in memory,
+//! one Lua script in Redis, one transaction in PostgreSQL), so an event applied twice changes the
+//! balance once, whatever happened in between. This closes the gap the consumer's Deduplicator
+//! leaves (a crash after the effect, before its record: `consumer.rs`).
+//!
+//! A balance is an `i64` of minor units changed with checked arithmetic: an event that would take
+//! it past `i64::MAX` or below `i64::MIN` ([`BalanceError::Overflow`]), or whose amount is not
+//! positive ([`BalanceError::InvalidAmount`]), changes nothing and is not recorded as applied;
+//! both are permanent, and the consumer drops such an event instead of retrying it forever.
+//!
+//! An applied event id is remembered for [`RETENTION`] (7 days), then forgotten: keep it above
+//! the longest time an event can wait in the queue or be republished. The balances themselves
+//! never expire: they are the money.
+
+mod memory;
+mod postgres;
+mod redis;
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::Json;
+use axum::extract::{Extension, State};
+use serde::Serialize;
+use tower_idempotency_redis::RedisStoreError;
+
+pub use memory::MemoryBalances;
+pub use postgres::PgBalances;
+pub use redis::{BALANCES_PREFIX, RedisBalances};
+
+use super::AppState;
+use super::auth::Account;
+use super::error::ApiError;
+use super::events::PaymentEvent;
+
+/// How long an applied event id is remembered.
+pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// The balances.
+#[async_trait]
+pub trait Balances: fmt::Debug + Send + Sync {
+    /// Applies `event` to its account's balance unless it was applied before, in one atomic
+    /// step.
+    async fn apply(&self, event: &PaymentEvent) -> Result<Applied, BalanceError>;
+
+    /// The account's balance per currency, sorted by currency.
+    async fn get(&self, account: &str) -> Result<Vec<Available>, BalanceError>;
+}
+
+/// What [`Balances::apply`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// The event was applied now.
+    New,
+    /// The event had been applied before: nothing changed.
+    Already,
+}
+
+/// Applying or reading failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BalanceError {
+    /// Redis failed: the script may have run, and applying again is safe.
+    #[error("the balance ledger is unavailable")]
+    Redis(#[from] RedisStoreError),
+    /// PostgreSQL failed: nothing changed (the transaction rolled back).
+    #[error("the balance ledger is unavailable")]
+    Postgres(#[from] sqlx::Error),
+    /// The balance would go past what an `i64` holds: nothing changed.
+    #[error("the {currency} balance would overflow")]
+    Overflow { currency: String },
+    /// The event's amount is not positive: nothing changed.
+    #[error("the event's amount is not positive: {0}")]
+    InvalidAmount(i64),
+}
+
+impl BalanceError {
+    /// Whether applying the same event again can never succeed.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            BalanceError::Overflow { .. } | BalanceError::InvalidAmount(_)
+        )
+    }
+}
+
+/// Refuses an event whose amount is not positive (so that a refund's negation is exact).
+fn check_amount(event: &PaymentEvent) -> Result<(), BalanceError> {
+    match event.amount {
+        amount if amount <= 0 => Err(BalanceError::InvalidAmount(amount)),
+        _ => Ok(()),
+    }
+}
+
+/// One currency's balance, as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Available {
+    pub amount: i64,
+    pub currency: String,
+}
+
+/// `GET /v1/balance`'s body: `{"object": "balance", "available": [{"amount", "currency"}]}`.
+#[derive(Debug, Serialize)]
+pub struct BalanceJson {
+    object: &'static str,
+    available: Vec<Available>,
+}
+
+/// `GET /v1/balance`: the account's available balance per currency; 503 when the ledger is
+/// unreachable.
+pub async fn show(
+    State(state): State<AppState>,
+    Extension(account): Extension<Account>,
+) -> Result<Json<BalanceJson>, ApiError> {
+    let available = state.balances.get(account.id()).await.map_err(|err| {
+        tracing::warn!(error = %super::report(&err), "cannot read the balance");
+        ApiError::ledger_unavailable()
+    })?;
+    Ok(Json(BalanceJson {
+        object: "balance",
+        available,
+    }))
+}

@@ -1,0 +1,312 @@
+//! The ledger of charges: the [`Ledger`] trait, one implementation per backend (`memory.rs`,
+//! `redis.rs`, `postgres.rs`), chosen once at start-up.
+//!
+//! A charge changes state only through [`Charge::apply`], the state machine. No lock is held
+//! across a provider call: a handler commits the `-ing` state before the call ([`Ledger::open`],
+//! [`Ledger::update`]), so that a call whose outcome is unknown leaves the charge where its retry
+//! or the reconciler finds it, and writes the answer with its event after it ([`Ledger::record`],
+//! [`Ledger::settle`]): in PostgreSQL in the request's transaction, which commits with the
+//! idempotency record (PgTx); elsewhere at once, the event published after the charge is written.
+//!
+//! **One charge per operation** (the account and the provider key of its create call) is the
+//! store's own constraint, not the lock in front of it: the map's entry in memory, a `SET NX` in
+//! Redis, a `UNIQUE (account, operation)` index in PostgreSQL. Each holds the operation for the
+//! provider's window, after which the key is new again, as at the provider. A second run of a
+//! request (its record lost, or its stalled run taken over) inserts nothing and resumes, or
+//! answers with, the first charge.
+
+mod memory;
+mod postgres;
+mod redis;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use axum::http::Extensions;
+use serde::{Deserialize, Serialize};
+
+pub use memory::MemoryLedger;
+pub use postgres::PgLedger;
+pub use redis::{LEDGER_PREFIX, RedisLedger};
+
+use super::auth::Account;
+use super::error::ApiError;
+use super::events::PaymentEvent;
+use super::provider::{Source, now_ms};
+use super::state_machine::{Event, Status, next};
+
+/// A change to a charge: refused (nothing written) with the error it returns.
+pub type Change<'a> = &'a mut (dyn FnMut(&mut Charge) -> Result<(), ApiError> + Send);
+
+/// The event a write publishes, from the charge as written.
+pub type EventOf<'a> = &'a (dyn Fn(&Charge) -> Option<PaymentEvent> + Sync);
+
+/// Every account's charges.
+#[async_trait]
+pub trait Ledger: fmt::Debug + Send + Sync {
+    /// A charge for `request` under the provider's key `provider_key`, stored `authorizing`
+    /// before the provider is called. An earlier attempt's charge is resumed, or answered once
+    /// settled; one made for another request is refused (`idempotency_key_reused`).
+    async fn open(
+        &self,
+        account: &Account,
+        provider_key: &str,
+        request: &NewCharge,
+    ) -> Result<Opened, ApiError>;
+
+    /// The provider refused the `authorizing` charge's call before doing anything: the charge
+    /// was never made, and goes. Never for a call whose outcome is unknown.
+    async fn abandon(&self, charge: &Charge);
+
+    /// Writes the provider's answer for an `authorizing` charge (its status and payment), with
+    /// its event, in the request's work (`request`: its extensions). A charge settled meanwhile
+    /// is kept and returned; one the reconciler removed meanwhile is written again.
+    async fn record(
+        &self,
+        request: &Extensions,
+        charge: Charge,
+        event: EventOf<'_>,
+    ) -> Result<Charge, ApiError>;
+
+    /// The account's charge `id`; another account's is not found either.
+    async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError>;
+
+    /// The account's charges, newest first.
+    async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError>;
+
+    /// Changes the account's charge `id`, all or nothing, committed at once.
+    async fn update(
+        &self,
+        account: &Account,
+        id: &str,
+        change: Change<'_>,
+    ) -> Result<Charge, ApiError>;
+
+    /// Changes the account's charge `id` with the provider's answer, and its event, in the
+    /// request's work, as [`Ledger::record`].
+    async fn settle(
+        &self,
+        request: &Extensions,
+        account: &Account,
+        id: &str,
+        change: Change<'_>,
+        event: EventOf<'_>,
+    ) -> Result<Charge, ApiError>;
+
+    /// The event of a charge an earlier attempt settled, published again where events are
+    /// published after the charge is written (a process may have died between the two); in
+    /// PostgreSQL the outbox committed it with the charge.
+    async fn publish_again(&self, event: PaymentEvent);
+
+    /// Up to `limit` charges in an `-ing` state unchanged for `after`, oldest first.
+    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError>;
+
+    /// Moves `found` to `settled`, with `event`, unless the charge changed since it was found
+    /// (in PostgreSQL: left its state or call, or changed within `unchanged_for`); says whether
+    /// it did.
+    async fn swap(
+        &self,
+        found: &Charge,
+        settled: &Charge,
+        event: Option<PaymentEvent>,
+        unchanged_for: Duration,
+    ) -> Result<bool, ApiError>;
+
+    /// Removes `found`, whose create call the provider never saw, unless it changed since (in
+    /// PostgreSQL: within `after`); says whether it went.
+    async fn remove(&self, found: &Charge, after: Duration) -> Result<bool, ApiError>;
+
+    /// Whether the account's operation under `provider_key` has a charge.
+    async fn has_operation(&self, account: &Account, provider_key: &str) -> Result<bool, ApiError>;
+
+    /// Stores `charge`, made from a provider payment no charge named, with `event`, unless its
+    /// operation has a charge by now; says whether it went in.
+    async fn adopt(&self, charge: Charge, event: Option<PaymentEvent>) -> Result<bool, ApiError>;
+}
+
+/// What `POST /v1/charges` asks for, once validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCharge {
+    pub amount: i64,
+    /// Lowercase.
+    pub currency: String,
+    pub source: Source,
+    /// Whether to capture at once, or only authorize.
+    pub capture: bool,
+    pub description: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// One charge.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Charge {
+    pub id: String,
+    pub account: Account,
+    pub amount: i64,
+    pub currency: String,
+    pub description: Option<String>,
+    pub source: Source,
+    pub capture: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub status: Status,
+    pub amount_refunded: i64,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    /// The provider's idempotency key of the create call: the operation.
+    pub provider_key: String,
+    /// The provider's payment id.
+    pub payment: String,
+    /// The provider's key of the last capture, refund or cancellation call (empty before one):
+    /// held while the charge is in that call's `-ing` state, so that a retry of the same request
+    /// resumes it and the reconciler can ask the provider what became of it.
+    pub call_key: String,
+    /// That call's amount, for a refund.
+    pub call_amount: i64,
+    /// Orders the charges (several may share a `created` second).
+    pub seq: u64,
+    /// When it last changed, in ms since the epoch (PostgreSQL keeps `updated_at`): what a
+    /// compare-and-set compares, and the reconciler leaves a recent charge alone.
+    #[serde(default)]
+    pub updated: u64,
+}
+
+impl Charge {
+    /// A new charge for `request`, `created`, with a fresh id.
+    pub fn new(account: Account, request: &NewCharge, provider_key: &str) -> Self {
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        Self {
+            id: new_id("ch"),
+            account,
+            amount: request.amount,
+            currency: request.currency.clone(),
+            description: request.description.clone(),
+            source: request.source,
+            capture: request.capture,
+            metadata: request.metadata.clone(),
+            status: Status::Created,
+            amount_refunded: 0,
+            created,
+            provider_key: provider_key.to_owned(),
+            payment: String::new(),
+            call_key: String::new(),
+            call_amount: 0,
+            seq: 0,
+            updated: now_ms(),
+        }
+    }
+
+    /// Whether the charge waits on a provider call: in one of the `-ing` states.
+    pub fn is_busy(&self) -> bool {
+        matches!(
+            self.status,
+            Status::Authorizing | Status::Capturing | Status::Refunding | Status::Canceling
+        )
+    }
+
+    /// Whether the charge was made for `request`.
+    pub fn is_for(&self, request: &NewCharge) -> bool {
+        self.amount == request.amount
+            && self.currency == request.currency
+            && self.source == request.source
+            && self.capture == request.capture
+            && self.description == request.description
+    }
+
+    /// Moves the charge along `event`, or refuses with `invalid_state` (nothing changes).
+    pub fn apply(&mut self, event: Event) -> Result<(), ApiError> {
+        self.status = next(self.status, event)
+            .ok_or_else(|| ApiError::invalid_state(self.status, event.operation()))?;
+        Ok(())
+    }
+
+    /// What is left to refund.
+    pub fn refundable(&self) -> i64 {
+        self.amount - self.amount_refunded
+    }
+
+    /// The charge as the API shows it.
+    pub fn to_json(&self) -> ChargeJson {
+        ChargeJson {
+            id: self.id.clone(),
+            object: "charge",
+            amount: self.amount,
+            currency: self.currency.clone(),
+            description: self.description.clone(),
+            metadata: self.metadata.clone(),
+            status: self.status.as_str(),
+            captured: matches!(
+                self.status,
+                Status::Captured | Status::Refunding | Status::Refunded
+            ),
+            amount_refunded: self.amount_refunded,
+            created: self.created,
+        }
+    }
+}
+
+/// A charge, as the API shows it.
+#[derive(Debug, Serialize)]
+pub struct ChargeJson {
+    id: String,
+    object: &'static str,
+    amount: i64,
+    currency: String,
+    description: Option<String>,
+    metadata: BTreeMap<String, String>,
+    status: &'static str,
+    captured: bool,
+    amount_refunded: i64,
+    created: u64,
+}
+
+/// What [`Ledger::open`] found for a new charge's key.
+#[derive(Debug)]
+pub enum Opened {
+    /// The charge is `authorizing`: call the provider. A new one, or one an earlier attempt left
+    /// there.
+    Authorizing(Charge),
+    /// An earlier attempt's charge, settled since (by the reconciler): the answer.
+    Settled(Charge),
+}
+
+/// A fresh, unguessable id such as `ch_3f9a0c1b7e2d4a68`.
+pub fn new_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, RandomState};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}_{:016x}", RandomState::new().hash_one(n))
+}
+
+/// What an open finds when the operation already has `earlier`: a refusal when it was made for
+/// another request, the answer once settled, else the charge resumed (touched, so that the
+/// reconciler leaves it alone while this attempt runs).
+async fn reopen(
+    ledger: &dyn Ledger,
+    request: &NewCharge,
+    earlier: Charge,
+) -> Result<Opened, ApiError> {
+    if !earlier.is_for(request) {
+        return Err(ApiError::idempotency_key_reused());
+    }
+    if earlier.status != Status::Authorizing {
+        return Ok(Opened::Settled(earlier));
+    }
+    let resumed = ledger
+        .update(&earlier.account, &earlier.id, &mut |_| Ok(()))
+        .await?;
+    if resumed.status != Status::Authorizing {
+        return Ok(Opened::Settled(resumed));
+    }
+    tracing::info!(charge = %resumed.id, "resuming a charge an earlier attempt left authorizing");
+    Ok(Opened::Authorizing(resumed))
+}
+
+/// A duration in milliseconds, saturated.
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,505 @@
+//! Test-only wrappers around the example's components: what a test counts, holds, hangs or
+//! fails, through the components' own traits, so that the production code has no hook for it.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::Json;
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{Extensions, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use tokio::sync::{Notify, OwnedRwLockWriteGuard, RwLock};
+
+use example_payments::auth::Account;
+use example_payments::balance::{Applied, Available, BalanceError, Balances};
+use example_payments::events::PaymentEvent;
+use example_payments::ledger::{Change, Charge, EventOf, Ledger, NewCharge, Opened};
+use example_payments::provider::{
+    Effect, KeyTable, KeyTableError, PaymentRecord, Provider, ProviderError, Used,
+};
+use example_payments::queue::{ConsumerConfig, Delivery, Queue, QueueConsumer, QueueError};
+
+type ApiResult<T> = Result<T, example_payments::error::ApiError>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A gate that holds whoever passes it while a test holds it shut, and counts who waits.
+#[derive(Debug, Default)]
+pub struct Gate {
+    lock: Arc<RwLock<()>>,
+    waiting: AtomicUsize,
+}
+
+impl Gate {
+    /// Shuts the gate until the guard is dropped.
+    pub async fn shut(&self) -> OwnedRwLockWriteGuard<()> {
+        self.lock.clone().write_owned().await
+    }
+
+    /// How many wait at it now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    async fn pass(&self) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        drop(self.lock.read().await);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The provider.
+
+/// Where every provider call stops for good, as a process that dies there would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hang {
+    /// Before the provider does anything.
+    BeforeEffect,
+    /// Once the provider did it (money moved, the key recorded), before it answers.
+    AfterEffect,
+}
+
+/// The provider's key table, counting the calls that did something, and able to hold every call
+/// before its effect ([`ProbedKeys::stall`], as a locked table would) or hang it.
+#[derive(Debug)]
+pub struct ProbedKeys {
+    inner: Arc<dyn KeyTable>,
+    effects: AtomicUsize,
+    stall: Gate,
+    hang: AtomicU8,
+}
+
+impl ProbedKeys {
+    pub fn new(inner: Arc<dyn KeyTable>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            effects: AtomicUsize::new(0),
+            stall: Gate::default(),
+            hang: AtomicU8::new(0),
+        })
+    }
+
+    /// How many calls did something (moved or held money, or recorded a decline): a call
+    /// repeated with the same key is not counted again.
+    pub fn effects(&self) -> usize {
+        self.effects.load(Ordering::SeqCst)
+    }
+
+    /// Holds every call before its effect until the guard is dropped: a caller that gives up
+    /// meanwhile does not stop it, and the held calls take effect once let go.
+    pub async fn stall(&self) -> OwnedRwLockWriteGuard<()> {
+        self.stall.shut().await
+    }
+
+    /// How many calls [`ProbedKeys::stall`] holds now.
+    pub fn stalled(&self) -> usize {
+        self.stall.waiting()
+    }
+
+    /// Makes every call from now on stop for good `at` that point.
+    pub fn hang(&self, at: Hang) {
+        let code = match at {
+            Hang::BeforeEffect => 1,
+            Hang::AfterEffect => 2,
+        };
+        self.hang.store(code, Ordering::SeqCst);
+    }
+
+    async fn hang_at(&self, code: u8) {
+        if self.hang.load(Ordering::SeqCst) == code {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[async_trait]
+impl KeyTable for ProbedKeys {
+    async fn get(&self, key: &str) -> Result<Option<Used>, KeyTableError> {
+        self.inner.get(key).await
+    }
+
+    async fn insert(
+        &self,
+        key: &str,
+        used: &Used,
+        effect: Effect,
+    ) -> Result<Result<Option<Used>, ProviderError>, KeyTableError> {
+        self.hang_at(1).await;
+        self.stall.pass().await;
+        let inserted = self.inner.insert(key, used, effect).await;
+        if matches!(inserted, Ok(Ok(None))) {
+            self.effects.fetch_add(1, Ordering::SeqCst);
+            self.hang_at(2).await;
+        }
+        inserted
+    }
+
+    async fn payments_since(
+        &self,
+        since: u64,
+        limit: usize,
+    ) -> Result<Vec<PaymentRecord>, KeyTableError> {
+        self.inner.payments_since(since, limit).await
+    }
+
+    async fn sweep(&self) -> Result<u64, KeyTableError> {
+        self.inner.sweep().await
+    }
+}
+
+/// In front of the provider's API: counts every call that reaches it, and answers `503` (nothing
+/// done) while the provider is down.
+#[derive(Debug, Default)]
+pub struct Outage {
+    calls: AtomicUsize,
+    down: AtomicBool,
+    down_for: AtomicUsize,
+}
+
+impl Outage {
+    /// How many calls reached the provider, repeated and refused ones included.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    /// Makes every call fail as unavailable until switched off.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Makes the next `calls` calls fail as unavailable: a provider down for a moment.
+    pub fn set_down_for(&self, calls: usize) {
+        self.down_for.store(calls, Ordering::SeqCst);
+    }
+
+    /// `provider`'s API behind this probe.
+    pub fn router(self: &Arc<Self>, provider: &Provider) -> Router {
+        provider
+            .router()
+            .layer(middleware::from_fn_with_state(self.clone(), probe))
+    }
+}
+
+async fn probe(State(outage): State<Arc<Outage>>, request: Request, next: Next) -> Response {
+    outage.calls.fetch_add(1, Ordering::SeqCst);
+    let counted_down = || {
+        (outage.down_for)
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    };
+    if outage.down.load(Ordering::SeqCst) || counted_down() {
+        let body = Json(serde_json::json!({ "error": "unavailable" }));
+        return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
+    }
+    next.run(request).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ledger.
+
+/// A ledger whose opens wait at a gate while a test holds it shut, right after the request's
+/// claim, as behind a locked `charges` table.
+#[derive(Debug)]
+pub struct GatedLedger {
+    inner: Arc<dyn Ledger>,
+    pub opens: Gate,
+}
+
+impl GatedLedger {
+    pub fn new(inner: Arc<dyn Ledger>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            opens: Gate::default(),
+        })
+    }
+}
+
+#[async_trait]
+impl Ledger for GatedLedger {
+    async fn open(
+        &self,
+        account: &Account,
+        provider_key: &str,
+        request: &NewCharge,
+    ) -> ApiResult<Opened> {
+        self.opens.pass().await;
+        self.inner.open(account, provider_key, request).await
+    }
+
+    async fn abandon(&self, charge: &Charge) {
+        self.inner.abandon(charge).await;
+    }
+
+    async fn record(
+        &self,
+        request: &Extensions,
+        charge: Charge,
+        event: EventOf<'_>,
+    ) -> ApiResult<Charge> {
+        self.inner.record(request, charge, event).await
+    }
+
+    async fn get(&self, account: &Account, id: &str) -> ApiResult<Charge> {
+        self.inner.get(account, id).await
+    }
+
+    async fn list(&self, account: &Account) -> ApiResult<Vec<Charge>> {
+        self.inner.list(account).await
+    }
+
+    async fn update(&self, account: &Account, id: &str, change: Change<'_>) -> ApiResult<Charge> {
+        self.inner.update(account, id, change).await
+    }
+
+    async fn settle(
+        &self,
+        request: &Extensions,
+        account: &Account,
+        id: &str,
+        change: Change<'_>,
+        event: EventOf<'_>,
+    ) -> ApiResult<Charge> {
+        self.inner.settle(request, account, id, change, event).await
+    }
+
+    async fn publish_again(&self, event: PaymentEvent) {
+        self.inner.publish_again(event).await;
+    }
+
+    async fn unsettled(&self, after: Duration, limit: usize) -> ApiResult<Vec<Charge>> {
+        self.inner.unsettled(after, limit).await
+    }
+
+    async fn swap(
+        &self,
+        found: &Charge,
+        settled: &Charge,
+        event: Option<PaymentEvent>,
+        unchanged_for: Duration,
+    ) -> ApiResult<bool> {
+        self.inner.swap(found, settled, event, unchanged_for).await
+    }
+
+    async fn remove(&self, found: &Charge, after: Duration) -> ApiResult<bool> {
+        self.inner.remove(found, after).await
+    }
+
+    async fn has_operation(&self, account: &Account, provider_key: &str) -> ApiResult<bool> {
+        self.inner.has_operation(account, provider_key).await
+    }
+
+    async fn adopt(&self, charge: Charge, event: Option<PaymentEvent>) -> ApiResult<bool> {
+        self.inner.adopt(charge, event).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The balances.
+
+/// A misbehaviour of [`Balances::apply`] for one event id.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// The next `times` attempts fail before changing anything.
+    Fail { times: usize },
+    /// The next `times` attempts apply the event, then fail: the effect made, its reply lost.
+    FailAfterApplying { times: usize },
+    /// The next attempt applies the event and then never returns, as a process that dies right
+    /// after the effect (the test aborts the consumer).
+    HangAfterApplying,
+    /// The next attempt signals `reached`, waits for `release`, then applies normally.
+    Hold {
+        reached: Arc<Notify>,
+        release: Arc<Notify>,
+    },
+}
+
+/// Balances that misbehave as injected, count the attempts at each injected event, and note the
+/// events the ledger applied anew, per account.
+#[derive(Debug)]
+pub struct FaultyBalances {
+    inner: Arc<dyn Balances>,
+    injected: Mutex<HashMap<String, Fault>>,
+    attempts: Mutex<HashMap<String, usize>>,
+    applied: Mutex<HashMap<String, HashSet<String>>>,
+}
+
+impl FaultyBalances {
+    pub fn new(inner: Arc<dyn Balances>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            injected: Mutex::default(),
+            attempts: Mutex::default(),
+            applied: Mutex::default(),
+        })
+    }
+
+    /// Makes the applies of `event_id` misbehave.
+    pub fn inject(&self, event_id: &str, fault: Fault) {
+        lock(&self.attempts).entry(event_id.to_owned()).or_default();
+        lock(&self.injected).insert(event_id.to_owned(), fault);
+    }
+
+    /// How many times the apply of `event_id` was attempted (counted for injected events).
+    pub fn attempts(&self, event_id: &str) -> usize {
+        lock(&self.attempts).get(event_id).copied().unwrap_or(0)
+    }
+
+    /// How many distinct events the ledger applied anew to `account`'s balance.
+    pub fn applied(&self, account: &str) -> usize {
+        lock(&self.applied).get(account).map_or(0, HashSet::len)
+    }
+
+    /// Counts an attempt at an injected event, and uses one fault up.
+    fn attempt(&self, event_id: &str) -> Option<Fault> {
+        *lock(&self.attempts).get_mut(event_id)? += 1;
+        let mut injected = lock(&self.injected);
+        let fault = injected.get_mut(event_id)?;
+        let current = fault.clone();
+        let used_up = match fault {
+            Fault::Fail { times } | Fault::FailAfterApplying { times } => {
+                *times = times.saturating_sub(1);
+                *times == 0
+            }
+            Fault::HangAfterApplying | Fault::Hold { .. } => true,
+        };
+        if used_up {
+            injected.remove(event_id);
+        }
+        Some(current)
+    }
+}
+
+#[async_trait]
+impl Balances for FaultyBalances {
+    async fn apply(&self, event: &PaymentEvent) -> Result<Applied, BalanceError> {
+        let fault = self.attempt(&event.id);
+        match &fault {
+            Some(Fault::Fail { .. }) => return Err(injected()),
+            Some(Fault::Hold { reached, release }) => {
+                reached.notify_one();
+                release.notified().await;
+            }
+            _ => {}
+        }
+        let applied = self.inner.apply(event).await?;
+        if applied == Applied::New {
+            let mut all = lock(&self.applied);
+            all.entry(event.account.clone())
+                .or_default()
+                .insert(event.id.clone());
+        }
+        match fault {
+            Some(Fault::FailAfterApplying { .. }) => Err(injected()),
+            Some(Fault::HangAfterApplying) => std::future::pending().await,
+            _ => Ok(applied),
+        }
+    }
+
+    async fn get(&self, account: &str) -> Result<Vec<Available>, BalanceError> {
+        self.inner.get(account).await
+    }
+}
+
+/// A transient failure, as an unreachable ledger's.
+fn injected() -> BalanceError {
+    BalanceError::Postgres(sqlx::Error::PoolTimedOut)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The queue.
+
+/// A queue that counts what is published, delivered and acked through it.
+#[derive(Debug)]
+pub struct CountingQueue {
+    inner: Arc<dyn Queue>,
+    counts: Arc<Mutex<QueueCounts>>,
+}
+
+#[derive(Debug, Default)]
+struct QueueCounts {
+    published: usize,
+    deliveries: HashMap<String, u64>,
+    acked: HashSet<String>,
+}
+
+impl CountingQueue {
+    pub fn new(inner: Arc<dyn Queue>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            counts: Arc::default(),
+        })
+    }
+
+    /// How many messages were published.
+    pub fn published(&self) -> usize {
+        lock(&self.counts).published
+    }
+
+    /// How many messages are not acknowledged yet: not delivered, or pending.
+    pub fn backlog(&self) -> usize {
+        let counts = lock(&self.counts);
+        counts.published - counts.acked.len()
+    }
+
+    /// How many times message `id` was delivered; `None` once it is acked (or never was).
+    pub fn delivery_count(&self, id: &str) -> Option<u64> {
+        let counts = lock(&self.counts);
+        let delivered = counts.deliveries.get(id).copied();
+        delivered.filter(|_| !counts.acked.contains(id))
+    }
+}
+
+#[async_trait]
+impl Queue for CountingQueue {
+    async fn publish(&self, payload: &str) -> Result<String, QueueError> {
+        let id = self.inner.publish(payload).await?;
+        lock(&self.counts).published += 1;
+        Ok(id)
+    }
+
+    async fn consumer(
+        &self,
+        name: &str,
+        config: ConsumerConfig,
+    ) -> Result<Box<dyn QueueConsumer>, QueueError> {
+        let inner = self.inner.consumer(name, config).await?;
+        let counts = self.counts.clone();
+        Ok(Box::new(CountingConsumer { inner, counts }))
+    }
+}
+
+#[derive(Debug)]
+struct CountingConsumer {
+    inner: Box<dyn QueueConsumer>,
+    counts: Arc<Mutex<QueueCounts>>,
+}
+
+#[async_trait]
+impl QueueConsumer for CountingConsumer {
+    async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
+        let batch = self.inner.receive().await?;
+        let mut counts = lock(&self.counts);
+        for delivery in &batch {
+            *counts.deliveries.entry(delivery.id.clone()).or_default() += 1;
+        }
+        Ok(batch)
+    }
+
+    async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
+        self.inner.ack(id).await?;
+        lock(&self.counts).acked.insert(id.to_owned());
+        Ok(())
+    }
+
+    async fn close(self: Box<Self>) {
+        self.inner.close().await;
+    }
+}
