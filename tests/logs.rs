@@ -1,127 +1,26 @@
 //! The layer's `tracing` events (PROTOCOL.md §12: every outcome is visible, with the key and scope
-//! hashed). One capturing subscriber is installed as the global default for
-//! this test binary (a thread-local one loses events when tests run in parallel, through tracing's
-//! shared callsite interest cache), and the tests take turns.
-
-use std::sync::{Arc, Mutex, OnceLock};
+//! hashed), captured by the binary's global subscriber; the tests take turns.
 
 use http::HeaderValue;
 use http::Method;
+use test_servers::logs::{Captured, LogEvent};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
 use tower_idempotency_test::{Faulty, Handler, created, keyed, post, send, service};
 
-/// One captured event: its target, and every field (its spans' and its own) as text.
-#[derive(Debug, Clone)]
-struct LogEvent {
-    target: String,
-    level: tracing::Level,
-    fields: Vec<(String, String)>,
+/// The layer's outcome events logged since `from`.
+fn outcomes_since(captured: &Captured, from: usize) -> Vec<LogEvent> {
+    (captured.since(from).into_iter())
+        .filter(|e| e.target == "tower_idempotency" && e.field("outcome").is_some())
+        .collect()
 }
-
-impl LogEvent {
-    fn field(&self, name: &str) -> Option<&str> {
-        self.fields
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// A `tracing` layer that keeps every event.
-#[derive(Debug, Clone, Default)]
-struct Captured(Arc<Mutex<Vec<LogEvent>>>);
-
-impl Captured {
-    fn events(&self) -> Vec<LogEvent> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// The layer's outcome events logged since `from`.
-    fn outcomes_since(&self, from: usize) -> Vec<LogEvent> {
-        self.events()
-            .into_iter()
-            .skip(from)
-            .filter(|e| e.target == "tower_idempotency" && e.field("outcome").is_some())
-            .collect()
-    }
-}
-
-struct FieldsAsText<'a>(&'a mut Vec<(String, String)>);
-
-impl tracing::field::Visit for FieldsAsText<'_> {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        self.0.push((field.name().to_owned(), value.to_owned()));
-    }
-
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push((field.name().to_owned(), format!("{value:?}")));
-    }
-}
-
-/// The fields of a span, kept in its extensions.
-struct SpanFields(Vec<(String, String)>);
-
-impl<S> tracing_subscriber::Layer<S> for Captured
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-{
-    fn on_new_span(
-        &self,
-        attrs: &tracing::span::Attributes<'_>,
-        id: &tracing::span::Id,
-        ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        let mut fields = Vec::new();
-        attrs.record(&mut FieldsAsText(&mut fields));
-        if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(SpanFields(fields));
-        }
-    }
-
-    /// Keeps the event with the fields of the spans it is in (outermost first), then its own.
-    fn on_event(&self, event: &tracing::Event<'_>, ctx: tracing_subscriber::layer::Context<'_, S>) {
-        let mut fields = Vec::new();
-        if let Some(scope) = ctx.event_scope(event) {
-            for span in scope.from_root() {
-                if let Some(span_fields) = span.extensions().get::<SpanFields>() {
-                    fields.extend(span_fields.0.iter().cloned());
-                }
-            }
-        }
-        event.record(&mut FieldsAsText(&mut fields));
-        let event = LogEvent {
-            target: event.metadata().target().to_owned(),
-            level: *event.metadata().level(),
-            fields,
-        };
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(event);
-    }
-}
-
-/// The global capture, installed once.
-fn captured() -> &'static Captured {
-    static CAPTURED: OnceLock<Captured> = OnceLock::new();
-    CAPTURED.get_or_init(|| {
-        use tracing_subscriber::layer::SubscriberExt;
-        let captured = Captured::default();
-        tracing::subscriber::set_global_default(
-            tracing_subscriber::registry().with(captured.clone()),
-        )
-        .expect("no other global subscriber in this binary");
-        captured
-    })
-}
-
-/// One test at a time, so the events between two snapshots are the running test's.
-static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Each protected request logs one outcome event (target `tower_idempotency`) carrying its
 /// `outcome`, and the key and scope as short hashes; neither the raw key, the raw scope nor the
 /// body ever appears in a log.
 #[tokio::test(start_paused = true)]
 async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let raw_key = "raw-key-4f1c9e";
     let body = "card=4242424242424242";
     let svc = service(
@@ -136,7 +35,7 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
             .expect("a request")
     };
 
-    let from = captured.events().len();
+    let from = captured.len();
     let mut tags = Vec::new();
     let cases = [
         (request("acct_a", raw_key, body), Outcome::Executed),
@@ -145,10 +44,10 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
         (request("acct_b", raw_key, body), Outcome::Executed),
     ];
     for (request, outcome) in cases {
-        let before = captured.events().len();
+        let before = captured.len();
         let reply = send(&svc, request).await;
         assert_eq!(reply.outcome, Some(outcome));
-        let events = captured.outcomes_since(before);
+        let events = outcomes_since(captured, before);
         assert_eq!(events.len(), 1, "one outcome event per request: {events:?}");
         let event = &events[0];
         assert_eq!(event.field("outcome"), Some(outcome.as_str()));
@@ -172,7 +71,7 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
     assert_ne!(tags[0].1, tags[3].1, "two scopes, two scope tags");
 
     // A key that cannot be parsed has no record: the event has the outcome alone.
-    let before = captured.events().len();
+    let before = captured.len();
     let invalid = http::Request::post("/acct_a")
         .header(
             "idempotency-key",
@@ -181,7 +80,7 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
         .body(axum::body::Body::from(body))
         .expect("a request");
     assert_eq!(send(&svc, invalid).await.outcome, Some(Outcome::Rejected));
-    let events = captured.outcomes_since(before);
+    let events = outcomes_since(captured, before);
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].field("outcome"), Some("rejected"));
     assert_eq!(events[0].level, tracing::Level::INFO);
@@ -191,10 +90,10 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
         IdempotencyLayer::new(MemoryStore::new()).single_tenant(),
         Handler::new(|_| async { Err("the handler failed".into()) }),
     );
-    let before = captured.events().len();
+    let before = captured.len();
     let reply = send(&failing, post("k", "x")).await;
     assert_eq!(reply.outcome, Some(Outcome::HandlerFailed));
-    let events = captured.outcomes_since(before);
+    let events = outcomes_since(captured, before);
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].level, tracing::Level::WARN);
 
@@ -212,14 +111,14 @@ async fn each_protected_request_logs_its_outcome_without_the_raw_key() {
 /// the request: they carry its key and scope tags.
 #[tokio::test(start_paused = true)]
 async fn events_of_the_detached_handler_carry_the_request_tags() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let faulty = Faulty::new(MemoryStore::new());
     let layer = IdempotencyLayer::new(faulty.clone());
     let shutdown = layer.shutdown_handle();
     let svc = service(layer, Handler::ok(|_| created("ok")));
 
-    let from = captured.events().len();
+    let from = captured.len();
     faulty.fail_writes(true);
     let reply = send(&svc, post("k", "x")).await;
     assert_eq!(reply.outcome, Some(Outcome::Executed));
@@ -252,8 +151,8 @@ async fn events_of_the_detached_handler_carry_the_request_tags() {
 /// number of refusals held back, not once or twice per refused request.
 #[tokio::test(start_paused = true)]
 async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let store = MemoryStore::with_capacity(0);
     let svc = service(IdempotencyLayer::new(store), Handler::ok(|_| created("ok")));
     let refusals = |from: usize| -> Vec<LogEvent> {
@@ -268,7 +167,7 @@ async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() 
             .collect()
     };
 
-    let from = captured.events().len();
+    let from = captured.len();
     for n in 0..50 {
         let reply = send(&svc, post(&format!("k{n}"), "x")).await;
         assert_eq!(reply.outcome, Some(Outcome::StoreUnavailable));
@@ -278,7 +177,7 @@ async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() 
     assert_eq!(warned[0].field("held_back"), Some("0"));
 
     tokio::time::sleep(std::time::Duration::from_secs(10)).await;
-    let from = captured.events().len();
+    let from = captured.len();
     assert_eq!(
         send(&svc, post("k-later", "x")).await.outcome,
         Some(Outcome::StoreUnavailable)
@@ -293,10 +192,10 @@ async fn repeated_store_refusals_are_warned_of_once_per_interval_with_a_count() 
 /// PROTOCOL.md §12.3.
 #[tokio::test(start_paused = true)]
 async fn store_refusals_are_warned_of_once_per_layer_whatever_builds_its_services() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let layer = IdempotencyLayer::new(MemoryStore::with_capacity(0));
-    let from = captured.events().len();
+    let from = captured.len();
     for n in 0..20 {
         // A service of its own for each request, from the layer or from a clone of it.
         let svc = service(layer.clone(), Handler::ok(|_| created("ok")));
@@ -323,8 +222,8 @@ async fn store_refusals_are_warned_of_once_per_layer_whatever_builds_its_service
 /// services it builds; a scoped layer, or one declared single-tenant, does not.
 #[tokio::test]
 async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let unscoped = |from: usize| {
         captured
             .events()
@@ -336,7 +235,7 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
             })
             .count()
     };
-    let from = captured.events().len();
+    let from = captured.len();
     let layer = IdempotencyLayer::new(MemoryStore::new());
     for n in 0..5 {
         let svc = service(layer.clone(), Handler::ok(|_| created("ok")));
@@ -344,7 +243,7 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
     }
     assert_eq!(unscoped(from), 1, "one warning for the layer's services");
 
-    let from = captured.events().len();
+    let from = captured.len();
     let scoped = IdempotencyLayer::new(MemoryStore::new())
         .scope(|_: &http::request::Parts| Ok(Scope::from("t")));
     let single = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
@@ -365,8 +264,8 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
 /// lands after them says how many failed. PROTOCOL.md §9.2, §12.3.
 #[tokio::test(start_paused = true)]
 async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let store = Faulty::new(MemoryStore::new());
     let (started, gate) = (
         std::sync::Arc::new(tokio::sync::Notify::new()),
@@ -376,7 +275,7 @@ async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them()
         IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
         tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
     );
-    let from = captured.events().len();
+    let from = captured.len();
     let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
     started.notified().await;
     store.fail_renewals(3);
@@ -407,8 +306,8 @@ async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them()
 /// PROTOCOL.md §9.5, §12.3.
 #[tokio::test(start_paused = true)]
 async fn a_write_that_lands_after_failures_says_so_once() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let landed_since = |from: usize| -> Vec<LogEvent> {
         captured
             .events()
@@ -426,7 +325,7 @@ async fn a_write_that_lands_after_failures_says_so_once() {
         IdempotencyLayer::new(store.clone()),
         Handler::ok(|_| created("ok")),
     );
-    let from = captured.events().len();
+    let from = captured.len();
     store.fail_writes(true);
     send(&svc, post("k", "x")).await;
     tokio::time::sleep(std::time::Duration::from_millis(350)).await;
@@ -448,7 +347,7 @@ async fn a_write_that_lands_after_failures_says_so_once() {
         .collect();
     assert_eq!(rewarned.len(), 0, "{rewarned:?}");
 
-    let from = captured.events().len();
+    let from = captured.len();
     let dedup = tower_idempotency::consumer::Deduplicator::new(MemoryStore::new(), "ledger");
     dedup
         .process("evt_1", || async { Ok::<_, std::convert::Infallible>(()) })
@@ -465,8 +364,8 @@ async fn a_write_that_lands_after_failures_says_so_once() {
 /// writes nothing and says so, once, naming the write. PROTOCOL.md §9.2, §12.3.
 #[tokio::test(start_paused = true)]
 async fn a_completion_after_a_lost_claim_says_nothing_was_written() {
-    let _turn = TURN.lock().await;
-    let captured = captured();
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
     let store = Faulty::new(MemoryStore::new());
     let (started, gate) = (
         std::sync::Arc::new(tokio::sync::Notify::new()),
@@ -476,7 +375,7 @@ async fn a_completion_after_a_lost_claim_says_nothing_was_written() {
         IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
         tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
     );
-    let from = captured.events().len();
+    let from = captured.len();
     let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
     started.notified().await;
     // Every renewal fails: the claim runs out, and the retry claims the key and completes it.

@@ -3,13 +3,13 @@
 //! once per request. One capturing subscriber is the global default of this test binary, which
 //! holds this one test, so every event it sees is the test's.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
+use test_servers::logs::{Captured, LogEvent};
 use test_servers::postgres_server::PostgresServer;
 use tower::ServiceExt;
 use tower_idempotency::store::Store;
@@ -21,70 +21,11 @@ use tower_idempotency_postgres::PgStore;
 use tower_idempotency_postgres::PgStoreError;
 use tracing::Level;
 
-/// One captured event: its level, its target and its fields (the message included) as text.
-#[derive(Debug, Clone)]
-struct LogEvent {
-    level: Level,
-    target: String,
-    fields: Vec<(String, String)>,
-}
-
-impl LogEvent {
-    fn field(&self, name: &str) -> Option<&str> {
-        self.fields
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-#[derive(Debug, Clone, Default)]
-struct Captured(Arc<Mutex<Vec<LogEvent>>>);
-
-impl Captured {
-    /// The crate's events at `level`.
-    fn at(&self, level: Level) -> Vec<LogEvent> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|e| e.level == level && e.target == "tower_idempotency")
-            .cloned()
-            .collect()
-    }
-}
-
-struct FieldsAsText<'a>(&'a mut Vec<(String, String)>);
-
-impl tracing::field::Visit for FieldsAsText<'_> {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        self.0.push((field.name().to_owned(), value.to_owned()));
-    }
-
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push((field.name().to_owned(), format!("{value:?}")));
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Captured {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        let mut fields = Vec::new();
-        event.record(&mut FieldsAsText(&mut fields));
-        let event = LogEvent {
-            level: *event.metadata().level(),
-            target: event.metadata().target().to_owned(),
-            fields,
-        };
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(event);
-    }
-}
-
-fn capture() -> Captured {
-    use tracing_subscriber::layer::SubscriberExt;
-    let captured = Captured::default();
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(captured.clone()))
-        .expect("no other global subscriber in this binary");
-    captured
+/// The layer's and the store's events at `level`.
+fn at(captured: &Captured, level: Level) -> Vec<LogEvent> {
+    (captured.events().into_iter())
+        .filter(|e| e.level == level && e.target == "tower_idempotency")
+        .collect()
 }
 
 /// Whether `err` is `Unavailable` with `PgStoreError::MissingTable` of the default table.
@@ -104,7 +45,7 @@ fn is_missing_table(err: &StoreError) -> bool {
 /// warning is not repeated per request. Once the table exists, the store works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_table_is_named_at_the_first_call_and_logged_once_with_its_fix() {
-    let captured = capture();
+    let captured = Captured::global();
     let server = PostgresServer::start();
     let store = PgStore::connect(&server.url()).expect("a store");
     let (id, fingerprint, lease) = (
@@ -158,7 +99,7 @@ async fn a_missing_table_is_named_at_the_first_call_and_logged_once_with_its_fix
         );
     }
 
-    let errors = captured.at(Level::ERROR);
+    let errors = at(captured, Level::ERROR);
     assert_eq!(errors.len(), 1, "the fix is logged once: {errors:?}");
     let message = errors[0].field("message").unwrap_or_default();
     assert!(
@@ -166,7 +107,7 @@ async fn a_missing_table_is_named_at_the_first_call_and_logged_once_with_its_fix
         "the log says what to do: {message}"
     );
     assert_eq!(errors[0].field("table"), Some("idempotency_records"));
-    let warnings = captured.at(Level::WARN);
+    let warnings = at(captured, Level::WARN);
     assert_eq!(
         warnings.len(),
         1,
@@ -184,5 +125,5 @@ async fn a_missing_table_is_named_at_the_first_call_and_logged_once_with_its_fix
         response.extensions().get::<Outcome>(),
         Some(&Outcome::Executed)
     );
-    assert_eq!(captured.at(Level::ERROR).len(), 1, "nothing more logged");
+    assert_eq!(at(captured, Level::ERROR).len(), 1, "nothing more logged");
 }
