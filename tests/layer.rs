@@ -1061,6 +1061,31 @@ async fn shutdown_counts_the_task_that_watches_a_key_for_its_waiters() {
     assert_eq!(shutdown.running(), 0);
 }
 
+/// A duplicate waiting in the layer that runs the first request is told the moment the first
+/// completes, not at its wait's next poll: the layer wakes the key's wait (PROTOCOL.md §6.6).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_in_the_same_layer_is_answered_as_the_first_request_completes() {
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(5));
+    let svc = service(layer, gated_handler(started.clone(), gate.clone(), "done"));
+    let first = spawn_send(&svc, post_request("k", "x"));
+    started.notified().await;
+    let duplicate = spawn_send(&svc, post_request("k", "x"));
+    // Long enough for the wait's polls to have backed off to their longest interval.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let released = tokio::time::Instant::now();
+    gate.notify_one();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.outcome, Some(Outcome::Replayed));
+    assert!(
+        released.elapsed() < Duration::from_millis(10),
+        "answered {:?} after the first completed",
+        released.elapsed()
+    );
+    assert_eq!(first.await.unwrap().outcome, Some(Outcome::Executed));
+}
+
 /// One tenant writing 60 KB records as fast as it can into a store every tenant shares: without a
 /// quota it fills the store and every other tenant gets `503`; with one, it is refused with `429`
 /// long before, and the others are untouched. PROTOCOL.md §3.4.
