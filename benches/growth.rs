@@ -22,7 +22,7 @@
 //!   records written by the layer) for JSON responses of 200 B, 2 KiB and 20 KiB, beside the
 //!   stored value's length (`STRLEN`) and the server's `used_memory` growth per record (the
 //!   keyspace's own entries included). Target, from 2 KiB up: at most 1.1 × the response + 100 B.
-//! - **postgres** (feature `postgres`): `growth/postgres.rs`, a table of a million records
+//! - **postgres**: `growth/postgres.rs`, a table of a million records
 //!   churning under a window of minutes, swept by the store's `DELETE` or kept in partitions
 //!   dropped whole.
 //!

@@ -1,5 +1,5 @@
 //! A store written as a user outside the crate writes one, with nothing but the public API, runs
-//! the exported contract suite (`tower_idempotency_test`, feature `test-util`) in one line.
+//! the exported contract suite (crate `tower-idempotency-test`) in one line.
 //!
 //! `TinyStore` is a `HashMap` behind a `Mutex`, expiring on tokio time: the smallest store that
 //! keeps the contract (PROTOCOL.md §10.1, §10.2).

@@ -1,4 +1,4 @@
-//! The client's half for gRPC (features `client` and `grpc`): [`GrpcRetryLayer`] over tonic's
+//! The client's half for gRPC (this crate's feature `grpc`): [`GrpcRetryLayer`] over tonic's
 //! `Channel`, or any tonic transport.
 //!
 //! Not a tonic interceptor: an interceptor sees one request on its way out and cannot send it
@@ -14,7 +14,8 @@
 //! | the attempt's timeout ran out | yes |
 //! | `UNAVAILABLE` (the store away, or the server's own) | yes, after its `RetryInfo` if it has one |
 //! | `ABORTED` (a call with the key in flight, or the server's own conflict) | yes, after its `RetryInfo` if it has one |
-//! | any other status: `OK`, `INVALID_ARGUMENT`, `FAILED_PRECONDITION` (the key used for another call), `ALREADY_EXISTS`, `INTERNAL`, ... | no: an answer |
+//! | `RESOURCE_EXHAUSTED` with a `RetryInfo` (a quota spent for now, as HTTP's `429`) | yes, after its `RetryInfo` |
+//! | any other status: `OK`, `INVALID_ARGUMENT`, `FAILED_PRECONDITION` (the key used for another call), `ALREADY_EXISTS`, `INTERNAL`, `RESOURCE_EXHAUSTED` without a `RetryInfo` (a limit such as a message's size), ... | no: an answer |
 //! | no `grpc-status` (not a gRPC answer: a proxy's 503) | as an HTTP answer ([module docs](super)) |
 //!
 //! The status is read where the server put it: in a trailers-only answer's headers, or in the

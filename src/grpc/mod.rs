@@ -71,7 +71,8 @@
 //! With tonic, the layer goes around the generated (or hand-written) server of the service, which
 //! it then stands for (`NamedService`): `Server::builder().add_service(layer.layer(server))`.
 //! `examples/grpc.rs` serves `payments.v1.Payments` so. The client's half is
-//! `client::GrpcRetryLayer` (features `grpc` and `client`).
+//! `tower_idempotency_client::GrpcRetryLayer` (crate `tower-idempotency-client`, its feature
+//! `grpc`).
 
 mod details;
 mod status;

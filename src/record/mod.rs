@@ -3,9 +3,12 @@
 //! A record is either [`InFlight`] (claimed, the handler is running) or [`Completed`] (the handler
 //! ran; its response, if it could be stored). [`RecordId`] names a record and [`ClaimToken`] fences
 //! the writes of the claim that made it; its [`Fence`] numbers the claims of a key.
-//! Stores that keep bytes (Redis, PostgreSQL) use [`Completed::encode`] and [`Record::decode`],
-//! and [`layout`] where a server-side script reads records in place; the memory store keeps the
-//! typed values.
+//! Every store of the workspace keeps a completed record as [`Completed::encode`] writes it and
+//! reads it back with [`Record::decode`]: Redis and PostgreSQL, and the memory store too (one
+//! allocation per record for the whole dedup window). Redis keeps an in-flight record encoded as
+//! well, and its scripts read the claim token and lease end in place, at the offsets of
+//! [`layout`]; PostgreSQL keeps an in-flight claim in the row's own columns, and the memory store
+//! as typed values.
 //!
 //! Encoding, version 1 (integers little-endian):
 //!

@@ -51,9 +51,11 @@ impl<St: Store> Shared<St> {
                 ..
             }) => {
                 let (status, mut headers, body, trailers) = match Arc::try_unwrap(stored) {
-                    // Decoded for this request (a shared store): moved, not copied.
+                    // Decoded for this request (every store of the workspace decodes its bytes per
+                    // claim, the memory store too): moved, not copied.
                     Ok(stored) => (stored.status, stored.headers, stored.body, stored.trailers),
-                    // Shared with the store (the memory store): copied, with room for the marker.
+                    // Still held elsewhere (a `ReplayCache`'s copy, or a store that keeps typed
+                    // records): copied, with room for the marker.
                     Err(stored) => {
                         let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
                         for (name, value) in &stored.headers {

@@ -3,9 +3,8 @@
 //! Redis keeps its own clock, so these cases run on real time with a short lease and window
 //! (the memory suite runs the same cases on paused time).
 //!
-//! The suite is the exported one (`tower_idempotency_test`, feature `test-util`);
-//! `support::contract` names it beside the `redis-server` fixture, as a store test of this
-//! repository does.
+//! The suite is the exported one (crate `tower-idempotency-test`), run by one `store_contract!`
+//! line over `support::RedisHarness`, as a store written outside this repository runs it.
 
 mod support;
 
