@@ -1,40 +1,19 @@
 //! The handlers of `/v1/charges`.
 //!
-//! Every handler that calls the provider runs behind the idempotency layer, takes the request's
-//! [`IdempotencyKey`] and passes the provider a key derived from it and the account: a retry that
-//! reaches the handler again (its idempotency record lost) reaches the provider with the same key.
-//! The calls go over the provider's HTTP API through the client retry layer
-//! (`provider/client.rs`), which retries a provider that is down for a moment before the handler
-//! gives up.
+//! Every handler that calls the provider runs behind the idempotency layer and passes the
+//! provider a key derived from the request's [`IdempotencyKey`] and the account: a retry that
+//! reaches the handler again (its record lost) reaches the provider with the same key. It commits
+//! the `-ing` state that holds the charge before the call, and writes the answer and its event
+//! with the request after it (in PostgreSQL, with the idempotency record).
 //!
-//! Every charge the provider approves, every capture and every refund publishes an event
-//! (`events.rs`) once its state is recorded; the ledger consumer turns the events into balances.
-//! A handler that runs again for the same effect publishes the same event id again, and the
-//! consumer applies it once.
-//!
-//! Each handler commits the `-ing` state that holds a charge before it calls the provider, and
-//! writes the provider's answer and its event with the request ([`Ledger::settle`]): with the
-//! charges in PostgreSQL, they commit together with the request's idempotency record.
-//!
-//! [`Ledger::settle`]: super::ledger::Ledger::settle
-//!
-//! # Fencing
-//! A lease is a promise about time: a handler stalled past its claim's lease (a locked table, a
-//! frozen database) may find that the client's retry took the key over and ran the request
-//! again. Every handler that calls the provider runs under a [`HeldClaim`], and:
-//!
-//! - asks [`HeldClaim::still_held`] right before the provider call, the irreversible step: a run
-//!   that was taken over stops there, records nothing, and answers `409`
-//!   `idempotency_key_superseded` (its client's retry gets the newer run's answer);
-//! - passes its [`HeldClaim::fence`] with the provider call: the provider keeps the largest fence
-//!   per key and refuses a smaller one, so a stale run that got past the check (its lease can run
-//!   out right after it) cannot act after the newer one did; it answers the same `409`.
-//!
-//! The ledger's writes need no fence of their own: one charge per operation is the store's
-//! constraint (`ledger/`), and with the charges in PostgreSQL the final writes go through the
-//! request's transaction, which commits only with the claim's record, so a displaced run's whole
-//! transaction rolls back. The provider call is outside every transaction of ours: the fence is
-//! what the provider refuses it by.
+//! **Fences.** A lease is a promise about time: a handler stalled past its claim's lease may find
+//! that the client's retry took the key over and ran again. So each handler asks
+//! [`HeldClaim::still_held`] right before the provider call, the irreversible step (a run taken
+//! over stops there and answers `409` `idempotency_key_superseded`), and passes its
+//! [`HeldClaim::fence`] with the call: the provider keeps the largest fence per key and refuses a
+//! smaller one, so a stale run that got past the check cannot act after the newer one did. The
+//! ledger's writes need no fence: one charge per operation is the store's constraint, and in
+//! PostgreSQL a displaced run's transaction rolls back whole.
 
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
@@ -160,12 +139,10 @@ async fn still_held(claim: Option<&HeldClaim>) -> Result<(), ApiError> {
     }
 }
 
-/// `POST /v1/charges`: 201 with the charge, 402 when the card is declined (a failed charge is
-/// recorded), 503 when the provider said it is unavailable (nothing is recorded: retry), 504 when
-/// its answer was lost (the charge stays `authorizing`: the retry with the same key, or the
-/// reconciler, learns the outcome), 400
-/// `idempotency_error` when the provider knows the key from another request (nothing is
-/// recorded). The body is JSON, or a form as Stripe's SDKs send it (`params.rs`).
+/// `POST /v1/charges`: 201 with the charge; 402 when the card is declined (a failed charge is
+/// recorded); 503 when the provider is unavailable (nothing recorded: retry); 504 when its answer
+/// was lost (the charge stays `authorizing`: the retry, or the reconciler, learns the outcome);
+/// 400 `idempotency_error` when the key names another request.
 pub async fn create(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
@@ -327,33 +304,61 @@ pub async fn get(
 
 /// `POST /v1/charges/{id}/capture`: takes the money of an authorized charge.
 pub async fn capture(
+    state: State<AppState>,
+    account: Extension<Account>,
+    key: IdempotencyKey,
+    extensions: Extensions,
+    id: Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
+    move_along(state, account, key, extensions, id, Event::Capture).await
+}
+
+/// `POST /v1/charges/{id}/cancel`: releases an authorized charge.
+pub async fn cancel(
+    state: State<AppState>,
+    account: Extension<Account>,
+    key: IdempotencyKey,
+    extensions: Extensions,
+    id: Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
+    move_along(state, account, key, extensions, id, Event::Cancel).await
+}
+
+/// A capture or a cancellation: `capturing` or `canceling` holds the charge during the provider
+/// call (a concurrent one gets `invalid_state`; this request's own earlier run, taken over, left
+/// it there and it goes on from it), then `captured` (with its event) or `canceled`.
+async fn move_along(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     key: IdempotencyKey,
     extensions: Extensions,
     Path(id): Path<String>,
+    begin: Event,
 ) -> Result<Json<ChargeJson>, ApiError> {
-    // The claim the request runs under (none when the layer let it through without one).
     let claim = extensions.get::<HeldClaim>().cloned();
     let call_key = provider_key(&key, &account);
-    // `capturing` holds the charge: a concurrent capture or cancel gets `invalid_state`; this
-    // request's own earlier run (taken over) left it there, and it goes on from it.
     let charge = (state.ledger)
-        .update(&account, &id, &mut |c| {
-            begin_call(c, Event::Capture, &call_key)
-        })
+        .update(&account, &id, &mut |c| begin_call(c, begin, &call_key))
         .await?;
     still_held(claim.as_ref()).await?;
-    let captured = (state.provider)
-        .capture(&call_key, fence(claim.as_ref()), &charge.payment)
-        .await;
-    if let Err(err) = captured {
+    let (provider, fence) = (&state.provider, fence(claim.as_ref()));
+    let (called, end) = match begin {
+        Event::Capture => (
+            provider.capture(&call_key, fence, &charge.payment).await,
+            Event::Captured,
+        ),
+        _ => (
+            provider.cancel(&call_key, fence, &charge.payment).await,
+            Event::Canceled,
+        ),
+    };
+    if let Err(err) = called {
         return Err(roll_back(&state, &account, &id, err).await);
     }
-    let end = &mut |c: &mut Charge| end_call(c, Event::Captured, &call_key);
-    let event = |c: &Charge| Some(PaymentEvent::captured(c));
+    let end_call = &mut |c: &mut Charge| end_call(c, end, &call_key);
+    let event = |c: &Charge| (end == Event::Captured).then(|| PaymentEvent::captured(c));
     let charge = (state.ledger)
-        .settle(&extensions, &account, &id, end, &event)
+        .settle(&extensions, &account, &id, end_call, &event)
         .await?;
     Ok(Json(charge.to_json()))
 }
@@ -471,36 +476,6 @@ pub async fn refund(
         status: "succeeded",
     };
     Ok((StatusCode::CREATED, Json(refund)))
-}
-
-/// `POST /v1/charges/{id}/cancel`: releases an authorized charge.
-pub async fn cancel(
-    State(state): State<AppState>,
-    Extension(account): Extension<Account>,
-    key: IdempotencyKey,
-    extensions: Extensions,
-    Path(id): Path<String>,
-) -> Result<Json<ChargeJson>, ApiError> {
-    // The claim the request runs under (none when the layer let it through without one).
-    let claim = extensions.get::<HeldClaim>().cloned();
-    let call_key = provider_key(&key, &account);
-    let charge = (state.ledger)
-        .update(&account, &id, &mut |c| {
-            begin_call(c, Event::Cancel, &call_key)
-        })
-        .await?;
-    still_held(claim.as_ref()).await?;
-    let canceled = (state.provider)
-        .cancel(&call_key, fence(claim.as_ref()), &charge.payment)
-        .await;
-    if let Err(err) = canceled {
-        return Err(roll_back(&state, &account, &id, err).await);
-    }
-    let end = &mut |c: &mut Charge| end_call(c, Event::Canceled, &call_key);
-    let charge = (state.ledger)
-        .settle(&extensions, &account, &id, end, &|_| None)
-        .await?;
-    Ok(Json(charge.to_json()))
 }
 
 /// The provider did nothing (it was unavailable, knew the key from another request, or refused a

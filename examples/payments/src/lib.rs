@@ -18,7 +18,7 @@ pub mod events;
 mod http_server;
 pub mod ledger;
 pub mod outbox;
-mod params;
+pub mod params;
 pub mod pg;
 pub mod prometheus;
 pub mod provider;

@@ -2051,3 +2051,179 @@ fn the_client_example_names_the_key_when_every_answer_is_cut_off() {
     let (status, stderr) = server.wait();
     assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The charges' state machine, one table of transitions.
+
+mod state_machine {
+    use Event as E;
+    use Status as S;
+    use example_payments::state_machine::{Event, STATUSES, Status, TRANSITIONS, next};
+
+    const EVENTS: [Event; 11] = [
+        E::Authorize,
+        E::Approved,
+        E::Declined,
+        E::Capture,
+        E::Captured,
+        E::Refund,
+        E::PartiallyRefunded,
+        E::Refunded,
+        E::Cancel,
+        E::Canceled,
+        E::ProviderDidNothing,
+    ];
+
+    #[test]
+    fn every_listed_transition_is_allowed() {
+        let expected = [
+            (S::Created, E::Authorize, S::Authorizing),
+            (S::Authorizing, E::Approved, S::Authorized),
+            (S::Authorizing, E::Declined, S::Failed),
+            (S::Authorizing, E::ProviderDidNothing, S::Created),
+            (S::Authorized, E::Capture, S::Capturing),
+            (S::Capturing, E::Captured, S::Captured),
+            (S::Capturing, E::ProviderDidNothing, S::Authorized),
+            (S::Authorized, E::Cancel, S::Canceling),
+            (S::Canceling, E::Canceled, S::Canceled),
+            (S::Canceling, E::ProviderDidNothing, S::Authorized),
+            (S::Captured, E::Refund, S::Refunding),
+            (S::Refunding, E::PartiallyRefunded, S::Captured),
+            (S::Refunding, E::Refunded, S::Refunded),
+            (S::Refunding, E::ProviderDidNothing, S::Captured),
+        ];
+        for (from, event, to) in expected {
+            assert_eq!(next(from, event), Some(to), "{from:?} --{event:?}-->");
+        }
+        assert_eq!(
+            TRANSITIONS.len(),
+            expected.len(),
+            "the table has unlisted rows"
+        );
+    }
+
+    #[test]
+    fn the_table_is_a_function() {
+        for (i, (from, event, _)) in TRANSITIONS.iter().enumerate() {
+            for (other_from, other_event, _) in &TRANSITIONS[i + 1..] {
+                assert!(
+                    (from, event) != (other_from, other_event),
+                    "{from:?} --{event:?}--> is listed twice"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn disallowed_transitions_are_refused() {
+        let refused = [
+            (S::Created, E::Capture),
+            (S::Created, E::Refund),
+            (S::Authorizing, E::Capture),
+            (S::Authorized, E::Refund),
+            (S::Authorized, E::Authorize),
+            (S::Capturing, E::Capture),
+            (S::Capturing, E::Cancel),
+            (S::Captured, E::Capture),
+            (S::Captured, E::Cancel),
+            (S::Refunding, E::Refund),
+            (S::Refunded, E::Refund),
+            (S::Refunded, E::Capture),
+            (S::Canceling, E::Cancel),
+            (S::Canceled, E::Capture),
+            (S::Canceled, E::Cancel),
+            (S::Failed, E::Capture),
+            (S::Failed, E::Authorize),
+        ];
+        for (from, event) in refused {
+            assert_eq!(
+                next(from, event),
+                None,
+                "{from:?} --{event:?}--> must be refused"
+            );
+        }
+    }
+
+    #[test]
+    fn every_status_reads_back() {
+        for status in STATUSES {
+            assert_eq!(Status::parse(status.as_str()), Some(status));
+        }
+        assert_eq!(Status::parse("paid"), None);
+    }
+
+    #[test]
+    fn final_states_have_no_way_out() {
+        for status in [S::Refunded, S::Canceled, S::Failed] {
+            for event in EVENTS {
+                assert_eq!(next(status, event), None, "{status:?} --{event:?}-->");
+            }
+        }
+    }
+
+    #[test]
+    fn every_state_is_reachable_from_created() {
+        let mut reached = vec![S::Created];
+        let mut i = 0;
+        while let Some(&status) = reached.get(i) {
+            for event in EVENTS {
+                if let Some(to) = next(status, event).filter(|to| !reached.contains(to)) {
+                    reached.push(to);
+                }
+            }
+            i += 1;
+        }
+        for status in STATUSES {
+            assert!(reached.contains(&status), "{status:?} is unreachable");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameters as Stripe's SDKs send them.
+
+mod params {
+    use axum::http::HeaderMap;
+    use axum::http::header::CONTENT_TYPE;
+    use example_payments::params::{Form, is_form};
+
+    #[test]
+    fn a_stripe_python_body_parses() {
+        let body = b"amount=2000&currency=usd&source=tok_visa&capture=false\
+                     &description=a+red+bicycle&metadata[order_id]=6735&metadata%5Bnote%5D=caf%C3%A9";
+        let mut form = Form::parse(body);
+        assert_eq!(form.integer("amount").unwrap(), Some(2000));
+        assert_eq!(form.text("currency").as_deref(), Some("usd"));
+        assert_eq!(form.text("source").as_deref(), Some("tok_visa"));
+        assert_eq!(form.boolean("capture").unwrap(), Some(false));
+        assert_eq!(form.text("description").as_deref(), Some("a red bicycle"));
+        let metadata = form.metadata().unwrap();
+        assert_eq!(metadata["order_id"], "6735");
+        assert_eq!(metadata["note"], "café");
+        form.finish().unwrap();
+    }
+
+    #[test]
+    fn unknown_and_invalid_parameters_are_refused() {
+        let mut form = Form::parse(b"amount=ten&customer=cus_1");
+        assert!(form.integer("amount").is_err());
+        assert!(form.finish().is_err());
+        let mut form = Form::parse(b"capture=yes");
+        assert!(form.boolean("capture").is_err());
+    }
+
+    #[test]
+    fn the_content_type_chooses_the_encoding() {
+        let mut headers = HeaderMap::new();
+        assert!(!is_form(&headers));
+        headers.insert(
+            CONTENT_TYPE,
+            "application/x-www-form-urlencoded; charset=utf-8"
+                .parse()
+                .unwrap(),
+        );
+        assert!(is_form(&headers));
+        headers.insert(CONTENT_TYPE, "application/json".parse().unwrap());
+        assert!(!is_form(&headers));
+    }
+}

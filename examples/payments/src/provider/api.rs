@@ -1,20 +1,20 @@
-//! The provider's HTTP API: what its client (`client.rs`) calls, as a service calls a real
-//! provider's. An axum [`Router`], served in process: a `Router` is a tower `Service`, so no
-//! socket stands between the example and its provider.
+//! The provider's HTTP API, what its client (`client.rs`) calls as a service calls a real
+//! provider's: an axum [`Router`] served in process (a `Router` is a tower `Service`, so no socket
+//! stands between the example and its provider).
 //!
 //! | request | answer |
 //! |---|---|
 //! | `POST /v1/payments` `{"source", "amount", "capture", "reference"}` | `{"id", "outcome"}` |
-//! | `GET /v1/payments?created_gte=&limit=` | `{"data": [payment, ...]}`, oldest first |
 //! | `POST /v1/payments/{id}/capture`, `/cancel` | `{"id"}` |
 //! | `POST /v1/refunds` `{"payment", "amount"}` | `{"id"}` (the refund's) |
-//! | `GET /v1/calls/{key}?request=` | `{"id"}` of the call with that key and request, or `404` |
+//! | `GET /v1/payments?created_gte=&limit=` | `{"data": [payment, ...]}`, oldest first |
+//! | `GET /v1/calls/{key}?request=` | `{"id"}` of the call with that key and request |
 //!
-//! Every `POST` needs an `Idempotency-Key`, and may carry its caller's fence in
-//! `Idempotency-Fence` (a decimal `u64`; without it, 0). Refusals are `{"error": code}`: `503`
+//! Every `POST` carries an `Idempotency-Key` and its caller's fence in `Idempotency-Fence` (a
+//! decimal `u64`; 0 without it). A refusal is `{"error": ...}`, a [`ProviderError`]: `503`
 //! `unavailable` (nothing happened), `422` `key_reused`, `412` `superseded`, `400`
-//! `amount_too_large` (with `"refundable"`), `404` `no_such_payment`, `400` for a request it
-//! cannot read. `500` `unknown` is no refusal: the provider failed midway.
+//! `amount_too_large`, `404` `no_such_payment` (or no such call). `500` `unknown` is no refusal:
+//! the provider failed midway, and the call may have taken effect.
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -37,16 +37,8 @@ pub struct NewPayment {
     pub source: Source,
     pub amount: i64,
     pub capture: bool,
-    /// The caller's own reference, kept with the payment (not part of the request a key binds).
-    #[serde(default)]
+    /// The caller's own reference, kept with the payment (not part of what a key binds).
     pub reference: String,
-}
-
-/// A new payment, as the API answers it.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct PaymentJson {
-    pub id: String,
-    pub outcome: Outcome,
 }
 
 /// The body of `POST /v1/refunds`.
@@ -70,24 +62,35 @@ pub struct CallQuery {
     pub request: String,
 }
 
-/// A page of payments.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct PaymentList {
+/// What the API answers: an id, a payment's outcome, a page of payments.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Answer {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub data: Vec<PaymentRecord>,
 }
 
-/// What a capture, a cancellation, a refund or a look-up answers: an id.
+/// A refusal, as the API writes it.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct IdJson {
-    pub id: String,
+pub struct Refusal {
+    pub error: ProviderError,
 }
 
-/// A refusal: `{"error": code}`, and what is left to refund with `amount_too_large`.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ErrorJson {
-    pub error: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub refundable: Option<i64>,
+impl IntoResponse for ProviderError {
+    fn into_response(self) -> Response {
+        let status = match self {
+            ProviderError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProviderError::Unknown => StatusCode::INTERNAL_SERVER_ERROR,
+            ProviderError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            ProviderError::Superseded => StatusCode::PRECONDITION_FAILED,
+            ProviderError::NoSuchPayment => StatusCode::NOT_FOUND,
+            ProviderError::AmountTooLarge { .. } => StatusCode::BAD_REQUEST,
+        };
+        (status, Json(Refusal { error: self })).into_response()
+    }
 }
 
 /// The provider's API over `provider`.
@@ -101,124 +104,107 @@ pub fn router(provider: Provider) -> Router {
         .with_state(provider)
 }
 
-/// A refusal of the API.
-struct Refusal(StatusCode, &'static str, Option<i64>);
+type Answered = Result<Json<Answer>, Refused>;
 
-impl IntoResponse for Refusal {
-    fn into_response(self) -> Response {
-        let (error, refundable) = (self.1.to_owned(), self.2);
-        (self.0, Json(ErrorJson { error, refundable })).into_response()
-    }
-}
+/// A refusal: the provider's, or `400` for a request without a key or with a bad fence.
+struct Refused(Option<ProviderError>);
 
-impl From<ProviderError> for Refusal {
+impl From<ProviderError> for Refused {
     fn from(err: ProviderError) -> Self {
-        let (status, code) = match err {
-            ProviderError::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ProviderError::Unknown => (StatusCode::INTERNAL_SERVER_ERROR, "unknown"),
-            ProviderError::KeyReused => (StatusCode::UNPROCESSABLE_ENTITY, "key_reused"),
-            ProviderError::Superseded => (StatusCode::PRECONDITION_FAILED, "superseded"),
-            ProviderError::NoSuchPayment => (StatusCode::NOT_FOUND, "no_such_payment"),
-            ProviderError::AmountTooLarge { refundable, .. } => {
-                return Refusal(
-                    StatusCode::BAD_REQUEST,
-                    "amount_too_large",
-                    Some(refundable),
-                );
-            }
-        };
-        Refusal(status, code, None)
+        Refused(Some(err))
     }
 }
 
-/// The request's key and fence (0 without one), or `400`.
-fn key_and_fence(headers: &HeaderMap) -> Result<(&str, u64), Refusal> {
-    let key = (headers.get(KEY_HEADER).and_then(|key| key.to_str().ok()))
-        .filter(|key| !key.is_empty())
-        .ok_or(Refusal(
-            StatusCode::BAD_REQUEST,
-            "idempotency_key_missing",
-            None,
-        ))?;
-    let fence = match headers.get(FENCE_HEADER) {
-        None => Some(0),
-        Some(value) => value.to_str().ok().and_then(|text| text.parse().ok()),
-    };
-    let fence = fence.ok_or(Refusal(StatusCode::BAD_REQUEST, "fence_invalid", None))?;
-    Ok((key, fence))
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        match self.0 {
+            Some(err) => err.into_response(),
+            None => StatusCode::BAD_REQUEST.into_response(),
+        }
+    }
+}
+
+/// The request's key and fence.
+fn key_and_fence(headers: &HeaderMap) -> Result<(&str, u64), Refused> {
+    let text = |name| headers.get(name).and_then(|value| value.to_str().ok());
+    let fence = text(FENCE_HEADER).map_or(Some(0), |fence| fence.parse().ok());
+    match (text(KEY_HEADER).filter(|key| !key.is_empty()), fence) {
+        (Some(key), Some(fence)) => Ok((key, fence)),
+        _ => Err(Refused(None)),
+    }
+}
+
+fn id(id: String) -> Json<Answer> {
+    Json(Answer {
+        id,
+        ..Answer::default()
+    })
 }
 
 async fn create_payment(
     State(provider): State<Provider>,
     headers: HeaderMap,
     Json(new): Json<NewPayment>,
-) -> Result<Json<PaymentJson>, Refusal> {
+) -> Answered {
     let (key, fence) = key_and_fence(&headers)?;
+    let (source, amount, capture) = (new.source, new.amount, new.capture);
     let payment = provider
-        .create_payment(
-            key,
-            fence,
-            new.source,
-            new.amount,
-            new.capture,
-            &new.reference,
-        )
+        .create_payment(key, fence, source, amount, capture, &new.reference)
         .await?;
-    Ok(Json(PaymentJson {
+    Ok(Json(Answer {
         id: payment.id,
-        outcome: payment.outcome,
+        outcome: Some(payment.outcome),
+        data: Vec::new(),
     }))
-}
-
-async fn list_payments(
-    State(provider): State<Provider>,
-    Query(query): Query<ListQuery>,
-) -> Result<Json<PaymentList>, Refusal> {
-    let data = provider
-        .payments_since(query.created_gte, query.limit)
-        .await?;
-    Ok(Json(PaymentList { data }))
 }
 
 async fn capture(
     State(provider): State<Provider>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Json<IdJson>, Refusal> {
+    Path(pay): Path<String>,
+) -> Answered {
     let (key, fence) = key_and_fence(&headers)?;
-    provider.capture(key, fence, &id).await?;
-    Ok(Json(IdJson { id }))
+    provider.capture(key, fence, &pay).await?;
+    Ok(id(pay))
 }
 
 async fn cancel(
     State(provider): State<Provider>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Json<IdJson>, Refusal> {
+    Path(pay): Path<String>,
+) -> Answered {
     let (key, fence) = key_and_fence(&headers)?;
-    provider.cancel(key, fence, &id).await?;
-    Ok(Json(IdJson { id }))
+    provider.cancel(key, fence, &pay).await?;
+    Ok(id(pay))
 }
 
 async fn refund(
     State(provider): State<Provider>,
     headers: HeaderMap,
     Json(new): Json<NewRefund>,
-) -> Result<Json<IdJson>, Refusal> {
+) -> Answered {
     let (key, fence) = key_and_fence(&headers)?;
-    let id = provider
-        .refund(key, fence, &new.payment, new.amount)
-        .await?;
-    Ok(Json(IdJson { id }))
+    let refund = provider.refund(key, fence, &new.payment, new.amount);
+    Ok(id(refund.await?))
+}
+
+async fn list_payments(
+    State(provider): State<Provider>,
+    Query(query): Query<ListQuery>,
+) -> Answered {
+    let data = provider.payments_since(query.created_gte, query.limit);
+    let data = data.await?;
+    Ok(Json(Answer {
+        data,
+        ..Answer::default()
+    }))
 }
 
 async fn find_call(
     State(provider): State<Provider>,
     Path(key): Path<String>,
     Query(query): Query<CallQuery>,
-) -> Result<Json<IdJson>, Refusal> {
-    match provider.find_call(&key, &query.request).await? {
-        Some(id) => Ok(Json(IdJson { id })),
-        None => Err(Refusal(StatusCode::NOT_FOUND, "no_such_call", None)),
-    }
+) -> Answered {
+    let found = provider.find_call(&key, &query.request).await?;
+    Ok(id(found.ok_or(ProviderError::NoSuchPayment)?))
 }

@@ -1,23 +1,14 @@
 //! The example's client of its provider: every call goes over the provider's HTTP API
-//! (`api.rs`) through the crate's [`IdempotentRetryLayer`], as a service calls a real provider.
+//! (`api.rs`) through the crate's [`IdempotentRetryLayer`], with the key the handler derived as
+//! its `Idempotency-Key` and its claim's fence as `Idempotency-Fence`: every attempt, and every
+//! later request that derives the same key, names one operation, and the provider answers a
+//! repeat with the first reply. A `503` (the provider down) is retried before the charge gives
+//! up; a refusal is not.
 //!
-//! Each call carries the key the handler derived from the client's `Idempotency-Key` as its own
-//! `Idempotency-Key` (the layer keeps a caller's key), so every attempt, and every later request
-//! that derives the same key, names one operation, and the provider's key table answers a repeat
-//! with the first reply. The layer retries what may not have happened or what the provider asks
-//! to have again: a `503` (the provider down: `tok_pspUnavailable`, an outage) is retried before
-//! the charge gives up; a `422` (a key used for another request) is not.
-//!
-//! Each call also carries the handler's fence (the number of the claim it runs under) as
-//! `Idempotency-Fence`: the provider refuses a call whose fence is smaller than one the key has
-//! seen (`412` `superseded`, [`ProviderError::Superseded`], not retried).
-//!
-//! The answers map back to [`Payment`] and [`ProviderError`], as the in-process calls answered,
-//! so the charges' state machine does not change. A call whose outcome is not known is
-//! [`ProviderError::Unknown`], never [`ProviderError::Unavailable`]: no answer within the
-//! deadline, an unreadable one, the provider's `500`, and a final `503` when an earlier attempt
-//! of the same call went unanswered (the provider may still be making it). Only a `503` to
-//! every attempt says nothing happened.
+//! A call whose outcome is not known is [`ProviderError::Unknown`], never
+//! [`ProviderError::Unavailable`]: no answer within the deadline, an unreadable one, the
+//! provider's `500`, and a final `503` after an attempt that went unanswered (the provider may
+//! still be making it). Only a `503` to every attempt says nothing happened.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,40 +23,34 @@ use axum::http::{Method, Request, StatusCode, header};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency_client::IdempotentRetryLayer;
 
 use super::api::{
-    CallQuery, ErrorJson, FENCE_HEADER, IdJson, KEY_HEADER, ListQuery, NewPayment, NewRefund,
-    PaymentJson, PaymentList,
+    Answer, CallQuery, FENCE_HEADER, KEY_HEADER, ListQuery, NewPayment, NewRefund, Refusal,
 };
 use super::{Payment, PaymentRecord, ProviderError, Request as Call, Source};
 
-/// The most times one provider call is sent: 3, so a provider that is down for a moment (a
-/// `503`) gets two more tries within the charge request, and one that is down for good costs a
-/// request three calls, not more.
+/// The most times one call is sent: 3, so a provider down for a moment gets two more tries
+/// within the charge request, and one down for good costs a request three calls.
 pub const ATTEMPTS: u32 = 3;
 
-/// How long one attempt may take: 3 s, far above a provider's usual answer (and the test's
-/// slowest simulated provider, 2 s), so that only a provider that hangs times out.
+/// How long one attempt may take: 3 s, far above a provider's usual answer, so that only a
+/// provider that hangs times out.
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How long a provider call may take in all, attempts and waits: 8 s. The call runs inside a
-/// charge request whose own client is waiting: it ends well before that client's attempt
-/// timeout (10 s by default with [`IdempotentRetryLayer`]), after which the client retries and is
-/// answered `409` while this request still runs, and well before a shutdown's drain
-/// (`SHUTDOWN_TIMEOUT_MS`, 20 s), which would cut the request off.
+/// How long a call may take in all: 8 s, well before the charge's own client gives up (10 s by
+/// default with [`IdempotentRetryLayer`]) and before a shutdown's drain (20 s) cuts it off.
 pub const DEADLINE: Duration = Duration::from_secs(8);
 
-/// The backoff between attempts: up to 50 ms before the first retry, doubling, at most 500 ms. A
-/// retry inside a request the client is waiting on is worth making soon, or not at all.
+/// The backoff between attempts: from 50 ms, doubling, at most 500 ms: a retry inside a request
+/// the client is waiting on is worth making soon, or not at all.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_millis(500));
 
-/// The largest answer read from the provider: its answers are a few dozen bytes.
+/// The largest answer read: the provider's are a few dozen bytes.
 const ANSWER_LIMIT: usize = 64 * 1024;
 
-/// A client of the provider's API; clones share the provider.
+/// A client of the provider's API; clones share it.
 #[derive(Debug, Clone)]
 pub struct ProviderClient {
     retry: IdempotentRetryLayer,
@@ -73,8 +58,7 @@ pub struct ProviderClient {
 }
 
 impl ProviderClient {
-    /// A client of the provider's API `api` ([`Provider::router`](super::Provider::router)),
-    /// served in process.
+    /// A client of the provider's API `api` ([`Provider::router`](super::Provider::router)).
     pub fn new(api: Router) -> Self {
         let retry = IdempotentRetryLayer::new()
             .max_attempts(ATTEMPTS)
@@ -84,24 +68,8 @@ impl ProviderClient {
         Self { retry, api }
     }
 
-    /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the Unix epoch),
-    /// oldest first.
-    pub async fn payments_since(
-        &self,
-        since: u64,
-        limit: usize,
-    ) -> Result<Vec<PaymentRecord>, ProviderError> {
-        let query = ListQuery {
-            created_gte: since,
-            limit,
-        };
-        let path = format!("/v1/payments?{}", query_string(&query)?);
-        let (status, answer) = self.send(Method::GET, &path, None, None).await?;
-        decode::<PaymentList>(status, &answer).map(|list| list.data)
-    }
-
-    /// `POST /v1/payments`: creates a payment of `amount` from `source`, authorized only or
-    /// also captured, under the claim numbered `fence`.
+    /// `POST /v1/payments`: a payment of `amount` from `source`, authorized only or captured,
+    /// under the claim numbered `fence`; `reference` is kept with it.
     pub async fn create_payment(
         &self,
         key: &str,
@@ -111,25 +79,57 @@ impl ProviderClient {
         capture: bool,
         reference: &str,
     ) -> Result<Payment, ProviderError> {
-        let body = NewPayment {
+        let reference = reference.to_owned();
+        let body = json(&NewPayment {
             source,
             amount,
             capture,
-            reference: reference.to_owned(),
-        };
-        let (status, answer) = self
-            .send(
-                Method::POST,
-                "/v1/payments",
-                Some((key, fence)),
-                Some(json(&body)?),
-            )
+            reference,
+        })?;
+        let answer = self
+            .call(Method::POST, "/v1/payments", Some((key, fence)), body)
             .await?;
-        let payment: PaymentJson = decode(status, &answer)?;
+        let outcome = answer
+            .outcome
+            .ok_or_else(|| unusable("reading the answer", &Missing))?;
         Ok(Payment {
-            id: payment.id,
-            outcome: payment.outcome,
+            id: answer.id,
+            outcome,
         })
+    }
+
+    /// `POST /v1/payments/{id}/capture`.
+    pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+        let path = format!("/v1/payments/{payment}/capture");
+        self.call(Method::POST, &path, Some((key, fence)), Bytes::new())
+            .await
+            .map(drop)
+    }
+
+    /// `POST /v1/refunds`: the refund's id.
+    pub async fn refund(
+        &self,
+        key: &str,
+        fence: u64,
+        payment: &str,
+        amount: i64,
+    ) -> Result<String, ProviderError> {
+        let body = json(&NewRefund {
+            payment: payment.to_owned(),
+            amount,
+        })?;
+        let answer = self
+            .call(Method::POST, "/v1/refunds", Some((key, fence)), body)
+            .await?;
+        Ok(answer.id)
+    }
+
+    /// `POST /v1/payments/{id}/cancel`.
+    pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+        let path = format!("/v1/payments/{payment}/cancel");
+        self.call(Method::POST, &path, Some((key, fence)), Bytes::new())
+            .await
+            .map(drop)
     }
 
     /// `GET /v1/calls/{key}`: the id a call with `key` answered for `call`, or `None` (no such
@@ -144,105 +144,81 @@ impl ProviderClient {
         })?;
         let key: String = form_urlencoded::byte_serialize(key.as_bytes()).collect();
         let path = format!("/v1/calls/{key}?{query}");
-        let (status, answer) = self.send(Method::GET, &path, None, None).await?;
-        if status == StatusCode::NOT_FOUND {
-            return Ok(None);
+        match self.call(Method::GET, &path, None, Bytes::new()).await {
+            Ok(answer) => Ok(Some(answer.id)),
+            Err(ProviderError::NoSuchPayment) => Ok(None),
+            Err(err) => Err(err),
         }
-        decode::<IdJson>(status, &answer).map(|call| Some(call.id))
     }
 
-    /// `POST /v1/payments/{id}/capture`: captures an authorized payment.
-    pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
-        let path = format!("/v1/payments/{payment}/capture");
-        let (status, answer) = self
-            .send(Method::POST, &path, Some((key, fence)), None)
-            .await?;
-        decode::<IdJson>(status, &answer).map(drop)
-    }
-
-    /// `POST /v1/refunds`: refunds `amount` of a captured payment; answers the refund's id.
-    pub async fn refund(
+    /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the epoch),
+    /// oldest first: the provider's payments report.
+    pub async fn payments_since(
         &self,
-        key: &str,
-        fence: u64,
-        payment: &str,
-        amount: i64,
-    ) -> Result<String, ProviderError> {
-        let body = NewRefund {
-            payment: payment.to_owned(),
-            amount,
-        };
-        let (status, answer) = self
-            .send(
-                Method::POST,
-                "/v1/refunds",
-                Some((key, fence)),
-                Some(json(&body)?),
-            )
-            .await?;
-        decode::<IdJson>(status, &answer)
-            .map(|refund| refund.id)
-            .map_err(|err| match err {
-                ProviderError::AmountTooLarge { refundable, .. } => {
-                    ProviderError::AmountTooLarge { amount, refundable }
-                }
-                err => err,
-            })
+        since: u64,
+        limit: usize,
+    ) -> Result<Vec<PaymentRecord>, ProviderError> {
+        let query = query_string(&ListQuery {
+            created_gte: since,
+            limit,
+        })?;
+        let path = format!("/v1/payments?{query}");
+        Ok(self
+            .call(Method::GET, &path, None, Bytes::new())
+            .await?
+            .data)
     }
 
-    /// `POST /v1/payments/{id}/cancel`: releases an authorized payment.
-    pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
-        let path = format!("/v1/payments/{payment}/cancel");
-        let (status, answer) = self
-            .send(Method::POST, &path, Some((key, fence)), None)
-            .await?;
-        decode::<IdJson>(status, &answer).map(drop)
-    }
-
-    /// Sends one call through the retry layer, with a key and its fence and a JSON `body` if
-    /// given: the final answer's status and body.
-    async fn send(
+    /// Sends one call through the retry layer, with a key and its fence if given, and a JSON
+    /// `body` unless empty: the answer, or the provider's refusal.
+    async fn call(
         &self,
         method: Method,
         path: &str,
         key: Option<(&str, u64)>,
-        body: Option<Bytes>,
-    ) -> Result<(StatusCode, Bytes), ProviderError> {
+        body: Bytes,
+    ) -> Result<Answer, ProviderError> {
         let mut request = Request::builder().method(method).uri(path);
         if let Some((key, fence)) = key {
             request = request
                 .header(KEY_HEADER, key)
                 .header(FENCE_HEADER, fence.to_string());
         }
-        if body.is_some() {
+        if !body.is_empty() {
             request = request.header(header::CONTENT_TYPE, "application/json");
         }
-        let request = request
-            .body(Full::new(body.unwrap_or_default()))
-            .map_err(|err| unusable("building the call", &err))?;
+        let request =
+            (request.body(Full::new(body))).map_err(|err| unusable("building the call", &err))?;
         let unknown = Arc::new(AtomicBool::new(false));
         let watched = Watched {
             api: self.api.clone(),
             unknown: unknown.clone(),
         };
-        let response = self
-            .retry
-            .layer(watched)
-            .oneshot(request)
-            .await
+        let response = (self.retry.layer(watched).oneshot(request).await)
             .map_err(|err| unusable("calling the provider", &err))?;
         let status = response.status();
         let answer = Limited::new(response.into_body(), ANSWER_LIMIT)
             .collect()
-            .await
+            .await;
+        let answer = answer
             .map_err(|err| unusable("reading the answer", &*err))?
             .to_bytes();
-        // The provider's last 503 says nothing of an earlier attempt it may still be making.
-        if status == StatusCode::SERVICE_UNAVAILABLE && unknown.load(Ordering::SeqCst) {
-            tracing::warn!("provider: down now, after an attempt whose answer was lost");
-            return Err(ProviderError::Unknown);
+        if status.is_success() {
+            return serde_json::from_slice(&answer)
+                .map_err(|err| unusable("reading the answer", &err));
         }
-        Ok((status, answer))
+        match serde_json::from_slice::<Refusal>(&answer).map(|refusal| refusal.error) {
+            // The last 503 says nothing of an earlier attempt the provider may still be making.
+            Ok(ProviderError::Unavailable) if unknown.load(Ordering::SeqCst) => {
+                tracing::warn!("provider: down now, after an attempt whose answer was lost");
+                Err(ProviderError::Unknown)
+            }
+            Ok(refusal) => Err(refusal),
+            Err(err) => {
+                tracing::warn!(%status, %err, "provider: an answer this client does not expect");
+                Err(ProviderError::Unknown)
+            }
+        }
     }
 }
 
@@ -254,12 +230,12 @@ struct Watched {
     unknown: Arc<AtomicBool>,
 }
 
-type Answer = axum::http::Response<axum::body::Body>;
+type Reply = axum::http::Response<axum::body::Body>;
 
 impl Service<Request<Full<Bytes>>> for Watched {
-    type Response = Answer;
+    type Response = Reply;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Answer, Infallible>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Reply, Infallible>> + Send>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // A Router is always ready.
@@ -297,9 +273,8 @@ impl Drop for Pending {
 }
 
 fn json(body: &impl Serialize) -> Result<Bytes, ProviderError> {
-    serde_json::to_vec(body)
-        .map(Bytes::from)
-        .map_err(|err| unusable("encoding the call", &err))
+    let encoded = serde_json::to_vec(body).map_err(|err| unusable("encoding the call", &err))?;
+    Ok(Bytes::from(encoded))
 }
 
 /// `query` as a URL's query string.
@@ -307,33 +282,10 @@ fn query_string(query: &impl Serialize) -> Result<String, ProviderError> {
     serde_urlencoded::to_string(query).map_err(|err| unusable("encoding the call", &err))
 }
 
-/// A `2xx` answer's body, or the provider's refusal as a [`ProviderError`].
-fn decode<T: DeserializeOwned>(status: StatusCode, answer: &[u8]) -> Result<T, ProviderError> {
-    if status.is_success() {
-        return serde_json::from_slice(answer).map_err(|err| unusable("reading the answer", &err));
-    }
-    let refusal = serde_json::from_slice::<ErrorJson>(answer);
-    let code = refusal.as_ref().map(|refusal| refusal.error.as_str());
-    match (status, code) {
-        (StatusCode::UNPROCESSABLE_ENTITY, Ok("key_reused")) => Err(ProviderError::KeyReused),
-        (StatusCode::PRECONDITION_FAILED, Ok("superseded")) => Err(ProviderError::Superseded),
-        (StatusCode::NOT_FOUND, Ok("no_such_payment")) => Err(ProviderError::NoSuchPayment),
-        (StatusCode::BAD_REQUEST, Ok("amount_too_large")) => Err(ProviderError::AmountTooLarge {
-            amount: 0,
-            refundable: refusal
-                .as_ref()
-                .ok()
-                .and_then(|refusal| refusal.refundable)
-                .unwrap_or(0),
-        }),
-        // After the layer's last attempt, each a 503: the provider is still down.
-        (StatusCode::SERVICE_UNAVAILABLE, _) => Err(ProviderError::Unavailable),
-        (status, code) => {
-            tracing::warn!(%status, ?code, "provider: an answer this client does not expect");
-            Err(ProviderError::Unknown)
-        }
-    }
-}
+/// An answer without the part it must have.
+#[derive(Debug, thiserror::Error)]
+#[error("the answer lacks a field")]
+struct Missing;
 
 /// The call failed on this side, or ended without a usable answer: what happened is unknown (a
 /// retry with the same key finds out).

@@ -125,7 +125,10 @@ impl Outcome {
 
 /// A call that did not get the provider's answer. Every refusal means nothing happened;
 /// [`ProviderError::Unknown`] alone means the call may have taken effect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ProviderError {
     /// The provider said it was down, before doing anything: retry with the same key.
