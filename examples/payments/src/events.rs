@@ -1,19 +1,15 @@
-//! The events the API publishes: every charge that succeeds, every capture and every refund.
+//! The events the API publishes (every charge that succeeds, every capture, every refund), and
+//! their publisher.
 //!
-//! An event's id is derived from the effect it reports, as the provider knows it (the provider's
-//! payment or refund id, and the type), not drawn at random nor taken from the charge: whatever
-//! publishes it for one payment (a handler that runs again, its idempotency record lost or its
-//! stalled run taken over by a retry; the reconciler settling what a crash left) publishes the
-//! same event id, and the ledger consumer applies it once.
+//! An event's id is derived from the effect it reports as the provider knows it (the payment or
+//! refund id, and the type): whatever publishes it for one payment (a handler that ran again, the
+//! reconciler) publishes the same id, and the ledger consumer applies it once.
 //!
-//! Publishing goes through a small outbox ([`Publisher`]): an event the queue refuses waits in memory
-//! and is sent again from there, so an unreachable queue delays an event instead of losing it or
-//! failing a request whose money already moved. (On PostgreSQL the events go to an outbox table
-//! instead, written in the charge's transaction: `outbox.rs`.)
-//!
-//! No lock is held across a call to the queue: a stalled Redis costs each request at most one
-//! publish timeout, side by side, instead of queueing every request behind the one that waits. An
-//! event published while others wait joins them, behind, and the relay sends them in order.
+//! [`Publisher`] is a small outbox in memory: an event the queue refuses waits there and is sent
+//! again by the relay, so an unreachable queue delays an event rather than losing it or failing a
+//! request whose money already moved. No lock is held across a call to the queue: a stalled Redis
+//! costs each request at most one publish timeout, side by side. (On PostgreSQL the events go to
+//! an outbox table in the charge's transaction instead: `outbox.rs`.)
 
 use std::collections::VecDeque;
 use std::fmt;

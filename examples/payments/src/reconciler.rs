@@ -1,42 +1,26 @@
-//! The reconciler: settles every charge whose provider call has no known outcome, and finds the
-//! provider's payments that no charge names. It runs beside every instance, on every store (they
-//! agree through the ledger: of two reconcilers, or a reconciler and a resumed request, exactly
-//! one moves a charge on).
+//! The reconciler, beside every instance on every store (instances agree through the ledger: of
+//! two reconcilers, or a reconciler and a resumed request, exactly one moves a charge on).
 //!
-//! **Charges left in an `-ing` state** (`authorizing`, `capturing`, `refunding`, `canceling`): a
-//! call whose outcome is unknown (a timeout, a connection lost after the call was sent, a crash)
-//! leaves its charge there, never deleted. Every `every`, the reconciler takes those unchanged for
-//! longer than `after` (a few lease lengths of the idempotency layer, far above the provider
-//! client's deadline: a live request renews its lease, and its provider call has long ended by
-//! then) and asks the provider, by the key of the call in flight ([`ProviderClient::find_call`]:
-//! the charge's `provider_key` for a creation, its `call_key` for a capture, a refund or a
-//! cancellation), what became of it:
+//! **Charges left in an `-ing` state.** A call whose outcome is unknown (a timeout, a connection
+//! lost after the call was sent, a crash) leaves its charge `authorizing`, `capturing`,
+//! `refunding` or `canceling`, never deleted. Every round the reconciler takes those unchanged
+//! for longer than `after` (far above the provider client's deadline: a live request's call has
+//! long ended) and asks the provider, by the key of the call in flight, what became of it:
 //!
-//! - the provider made it: the charge moves to the state the answer says (a payment authorized,
-//!   captured or declined; a capture, a refund in part or in full, a cancellation), with its event,
-//!   only if it is still as it was found ([`Ledger::swap`]; in PostgreSQL the event goes into the
-//!   outbox in the same transaction). The event's id is the provider's payment or refund id, the
-//!   one the request itself would have published: the ledger consumer applies it once, whoever
-//!   published it;
-//! - none: the call has not reached the provider, so far. A new charge goes (the state machine's
-//!   `provider_did_nothing` back to `created`), and a charge in the middle of a capture, refund or
-//!   cancellation goes back to the state before it. A later retry does it again;
+//! - made: the charge moves to the state the answer says, with the event the request would have
+//!   published (the same id: the consumer applies it once), only if it is still as it was found;
+//! - not made, so far: a new charge goes, and one in the middle of a capture, refund or
+//!   cancellation goes back to where it was; a later retry does it again;
 //! - the provider unavailable: the charge waits for the next round.
 //!
-//! **Payments no charge names.** "None so far" is not "never": a call held up at the provider
-//! (its key table locked) past `after` can still take effect after its charge went. So the
-//! reconciler also reads the provider's side, as a real reconciliation job reads the provider's
-//! payments report ([`ProviderClient::payments_since`]), from where its last round left off (less
-//! `after`, as a margin for late writes; from a window ago at start-up), and matches each payment
-//! to its operation: the account in the payment's reference and its idempotency key. A payment
-//! whose operation has no charge is adopted: its charge is written from what the payment and its
-//! reference say (the request's amount, currency, source, capture flag, description and
-//! metadata), settled as the payment is, with its event, so that the money the provider moved is
-//! in the ledger and the balance, and the client's retry with its key gets that charge.
-//!
-//! The reconciler never inserts a second charge for an operation (adoption is refused when the
-//! operation has one), so it can make neither a second charge nor a second event for one payment.
-//! The provider remembers a key for its window (24 h): a charge must be reconciled within it.
+//! **Payments no charge names.** "Not made so far" is not "never": a call held up at the
+//! provider can take effect after its charge went. So the reconciler also reads the provider's
+//! payments report from where its last round left off (less `after`, for late writes) and
+//! matches each payment to its operation (the account in its reference, its key): a payment
+//! whose operation has no charge gets its charge written from it, with its event, so that the
+//! money the provider moved is in the ledger and the balance. Adoption is refused when the
+//! operation has a charge, so there is never a second charge nor a second event for a payment.
+//! The provider remembers a key for 24 h: a charge must be reconciled within that.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
