@@ -172,6 +172,22 @@ impl MemoryStore {
     }
 
     /// Whether the store holds no live record.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Fingerprint, MemoryStore, RecordId, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = MemoryStore::new();
+    /// assert!(store.is_empty());
+    /// let (id, fingerprint) = (RecordId::new(b"", "k"), Fingerprint::from_bytes([1; 32]));
+    /// store.claim(&id, &fingerprint, Duration::from_secs(30)).await?;
+    /// assert!(!store.is_empty());
+    /// assert_eq!(store.len(), 1);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -39,7 +39,7 @@ async fn full_store_refuses_new_claims_and_keeps_live_records() {
     // Once their leases run out, their bytes are free again.
     tokio::time::advance(Duration::from_secs(31)).await;
     assert!(matches!(claim(&store, 3), Ok(Claim::Claimed(_))));
-    assert_eq!(store.len(), 1);
+    assert_eq!((store.len(), store.is_empty()), (1, false));
     assert_eq!(store.used_bytes(), ENTRY_OVERHEAD);
 }
 
@@ -81,7 +81,7 @@ async fn bytes_are_accounted_through_complete_and_expiry() {
         ENTRY_OVERHEAD + done.encode().unwrap().len()
     );
     tokio::time::advance(Duration::from_secs(61)).await;
-    assert_eq!(store.len(), 0);
+    assert_eq!((store.len(), store.is_empty()), (0, true));
     assert_eq!(store.used_bytes(), 0);
 }
 
