@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod cut_proxy;
+pub mod harness;
 pub mod instance;
 pub mod instruments;
 pub mod process;
