@@ -18,6 +18,14 @@
 //! Errors the layer makes are RFC 9457 `application/problem+json` by default, or in the API's own
 //! format ([`problem`], [`IdempotencyLayer::render_problems`]).
 //!
+//! ```toml
+//! [dependencies]
+//! tower-idempotency = "0.1"
+//! ```
+//!
+//! Rust 1.95 or newer. On the routes that need it, over a [`MemoryStore`] (one process; the Redis
+//! and PostgreSQL stores are their own crates, [below](#stores)):
+//!
 //! ```
 //! use axum::{Router, body::Body, routing::post};
 //! use http::{Request, StatusCode};
@@ -113,11 +121,13 @@
 //! protected request (target `tower_idempotency`; keys and scopes appear only hashed).
 //!
 //! # Stores
-//! [`MemoryStore`] for one process and for tests; `RedisStore` (crate `tower-idempotency-redis`,
-//! Redis 7.0 or newer) or `PgStore` (crate `tower-idempotency-postgres`) for many instances
-//! behind a load balancer; [`BoxStore`] for a store chosen at run time,
-//! behind one type. Write your own by implementing [`Store`], and run the crate's contract suite on
-//! it (crate `tower-idempotency-test`, `store_contract!`); the record encoding in
+//! [`MemoryStore`] for one process and for tests; `RedisStore` (crate
+//! [`tower-idempotency-redis`](https://docs.rs/tower-idempotency-redis), Redis 7.0 or newer) or
+//! `PgStore` (crate [`tower-idempotency-postgres`](https://docs.rs/tower-idempotency-postgres))
+//! for many instances behind a load balancer; [`BoxStore`] for a store chosen at run time, behind
+//! one type. Write your own by implementing [`Store`], and run the crate's contract suite on it
+//! (crate [`tower-idempotency-test`](https://docs.rs/tower-idempotency-test), `store_contract!`);
+//! the record encoding in
 //! [`Record::decode`] and [`Completed::encode`] is there for stores that keep bytes.
 //!
 //! # Metrics
@@ -134,7 +144,7 @@
 //! key, scope or other part of a request is ever a label.
 //!
 //! # The client's half
-//! The crate `tower-idempotency-client` wraps an HTTP client (hyper-util's, or any tower service):
+//! The crate [`tower-idempotency-client`](https://docs.rs/tower-idempotency-client) wraps an HTTP client (hyper-util's, or any tower service):
 //! it names each operation with one key, sends the same bytes on every attempt, and retries
 //! connection failures, timeouts, `409`, `429`, `503` and other transient `5xx`, after the
 //! server's `Retry-After` or a backoff with full jitter, within a deadline.
@@ -218,3 +228,8 @@ pub use scope::{Rejection, Scope, ScopeRequest};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
 pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
 pub use store_policy::{DefaultStorePolicy, StorePolicy};
+
+// The README's examples, compiled as doc tests (and run, where they need no server).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,12 +1,21 @@
-//! The client's half of the protocol: a layer for HTTP clients that names each operation once and
-//! retries it safely.
+//! The client's half of the [protocol](tower_idempotency::protocol): a layer for HTTP clients that
+//! names each operation once and retries it safely.
+//!
+//! ```toml
+//! [dependencies]
+//! tower-idempotency-client = "0.1"
+//! # for tonic clients too: tower-idempotency-client = { version = "0.1", features = ["grpc"] }
+//! ```
+//!
+//! Rust 1.95 or newer.
 //!
 //! A client that gets no answer cannot tell "never arrived" from "done, answer lost" from "still
 //! running". [`IdempotentRetryLayer`] answers the question the only safe way: it gives each
 //! request one `Idempotency-Key` (a fresh UUID v4, unless the caller set one) and sends the same
 //! key and the same body bytes on every attempt, so that a server speaking the protocol (such as
 //! one behind [`IdempotencyLayer`](tower_idempotency::IdempotencyLayer)) runs the operation once and answers
-//! the retries with the stored response (`Idempotent-Replayed: true`).
+//! the retries with the stored response (`Idempotent-Replayed: true`). Here one answer is lost on
+//! the way back, and the retry gets the replay:
 //!
 //! ```
 //! use std::sync::Arc;
@@ -133,3 +142,8 @@ pub use layer::IdempotentRetryLayer;
 pub use service::IdempotentRetry;
 
 use error::BoxError;
+
+// The README's examples, compiled as doc tests; one of them is a gRPC client.
+#[cfg(all(doctest, feature = "grpc"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,10 +1,18 @@
-//! The store contract suite of `tower-idempotency`: the cases every [`Store`] must pass, for stores
-//! written outside the workspace as for its own.
+//! The store contract suite of [`tower-idempotency`](tower_idempotency): the cases every [`Store`]
+//! must pass, for stores written outside the workspace as for its own.
 //!
-//! A store is done when it passes this suite (`docs/PROTOCOL.md` §10.7). Write a [`Harness`] for
-//! the store, then invoke [`store_contract!`](crate::store_contract) in an integration test: it
-//! expands to one `#[tokio::test]` per case of the contract, each with a fresh harness. The crate's
-//! own `MemoryStore` and `RedisStore` run the suite exactly this way.
+//! ```toml
+//! [dev-dependencies]
+//! tower-idempotency-test = "0.1"
+//! # with the gRPC mode's case too: tower-idempotency-test = { version = "0.1", features = ["grpc"] }
+//! ```
+//!
+//! Rust 1.95 or newer. A store is done when it passes this suite (the
+//! [protocol](tower_idempotency::protocol)'s §10.7; §10 states what each store call must do).
+//! Write a [`Harness`] for the store, then invoke [`store_contract!`](crate::store_contract) in an
+//! integration test: it expands to one `#[tokio::test]` per case of the contract, each with a
+//! fresh harness. The workspace's own `MemoryStore`, `RedisStore` and `PgStore` run the suite
+//! exactly this way.
 //!
 //! ```
 //! use std::time::Duration;
@@ -33,7 +41,8 @@
 //!     }
 //! }
 //!
-//! // In `tests/my_store_contract.rs`, this line is the whole suite: one test per case.
+//! // In a test file of the store's crate (tests/my_store_contract.rs), this line is the whole
+//! // suite: one test per case.
 //! tower_idempotency_test::store_contract!(MyHarness { store: MemoryStore::new() }, start_paused = true);
 //!
 //! # fn main() {}
@@ -52,7 +61,8 @@
 //! directly, and cases that drive [`IdempotencyLayer`] over the store through a real
 //! `axum::Router` or `tower::ServiceBuilder`, counting the inner service's calls (and, through
 //! [`Counting`], the store's). Some wrap the store in [`Faulty`] to make its calls fail, time out
-//! or roll back.
+//! or roll back. With this crate's `grpc` feature (which turns on `tower-idempotency`'s), the
+//! suite also runs the gRPC mode's case: an answer replayed with its trailers.
 //!
 //! The module also holds what the cases are made of, for a store's own further tests: the
 //! [`Counting`] and [`Faulty`] store wrappers, the counting [`Handler`] service, request builders,
@@ -82,6 +92,11 @@ pub use handler::{
     spawn_send, status_handler, status_request, streamed,
 };
 pub use stores::{Calls, Counting, Faulty, Prepared};
+
+// The README's example, compiled as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 /// What a store needs to provide to run the contract.
 pub trait Harness: Send + Sync + 'static {

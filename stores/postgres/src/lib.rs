@@ -1,4 +1,55 @@
-//! `PgStore`: records in a PostgreSQL table, shared by every instance.
+//! [`PgStore`]: the records of [`tower-idempotency`](tower_idempotency) in a PostgreSQL table
+//! (PostgreSQL 12 or newer, through sqlx), shared by every instance behind a load balancer; and
+//! [`PgTx`]: a handler's writes committed with its idempotency record, in one transaction.
+//!
+//! ```toml
+//! [dependencies]
+//! tower-idempotency = "0.1"
+//! tower-idempotency-postgres = "0.1"
+//! ```
+//!
+//! Rust 1.95 or newer. The store goes under the layer, and a handler that takes a [`PgTx`] writes
+//! through the transaction that will hold its record:
+//!
+//! ```no_run
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use tower_idempotency::IdempotencyLayer;
+//! use tower_idempotency_postgres::{PgStore, PgTx};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), tower_idempotency_postgres::PgStoreError> {
+//! let store = PgStore::connect("postgres://app@127.0.0.1/payments")?;
+//! store.migrate().await?; // creates the table if it is missing
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(create_charge).route_layer(IdempotencyLayer::new(store)));
+//! # Ok(())
+//! # }
+//!
+//! // The charge's row commits with the request's record, or neither does.
+//! async fn create_charge(mut tx: PgTx, body: String) -> StatusCode {
+//!     let insert = sqlx::query("INSERT INTO charges (body) VALUES ($1)").bind(body);
+//!     match insert.execute(&mut *tx).await {
+//!         Ok(_) => StatusCode::CREATED,
+//!         Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+//!     }
+//! }
+//! ```
+//!
+//! - **Cost**: a new key 2 statements (claim, complete), a replay 1 ([`PgStore`]).
+//! - **Time** is the database's: instances whose clocks disagree still agree on every record.
+//!   Expired rows count as gone at once, and are swept every 60 s
+//!   ([`PgStore::with_sweep_interval`]).
+//! - **[`PgTx`]**: a stored response commits the handler's writes and its record together; an
+//!   error, a panic or a status that is not stored rolls both back, and a commit that fails
+//!   never delivers the response it rolled back.
+//! - **Queue consumers** get the same with [`PgStore::mark_processed`], in the transaction that
+//!   applies the message.
+//! - **Waiting duplicates** ([`IdempotencyLayer::wait_for_in_flight`]) on any instance are woken
+//!   by the completion with [`PgStore::with_notifications`].
+//!
+//! What a store must do, and why, is the [protocol](tower_idempotency::protocol)'s §10.
+//!
+//! [`IdempotencyLayer::wait_for_in_flight`]: tower_idempotency::IdempotencyLayer::wait_for_in_flight
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -22,6 +73,11 @@ use sweep::Sweeper;
 use tower_idempotency::store::StoreError;
 use tx::Open;
 pub use tx::{PgTx, PgTxError};
+
+// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 mod calls;
 mod health;

@@ -1,5 +1,46 @@
-//! `RedisStore`: records in Redis (7.0 or newer), on one server or a Redis Cluster, shared by
-//! every instance.
+//! [`RedisStore`]: the records of [`tower-idempotency`](tower_idempotency) in Redis (7.0 or
+//! newer), on one server or a Redis Cluster, shared by every instance behind a load balancer.
+//!
+//! ```toml
+//! [dependencies]
+//! tower-idempotency = "0.1"
+//! tower-idempotency-redis = "0.1"
+//! ```
+//!
+//! Rust 1.95 or newer. The store goes under the layer; check it once at start-up:
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::IdempotencyLayer;
+//! use tower_idempotency_redis::RedisStore;
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), tower_idempotency_redis::RedisStoreError> {
+//! let store = RedisStore::from_url("redis://127.0.0.1:6379")?;
+//! store.check().await?; // unreachable, older than 7.0, or evicting keys: fail at start-up
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(|| async { "charged" }))
+//!     .route_layer(IdempotencyLayer::new(store));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! - **Round trips**: a new key 2 (the claim script, then the completion script), a replay, a 409
+//!   or a 422 1, on one server or a cluster ([`RedisStore`]).
+//! - **Redis must not evict keys**: an evicted record lets a retry run its request again, so
+//!   [`check`](RedisStore::check) refuses a `maxmemory-policy` other than `noeviction`
+//!   ([`allow_eviction`](RedisStore::allow_eviction) accepts the hazard knowingly).
+//! - **Redis Cluster** ([`RedisStore::cluster`]): a failover can lose a claim that the replica
+//!   had not received, and run a retry a second time;
+//!   [`with_replication_wait`](RedisStore::with_replication_wait) closes that window as far as
+//!   Redis allows.
+//! - **Large records**: [`with_compression`](RedisStore::with_compression) stores completed
+//!   records LZ4-compressed, since Redis keeps every record in memory for the whole dedup window.
+//! - **Your own commands** share the store's connection: [`RedisStore::shared_connection`].
+//!
+//! What a store must do, and why, is the [protocol](tower_idempotency::protocol)'s §10. The
+//! crate's README has the measured latency and throughput of each set-up: one server, a replica,
+//! the replication wait, a cluster.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -31,6 +72,11 @@ mod scripts;
 mod shared;
 
 pub use shared::{RedisConnection, SharedConnection};
+
+// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idempotency:";
