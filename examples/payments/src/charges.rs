@@ -6,14 +6,10 @@
 //! the `-ing` state that holds the charge before the call, and writes the answer and its event
 //! with the request after it (in PostgreSQL, with the idempotency record).
 //!
-//! **Fences.** A lease is a promise about time: a handler stalled past its claim's lease may find
-//! that the client's retry took the key over and ran again. So each handler asks
-//! [`HeldClaim::still_held`] right before the provider call, the irreversible step (a run taken
-//! over stops there and answers `409` `idempotency_key_superseded`), and passes its
-//! [`HeldClaim::fence`] with the call: the provider keeps the largest fence per key and refuses a
-//! smaller one, so a stale run that got past the check cannot act after the newer one did. The
-//! ledger's writes need no fence: one charge per operation is the store's constraint, and in
-//! PostgreSQL a displaced run's transaction rolls back whole.
+//! **Fences.** Right before the provider call, the irreversible step, a handler asks
+//! [`HeldClaim::still_held`] (a run taken over stops, `409` `idempotency_key_superseded`), and it
+//! passes its [`HeldClaim::fence`] with the call, which the provider refuses once a later run of
+//! the request called with a larger one.
 
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;

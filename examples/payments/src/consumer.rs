@@ -1,10 +1,9 @@
 //! The ledger consumer: every event applied to its account's balance once, from a queue that
-//! delivers at least once (on PostgreSQL, the outbox's consumer: `outbox.rs`).
-//!
-//! For each delivery: decode the event, run [`Balances::apply`] through the crate's
-//! [`Deduplicator`] (scope `ledger`, keyed by the *event* id, so a republished event is recognised
-//! as well as a redelivered message), then ack unless the attempt failed or another consumer is
-//! still on it:
+//! delivers at least once (on PostgreSQL, the outbox's consumer: `outbox.rs`). Each delivery goes
+//! through the crate's [`Deduplicator`], keyed by the *event* id (a republished event is
+//! recognised as well as a redelivered message), into [`Balances::apply`], whose own atomic
+//! record of the event id closes the gap the Deduplicator leaves (a crash after the effect,
+//! before its record); the Deduplicator adds the cheap skip and keeps two consumers off one event.
 //!
 //! | the delivery | what happens | ack? |
 //! |---|---|---|
@@ -15,18 +14,6 @@
 //! | the apply failed | the claim is released: [`Handled::Failed`] | no: it comes back after `min_idle` |
 //! | the apply can never succeed (overflow, an amount not positive) | logged as an error: [`Handled::Rejected`] | yes |
 //! | not an event | logged: [`Handled::Unreadable`] | yes |
-//!
-//! **Where the gap is closed.** The Deduplicator records a completion *after* the work, in another
-//! store: a crash between applying and acking is caught by it (the id is done), but a crash
-//! between applying and recording (or a lost completion, a flushed store) runs the work again once
-//! the claim's lease runs out. The ledger closes that gap: [`Balances::apply`] records the event
-//! id in the same atomic step as the balance change, so the second run changes nothing
-//! ([`Handled::AlreadyApplied`]). The Deduplicator adds the cheap skip and keeps two consumers off
-//! one event. Not covered: an event redelivered after the ledger forgot it (`RETENTION`, 7 days),
-//! and a dead-letter stream (an event refused for good is logged and acked).
-//!
-//! [`LedgerConsumer::run`] stops when its token is cancelled, after finishing the message at hand;
-//! messages received and not handled stay pending, for another consumer after `min_idle`.
 
 use std::fmt;
 use std::ops::Add;

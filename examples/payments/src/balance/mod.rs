@@ -1,20 +1,9 @@
-//! Every account's available balance per currency, and the events that made it: the [`Balances`]
-//! trait, one implementation per backend (`memory.rs`, `redis.rs`, `postgres.rs`).
-//!
-//! [`Balances::apply`] is where the money moves, and it is idempotent on its own: the balance
-//! change and the record "event `evt_...` was applied" are one atomic step (one lock in memory,
-//! one Lua script in Redis, one transaction in PostgreSQL), so an event applied twice changes the
-//! balance once, whatever happened in between. This closes the gap the consumer's Deduplicator
-//! leaves (a crash after the effect, before its record: `consumer.rs`).
-//!
-//! A balance is an `i64` of minor units changed with checked arithmetic: an event that would take
-//! it past `i64::MAX` or below `i64::MIN` ([`BalanceError::Overflow`]), or whose amount is not
-//! positive ([`BalanceError::InvalidAmount`]), changes nothing and is not recorded as applied;
-//! both are permanent, and the consumer drops such an event instead of retrying it forever.
-//!
-//! An applied event id is remembered for [`RETENTION`] (7 days), then forgotten: keep it above
-//! the longest time an event can wait in the queue or be republished. The balances themselves
-//! never expire: they are the money.
+//! Every account's available balance per currency: the [`Balances`] trait, one implementation per
+//! backend. [`Balances::apply`] is idempotent on its own: the balance change and the record "event
+//! `evt_...` was applied" are one atomic step, so an event applied twice changes the balance once.
+//! A balance changes with checked arithmetic: an event that would overflow it, or whose amount is
+//! not positive, changes nothing, is not recorded, and is refused for good. An applied event id is
+//! remembered for [`RETENTION`] (7 days); the balances never expire.
 
 mod memory;
 mod postgres;

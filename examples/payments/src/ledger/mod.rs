@@ -1,19 +1,11 @@
-//! The ledger of charges: the [`Ledger`] trait, one implementation per backend (`memory.rs`,
-//! `redis.rs`, `postgres.rs`), chosen once at start-up.
+//! The ledger of charges: the [`Ledger`] trait, one implementation per backend.
 //!
-//! A charge changes state only through [`Charge::apply`], the state machine. No lock is held
-//! across a provider call: a handler commits the `-ing` state before the call ([`Ledger::open`],
-//! [`Ledger::update`]), so that a call whose outcome is unknown leaves the charge where its retry
-//! or the reconciler finds it, and writes the answer with its event after it ([`Ledger::record`],
-//! [`Ledger::settle`]): in PostgreSQL in the request's transaction, which commits with the
-//! idempotency record (PgTx); elsewhere at once, the event published after the charge is written.
-//!
-//! **One charge per operation** (the account and the provider key of its create call) is the
-//! store's own constraint, not the lock in front of it: the map's entry in memory, a `SET NX` in
-//! Redis, a `UNIQUE (account, operation)` index in PostgreSQL. Each holds the operation for the
-//! provider's window, after which the key is new again, as at the provider. A second run of a
-//! request (its record lost, or its stalled run taken over) inserts nothing and resumes, or
-//! answers with, the first charge.
+//! A charge changes state only through [`Charge::apply`], the state machine, and no lock is held
+//! across a provider call: the `-ing` state is committed before the call ([`Ledger::open`],
+//! [`Ledger::update`]), so that an unknown outcome leaves the charge where its retry or the
+//! reconciler finds it; the answer and its event are written after it ([`Ledger::record`],
+//! [`Ledger::settle`]). One charge per operation (the account and the provider key of its create
+//! call) is each store's own constraint, held for the provider's window.
 
 mod memory;
 mod postgres;

@@ -1,26 +1,10 @@
-//! The simulated payment provider (PSP): payments, its idempotency keys, its fences, its refund
-//! bound and its payments report. The example calls it over HTTP (`api.rs`, an axum `Router`
-//! served in process) through its client (`client.rs`), as it would call a real one.
-//!
-//! - **Keys.** Every call carries an idempotency key, derived by the handler from the client's
-//!   key and the account; a second call with a key answers the first call's reply and does
-//!   nothing again. A key is bound to its request (the operation and every parameter): another
-//!   request under it is refused ([`ProviderError::KeyReused`]). A key is remembered for
-//!   [`WINDOW`] (24 h), then it is new again. The keys live in a [`KeyTable`] (`keys/`).
-//! - **Fences.** Every call carries the caller's fence, the number of the idempotency layer's
-//!   claim it runs under; the key table keeps the largest fence per key, in the same atomic step
-//!   as the key's claim, and refuses a smaller one ([`ProviderError::Superseded`]): a run whose
-//!   lease ran out while it was stalled cannot act after the newer run did.
-//! - **Refund bound.** A refund beyond what is left of its payment is refused
-//!   ([`ProviderError::AmountTooLarge`]), atomically with the keys: the last line of defence
-//!   against a double refund.
-//! - **Payments report.** Every payment is kept and listed (`GET /v1/payments?created_gte=`),
-//!   as the reconciler reads a real provider's report.
-//!
-//! Each call runs in a task of its own, as on a provider's server: a caller that stops waiting
-//! (its timeout, a lost connection) does not stop it. Test tokens: `tok_visa` is approved,
-//! `tok_chargeDeclined` declined, and `tok_pspUnavailable` finds the provider down (nothing
-//! happens; retry). The issuer decides from the token alone, so a key only remembers its id.
+//! The simulated payment provider: payments, its idempotency keys (each bound to its request for
+//! [`WINDOW`]), its fences (the largest per key, a smaller one refused), its refund bound
+//! (`amount_too_large`) and its payments report; the keys in a [`KeyTable`] (`keys/`). The README
+//! says why each exists. The example calls it over HTTP (`api.rs`) through its client
+//! (`client.rs`), as it would call a real one. Each call runs in a task of its own, as on a
+//! provider's server: a caller that stops waiting does not stop it. Test tokens: `tok_visa` is
+//! approved, `tok_chargeDeclined` declined, `tok_pspUnavailable` finds the provider down.
 
 pub mod api;
 mod client;

@@ -217,7 +217,10 @@ pub fn ids(list: &Value) -> Vec<&str> {
 
 /// Runs each scenario, `async fn(&mut Harness)`, on the in-memory store and on Redis, then
 /// checks what every scenario must leave behind.
-#[allow(unused_macros, reason = "test binaries that do not run scenarios on both stores")]
+#[allow(
+    unused_macros,
+    reason = "test binaries that do not run scenarios on both stores"
+)]
 macro_rules! on_both_stores {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -244,5 +247,8 @@ macro_rules! on_both_stores {
     };
 }
 
-#[allow(unused_imports, reason = "test binaries that do not run scenarios on both stores")]
+#[allow(
+    unused_imports,
+    reason = "test binaries that do not run scenarios on both stores"
+)]
 pub(crate) use on_both_stores;
