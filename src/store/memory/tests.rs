@@ -25,6 +25,17 @@ fn claim(store: &MemoryStore, n: u32) -> Result<Claim, StoreError> {
     )
 }
 
+/// With a share per scope, a record also costs its place in the scopes' accounts.
+#[tokio::test(start_paused = true)]
+async fn a_scoped_record_costs_its_scope_account_too() {
+    let store = MemoryStore::with_capacity(1 << 20).with_scope_limit(1 << 16);
+    assert!(matches!(claim(&store, 0), Ok(Claim::Claimed(_))));
+    assert_eq!(
+        store.used_bytes(),
+        ENTRY_OVERHEAD + super::scopes::SCOPE_OVERHEAD
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn full_store_refuses_new_claims_and_keeps_live_records() {
     let store = MemoryStore::with_capacity(ENTRY_OVERHEAD * 3);
