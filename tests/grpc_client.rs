@@ -1,6 +1,6 @@
-//! The client's half for gRPC (`client::GrpcRetryLayer`, PROTOCOL.md §16.7) over tonic's
-//! `Channel`, against the example's `payments.v1.Payments` behind the layer in gRPC mode, on
-//! loopback over HTTP/2.
+//! The client's half for gRPC (`tower_idempotency_client::GrpcRetryLayer`, PROTOCOL.md §16.7) over
+//! tonic's `Channel`, against the example's `payments.v1.Payments` behind the layer in gRPC mode,
+//! on loopback over HTTP/2.
 
 #[allow(dead_code)]
 #[path = "../examples/grpc/payments.rs"]

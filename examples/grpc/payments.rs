@@ -166,7 +166,7 @@ where
 }
 
 /// The client, as tonic's code generation writes it, over any transport (a `Channel`, or one
-/// behind `client::GrpcRetryLayer`).
+/// behind `tower_idempotency_client::GrpcRetryLayer`).
 #[derive(Clone)]
 pub struct PaymentsClient<T>(tonic::client::Grpc<T>);
 
