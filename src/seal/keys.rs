@@ -306,6 +306,9 @@ mod tests {
         assert_eq!(keys.ids().collect::<Vec<_>>(), ["new", "old"]);
         // Debug shows the ids, never a key's bytes.
         assert_eq!(format!("{keys:?}"), r#"["new", "old"]"#);
-        assert_eq!(format!("{:?}", keys.sealing()), r#"SealKey { id: "new", .. }"#);
+        assert_eq!(
+            format!("{:?}", keys.sealing()),
+            r#"SealKey { id: "new", .. }"#
+        );
     }
 }
