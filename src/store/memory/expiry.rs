@@ -187,4 +187,26 @@ mod tests {
         expiry.push(lease, now + lease, c);
         assert_eq!(expiry.pop_due(now + lease), Some(c));
     }
+
+    /// A ticket finds its own item after items ahead of it were taken out or dropped: the lane
+    /// counts what left its front.
+    #[tokio::test(start_paused = true)]
+    async fn a_ticket_cancels_its_own_item_after_the_front_moved() {
+        let mut expiry = Expiry::default();
+        let now = Instant::now();
+        let lease = Duration::from_secs(30);
+        let ids: Vec<RecordId> = (0..4).map(|n| RecordId::new(b"", &n.to_string())).collect();
+        let tickets: Vec<_> = (ids.iter())
+            .map(|id| expiry.push(lease, now + lease, *id))
+            .collect();
+        // Taken out: the front moves past the first.
+        assert_eq!(expiry.pop_due(now + lease), Some(ids[0]));
+        expiry.cancel(tickets[1]);
+        // Dropped as cancelled: the front moves past the second.
+        assert_eq!(expiry.next_due(), Some(now + lease));
+        expiry.cancel(tickets[3]);
+        assert_eq!(expiry.pop_due(now + lease), Some(ids[2]));
+        assert_eq!(expiry.pop_due(now + lease), None);
+        assert_eq!(expiry.next_due(), None);
+    }
 }
