@@ -162,8 +162,10 @@ impl Harness for Shared {
 
 mod boxed_contract {
     tower_idempotency_test::store_contract!(super::Boxed::default(), start_paused = true);
+    tower_idempotency_test::layer_contract!(super::Boxed::default(), start_paused = true);
 }
 
 mod arc_contract {
     tower_idempotency_test::store_contract!(super::Shared::default(), start_paused = true);
+    tower_idempotency_test::layer_contract!(super::Shared::default(), start_paused = true);
 }

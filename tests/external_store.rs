@@ -143,3 +143,4 @@ impl Harness for TinyHarness {
 }
 
 tower_idempotency_test::store_contract!(TinyHarness::default(), start_paused = true);
+tower_idempotency_test::layer_contract!(TinyHarness::default(), start_paused = true);

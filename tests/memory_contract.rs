@@ -43,6 +43,7 @@ impl Harness for MemoryHarness {
 }
 
 tower_idempotency_test::store_contract!(MemoryHarness::new(), start_paused = true);
+tower_idempotency_test::layer_contract!(MemoryHarness::new(), start_paused = true);
 
 /// A full memory store refuses new claims with 503 rather than evict a live record: earlier keys
 /// still replay. Once records expire, new claims work again.

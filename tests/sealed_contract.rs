@@ -39,4 +39,5 @@ impl Harness for SealedHarness {
     }
 }
 
-tower_idempotency_test::store_contract!(sealed: SealedHarness::new(), start_paused = true);
+tower_idempotency_test::store_contract!(SealedHarness::new(), start_paused = true);
+tower_idempotency_test::layer_contract!(sealed: SealedHarness::new(), start_paused = true);

@@ -10,8 +10,9 @@
 //! Rust 1.95 or newer. A store is done when it passes this suite (the
 //! [protocol](tower_idempotency::protocol)'s §10.7; §10 states what each store call must do).
 //! Write a [`Harness`] for the store, then invoke [`store_contract!`](crate::store_contract) in an
-//! integration test: it expands to one `#[tokio::test]` per case of the contract, each with a
-//! fresh harness. The workspace's own `MemoryStore`, `RedisStore` and `PgStore` run the suite
+//! integration test: it expands to one `#[tokio::test]` per rule of the contract, each with a
+//! fresh harness. [`layer_contract!`](crate::layer_contract), opt-in, runs the layer over the
+//! store too, end to end. The workspace's own `MemoryStore`, `RedisStore` and `PgStore` run both
 //! exactly this way.
 //!
 //! ```
@@ -42,8 +43,10 @@
 //! }
 //!
 //! // In a test file of the store's crate (tests/my_store_contract.rs), this line is the whole
-//! // suite: one test per case.
+//! // contract: one test per rule.
 //! tower_idempotency_test::store_contract!(MyHarness { store: MemoryStore::new() }, start_paused = true);
+//! // And, opt-in, the layer over the store: one test per case.
+//! tower_idempotency_test::layer_contract!(MyHarness { store: MemoryStore::new() }, start_paused = true);
 //!
 //! # fn main() {}
 //! ```
@@ -57,12 +60,12 @@
 //! on paused time with a 30 s lease and a 24 h window; a store with a clock of its own (a
 //! database server, Redis) runs on real time with short ones (a 1 s lease and a 3 s window).
 //!
-//! The cases are of two kinds: store-level cases (`store_*`) that call the [`Store`] methods
-//! directly, and cases that drive [`IdempotencyLayer`] over the store through a real
-//! `axum::Router` or `tower::ServiceBuilder`, counting the inner service's calls (and, through
-//! [`Counting`], the store's). Some wrap the store in [`Faulty`] to make its calls fail, time out
-//! or roll back. With this crate's `grpc` feature (which turns on `tower-idempotency`'s), the
-//! suite also runs the gRPC mode's case: an answer replayed with its trailers.
+//! The store contract's cases (`store_*`) call the [`Store`] methods directly. The layer
+//! contract's drive [`IdempotencyLayer`] over the store through a real `axum::Router` or
+//! `tower::ServiceBuilder`, counting the inner service's calls (and, through [`Counting`], the
+//! store's); some wrap the store in [`Faulty`] to make its calls fail, time out or roll back. With
+//! this crate's `grpc` feature (which turns on `tower-idempotency`'s), the layer contract also runs
+//! the gRPC mode's case: an answer replayed with its trailers.
 //!
 //! The module also holds what the cases are made of, for a store's own further tests: the
 //! [`Counting`] and [`Faulty`] store wrappers, the counting [`Handler`] service, request builders,
@@ -80,7 +83,7 @@ use tower::ServiceBuilder;
 use tower_idempotency::store::Store;
 use tower_idempotency::{Idempotency, IdempotencyLayer};
 
-// Public for `store_contract!`'s expansion only: the cases are its, not an API.
+// Public for the contracts' expansions only: the cases are theirs, not an API.
 #[doc(hidden)]
 pub mod cases;
 mod handler;
@@ -121,53 +124,27 @@ pub trait Harness: Send + Sync + 'static {
     }
 }
 
-/// The store contract suite: expands, where it is invoked, to one
-/// `#[tokio::test]` per case of the contract, each calling the case
-/// with a fresh harness from the first argument (evaluated inside the async test, so it may
-/// `.await`). The other arguments are the `#[tokio::test]` attribute's:
+/// The store contract: expands, where it is invoked, to one `#[tokio::test]` per rule of
+/// PROTOCOL §10 that a store must keep, each calling the store's methods directly with a fresh
+/// harness from the first argument (evaluated inside the async test, so it may `.await`). The
+/// other arguments are the `#[tokio::test]` attribute's:
 ///
 /// - `store_contract!(MyHarness::new(), start_paused = true)`: paused time, for a store on
 ///   tokio's clock;
 /// - `store_contract!(MyHarness::start().await, flavor = "multi_thread")`: real time, for a store
 ///   with a clock of its own (a server), on a multi-threaded runtime;
-/// - `store_contract!(MyHarness::new())`: real time, on a current-thread runtime;
-/// - `store_contract!(sealed: MyHarness::new(), start_paused = true)`: for a harness whose store
-///   seals its records itself (a `SealedStore`): every case but the sealed-record ones, which
-///   would seal its records a second time.
+/// - `store_contract!(MyHarness::new())`: real time, on a current-thread runtime.
+///
+/// A store is done when it passes this. [`layer_contract!`](crate::layer_contract) runs the layer
+/// over the store as well, end to end.
 ///
 /// Call it as `tower_idempotency_test::store_contract!(...)`, or
 /// `use tower_idempotency_test::store_contract;` first. The [crate documentation](crate) has a
 /// complete example.
 #[macro_export]
 macro_rules! store_contract {
-    (@cases ($harness:expr) $attrs:tt $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test $attrs]
-            async fn $case() {
-                $crate::cases::$case($harness).await;
-            }
-        )*
-    };
-    // A store that seals its records itself (a `SealedStore`): every case but the sealed-record
-    // ones, which seal the harness's store once more.
-    (sealed: $harness:expr $(, $($attr:tt)*)?) => {
-        $crate::store_contract!(@general ($harness) ($($($attr)*)?));
-    };
     ($harness:expr $(, $($attr:tt)*)?) => {
-        $crate::store_contract!(@general ($harness) ($($($attr)*)?));
-        $crate::store_contract!(@cases ($harness) ($($($attr)*)?)
-            sealed_records_replay_and_keep_no_response_in_clear,
-            a_sealed_record_with_a_changed_byte_is_never_replayed,
-            a_sealed_record_moved_to_another_key_or_scope_does_not_open,
-            rotated_keys_open_old_records_and_seal_new_ones,
-            a_record_sealed_under_a_retired_key_is_never_replayed,
-            records_in_clear_and_sealed_records_without_keys_are_not_replayed,
-        );
-    };
-    (@general ($harness:expr) $attrs:tt) => {
-        $crate::__grpc_cases!(($harness) $attrs);
-        $crate::store_contract!(@cases ($harness) $attrs
-            // Store level.
+        $crate::__cases!(($harness) ($($($attr)*)?)
             store_claim_is_exclusive,
             store_claims_are_per_record_id,
             store_completed_record_is_returned_intact,
@@ -186,7 +163,41 @@ macro_rules! store_contract {
             store_fences_grow_with_every_claim_of_a_key,
             store_first_claims_are_numbered_by_the_clock,
             store_completed_record_keeps_its_trailers,
-            // Through the layer.
+        );
+    };
+}
+
+/// The layer over the store: expands, where it is invoked, to one `#[tokio::test]` per case of
+/// [`IdempotencyLayer`] driven over the store through a real `axum::Router` or
+/// `tower::ServiceBuilder`: replays byte for byte, requests in flight, mismatches, handlers that
+/// fail or panic, store failures (through [`Faulty`]), fences, trailers, waiting duplicates, the
+/// options, sealed records and, with this crate's `grpc` feature, the gRPC mode. Opt-in for a
+/// store's author: what the layer promises end to end, on this store. Its arguments are
+/// [`store_contract!`](crate::store_contract)'s, and one more form:
+///
+/// - `layer_contract!(sealed: MyHarness::new(), start_paused = true)`: for a harness whose store
+///   seals its records itself (a `SealedStore`): every case but the sealed-record ones, which
+///   would seal its records a second time.
+#[macro_export]
+macro_rules! layer_contract {
+    (sealed: $harness:expr $(, $($attr:tt)*)?) => {
+        $crate::layer_contract!(@general ($harness) ($($($attr)*)?));
+    };
+    ($harness:expr $(, $($attr:tt)*)?) => {
+        $crate::layer_contract!(@general ($harness) ($($($attr)*)?));
+        $crate::__cases!(($harness) ($($($attr)*)?)
+            // Sealed records.
+            sealed_records_replay_and_keep_no_response_in_clear,
+            a_sealed_record_with_a_changed_byte_is_never_replayed,
+            a_sealed_record_moved_to_another_key_or_scope_does_not_open,
+            rotated_keys_open_old_records_and_seal_new_ones,
+            a_record_sealed_under_a_retired_key_is_never_replayed,
+            records_in_clear_and_sealed_records_without_keys_are_not_replayed,
+        );
+    };
+    (@general ($harness:expr) $attrs:tt) => {
+        $crate::__grpc_cases!(($harness) $attrs);
+        $crate::__cases!(($harness) $attrs
             replay_is_byte_identical_through_a_router,
             replay_is_byte_identical_through_service_builder,
             in_flight_request_gets_409_then_the_replay,
@@ -231,13 +242,27 @@ macro_rules! store_contract {
     };
 }
 
-/// The gRPC mode's cases of [`store_contract!`], with this crate's `grpc` feature.
+/// One `#[tokio::test]` per named case, each with a fresh harness.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __cases {
+    (($harness:expr) $attrs:tt $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test $attrs]
+            async fn $case() {
+                $crate::cases::$case($harness).await;
+            }
+        )*
+    };
+}
+
+/// The gRPC mode's cases of [`layer_contract!`], with this crate's `grpc` feature.
 #[cfg(feature = "grpc")]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __grpc_cases {
     ($harness:tt $attrs:tt) => {
-        $crate::store_contract!(@cases $harness $attrs
+        $crate::__cases!($harness $attrs
             grpc_answers_replay_with_their_trailers,
         );
     };

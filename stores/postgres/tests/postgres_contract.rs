@@ -59,6 +59,7 @@ impl Harness for PgHarness {
 }
 
 tower_idempotency_test::store_contract!(PgHarness::start().await, flavor = "multi_thread");
+tower_idempotency_test::layer_contract!(PgHarness::start().await, flavor = "multi_thread");
 
 /// The whole contract again with change notifications: the statements that notify must keep every
 /// rule of the ones that do not.
@@ -66,4 +67,5 @@ mod notifying {
     use super::*;
 
     tower_idempotency_test::store_contract!(PgHarness::notifying().await, flavor = "multi_thread");
+    tower_idempotency_test::layer_contract!(PgHarness::notifying().await, flavor = "multi_thread");
 }

@@ -24,3 +24,4 @@ fn harness() -> RedisHarness<&'static RedisCluster> {
 }
 
 tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");
+tower_idempotency_test::layer_contract!(harness(), flavor = "multi_thread");

@@ -3,8 +3,9 @@
 //! Redis keeps its own clock, so these cases run on real time with a short lease and window
 //! (the memory suite runs the same cases on paused time).
 //!
-//! The suite is the exported one (crate `tower-idempotency-test`), run by one `store_contract!`
-//! line over `support::RedisHarness`, as a store written outside this repository runs it.
+//! The suites are the exported ones (crate `tower-idempotency-test`), run by a `store_contract!`
+//! and a `layer_contract!` line over `support::RedisHarness`, as a store written outside this
+//! repository runs them.
 
 mod support;
 
@@ -19,6 +20,7 @@ fn harness() -> RedisHarness<RedisServer> {
 }
 
 tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");
+tower_idempotency_test::layer_contract!(harness(), flavor = "multi_thread");
 
 /// The same cases with every completed record compressed (where that makes it smaller).
 mod compressed {
@@ -33,4 +35,5 @@ mod compressed {
     }
 
     tower_idempotency_test::store_contract!(harness(), flavor = "multi_thread");
+    tower_idempotency_test::layer_contract!(harness(), flavor = "multi_thread");
 }
