@@ -13,6 +13,9 @@
 //!
 //! Every seed runs twice, and its two histories must agree: one seed, one history.
 //!
+//! First, unless `SIM_STORES=0` or `SIM_SEED` is set, the same worlds run on Redis and PostgreSQL
+//! servers of their own, on real time (`stores.rs`: 100 seeds each, side by side).
+//!
 //! The last two lines are the summary:
 //! `simulation: <seeds> seeds, <faults> faults, double effects fenced=<a> transactional=<b>
 //! unfenced=<c>, lost completions=<d>, wrong answers=<e>` and
@@ -29,6 +32,7 @@ mod oracle;
 mod rng;
 mod setup;
 mod store;
+mod stores;
 mod world;
 
 use std::collections::BTreeMap;
@@ -39,6 +43,10 @@ use bugs::Bug;
 const CI_SEEDS: u64 = 2_000;
 
 fn main() {
+    let on_servers = std::env::var("SIM_STORES").map_or(true, |on| on != "0");
+    if on_servers && std::env::var("SIM_SEED").is_err() {
+        stores::run();
+    }
     let started = Instant::now();
     let bug = Bug::from_env();
     handler::quiet_flaky_panics();

@@ -1,52 +1,16 @@
-//! The simulation's worlds (`tests/simulation/`) over `RedisStore` and `PgStore`, each on a server
-//! of its own, on real time: the same generator, fault injector, checker and oracle as on the
+//! The simulation's worlds over `RedisStore` and `PgStore`, each on a server of its own, on real
+//! time, before the seeds on the memory store (`SIM_STORES=0` leaves them out): the same generator, fault injector, checker and oracle as on the
 //! memory store, slower (a run takes seconds, not a millisecond), so fewer seeds, run side by
 //! side. Real time makes a seed's history vary from run to run; the guarantees must hold all the
 //! same. The oracle's model knows when each store call took effect only between its sending and
 //! its answer, and each record's expiry to within a few milliseconds beyond that (`world.rs`
 //! says of what): a store answer outside that fails the run, as a broken guarantee does.
 
-#[path = "simulation/backend.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod backend;
-#[path = "simulation/bugs.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod bugs;
-#[path = "simulation/checker.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod checker;
-#[path = "simulation/client.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod client;
-#[path = "simulation/faults.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod faults;
-#[path = "simulation/handler.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod handler;
-#[path = "simulation/ledger.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod ledger;
-#[path = "simulation/oracle/mod.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod oracle;
-#[path = "simulation/rng.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod rng;
-#[path = "simulation/setup.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod setup;
-#[path = "simulation/store.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod store;
-#[path = "simulation/world.rs"]
-#[allow(dead_code, reason = "shared with the simulation on the memory store")]
-mod world;
-
 use std::time::Duration;
 
-use backend::Backend;
-use bugs::Bug;
+use crate::backend::Backend;
+use crate::bugs::Bug;
+use crate::{checker, handler, world};
 use deadpool_redis::redis;
 use sqlx::postgres::PgPoolOptions;
 use test_servers::postgres_server::PostgresServer;
@@ -107,7 +71,17 @@ where
     assert!(faults > 0, "the runs met faults");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Runs the worlds on Redis, then on PostgreSQL; panics on a broken guarantee.
+pub fn run() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(redis_keeps_the_guarantees_under_the_simulations_faults());
+    runtime.block_on(postgres_keeps_the_guarantees_under_the_simulations_faults());
+}
+
 async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
     let server = RedisServer::start();
     let url = server.url();
@@ -166,7 +140,6 @@ async fn redis_keeps_the_guarantees_under_the_simulations_faults() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_keeps_the_guarantees_under_the_simulations_faults() {
     let server = PostgresServer::start();
     // One pool for every run, as the server takes at most 100 connections.
