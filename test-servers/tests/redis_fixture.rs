@@ -1,4 +1,4 @@
-//! Self-tests of the `redis-server` test fixture in `tests/support`.
+//! Self-tests of the `redis-server` test fixture (`RedisServer`).
 
 use std::io::ErrorKind;
 use std::time::Duration;

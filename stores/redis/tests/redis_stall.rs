@@ -1,7 +1,7 @@
 //! Redis stalls (SIGSTOP) that span a completion, with a client retrying against a second
 //! instance meanwhile: the handler runs once, and the retry gets the first response.
 //!
-//! Each test runs its own `redis-server` (tests/support/redis_server.rs) on real time: Redis keeps
+//! Each test runs its own `redis-server` (`test_servers::RedisServer`) on real time: Redis keeps
 //! its own clock, and the point is what a real stall does to real leases.
 
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! `RedisStore` against a real `redis-server` of its own: round trips, many instances, faults.
 //!
-//! Each test starts its own server on a free port (tests/support/redis_server.rs), so the tests run
+//! Each test starts its own server on a free port (`test_servers::RedisServer`), so the tests run
 //! in parallel and can stop, kill, restart and pause it. Without `redis-server` on PATH they fail.
 
 use std::collections::HashMap;

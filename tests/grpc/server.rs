@@ -1,11 +1,6 @@
 //! The gRPC mode (PROTOCOL.md §16) with a real tonic server and client over HTTP/2 on loopback:
 //! `payments.v1.Payments` of `examples/grpc.rs`, its `CreateCharge` protected.
 
-#[allow(dead_code)]
-#[path = "../examples/grpc/payments.rs"]
-mod payments;
-mod support;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,11 +21,11 @@ use tower_idempotency::grpc::{problem_kind, retry_delay};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind, Store};
 use tower_idempotency_test::{Counting, Faulty};
 
-use payments::{
+use crate::payments::{
     CREATE_CHARGE, Charge, ChargeStream, CreateChargeRequest, LIST_CHARGES, Ledger,
     ListChargesRequest, Payments, PaymentsClient, PaymentsServer,
 };
-use support::Gated;
+use crate::support::Gated;
 
 /// Serves `payments` behind `layer` on a free loopback port.
 async fn serve<T: Payments, St: Store + Clone + Sync>(

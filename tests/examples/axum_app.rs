@@ -1,10 +1,7 @@
 //! `examples/axum.rs`, driven in-process through its `app()` with `oneshot`: the layer protects
 //! the one route it is on, and only that one.
 
-#[allow(dead_code)]
-#[path = "../examples/axum.rs"]
-mod example;
-
+use crate::axum_example as example;
 use std::convert::Infallible;
 
 use axum::Router;

@@ -2,11 +2,6 @@
 //! tonic's `Channel`, against the example's `payments.v1.Payments` behind the layer in gRPC mode,
 //! on loopback over HTTP/2.
 
-#[allow(dead_code)]
-#[path = "../examples/grpc/payments.rs"]
-mod payments;
-mod support;
-
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -27,11 +22,11 @@ use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_client::{Attempts, GrpcRetry, IdempotentRetryLayer};
 use tower_idempotency_test::Faulty;
 
-use payments::{
+use crate::payments::{
     CREATE_CHARGE, CreateChargeRequest, LIST_CHARGES, Ledger, ListChargesRequest, Payments,
     PaymentsClient, PaymentsServer,
 };
-use support::Gated;
+use crate::support::Gated;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -1,6 +1,4 @@
-//! What the gRPC test files share: the example's payments service, held at a gate.
-//!
-//! Each file that says `mod support;` includes the example's messages as `mod payments` too.
+//! What the gRPC tests share: the example's payments service, held at a gate.
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! What waiting for a request in flight costs (`wait_for_in_flight`): store calls per waiting
 //! duplicate, and how long after the first request's answer a duplicate gets its replay. A
 //! measurement, not a check: run it with
-//! `cargo test --all-features --test wait_cost -- --ignored --nocapture --test-threads 1`.
+//! `cargo test --all-features --test layer wait_cost -- --ignored --nocapture --test-threads 1`.
 //!
 //! The first request's handler takes 1.5 s; `n` duplicates arrive 0.5 s in and wait (bound 5 s),
 //! either on the layer that runs the first (it tells the wait when it completes) or on a second
