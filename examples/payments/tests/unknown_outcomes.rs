@@ -17,7 +17,6 @@
 
 mod support;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -31,8 +30,7 @@ use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::{
-    BoxStore, Claim, ClaimToken, Completed, Fingerprint, IdempotencyLayer, MemoryStore, Outcome,
-    RecordId, Store, StoreError,
+    BoxStore, ClaimToken, IdempotencyLayer, MemoryStore, Outcome, RecordId, Store, StoreError,
 };
 use tower_idempotency_redis::RedisStore;
 
@@ -69,25 +67,6 @@ struct Stalling<St> {
 }
 
 impl<St: Store> Store for Stalling<St> {
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.inner.claim(id, fingerprint, lease).await
-    }
-
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        completed: &Completed,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(id, token, completed, ttl).await
-    }
-
     async fn renew(
         &self,
         id: &RecordId,
@@ -100,17 +79,7 @@ impl<St: Store> Store for Stalling<St> {
         self.inner.renew(id, token, lease).await
     }
 
-    fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut axum::http::Extensions) {
-        self.inner.prepare(id, token, extensions);
-    }
-
-    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        self.inner.release(id, token).await
-    }
-
-    fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.inner.changed(id)
-    }
+    tower_idempotency::forward_store!(inner => claim, complete, prepare, release, changed);
 }
 
 /// One instance: its API over its own layer, and its components.
