@@ -260,12 +260,16 @@ async fn a_layer_without_a_scope_warns_once_unless_single_tenant() {
     assert_eq!(unscoped(from), 0, "no warning where the tenancy is stated");
 }
 
-/// Renewals that fail and are tried again are warned of once, not per try, and the renewal that
-/// lands after them says how many failed. PROTOCOL.md §9.2, §12.3.
-#[tokio::test(start_paused = true)]
-async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them() {
-    let _turn = Captured::turn().await;
-    let captured = Captured::global();
+/// A request running on a layer with a 30 s lease over a `Faulty` memory store, its handler held
+/// at `gate` once it started.
+struct Running {
+    store: Faulty<MemoryStore>,
+    svc: tower_idempotency::Idempotency<Handler, Faulty<MemoryStore>>,
+    gate: std::sync::Arc<tokio::sync::Notify>,
+    first: tokio::task::JoinHandle<tower_idempotency_test::Reply>,
+}
+
+async fn running() -> Running {
     let store = Faulty::new(MemoryStore::new());
     let (started, gate) = (
         std::sync::Arc::new(tokio::sync::Notify::new()),
@@ -275,9 +279,26 @@ async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them()
         IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
         tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
     );
-    let from = captured.len();
     let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
     started.notified().await;
+    Running {
+        store,
+        svc,
+        gate,
+        first,
+    }
+}
+
+/// Renewals that fail and are tried again are warned of once, not per try, and the renewal that
+/// lands after them says how many failed. PROTOCOL.md §9.2, §12.3.
+#[tokio::test(start_paused = true)]
+async fn failed_renewals_are_warned_of_once_and_the_one_that_lands_counts_them() {
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
+    let from = captured.len();
+    let Running {
+        store, gate, first, ..
+    } = running().await;
     store.fail_renewals(3);
     // The renewal at 10 s and its tries fail, then land; the one at 20 s lands at once.
     tokio::time::sleep(std::time::Duration::from_secs(25)).await;
@@ -366,18 +387,13 @@ async fn a_write_that_lands_after_failures_says_so_once() {
 async fn a_completion_after_a_lost_claim_says_nothing_was_written() {
     let _turn = Captured::turn().await;
     let captured = Captured::global();
-    let store = Faulty::new(MemoryStore::new());
-    let (started, gate) = (
-        std::sync::Arc::new(tokio::sync::Notify::new()),
-        std::sync::Arc::new(tokio::sync::Notify::new()),
-    );
-    let svc = service(
-        IdempotencyLayer::new(store.clone()).lease(std::time::Duration::from_secs(30)),
-        tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow"),
-    );
     let from = captured.len();
-    let first = tower_idempotency_test::spawn_send(&svc, post("k", "x"));
-    started.notified().await;
+    let Running {
+        store,
+        svc,
+        gate,
+        first,
+    } = running().await;
     // Every renewal fails: the claim runs out, and the retry claims the key and completes it.
     store.fail_renewals(usize::MAX);
     tokio::time::sleep(std::time::Duration::from_secs(31)).await;
