@@ -298,10 +298,14 @@ fn note_answer(parts: &mut http::response::Parts, trailers: Option<&HeaderMap>) 
         .find(|fields| fields.contains_key("grpc-status"));
     let Some(fields) = fields else { return };
     let code = Code::from_bytes(fields["grpc-status"].as_bytes());
-    // Read through tonic's binary metadata, which refuses bad base64 rather than panicking.
-    let details = tonic::metadata::MetadataMap::from_headers(fields.clone())
-        .get_bin("grpc-status-details-bin")
-        .and_then(|value| value.to_bytes().ok());
+    // Read through tonic's binary metadata, which refuses bad base64 rather than panicking; only
+    // the details' value is copied, and only when there is one.
+    let details = fields.get("grpc-status-details-bin").and_then(|value| {
+        let mut only = HeaderMap::new();
+        only.insert("grpc-status-details-bin", value.clone());
+        let metadata = tonic::metadata::MetadataMap::from_headers(only);
+        metadata.get_bin("grpc-status-details-bin")?.to_bytes().ok()
+    });
     let retry_delay = details.and_then(|details| {
         tower_idempotency::grpc::retry_delay(&tonic::Status::with_details(code, "", details))
     });
