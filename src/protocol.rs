@@ -55,7 +55,7 @@ pub(crate) mod text {
             .collect()
     }
 
-    /// The table row of `doc` whose first cell is `` `name` ``.
+    /// The row among `rows` whose first cell is `` `name` ``.
     pub(crate) fn row<'a>(rows: &'a [Vec<&'a str>], name: &str) -> &'a [&'a str] {
         rows.iter()
             .find(|row| row[0] == format!("`{name}`"))
