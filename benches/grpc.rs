@@ -1,6 +1,6 @@
 //! The gRPC mode's cost in instructions per call, in process, counted by callgrind, as
 //! `benches/instructions.rs` counts HTTP's: a tonic service (`payments.v1.Payments` of
-//! `examples/grpc.rs`) driven with `oneshot` on a current-thread runtime, one unary
+//! `examples/grpc.rs`, the `grpc-payments` crate) driven with `oneshot` on a current-thread runtime, one unary
 //! `CreateCharge` at a time, its answer read whole, trailers included. Per call = (Ir of 2,500
 //! calls − Ir of 500) / 2,000. Cases: `bare` (the tonic server alone) and `memory` (behind the
 //! layer in gRPC mode over a `MemoryStore`), each with a new key per call and with one key
@@ -11,10 +11,6 @@
 //! cargo bench -p benches --bench grpc         # needs valgrind
 //! PROBE=memory:replay:500 cargo bench -p benches --bench grpc   # one case, no valgrind
 //! ```
-
-#[allow(dead_code)]
-#[path = "../examples/grpc/payments.rs"]
-mod payments;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +24,7 @@ use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId};
 
-use payments::{CREATE_CHARGE, CreateChargeRequest, Ledger, PaymentsServer};
+use grpc_payments::{CREATE_CHARGE, CreateChargeRequest, Ledger, PaymentsServer};
 
 const FEW: u64 = 500;
 const MANY: u64 = 2_500;

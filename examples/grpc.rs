@@ -1,7 +1,7 @@
 //! A tonic service made safe to retry: `payments.v1.Payments`, whose unary `CreateCharge` is
 //! protected by the idempotency layer in gRPC mode, and whose server-streaming `ListCharges` passes
-//! through untouched (`examples/grpc/payments.rs` has the messages, server and client, written by
-//! hand: no `protoc`).
+//! through untouched (the messages, server and client are the `grpc-payments` crate,
+//! `examples/grpc-payments`, written by hand: no `protoc`).
 //!
 //! ```text
 //! cargo run --example grpc --features grpc                          # records in memory
@@ -14,17 +14,13 @@
 //! records in memory. The charges themselves are in memory. A call, with `grpcurl`:
 //!
 //! ```text
-//! grpcurl -plaintext -proto examples/grpc/payments.proto -H 'idempotency-key: order-42' \
+//! grpcurl -plaintext -proto examples/grpc-payments/payments.proto -H 'idempotency-key: order-42' \
 //!   -d '{"amount": 1000, "currency": "EUR"}' 127.0.0.1:50051 payments.v1.Payments/CreateCharge
 //! ```
 //!
 //! The same call again with the same key answers with the same charge (and
 //! `idempotent-replayed: true`); with another message, `FAILED_PRECONDITION`; while the first
 //! runs, `ABORTED` with a `google.rpc.RetryInfo`; without a key, `INVALID_ARGUMENT`.
-
-#[allow(dead_code)]
-#[path = "grpc/payments.rs"]
-mod payments;
 
 use std::error::Error;
 use std::net::SocketAddr;
@@ -35,7 +31,7 @@ use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
-use payments::{CREATE_CHARGE, Ledger, PaymentsServer};
+use grpc_payments::{CREATE_CHARGE, Ledger, PaymentsServer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {

@@ -22,7 +22,7 @@ use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_client::{Attempts, GrpcRetry, IdempotentRetryLayer};
 use tower_idempotency_test::Faulty;
 
-use crate::payments::{
+use grpc_payments::{
     CREATE_CHARGE, CreateChargeRequest, LIST_CHARGES, Ledger, ListChargesRequest, Payments,
     PaymentsClient, PaymentsServer,
 };

@@ -21,7 +21,7 @@ use tower_idempotency::grpc::{problem_kind, retry_delay};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind, Store};
 use tower_idempotency_test::{Counting, Faulty};
 
-use crate::payments::{
+use grpc_payments::{
     CREATE_CHARGE, Charge, ChargeStream, CreateChargeRequest, LIST_CHARGES, Ledger,
     ListChargesRequest, Payments, PaymentsClient, PaymentsServer,
 };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 use tonic::Status;
 
-use crate::payments::{
+use grpc_payments::{
     Charge, ChargeStream, CreateChargeRequest, Ledger, ListChargesRequest, Payments,
 };
 

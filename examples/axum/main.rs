@@ -85,3 +85,6 @@ async fn serve<St: Store + Clone>(store: St) -> std::io::Result<()> {
     let _ = timeout_at(deadline, detached.wait()).await;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,10 @@
-//! `payments.v1.Payments` (`payments.proto` beside this file) by hand: the messages as prost
+//! `payments.v1.Payments` (`payments.proto` beside this crate) by hand: the messages as prost
 //! derives them, the server and client as tonic's code generation writes them, and an in-memory
 //! ledger. No `protoc`, no build script.
+//!
+//! The API of `examples/grpc.rs`, which its tests (`tests/grpc/`) call and its bench
+//! (`benches/grpc.rs`) measures: one crate, as a service's generated code is shared in a real
+//! project.
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -1,7 +1,7 @@
-//! `examples/axum.rs`, driven in-process through its `app()` with `oneshot`: the layer protects
-//! the one route it is on, and only that one.
+//! The example, driven in process through its `app()` with `oneshot`: the layer protects the one
+//! route it is on, and only that one.
 
-use crate::axum_example as example;
+use super as example;
 use std::convert::Infallible;
 
 use axum::Router;

@@ -73,3 +73,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
     axum::serve(listener, app(metrics)).await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

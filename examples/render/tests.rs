@@ -1,7 +1,7 @@
-//! `examples/render.rs`, driven in process: the layer's answers come in the API's error format, and
-//! its metrics reach the Prometheus text, the store latency as a histogram.
+//! The example, driven in process: the layer's answers come in the API's error format, and its
+//! metrics reach the Prometheus text, the store latency as a histogram.
 
-use crate::render_example as example;
+use super as example;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
