@@ -22,11 +22,11 @@ use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_client::{Attempts, GrpcRetry, IdempotentRetryLayer};
 use tower_idempotency_test::Faulty;
 
+use crate::support::Gated;
 use grpc_payments::{
     CREATE_CHARGE, CreateChargeRequest, LIST_CHARGES, Ledger, ListChargesRequest, Payments,
     PaymentsClient, PaymentsServer,
 };
-use crate::support::Gated;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

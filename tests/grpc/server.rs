@@ -21,11 +21,11 @@ use tower_idempotency::grpc::{problem_kind, retry_delay};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind, Store};
 use tower_idempotency_test::{Counting, Faulty};
 
+use crate::support::Gated;
 use grpc_payments::{
     CREATE_CHARGE, Charge, ChargeStream, CreateChargeRequest, LIST_CHARGES, Ledger,
     ListChargesRequest, Payments, PaymentsClient, PaymentsServer,
 };
-use crate::support::Gated;
 
 /// Serves `payments` behind `layer` on a free loopback port.
 async fn serve<T: Payments, St: Store + Clone + Sync>(
