@@ -19,8 +19,8 @@
 //! (feature `seal`). A second table gives the bytes a stored record takes, plain and sealed.
 //!
 //! A remote store is measured against its floor: the same requests to the same router, whose
-//! handler makes by hand the store calls any layer must make (the floors of `benches/http.rs`,
-//! `http/redis_floor.rs` and `http/postgres_floor.rs`, included as they are): `redis-floor`, the
+//! handler makes by hand the store calls any layer must make (the floors of `benches/http/main.rs`,
+//! `floor/redis.rs` and `floor/postgres.rs`, in the package library): `redis-floor`, the
 //! claim script's `EVALSHA` and the fenced completion's on one redis-rs multiplexed connection;
 //! `postgres-floor`, the claim and completion statements through a sqlx pool like the store's. The
 //! layer over its floor is what the layer itself costs a request on that store. With the
@@ -31,25 +31,15 @@
 //! `INSTRUCTIONS_QUICK=1` runs every case once with a few requests, natively, checking every
 //! answer and counting nothing: the CI smoke.
 
-#[allow(dead_code, reason = "shared with benches/layer.rs")]
-mod app;
-#[allow(dead_code, reason = "shared with benches/growth.rs")]
-#[path = "support/chart.rs"]
-mod chart;
-#[path = "http/postgres_floor.rs"]
-mod postgres_floor;
-#[path = "http/redis_floor.rs"]
-mod redis_floor;
-
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use app::{CHARGE, PATH, REPLAY_KEY, Variant, app, call, layered, layered_with, post_request};
 use axum::Router;
-use axum::body::Bytes;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::http::StatusCode;
+use benches::app::{self, REPLAY_KEY, Variant, app, call, layered, layered_with, post_request};
+use benches::floor;
+use benches::support::chart;
 use deadpool_redis::redis;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
@@ -283,24 +273,6 @@ impl Servers {
     }
 }
 
-/// A 201 with `body` as JSON, marked as a replay when `replayed`: how the floors answer (as in
-/// `benches/http.rs`, whose floors this bench includes).
-fn created(body: Bytes, replayed: bool) -> axum::response::Response {
-    let mut response = (
-        StatusCode::CREATED,
-        [(header::CONTENT_TYPE, "application/json")],
-        body,
-    )
-        .into_response();
-    if replayed {
-        response.headers_mut().insert(
-            "idempotent-replayed",
-            header::HeaderValue::from_static("true"),
-        );
-    }
-    response
-}
-
 /// The floors' records live as long as the layer's default dedup window.
 const WINDOW_MS: u64 = 24 * 60 * 60 * 1000;
 
@@ -319,7 +291,7 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
                 .get_multiplexed_async_connection()
                 .await
                 .expect("a multiplexed connection");
-            let floor = redis_floor::redis_app(connection, WINDOW_MS, counter(), counter());
+            let floor = floor::redis::redis_app(connection, WINDOW_MS, counter(), counter());
             (floor.with_state(()), None)
         }
         "postgres-floor" => {
@@ -329,8 +301,8 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
                 .expect("a store")
                 .with_sweep_interval(None);
             store.migrate().await.expect("the store's table");
-            let pool = postgres_floor::pool(&url).await.expect("a pool");
-            let floor = postgres_floor::postgres_app(pool, WINDOW_MS, counter(), counter());
+            let pool = floor::postgres::pool(&url).await.expect("a pool");
+            let floor = floor::postgres::postgres_app(pool, WINDOW_MS, counter(), counter());
             (floor.with_state(()), None)
         }
         "postgres" => {

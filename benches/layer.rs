@@ -5,7 +5,7 @@
 //! cargo bench -p benches --bench layer -- new-key       # one workload
 //! ```
 //!
-//! One axum `Router` with the same trivial handler as `benches/http.rs` (reads the body, answers
+//! One axum `Router` with the same trivial handler as `benches/http/main.rs` (reads the body, answers
 //! 201 with a ~200-byte JSON charge), called with `oneshot` on a current-thread tokio runtime, the
 //! response body collected; `bare` without the layer, `memory` behind
 //! `IdempotencyLayer::new(MemoryStore::new())`, `boxed` behind the same store chosen at run time
@@ -24,14 +24,12 @@
 //!
 //! Every call's status is checked, so a bench that measures the wrong path fails.
 
-mod app;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use app::{HELD_KEY, REPLAY_KEY, Variant, app, call, get_request, post_request};
 use axum::Router;
 use axum::http::StatusCode;
+use benches::app::{self, HELD_KEY, REPLAY_KEY, Variant, app, call, get_request, post_request};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tokio::runtime::Runtime;
 

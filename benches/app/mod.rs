@@ -1,5 +1,5 @@
 //! What the in-process benches share: one axum `Router` with a trivial charge handler (reads the
-//! body, answers 201 with a ~200-byte JSON charge, as `benches/http.rs` does), bare or behind the
+//! body, answers 201 with a ~200-byte JSON charge, as `benches/http/main.rs` does), bare or behind the
 //! layer, and the requests they send.
 
 use std::hint::black_box;
@@ -16,7 +16,7 @@ use tower::ServiceExt;
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
 
 pub const PATH: &str = "/v1/charges";
-/// The handler's response: a fixed charge object (203 bytes), as in `benches/http.rs`.
+/// The handler's response: a fixed charge object (203 bytes), as in `benches/http/main.rs`.
 pub const CHARGE: &str = r#"{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"eur","status":"succeeded","captured":true,"customer":"cus_NffrFeUfNV2Hib","description":"Order #1234","created":1679090539}"#;
 /// Every POST's body (64 bytes).
 pub const REQUEST_BODY: &str =

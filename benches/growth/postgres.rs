@@ -14,7 +14,7 @@
 //! at the rate they expire (`rows / window` per second, in batches five times a second), so that
 //! the table sees, in minutes, the traffic of a window of a day. Meanwhile a probe claims and
 //! completes fresh keys (`claim_per_second`) with the statements of the Postgres floor
-//! (`benches/http/postgres_floor.rs`, the same shape as the store's), timing each claim. Every
+//! (`benches/floor/postgres.rs`, the same shape as the store's), timing each claim. Every
 //! sample (a tenth of the run) gives the claim latency (p50, p99), the table's size (indexes and
 //! TOAST included, partitions summed), its dead tuples (`pg_stat_user_tables`), the rows present
 //! that have expired (the sweep's backlog), and the sweep's work so far.
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
 use tower_idempotency_postgres::PgStore;
 
-use super::chart::{self, Series};
+use benches::support::chart::{self, Series};
 use test_servers::postgres_server::PostgresServer;
 
 /// The stored record's bytes: the size of the charge's completed record in the store (see

@@ -1,5 +1,5 @@
 #!/bin/sh
-# benches/http.rs with the server pinned to one core, and wrk and the stores to the other:
+# benches/http/main.rs with the server pinned to one core, and wrk and the stores to the other:
 #
 #   sh benches/http/pinned.sh                      # server on CPU 0, wrk and the stores on CPU 1
 #   SERVER_CPU=1 CLIENT_CPU=0 sh benches/http/pinned.sh

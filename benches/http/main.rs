@@ -18,13 +18,13 @@
 //! - `memory+cache`: the same behind a `ReplayCache`;
 //! - `redis-floor`: no layer, but the handler makes by hand, on one multiplexed connection, the
 //!   Redis calls a layer must make (the crate's claim script, then its fenced completion script),
-//!   and answers replays and 409s from the record the claim returned (`http/redis_floor.rs`): the most any
+//!   and answers replays and 409s from the record the claim returned (`floor/redis.rs`): the most any
 //!   Redis layer can reach;
 //! - `redis`: behind `IdempotencyLayer::new(RedisStore::from_url(..))`;
 //! - `redis+cache`: the same behind a `ReplayCache` (replays of this process's completions make no
 //!   Redis call);
 //! - with the `postgres` feature: `postgres-floor`, the claim and completion statements by hand on
-//!   a pool like the store's, in the store's own table (`http/postgres_floor.rs`), and `postgres`,
+//!   a pool like the store's, in the store's own table (`floor/postgres.rs`), and `postgres`,
 //!   behind `PgStore`, on a private PostgreSQL server the bench starts (the test fixture: fsync
 //!   off, as the Redis server keeps nothing on disk).
 //!
@@ -70,21 +70,11 @@
 //! `BENCH_SECONDS=1 BENCH_ROUNDS=1 BENCH_WARMUP=0 cargo bench -p benches --bench http`, which
 //! fails on any MISMATCH (statuses, replay markers, handler counts) and checks no timing.
 
-#[path = "http/postgres_floor.rs"]
-mod postgres_floor;
-#[path = "http/postgres_stats.rs"]
 mod postgres_stats;
-#[path = "http/process.rs"]
 mod process;
-#[path = "http/redis_floor.rs"]
-mod redis_floor;
-#[path = "http/report.rs"]
 mod report;
-#[path = "http/settings.rs"]
 mod settings;
-#[path = "http/stores.rs"]
 mod stores;
-#[path = "http/wrk.rs"]
 mod wrk;
 
 use std::io::{self, Read, Write};
@@ -98,9 +88,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::serve::ListenerExt;
+use benches::app::{CHARGE, PATH, REQUEST_BODY};
+use benches::floor;
 use process::{ChildrenUse, CpuClocks, resident_kib, status_field};
 use report::{check, load_average, ms, print_machine, print_report};
 use settings::{
@@ -112,12 +103,6 @@ use tower_idempotency::store::ReplayCache;
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 use wrk::{WrkResult, lua_script, run_wrk};
-
-const PATH: &str = "/v1/charges";
-/// The handler's response: a fixed charge object (203 bytes).
-const CHARGE: &str = r#"{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"eur","status":"succeeded","captured":true,"customer":"cus_NffrFeUfNV2Hib","description":"Order #1234","created":1679090539}"#;
-/// Every request's body (64 bytes).
-const REQUEST_BODY: &str = r#"{"amount":1099,"currency":"eur","customer":"cus_NffrFeUfNV2Hib"}"#;
 
 /// Timeout of the bench's own priming and probing requests.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -302,7 +287,7 @@ fn run() -> Result<bool, String> {
                 ))
                 .dedup_window(window),
             ),
-            Variant::RedisFloor => redis_floor::redis_app(
+            Variant::RedisFloor => floor::redis::redis_app(
                 runtime
                     .block_on(redis_client.get_multiplexed_async_connection())
                     .map_err(|e| format!("redis connection: {e}"))?,
@@ -321,9 +306,9 @@ fn run() -> Result<bool, String> {
                 ))
                 .dedup_window(window),
             ),
-            Variant::PostgresFloor => postgres_floor::postgres_app(
+            Variant::PostgresFloor => floor::postgres::postgres_app(
                 runtime
-                    .block_on(postgres_floor::pool(&postgres.url()))
+                    .block_on(floor::postgres::pool(&postgres.url()))
                     .map_err(|e| format!("postgres floor pool: {e}"))?,
                 window.as_millis() as u64,
                 executions.clone(),
@@ -530,23 +515,6 @@ where
         self.count.fetch_add(1, Ordering::Relaxed);
         self.inner.call(request)
     }
-}
-
-/// A 201 with `body` as JSON, marked as a replay when `replayed`: how the floors answer.
-fn created(body: Bytes, replayed: bool) -> axum::response::Response {
-    let mut response = (
-        StatusCode::CREATED,
-        [(header::CONTENT_TYPE, "application/json")],
-        body,
-    )
-        .into_response();
-    if replayed {
-        response.headers_mut().insert(
-            "idempotent-replayed",
-            header::HeaderValue::from_static("true"),
-        );
-    }
-    response
 }
 
 /// The handler, the same for every variant: 201 and a fixed charge, after reading the body. A

@@ -29,26 +29,16 @@
 //! `GROWTH_QUICK=1` runs each part small and natively (no valgrind): every answer is checked,
 //! no figure is. A run started by `cargo test --benches` (no `--bench` argument) does nothing.
 
-#[allow(
-    dead_code,
-    reason = "shared with benches/layer.rs and benches/instructions.rs"
-)]
-mod app;
-#[path = "support/callgrind.rs"]
-mod callgrind;
-#[allow(dead_code, reason = "shared with benches/instructions.rs")]
-#[path = "support/chart.rs"]
-mod chart;
-#[path = "growth/postgres.rs"]
 mod postgres;
 
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use app::{CHARGE, PATH, call, layered, post_request};
 use axum::Router;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::routing::post;
+use benches::app::{CHARGE, PATH, call, layered, post_request};
+use benches::support::{callgrind, chart};
 use chart::Series;
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{

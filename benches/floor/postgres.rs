@@ -18,7 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
 
-use super::{CHARGE, PATH, created};
+use super::created;
+use crate::app::{CHARGE, PATH};
 
 /// $1 id, $2 fingerprint, $3 the token's unique half (8 bytes), $4 lease (ms): `true`, the token
 /// with its fence (the database's clock in microseconds, as the store numbers a claim) and no

@@ -19,7 +19,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use deadpool_redis::redis;
 
-use super::{CHARGE, PATH, created};
+use super::created;
+use crate::app::{CHARGE, PATH};
 
 /// The crate's claim script: the fence number a layer's claim must get.
 const CLAIM: &str = include_str!("../../stores/redis/src/claim.lua");
