@@ -7,6 +7,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
+mod at_exit;
 pub mod logs;
 pub mod postgres_server;
 pub mod redis_cluster;

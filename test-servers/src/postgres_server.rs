@@ -25,7 +25,7 @@ use std::os::unix::fs::{MetadataExt, chown};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -122,6 +122,19 @@ impl PostgresServer {
         server.fail(&format!(
             "postgres could not start on a free port after {START_ATTEMPTS} attempts"
         ))
+    }
+
+    /// One server for the whole test binary, started on first use and killed when the process
+    /// exits: for tests that each take a table or a database of their own on it, and never stop
+    /// or pause it (those start their own with [`PostgresServer::start`]).
+    pub fn shared() -> &'static PostgresServer {
+        static SHARED: OnceLock<PostgresServer> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let server = PostgresServer::start();
+            let pids = server.pid().into_iter().collect();
+            crate::at_exit::kill(pids, vec![server.dir.clone()]);
+            server
+        })
     }
 
     /// The URL of the `postgres` database, as the `postgres` user: `postgres://...`.

@@ -9,7 +9,6 @@
 //! If `redis-server` or `redis-cli` is not on `PATH`, it panics: cluster tests never skip.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -94,7 +93,7 @@ impl RedisCluster {
                 .iter()
                 .map(|node| node.dir().to_owned())
                 .collect();
-            kill_at_exit(pids, dirs);
+            crate::at_exit::kill(pids, dirs);
             cluster
         })
     }
@@ -376,28 +375,5 @@ impl RedisCluster {
             .into_iter()
             .flat_map(|i| self.nodes[i].keys_without_ttl())
             .collect()
-    }
-}
-
-/// Kills `pids` and removes `dirs` when the process exits: a shared cluster lives in a static,
-/// which is never dropped.
-fn kill_at_exit(pids: Vec<u32>, dirs: Vec<PathBuf>) {
-    static LEFT: OnceLock<(Vec<u32>, Vec<PathBuf>)> = OnceLock::new();
-    extern "C" fn kill_all() {
-        let Some((pids, dirs)) = LEFT.get() else {
-            return;
-        };
-        for pid in pids {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        }
-        for dir in dirs {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-    if LEFT.set((pids, dirs)).is_ok() {
-        // SAFETY: `kill_all` is an `extern "C" fn()` that does not unwind.
-        unsafe {
-            libc::atexit(kill_all);
-        }
     }
 }

@@ -1,9 +1,11 @@
-//! The store contract suite on `PgStore`, each case on a PostgreSQL server of its own.
+//! The store contract suite on `PgStore`, each case in a table of its own on the binary's one
+//! PostgreSQL server (no case stops or pauses it).
 //!
 //! PostgreSQL keeps its own clock, so these cases run on real time with a short lease and window
 //! (the memory suite runs the same cases on paused time).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use test_servers::postgres_server::PostgresServer;
@@ -13,8 +15,6 @@ use tower_idempotency_test::Harness;
 #[derive(Debug)]
 struct PgHarness {
     store: PgStore,
-    /// Kept for the case, and dropped after the store.
-    _server: PostgresServer,
 }
 
 impl PgHarness {
@@ -28,13 +28,12 @@ impl PgHarness {
     }
 
     async fn start_with(configure: impl FnOnce(PgStore) -> PgStore) -> Self {
-        let server = PostgresServer::start();
-        let store = configure(PgStore::connect(&server.url()).expect("a store"));
+        static TABLES: AtomicU32 = AtomicU32::new(0);
+        let table = format!("records_{}", TABLES.fetch_add(1, Ordering::Relaxed));
+        let store = PgStore::connect(&PostgresServer::shared().url()).expect("a store");
+        let store = configure(store.with_table(&table));
         store.migrate().await.expect("the table is created");
-        Self {
-            store,
-            _server: server,
-        }
+        Self { store }
     }
 }
 
