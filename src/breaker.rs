@@ -583,7 +583,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn answers_of_claims_admitted_before_a_change_count_for_nothing() {
         let breaker = breaker();
-        // Admitted while closed, answered once the breaker opened: a failure more, not a reopen.
+        // Admitted while closed, answered after the breaker opened and closed again.
         let Admission::Pass(late_failure) = breaker.admit(Instant::now()) else {
             panic!("closed");
         };
@@ -597,11 +597,14 @@ mod tests {
         let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
             panic!("the probe passes");
         };
-        // A claim admitted while closed answers during the probe: it neither closes nor reopens.
+        // A claim admitted while closed answers during the probe: it does not close it.
         late_success.answered(&answered());
-        late_failure.answered(&away());
         assert!(matches!(state(&breaker), State::HalfOpen { probing: true }));
-        probe.answered(&away());
-        assert!(matches!(state(&breaker), State::Open { .. }));
+        probe.answered(&answered());
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        // One admitted before the breaker opened, failing now: not a failure of the new run.
+        late_failure.answered(&away());
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        assert!(breaker.clean.load(Ordering::SeqCst));
     }
 }
