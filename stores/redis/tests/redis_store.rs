@@ -20,6 +20,7 @@ use tower::ServiceExt;
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{Completed, Fingerprint, IdempotencyLayer, Outcome, Record, RecordId};
 use tower_idempotency_redis::RedisStore;
+use tower_idempotency_test::Counting;
 
 /// A charge handler that counts its runs and can be held until the test releases it.
 #[derive(Clone, Default)]
@@ -47,7 +48,7 @@ impl Handler {
         }
     }
 
-    fn app(&self, layer: IdempotencyLayer<RedisStore>) -> Router {
+    fn app<St: Store + Clone>(&self, layer: IdempotencyLayer<St>) -> Router {
         let handler = self.clone();
         Router::new()
             .route(
@@ -631,4 +632,80 @@ async fn a_record_of_an_unknown_kind_is_never_run_over_even_fail_open() {
         )
     );
     assert_eq!(handler.runs(), 0, "not run over the record");
+}
+
+/// A layer with a circuit breaker over a Redis that is stopped: after the failures that open it,
+/// requests get their 503 at once (no claim reaches Redis); once Redis is back and the cool-down
+/// is over, one probe closes it and requests run again (PROTOCOL.md §9.11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_circuit_breaker_answers_at_once_while_redis_is_down_and_closes_when_it_is_back() {
+    let mut server = RedisServer::start();
+    let handler = Handler::default();
+    let breaker = tower_idempotency::CircuitBreaker::default()
+        .failures(3)
+        .cool_down(Duration::from_secs(2));
+    let store = Counting::new(store(&server));
+    let app = handler.app(IdempotencyLayer::new(store.clone()).circuit_breaker(breaker));
+    assert_eq!(
+        send(&app, charge("before", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.stop();
+    for n in 0..3 {
+        let (status, outcome, _) = send(&app, charge(&format!("down-{n}"), "1")).await;
+        assert_eq!(
+            (status, outcome),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(Outcome::StoreUnavailable)
+            )
+        );
+    }
+    assert_eq!(store.calls().claim, 4);
+    // Open: each answer comes at once, and none is a store call.
+    let opened = Instant::now();
+    for n in 0..50 {
+        let response = app
+            .clone()
+            .oneshot(charge(&format!("open-{n}"), "1"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            response.extensions().get::<Outcome>(),
+            Some(&Outcome::CircuitOpen)
+        );
+        let retry_after = response.headers()["retry-after"].to_str().unwrap();
+        assert!(matches!(retry_after, "1" | "2"), "{retry_after}");
+    }
+    assert!(
+        opened.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        opened.elapsed()
+    );
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(store.calls().claim, 4, "no claim while open");
+
+    server.restart();
+    // Redis is back. After the cool-down, the probe runs and closes the breaker; the requests after it run.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match send(&app, charge("after", "1")).await.1 {
+            Some(Outcome::Executed) => break,
+            Some(Outcome::CircuitOpen | Outcome::StoreUnavailable) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("once Redis is back: {other:?}"),
+        }
+    }
+    assert_eq!(
+        send(&app, charge("after", "1")).await.1,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(
+        send(&app, charge("after-2", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(handler.runs(), 3);
 }
