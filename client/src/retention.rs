@@ -37,7 +37,15 @@ mod tests {
         assert_eq!(with("Fri, 02 Jan 2026 10:00:00 GMT"), Some(at));
         assert_eq!(with("@1767348000"), Some(at));
         assert_eq!(with(" @1767348000 "), Some(at));
-        for bad in ["@", "@-1", "@1.5", "@ 1", "1767348000", "tomorrow", "@99999999999999999999"] {
+        for bad in [
+            "@",
+            "@-1",
+            "@1.5",
+            "@ 1",
+            "1767348000",
+            "tomorrow",
+            "@99999999999999999999",
+        ] {
             assert_eq!(with(bad), None, "{bad}");
         }
         assert_eq!(expires(&HeaderMap::new(), &name), None);
