@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
+use crate::breaker::Breaker;
 use crate::dialect::Dialect;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::quota::Quotas;
@@ -42,6 +43,9 @@ pub(crate) struct Config {
     pub(crate) quota: Option<Arc<Quotas>>,
     /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
     pub(crate) dialect: Option<Arc<dyn Dialect>>,
+    /// The circuit breaker in front of the store (`IdempotencyLayer::circuit_breaker`), shared by
+    /// every service the layer builds.
+    pub(crate) breaker: Option<Arc<Breaker>>,
 }
 
 impl Default for Config {
@@ -68,6 +72,7 @@ impl Default for Config {
             retention: None,
             quota: None,
             dialect: None,
+            breaker: None,
         }
     }
 }
@@ -110,6 +115,7 @@ impl fmt::Debug for Config {
             .field("retention", &self.retention)
             .field("quota", &self.quota)
             .field("dialect", &self.dialect)
+            .field("breaker", &self.breaker)
             .finish_non_exhaustive()
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
+use crate::breaker::{Breaker, CircuitBreaker};
 use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
 use crate::problem::{ProblemKind, RenderProblem};
@@ -289,6 +290,32 @@ impl<St> IdempotencyLayer<St> {
     /// Default: `false`.
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config.fail_open = fail_open;
+        self
+    }
+
+    /// Puts a circuit breaker in front of the store (`docs/PROTOCOL.md` §9.11): after
+    /// `breaker`'s number of claims in a row fail because the store is unreachable or timed out,
+    /// requests are answered at once for a cool-down, without a store call, instead of each
+    /// waiting for the store's timeout: `503` `store-unavailable` with a `Retry-After` of the
+    /// cool-down left (outcome `CircuitOpen`) or, on a [fail-open](Self::fail_open) layer, the
+    /// handler unprotected (outcome `FailedOpen`). Then one request probes the store; its answer
+    /// closes the breaker, its failure opens it again. Changes of state are logged (WARN when
+    /// it opens, INFO otherwise) and counted (`idempotency_circuit_breaker_transitions_total`).
+    /// One breaker per layer: its clones and every service built from them share it.
+    ///
+    /// Default: off (every claim goes to the store). [`CircuitBreaker::default`]: 5 failures
+    /// within 10 s open it for 5 s.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .circuit_breaker(CircuitBreaker::default().cool_down(Duration::from_secs(10)));
+    /// # let _ = layer;
+    /// ```
+    pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
+        self.config.breaker = Some(Arc::new(Breaker::new(breaker)));
         self
     }
 

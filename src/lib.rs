@@ -174,6 +174,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+mod breaker;
 mod config;
 pub mod consumer;
 mod detach;
@@ -208,6 +209,7 @@ mod store_policy;
 mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
+pub use breaker::CircuitBreaker;
 pub use detach::Shutdown;
 #[cfg(feature = "axum")]
 pub use extract::{MissingClaimExtension, MissingKeyExtension};

@@ -22,6 +22,14 @@ const REQUESTS: &str = "idempotency_requests_total";
 #[cfg(feature = "metrics")]
 const STORE_CALLS: &str = "idempotency_store_call_duration_seconds";
 
+/// The counter of the circuit breaker's changes of state, by the state entered.
+#[cfg(feature = "metrics")]
+const BREAKER: &str = "idempotency_circuit_breaker_transitions_total";
+
+/// The values of the breaker's `state` label (and of the `state` field of its log lines): the
+/// state entered, in the order of `breaker::Entered`.
+pub(crate) const BREAKER_STATES: [&str; 3] = ["open", "half_open", "closed"];
+
 /// Describes the metrics to the recorder installed now, if any.
 pub(crate) fn describe() {
     #[cfg(feature = "metrics")]
@@ -35,6 +43,11 @@ pub(crate) fn describe() {
             STORE_CALLS,
             ::metrics::Unit::Seconds,
             "Idempotency store calls, by operation and result"
+        );
+        ::metrics::describe_counter!(
+            BREAKER,
+            ::metrics::Unit::Count,
+            "Changes of state of the idempotency store's circuit breaker, by the state entered"
         );
     }
 }
@@ -77,6 +90,22 @@ pub(crate) fn outcome(outcome: Outcome) {
     }
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
+}
+
+/// Counts a change of state of a layer's circuit breaker.
+pub(crate) fn breaker_entered(state: crate::breaker::Entered) {
+    #[cfg(feature = "metrics")]
+    {
+        static KEYS: [&::metrics::Key; BREAKER_STATES.len()] = [
+            static_key!(BREAKER; "state" => BREAKER_STATES[0]),
+            static_key!(BREAKER; "state" => BREAKER_STATES[1]),
+            static_key!(BREAKER; "state" => BREAKER_STATES[2]),
+        ];
+        let key = KEYS[state as usize];
+        ::metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = state;
 }
 
 /// The values of a store call's `result` label: `ok`, then each [`StoreError`] kind, in the
@@ -250,6 +279,8 @@ mod tests {
             assert_eq!(values(results_cell, &["StoreError"]), results, "{doc}");
             let named = values(row(&rows, REQUESTS)[2], &["outcome", "Outcome"]);
             assert!(named.is_empty() || named == outcomes, "{doc}: {named:?}");
+            let states: BTreeSet<String> = BREAKER_STATES.iter().map(|s| (*s).to_owned()).collect();
+            assert_eq!(values(row(&rows, BREAKER)[2], &["state"]), states, "{doc}");
         }
     }
 

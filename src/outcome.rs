@@ -84,7 +84,8 @@ outcomes! {
         Rejected => "rejected",
         /// The store failed at claim time: 503.
         StoreUnavailable => "store_unavailable",
-        /// The store failed at claim time and the layer is fail-open: the handler ran unprotected.
+        /// The store failed at claim time, or the circuit breaker is open, and the layer is
+        /// fail-open: the handler ran unprotected.
         FailedOpen => "failed_open",
         /// The handler failed or panicked: 500, and the claim was released.
         HandlerFailed => "handler_failed",
@@ -100,6 +101,10 @@ outcomes! {
         /// The request's scope has written its quota of records through this instance: 429, nothing
         /// read or claimed ([`ScopeQuota`](crate::ScopeQuota)).
         QuotaExceeded => "quota_exceeded",
+        /// The layer's circuit breaker is open (the store kept failing): 503 at once, without a
+        /// store call ([`CircuitBreaker`](crate::CircuitBreaker)). On a fail-open layer the
+        /// request runs unprotected instead, as `FailedOpen`.
+        CircuitOpen => "circuit_open",
     }
 }
 

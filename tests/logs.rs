@@ -413,3 +413,94 @@ async fn a_completion_after_a_lost_claim_says_nothing_was_written() {
     assert_eq!(not_written.len(), 1, "{not_written:?}");
     assert_eq!(not_written[0].field("operation"), Some("complete"));
 }
+
+/// The circuit breaker's changes of state are logged: a warning when it opens (with the failures
+/// and the last error), and again when a failed probe opens it; information when it turns
+/// half-open and when it closes. The requests it answers meanwhile log no warning of their own.
+/// PROTOCOL.md §9.11, §12.3.
+#[tokio::test(start_paused = true)]
+async fn the_breakers_changes_of_state_are_logged() {
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
+    let store = Faulty::new(MemoryStore::new());
+    let breaker = tower_idempotency::CircuitBreaker::default()
+        .failures(3)
+        .cool_down(std::time::Duration::from_secs(5));
+    let svc = service(
+        IdempotencyLayer::new(store.clone())
+            .single_tenant()
+            .circuit_breaker(breaker),
+        Handler::ok(|_| created("ok")),
+    );
+    let from = captured.len();
+    let changes = |from: usize| -> Vec<LogEvent> {
+        (captured.since(from).into_iter())
+            .filter(|e| e.says("idempotency store circuit breaker"))
+            .collect()
+    };
+
+    store.time_out(true);
+    for n in 0..3 {
+        send(&svc, post(&format!("k{n}"), "x")).await;
+    }
+    let opened = changes(from);
+    assert_eq!(opened.len(), 1, "{opened:?}");
+    assert_eq!(opened[0].level, tracing::Level::WARN);
+    assert!(opened[0].says("idempotency store circuit breaker opened: "));
+    assert_eq!(opened[0].field("state"), Some("open"));
+    assert_eq!(opened[0].field("failures"), Some("3"));
+    assert_eq!(opened[0].field("cool_down_ms"), Some("5000"));
+    assert!(
+        opened[0]
+            .field("error")
+            .is_some_and(|e| e.contains("did not answer")),
+        "{opened:?}"
+    );
+
+    // Answers while open log no warning per request.
+    let before = captured.len();
+    for n in 0..5 {
+        let reply = send(&svc, post(&format!("o{n}"), "x")).await;
+        assert_eq!(reply.outcome, Some(Outcome::CircuitOpen));
+    }
+    let warned: Vec<LogEvent> = (captured.since(before).into_iter())
+        .filter(|e| e.level <= tracing::Level::WARN)
+        .collect();
+    assert!(warned.is_empty(), "{warned:?}");
+
+    // The probe fails: half-open, then opened again.
+    tokio::time::advance(std::time::Duration::from_secs(5)).await;
+    let before = captured.len();
+    send(&svc, post("p1", "x")).await;
+    let probed = changes(before);
+    let summary: Vec<_> = (probed.iter())
+        .map(|e| (e.level, e.field("state").unwrap_or_default().to_owned()))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (tracing::Level::INFO, "half_open".to_owned()),
+            (tracing::Level::WARN, "open".to_owned())
+        ]
+    );
+    assert!(probed[1].says("idempotency store circuit breaker opened again: the probe failed"));
+
+    // The store is back: the next probe closes it.
+    store.time_out(false);
+    tokio::time::advance(std::time::Duration::from_secs(5)).await;
+    let before = captured.len();
+    assert_eq!(
+        send(&svc, post("p2", "x")).await.outcome,
+        Some(Outcome::Executed)
+    );
+    let summary: Vec<_> = (changes(before).iter())
+        .map(|e| (e.level, e.field("state").unwrap_or_default().to_owned()))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (tracing::Level::INFO, "half_open".to_owned()),
+            (tracing::Level::INFO, "closed".to_owned())
+        ]
+    );
+}

@@ -1,6 +1,8 @@
 //! `Error`: why the client layer returns no response.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
+
+use http::HeaderValue;
 
 /// The inner service's failures, and a body's, as tower and http-body pass them on.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -44,6 +46,25 @@ pub enum Error {
         /// The time from the call to the end.
         elapsed: Duration,
     },
+    /// A retry was due, but it would have been sent at or after the moment the server said it
+    /// forgets the key (its retention header, less the layer's margin): the server would not
+    /// recognise the key and would run the operation again, so no retry was sent. The operation
+    /// may have run once (the last answer was a retryable one): look its result up before
+    /// sending it again.
+    #[error(
+        "not retrying the request with key {}: the server keeps that key only until {}, and a \
+         retry after that would run the operation again ({attempts} attempt(s) made)",
+        String::from_utf8_lossy(key.as_bytes()),
+        httpdate::fmt_http_date(*expires)
+    )]
+    RetentionPassed {
+        /// The operation's key.
+        key: HeaderValue,
+        /// The moment the server stated.
+        expires: SystemTime,
+        /// The attempts made.
+        attempts: u32,
+    },
     /// The inner service failed on the last attempt (or was not ready for the first).
     #[error("the request failed after {attempts} attempt(s)")]
     Transport {
@@ -60,7 +81,9 @@ impl Error {
     pub fn attempts(&self) -> u32 {
         match self {
             Error::BodyTooLarge { .. } | Error::Body(_) => 0,
-            Error::TimedOut { attempts, .. } | Error::Transport { attempts, .. } => *attempts,
+            Error::TimedOut { attempts, .. }
+            | Error::Transport { attempts, .. }
+            | Error::RetentionPassed { attempts, .. } => *attempts,
         }
     }
 }

@@ -24,7 +24,7 @@ use tower_service::Service;
 use super::BoxError;
 use super::error::Error;
 use super::info::Attempts;
-use super::policy::AttemptPolicy;
+use super::policy::{AttemptPolicy, RetentionPassed};
 use tower_idempotency::IDEMPOTENT_REPLAYED;
 
 /// What the future reports when the operation ends, and the bounds it runs within.
@@ -162,6 +162,20 @@ impl Operation {
                 Ok(response)
             }
             Ok(Err(err)) if err.is::<tower::timeout::error::Elapsed>() => Err(timed_out()),
+            Ok(Err(err)) if err.is::<RetentionPassed>() => {
+                let expires = err.downcast_ref::<RetentionPassed>().map(|passed| passed.0);
+                match (self.key.clone(), expires) {
+                    (Some(key), Some(expires)) => Err(Error::RetentionPassed {
+                        key,
+                        expires,
+                        attempts,
+                    }),
+                    _ => Err(Error::Transport {
+                        attempts,
+                        source: err,
+                    }),
+                }
+            }
             Ok(Err(source)) => Err(Error::Transport { attempts, source }),
             // The overall deadline, during an attempt.
             Err(_) => Err(timed_out()),

@@ -45,6 +45,10 @@ pub(crate) struct Config {
     pub(crate) backoff: Backoff,
     pub(crate) body_limit: usize,
     pub(crate) budget: Option<Arc<dyn Budget + Send + Sync>>,
+    /// The server's retention header, whose moment no retry is sent at or after.
+    pub(crate) retention_header: HeaderName,
+    /// How long before that moment the retries stop.
+    pub(crate) retention_margin: Duration,
 }
 
 impl Default for Config {
@@ -61,6 +65,8 @@ impl Default for Config {
             },
             body_limit: 1024 * 1024,
             budget: None,
+            retention_header: tower_idempotency::IDEMPOTENCY_KEY_EXPIRES,
+            retention_margin: Duration::from_secs(10),
         }
     }
 }
@@ -150,6 +156,46 @@ impl IdempotentRetryLayer {
         self.config.budget = Some(budget);
         self
     }
+
+    /// The response header in which the server states until when it keeps a key (the server
+    /// layer's `retention_header`: an HTTP-date, or `@` and seconds since the Unix epoch). Once
+    /// an attempt's response stated that moment, no retry of the operation is sent at or after
+    /// it, less the [`retention_margin`](Self::retention_margin): the server would have forgotten
+    /// the key and would run the operation again. The call ends with
+    /// [`Error::RetentionPassed`](super::Error::RetentionPassed) instead. Default:
+    /// `Idempotency-Key-Expires` (`tower_idempotency::IDEMPOTENCY_KEY_EXPIRES`).
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use tower_idempotency_client::IdempotentRetryLayer;
+    ///
+    /// let layer = IdempotentRetryLayer::new()
+    ///     .retention_header(HeaderName::from_static("x-key-kept-until"));
+    /// # let _ = layer;
+    /// ```
+    pub fn retention_header(mut self, name: HeaderName) -> Self {
+        self.config.retention_header = name;
+        self
+    }
+
+    /// How long before the server's stated retention moment the retries stop: room for the
+    /// difference between the client's clock and the server's, and for the retry's way to the
+    /// server. The client compares the moment with its own wall clock, and the time a retry
+    /// would be sent (now plus its wait) must come before the moment less this margin.
+    /// Default: 10 seconds (clocks kept by NTP differ by far less; the server keeps keys for
+    /// hours).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency_client::IdempotentRetryLayer;
+    ///
+    /// let layer = IdempotentRetryLayer::new().retention_margin(Duration::from_secs(60));
+    /// # let _ = layer;
+    /// ```
+    pub fn retention_margin(mut self, margin: Duration) -> Self {
+        self.config.retention_margin = margin;
+        self
+    }
 }
 
 impl<S> Layer<S> for IdempotentRetryLayer {
@@ -177,6 +223,8 @@ impl fmt::Debug for Config {
             .field("backoff", &self.backoff)
             .field("body_limit", &self.body_limit)
             .field("budget", &self.budget.is_some())
+            .field("retention_header", &self.retention_header)
+            .field("retention_margin", &self.retention_margin)
             .finish()
     }
 }

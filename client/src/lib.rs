@@ -131,6 +131,7 @@ pub mod grpc;
 mod info;
 mod layer;
 mod policy;
+mod retention;
 mod service;
 
 pub use error::Error;

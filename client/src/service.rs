@@ -117,7 +117,9 @@ where
             .checked_add(config.deadline)
             .unwrap_or_else(|| started + FAR_FUTURE);
         let attempts = Arc::new(AtomicU32::new(1));
-        let policy = AttemptPolicy::new(config.clone(), attempts.clone(), deadline, retryable);
+        let keyed = key.is_some();
+        let policy =
+            AttemptPolicy::new(config.clone(), attempts.clone(), deadline, retryable, keyed);
         // The readied service goes to this call; a clone stays for the next one.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);

@@ -178,3 +178,95 @@ async fn backoff_waits_stay_within_their_doubling_bounds() {
         assert!(gap <= bound, "{gap:?} over {bound:?}");
     }
 }
+
+/// A server that stores its 503s (its upstream's "later"), states when it forgets a key, and keeps
+/// keys for 30 s; its handler answers 503 with `Retry-After: {retry_after}` first, then 201.
+fn forgetful_server(
+    retry_after: u64,
+    format: tower_idempotency::RetentionFormat,
+) -> (axum::Router, Arc<std::sync::atomic::AtomicUsize>) {
+    use tower_idempotency::{DefaultStorePolicy, IdempotencyLayer, MemoryStore, StorePolicy};
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .dedup_window(Duration::from_secs(30))
+        .retention_header(tower_idempotency::IDEMPOTENCY_KEY_EXPIRES, format)
+        .store_policy(|head: &http::response::Parts| {
+            DefaultStorePolicy.store(head) || head.status == StatusCode::SERVICE_UNAVAILABLE
+        });
+    let script: support::Script = Arc::new(move |n, _| {
+        let status = if n == 1 { 503 } else { 201 };
+        http::Response::builder()
+            .status(status)
+            .header(http::header::RETRY_AFTER, retry_after.to_string())
+            .body(axum::body::Body::from(format!("run {n}")))
+            .unwrap()
+    });
+    support::server_with(layer, Duration::ZERO, script)
+}
+
+/// A retry that would reach the server after it forgot the key is not sent: the call ends with
+/// an error naming the key, and the operation ran once. Without it, the retry 40 s later finds
+/// the key new and runs the operation a second time. PROTOCOL.md §14.4.
+#[tokio::test(start_paused = true)]
+async fn no_retry_is_sent_after_the_server_forgets_the_key() {
+    for format in [
+        tower_idempotency::RetentionFormat::HttpDate,
+        tower_idempotency::RetentionFormat::StructuredDate,
+    ] {
+        let (server, runs) = forgetful_server(40, format);
+        let link = Link::new(server, []);
+        let client = ServiceBuilder::new()
+            .layer(layer().deadline(Duration::from_secs(120)))
+            .service(link.clone());
+
+        let err = client.oneshot(charge("x")).await.unwrap_err();
+
+        let sent = link.sent();
+        assert_eq!(sent.len(), 1, "no retry was sent");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the operation ran once");
+        let key = sent[0].key.clone().expect("a key");
+        match &err {
+            Error::RetentionPassed {
+                key: named,
+                attempts,
+                ..
+            } => assert_eq!((named, *attempts), (&key, 1)),
+            other => panic!("{format:?}: {other:?}"),
+        }
+        let message = err.to_string();
+        assert!(
+            message.contains(key.to_str().unwrap())
+                && message.contains("would run the operation again"),
+            "{message}"
+        );
+    }
+}
+
+/// A retry due well before the moment, less the margin, is sent and replayed; a wider margin
+/// stops it.
+#[tokio::test(start_paused = true)]
+async fn retries_before_the_moment_less_the_margin_are_sent() {
+    let (server, runs) = forgetful_server(15, tower_idempotency::RetentionFormat::HttpDate);
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(layer().max_attempts(2).deadline(Duration::from_secs(120)))
+        .service(link.clone());
+    // The moment is 30 s away (rounded down to the second); 15 s + the 10 s margin fit before it.
+    let response = client.oneshot(charge("x")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(attempts(&response).count(), 2);
+    assert!(attempts(&response).replayed(), "the retry was recognised");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let (server, runs) = forgetful_server(15, tower_idempotency::RetentionFormat::HttpDate);
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .deadline(Duration::from_secs(120))
+                .retention_margin(Duration::from_secs(16)),
+        )
+        .service(link.clone());
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+    assert!(matches!(err, Error::RetentionPassed { .. }), "{err:?}");
+    assert_eq!((link.sent().len(), runs.load(Ordering::SeqCst)), (1, 1));
+}

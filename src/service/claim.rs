@@ -4,6 +4,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use http::{Request, Response};
@@ -15,6 +16,7 @@ use super::wait::Settled;
 use super::{Claimed, Covered, Handler, ReadableBody, Shared, StorableBody};
 use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
+use crate::breaker::{Admission, Ticket};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
@@ -56,6 +58,17 @@ impl<St: Store> Shared<St> {
                     return self.problem(ProblemKind::BodyUnreadable, detail);
                 }
             };
+            // The breaker, when the layer has one, decides before anything is fingerprinted.
+            let ticket = match config.breaker.as_deref().map(|b| b.admit(Instant::now())) {
+                None => None,
+                Some(Admission::Pass(ticket)) => Some(ticket),
+                Some(Admission::Refuse(_)) if config.fail_open => {
+                    parts.extensions.insert(key);
+                    let request = Request::from_parts(parts, RequestBody::buffered(body));
+                    return self.clone().run_unprotected(inner, request).await;
+                }
+                Some(Admission::Refuse(left)) => return self.circuit_open(left),
+            };
             let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
             let allow_listed = &config.fingerprint_headers;
             let fingerprint = config
@@ -63,7 +76,7 @@ impl<St: Store> Shared<St> {
                 .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
                 .flatten()
                 .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
-            let claim = self.claim_or_wait(&id, &fingerprint).await;
+            let claim = self.claim_or_wait(&id, &fingerprint, ticket).await;
             // Only a request that reaches the handler is put back together: a replay, a 409 or a
             // 422 answers without it.
             let request = move || {
@@ -105,16 +118,21 @@ impl<St: Store> Shared<St> {
 
     /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
     /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
-    /// lease that is left.
+    /// lease that is left. The first claim's answer goes to the breaker's `ticket`, if any.
     pub(super) async fn claim_or_wait(
         self: &Arc<Self>,
         id: &RecordId,
         fingerprint: &Fingerprint,
+        mut ticket: Option<Ticket<'_>>,
     ) -> Result<Claim, StoreError> {
         // When the wait started, and its bound (the clock is read only when waiting is on).
         let wait = self.config.wait.map(|bound| (Instant::now(), bound));
         loop {
-            let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
+            let claim = self.store.claim(id, fingerprint, self.config.lease).await;
+            if let Some(ticket) = ticket.take() {
+                ticket.answered(&claim);
+            }
+            let claim = claim?;
             let (Some((started, bound)), Claim::Existing(Record::InFlight(in_flight))) =
                 (wait, &claim)
             else {
@@ -178,6 +196,17 @@ impl<St: Store> Shared<St> {
         };
         let retry_after = Some(whole_seconds(retry_after));
         self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after)
+    }
+
+    /// The 503 of a request that the open circuit breaker kept from the store: `left` is the
+    /// cool-down left (zero while a probe runs).
+    fn circuit_open<B>(&self, left: Duration) -> Response<ResponseBody<B>> {
+        let detail = "the idempotency store has been failing, so this request was not sent to it \
+             and was not run; retry after the time given, with the same key";
+        let retry_after = Some(whole_seconds(left));
+        let (response, _) =
+            self.unfinished_problem(ProblemKind::StoreUnavailable, detail, retry_after);
+        finish(response, Outcome::CircuitOpen)
     }
 
     /// Runs a request without protection (fail-open), turning a failure into a 500 problem. Boxed,

@@ -1,9 +1,10 @@
 //! Layer behaviour that does not depend on the store (run on `MemoryStore`, paused time): the key
 //! header through HTTP, which methods are covered, request limits, problem responses, the key in
-//! extensions and the axum extractor, and the builder's settings. Its modules: JSON bodies by
-//! meaning, a hyper server, the problems' renderers, the replay cache, metrics, and what waiting
-//! duplicates cost.
+//! extensions and the axum extractor, and the builder's settings. Its modules: the circuit
+//! breaker, JSON bodies by meaning, a hyper server, the problems' renderers, the replay cache,
+//! metrics, and what waiting duplicates cost.
 
+mod breaker;
 mod canonical_json;
 mod hyper_server;
 mod metrics;

@@ -14,11 +14,13 @@ use tower::BoxError;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
 use tower_idempotency_test::{Faulty, Handler, created, keyed, post, respond, send, spawn_send};
 
-/// Counters by outcome, and histogram sample counts by `(operation, result)`.
+/// Counters by outcome, histogram sample counts by `(operation, result)`, and the circuit
+/// breaker's changes by the state entered.
 #[derive(Debug, Default)]
 struct Recorded {
     outcomes: BTreeMap<String, u64>,
     store_calls: BTreeMap<(String, String), usize>,
+    breaker: BTreeMap<String, u64>,
 }
 
 fn labels(key: &CompositeKey) -> BTreeMap<String, String> {
@@ -53,6 +55,15 @@ fn recorded(snapshotter: &Snapshotter) -> Recorded {
                 }
                 let entry = (labels["operation"].clone(), labels["result"].clone());
                 *recorded.store_calls.entry(entry).or_default() += samples.len();
+            }
+            (
+                MetricKind::Counter,
+                "idempotency_circuit_breaker_transitions_total",
+                DebugValue::Counter(n),
+            ) => {
+                let names: Vec<_> = labels.keys().map(String::as_str).collect();
+                assert_eq!(names, ["state"], "{key:?}");
+                *recorded.breaker.entry(labels["state"].clone()).or_default() += n;
             }
             other => panic!("an unexpected metric: {other:?}"),
         }
@@ -285,4 +296,51 @@ async fn the_consumers_store_calls_are_timed() {
         BTreeSet::from([(&claim_ok, &2), (&complete_ok, &1)]),
         "{recorded:?}"
     );
+}
+
+/// The circuit breaker's changes of state are counted by the state entered, and the requests it
+/// answers without the store by their own outcome (PROTOCOL.md §9.11, §12.5).
+#[tokio::test(start_paused = true)]
+async fn the_breakers_changes_and_answers_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+
+    let store = Faulty::new(MemoryStore::new());
+    let breaker = tower_idempotency::CircuitBreaker::default()
+        .failures(3)
+        .cool_down(std::time::Duration::from_secs(5));
+    let svc = tower_idempotency_test::service(
+        IdempotencyLayer::new(store.clone()).circuit_breaker(breaker),
+        Handler::ok(|_| created("ok")),
+    );
+    store.time_out(true);
+    for n in 0..5 {
+        send(&svc, post(&format!("k{n}"), "x")).await;
+    }
+    store.time_out(false);
+    tokio::time::advance(std::time::Duration::from_secs(5)).await;
+    assert_eq!(
+        send(&svc, post("k9", "x")).await.outcome,
+        Some(Outcome::Executed)
+    );
+
+    let recorded = recorded(&snapshotter);
+    let counts = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect()
+    };
+    assert_eq!(
+        recorded.breaker,
+        counts(&[("open", 1), ("half_open", 1), ("closed", 1)])
+    );
+    assert_eq!(
+        recorded.outcomes,
+        counts(&[
+            ("store_unavailable", 3),
+            ("circuit_open", 2),
+            ("executed", 1)
+        ])
+    );
+    let claims = |result: &str| recorded.store_calls[&("claim".to_owned(), result.to_owned())];
+    assert_eq!((claims("timeout"), claims("ok")), (3, 1), "{recorded:?}");
 }

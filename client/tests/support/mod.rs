@@ -123,6 +123,15 @@ pub type Script = Arc<dyn Fn(usize, &Bytes) -> Response<Body> + Send + Sync>;
 /// `POST /v1/charges` behind the server layer on a `MemoryStore`; the handler takes `latency`,
 /// then answers as `script` says. Returns the router and the handler's run count.
 pub fn server(latency: Duration, script: Script) -> (Router, Arc<AtomicUsize>) {
+    server_with(IdempotencyLayer::new(MemoryStore::new()), latency, script)
+}
+
+/// [`server`], behind `layer`.
+pub fn server_with(
+    layer: IdempotencyLayer<MemoryStore>,
+    latency: Duration,
+    script: Script,
+) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let handler = move |body: Bytes| {
@@ -135,7 +144,7 @@ pub fn server(latency: Duration, script: Script) -> (Router, Arc<AtomicUsize>) {
     };
     let router = Router::new()
         .route("/v1/charges", post(handler))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()));
+        .route_layer(layer);
     (router, runs)
 }
 

@@ -20,6 +20,7 @@ use tower::ServiceExt;
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{Completed, Fingerprint, IdempotencyLayer, Outcome, Record, RecordId};
 use tower_idempotency_redis::RedisStore;
+use tower_idempotency_test::Counting;
 
 /// A charge handler that counts its runs and can be held until the test releases it.
 #[derive(Clone, Default)]
@@ -47,7 +48,7 @@ impl Handler {
         }
     }
 
-    fn app(&self, layer: IdempotencyLayer<RedisStore>) -> Router {
+    fn app<St: Store + Clone>(&self, layer: IdempotencyLayer<St>) -> Router {
         let handler = self.clone();
         Router::new()
             .route(
@@ -631,4 +632,230 @@ async fn a_record_of_an_unknown_kind_is_never_run_over_even_fail_open() {
         )
     );
     assert_eq!(handler.runs(), 0, "not run over the record");
+}
+
+/// A layer with a circuit breaker over a Redis that is stopped: after the failures that open it,
+/// requests get their 503 at once (no claim reaches Redis); once Redis is back and the cool-down
+/// is over, one probe closes it and requests run again (PROTOCOL.md §9.11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_circuit_breaker_answers_at_once_while_redis_is_down_and_closes_when_it_is_back() {
+    let mut server = RedisServer::start();
+    let handler = Handler::default();
+    let breaker = tower_idempotency::CircuitBreaker::default()
+        .failures(3)
+        .cool_down(Duration::from_secs(2));
+    let store = Counting::new(store(&server));
+    let app = handler.app(IdempotencyLayer::new(store.clone()).circuit_breaker(breaker));
+    assert_eq!(
+        send(&app, charge("before", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+
+    server.stop();
+    for n in 0..3 {
+        let (status, outcome, _) = send(&app, charge(&format!("down-{n}"), "1")).await;
+        assert_eq!(
+            (status, outcome),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(Outcome::StoreUnavailable)
+            )
+        );
+    }
+    assert_eq!(store.calls().claim, 4);
+    // Open: each answer comes at once, and none is a store call.
+    let opened = Instant::now();
+    for n in 0..50 {
+        let response = app
+            .clone()
+            .oneshot(charge(&format!("open-{n}"), "1"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            response.extensions().get::<Outcome>(),
+            Some(&Outcome::CircuitOpen)
+        );
+        let retry_after = response.headers()["retry-after"].to_str().unwrap();
+        assert!(matches!(retry_after, "1" | "2"), "{retry_after}");
+    }
+    assert!(
+        opened.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        opened.elapsed()
+    );
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(store.calls().claim, 4, "no claim while open");
+
+    server.restart();
+    // Redis is back. After the cool-down, the probe runs and closes the breaker; the requests after it run.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match send(&app, charge("after", "1")).await.1 {
+            Some(Outcome::Executed) => break,
+            Some(Outcome::CircuitOpen | Outcome::StoreUnavailable) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("once Redis is back: {other:?}"),
+        }
+    }
+    assert_eq!(
+        send(&app, charge("after", "1")).await.1,
+        Some(Outcome::Replayed)
+    );
+    assert_eq!(
+        send(&app, charge("after-2", "1")).await.1,
+        Some(Outcome::Executed)
+    );
+    assert_eq!(handler.runs(), 3);
+}
+
+/// What the circuit breaker changes while Redis is away, measured by hand (not a check):
+/// `cargo test -p tower-idempotency-redis --test redis_store measure_the_circuit_breaker -- --ignored --nocapture`
+/// (`BREAKER_ROUNDS`, default 3). For each of Redis stopped and Redis frozen (`SIGSTOP`, so that
+/// each claim waits out the store's 1 s timeout), 32 clients send new keys for 3 s through a
+/// layer without a breaker (every claim goes to Redis, as before a breaker opens) and through
+/// one with `CircuitBreaker::default()` once it opened; then Redis returns while the clients go
+/// on, and the time until the first request runs again is taken, with the breaker and without
+/// (the two layers side by side, 32 clients each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand"]
+async fn measure_the_circuit_breaker() {
+    let rounds: usize = std::env::var("BREAKER_ROUNDS").map_or(3, |r| r.parse().unwrap());
+    for round in 1..=rounds {
+        for frozen in [false, true] {
+            let mut server = RedisServer::start();
+            let handler = Handler::default();
+            let store = || RedisStore::from_url(&server.url()).expect("a valid url");
+            let plain = handler.app(IdempotencyLayer::new(store()));
+            let guarded = handler.app(
+                IdempotencyLayer::new(store())
+                    .circuit_breaker(tower_idempotency::CircuitBreaker::default()),
+            );
+            for app in [&plain, &guarded] {
+                send(app, charge(&format!("warm-{round}"), "1")).await;
+            }
+            let mut thaw = None;
+            if frozen {
+                thaw = Some(server.freeze());
+            } else {
+                server.stop();
+            }
+            let mode = if frozen { "frozen" } else { "stopped" };
+            let before = load(&plain, "plain", Duration::from_secs(3), None).await;
+            // Open the breaker: its first failures, as any request would meet them.
+            while send(&guarded, charge("opening", "1")).await.1 != Some(Outcome::CircuitOpen) {}
+            let open = load(&guarded, "open", Duration::from_secs(3), None).await;
+            println!(
+                "round {round}, Redis {mode}: without a breaker (or before it opens) {before}"
+            );
+            println!("round {round}, Redis {mode}: breaker open {open}");
+
+            // Redis returns while the clients go on: the time to the first request that runs.
+            let back = Arc::new(Mutex::new(None::<Instant>));
+            let returning = {
+                let back = back.clone();
+                tokio::task::spawn_blocking(move || {
+                    std::thread::sleep(Duration::from_millis(500));
+                    match thaw.take() {
+                        Some(frozen) => drop(frozen),
+                        None => server.restart(),
+                    }
+                    *back.lock().unwrap() = Some(Instant::now());
+                    server
+                })
+            };
+            let (recovered, unguarded) = tokio::join!(
+                load(&guarded, "recover", Duration::from_secs(15), Some(&back)),
+                load(
+                    &plain,
+                    "recover-plain",
+                    Duration::from_secs(15),
+                    Some(&back)
+                ),
+            );
+            let _server = returning.await.unwrap();
+            println!("round {round}, Redis {mode}, Redis back: breaker: {recovered}");
+            println!("round {round}, Redis {mode}, Redis back: without: {unguarded}");
+        }
+    }
+}
+
+/// Latencies and throughput of `clients` sending new keys to `app` for `duration`; with `back`,
+/// stops at the first request that runs after the moment it holds, and says how long after it.
+async fn load(
+    app: &Router,
+    name: &str,
+    duration: Duration,
+    back: Option<&Arc<Mutex<Option<Instant>>>>,
+) -> String {
+    const CLIENTS: usize = 32;
+    let started = Instant::now();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ran_after = Arc::new(Mutex::new(None::<Duration>));
+    let outcomes = Arc::new(Mutex::new(
+        std::collections::BTreeMap::<String, usize>::new(),
+    ));
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let (app, done, ran_after) = (app.clone(), done.clone(), ran_after.clone());
+            let outcomes = outcomes.clone();
+            let (back, name) = (back.cloned(), name.to_owned());
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut n = 0;
+                while !done.load(Ordering::Relaxed) && started.elapsed() < duration {
+                    n += 1;
+                    let sent = Instant::now();
+                    let key = format!("{name}-{client}-{n}");
+                    let outcome = send(&app, charge(&key, "1")).await.1;
+                    latencies.push(sent.elapsed());
+                    // An answer made at once never returns `Pending`: without a yield, a client
+                    // would keep its worker thread, and starve the others (the probe included).
+                    tokio::task::yield_now().await;
+                    if outcome != Some(Outcome::CircuitOpen) {
+                        *outcomes
+                            .lock()
+                            .unwrap()
+                            .entry(format!("{outcome:?}"))
+                            .or_insert(0) += 1;
+                    }
+                    let returned = back.as_ref().and_then(|back| *back.lock().unwrap());
+                    if let Some(returned) = returned
+                        && outcome == Some(Outcome::Executed)
+                    {
+                        let mut first = ran_after.lock().unwrap();
+                        if first.is_none() {
+                            *first = Some(sent.max(returned).duration_since(returned));
+                        }
+                        done.store(true, Ordering::Relaxed);
+                    }
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    let rps = latencies.len() as f64 / elapsed.as_secs_f64();
+    let mut report = format!(
+        "{} requests, {rps:.0} req/s, p50 {:?}, p99 {:?}",
+        latencies.len(),
+        at(0.50),
+        at(0.99)
+    );
+    if back.is_some() {
+        let first = *ran_after.lock().unwrap();
+        report = format!(
+            "first request run {first:?} after Redis answered again; answers other than \
+             circuit_open: {:?}",
+            outcomes.lock().unwrap()
+        );
+    }
+    report
 }

@@ -1,0 +1,610 @@
+//! The circuit breaker in front of the store ([`CircuitBreaker`]): while the store keeps failing,
+//! claims are answered at once, without a store call, instead of each waiting for the store's
+//! timeout (`docs/PROTOCOL.md` §9.11).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::meter::{self, BREAKER_STATES};
+use crate::report::ErrorChain;
+use crate::store::{Claim, StoreError};
+
+/// When the layer stops calling a failing store, and for how long
+/// ([`IdempotencyLayer::circuit_breaker`](crate::IdempotencyLayer::circuit_breaker), PROTOCOL
+/// §9.11).
+///
+/// - **Closed** (the start): every claim goes to the store. A claim that fails because the store
+///   is unreachable or timed out ([`StoreError::Timeout`], [`StoreError::Unavailable`]) counts; a
+///   claim the store answers (a claim, a record, or a refusal such as
+///   [`StoreError::Full`]) ends the run. [`failures`](Self::failures) failures in a row, all
+///   within [`within`](Self::within) of the first, open the breaker.
+/// - **Open**: for the [`cool_down`](Self::cool_down), no claim reaches the store: a request gets
+///   `503` `store-unavailable` at once, with a `Retry-After` of the cool-down left (rounded up),
+///   or, on a [fail-open](crate::IdempotencyLayer::fail_open) layer, runs unprotected as on any
+///   store failure.
+/// - **Half-open**: once the cool-down is over, the next request's claim goes to the store (the
+///   probe); the others are answered as while open, with `Retry-After: 1`. The probe's answer
+///   closes the breaker; its failure opens it for another cool-down.
+///
+/// Defaults: 5 failures within 10 s open it for 5 s.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
+///
+/// let breaker = CircuitBreaker::default()
+///     .failures(3)
+///     .within(Duration::from_secs(5))
+///     .cool_down(Duration::from_secs(2));
+/// assert_eq!(breaker.failure_threshold(), 3);
+/// assert_eq!(breaker.cool_down_period(), Duration::from_secs(2));
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).circuit_breaker(breaker);
+/// # let _ = layer;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CircuitBreaker {
+    failures: u32,
+    within: Duration,
+    cool_down: Duration,
+}
+
+impl Default for CircuitBreaker {
+    /// 5 failures within 10 s open the breaker for 5 s.
+    fn default() -> Self {
+        Self {
+            failures: 5,
+            within: Duration::from_secs(10),
+            cool_down: Duration::from_secs(5),
+        }
+    }
+}
+
+impl CircuitBreaker {
+    /// How many store failures in a row open the breaker, none of the store's answers between
+    /// them. Default: 5; at least 1.
+    ///
+    /// ```
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// assert_eq!(CircuitBreaker::default().failures(0).failure_threshold(), 1);
+    /// ```
+    pub fn failures(mut self, failures: u32) -> Self {
+        self.failures = failures.max(1);
+        self
+    }
+
+    /// How close together the failures must come: a failure later than this after the first of
+    /// its run starts a new run. Default: 10 s; at least 1 ms.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// let breaker = CircuitBreaker::default().within(Duration::from_secs(30));
+    /// assert_eq!(breaker.window(), Duration::from_secs(30));
+    /// ```
+    pub fn within(mut self, window: Duration) -> Self {
+        self.within = window.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long an open breaker answers without the store before it lets a probe through.
+    /// Default: 5 s; at least 1 ms. Choose it longer than the store's own timeout (1 s for
+    /// `RedisStore`), so that a probe ends before the next one could start.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// let breaker = CircuitBreaker::default().cool_down(Duration::from_secs(10));
+    /// assert_eq!(breaker.cool_down_period(), Duration::from_secs(10));
+    /// ```
+    pub fn cool_down(mut self, cool_down: Duration) -> Self {
+        self.cool_down = cool_down.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The number of failures in a row that opens the breaker ([`failures`](Self::failures)).
+    ///
+    /// ```
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// assert_eq!(CircuitBreaker::default().failure_threshold(), 5);
+    /// ```
+    pub fn failure_threshold(&self) -> u32 {
+        self.failures
+    }
+
+    /// The time within which those failures must come ([`within`](Self::within)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// assert_eq!(CircuitBreaker::default().window(), Duration::from_secs(10));
+    /// ```
+    pub fn window(&self) -> Duration {
+        self.within
+    }
+
+    /// How long the breaker stays open ([`cool_down`](Self::cool_down)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::CircuitBreaker;
+    ///
+    /// assert_eq!(CircuitBreaker::default().cool_down_period(), Duration::from_secs(5));
+    /// ```
+    pub fn cool_down_period(&self) -> Duration {
+        self.cool_down
+    }
+}
+
+/// Whether a store error says the store is away (unreachable or too slow), rather than answering.
+fn is_away(err: &StoreError) -> bool {
+    matches!(err, StoreError::Timeout(_) | StoreError::Unavailable(_))
+}
+
+/// A breaker's state, as the place of its name in [`BREAKER_STATES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Entered {
+    Open = 0,
+    HalfOpen = 1,
+    Closed = 2,
+}
+
+impl Entered {
+    pub(crate) fn as_str(self) -> &'static str {
+        BREAKER_STATES[self as usize]
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    /// Claims go to the store; `failures` in a row so far, the first at `since`.
+    Closed { failures: u32, since: Instant },
+    /// No claim goes to the store until `until`.
+    Open { until: Instant },
+    /// The cool-down is over: one probe at a time goes to the store.
+    HalfOpen { probing: bool },
+}
+
+/// The breaker of one layer, shared by every service it builds.
+pub(crate) struct Breaker {
+    settings: CircuitBreaker,
+    /// Closed with no failure counted: a request passes, and a success is noted, with one load
+    /// each and no lock.
+    clean: AtomicBool,
+    /// Bumped at every change of state, so that the answer of a claim admitted before the change
+    /// is not taken for one of the new state's.
+    epoch: AtomicU64,
+    state: Mutex<State>,
+}
+
+/// What the breaker says of a claim about to be made.
+#[derive(Debug)]
+pub(crate) enum Admission<'a> {
+    /// Make the claim, and tell the ticket its answer.
+    Pass(Ticket<'a>),
+    /// Make no store call: the cool-down left (zero while a probe runs).
+    Refuse(Duration),
+}
+
+/// A claim the breaker let through: its answer goes back to the breaker
+/// ([`answered`](Self::answered)). A probe dropped unanswered (its client went away during the
+/// claim) frees the half-open breaker for the next request's probe.
+#[derive(Debug)]
+pub(crate) struct Ticket<'a> {
+    breaker: &'a Breaker,
+    epoch: u64,
+    probe: bool,
+    answered: bool,
+}
+
+/// A change of state, announced (logged and counted) once the lock is released.
+struct Change {
+    entered: Entered,
+    /// Failures in the run that opened the breaker (0 when a probe's failure reopened it).
+    failures: u32,
+}
+
+impl Breaker {
+    pub(crate) fn new(settings: CircuitBreaker) -> Self {
+        Self {
+            settings,
+            clean: AtomicBool::new(true),
+            epoch: AtomicU64::new(0),
+            state: Mutex::new(State::Closed {
+                failures: 0,
+                since: Instant::now(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn ticket(&self, epoch: u64, probe: bool) -> Admission<'_> {
+        Admission::Pass(Ticket {
+            breaker: self,
+            epoch,
+            probe,
+            answered: false,
+        })
+    }
+
+    /// Whether a claim may go to the store now.
+    pub(crate) fn admit(&self, now: Instant) -> Admission<'_> {
+        if self.clean.load(Ordering::Acquire) {
+            return self.ticket(self.epoch.load(Ordering::Acquire), false);
+        }
+        let mut state = self.lock();
+        let epoch = self.epoch.load(Ordering::Acquire);
+        match *state {
+            State::Closed { .. } => self.ticket(epoch, false),
+            State::Open { until } if now < until => Admission::Refuse(until - now),
+            State::Open { .. } => {
+                *state = State::HalfOpen { probing: true };
+                let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+                drop(state);
+                self.announce(Change::to(Entered::HalfOpen), None);
+                self.ticket(epoch, true)
+            }
+            State::HalfOpen { probing: false } => {
+                *state = State::HalfOpen { probing: true };
+                self.ticket(epoch, true)
+            }
+            State::HalfOpen { probing: true } => Admission::Refuse(Duration::ZERO),
+        }
+    }
+
+    /// Takes a claim's answer.
+    fn answer(&self, ticket: &Ticket<'_>, answer: Result<(), &StoreError>, now: Instant) {
+        let failed = answer.is_err_and(is_away);
+        if !failed && !ticket.probe && self.clean.load(Ordering::Acquire) {
+            return;
+        }
+        let mut state = self.lock();
+        if self.epoch.load(Ordering::Acquire) != ticket.epoch {
+            return;
+        }
+        let change = match (*state, failed) {
+            (State::Closed { .. }, false) => {
+                *state = State::Closed {
+                    failures: 0,
+                    since: now,
+                };
+                self.clean.store(true, Ordering::Release);
+                None
+            }
+            (State::Closed { failures, since }, true) => {
+                let run = if failures == 0 || now.duration_since(since) > self.settings.within {
+                    (1, now)
+                } else {
+                    (failures + 1, since)
+                };
+                self.clean.store(false, Ordering::Release);
+                if run.0 >= self.settings.failures {
+                    *state = State::Open {
+                        until: now + self.settings.cool_down,
+                    };
+                    Some(Change {
+                        entered: Entered::Open,
+                        failures: run.0,
+                    })
+                } else {
+                    *state = State::Closed {
+                        failures: run.0,
+                        since: run.1,
+                    };
+                    None
+                }
+            }
+            (State::HalfOpen { .. }, false) if ticket.probe => {
+                *state = State::Closed {
+                    failures: 0,
+                    since: now,
+                };
+                self.clean.store(true, Ordering::Release);
+                Some(Change::to(Entered::Closed))
+            }
+            (State::HalfOpen { .. }, true) if ticket.probe => {
+                *state = State::Open {
+                    until: now + self.settings.cool_down,
+                };
+                Some(Change::to(Entered::Open))
+            }
+            // Not the probe's answer (a probe's epoch is the half-open state's own), or the
+            // breaker opened meanwhile: nothing to learn from it.
+            _ => None,
+        };
+        if let Some(change) = change {
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+            drop(state);
+            self.announce(change, answer.err());
+        }
+    }
+
+    /// A probe that went unanswered: the next request probes instead.
+    fn abandon(&self, ticket: &Ticket<'_>) {
+        let mut state = self.lock();
+        if self.epoch.load(Ordering::Acquire) == ticket.epoch
+            && matches!(*state, State::HalfOpen { probing: true })
+        {
+            *state = State::HalfOpen { probing: false };
+        }
+    }
+
+    /// Logs and counts a change of state.
+    fn announce(&self, change: Change, error: Option<&StoreError>) {
+        meter::breaker_entered(change.entered);
+        let state = change.entered.as_str();
+        let cool_down_ms = u64::try_from(self.settings.cool_down.as_millis()).unwrap_or(u64::MAX);
+        match change.entered {
+            Entered::Open => {
+                let error = error
+                    .map(|err| ErrorChain(err).to_string())
+                    .unwrap_or_default();
+                if change.failures > 0 {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        state,
+                        failures = change.failures,
+                        cool_down_ms,
+                        error,
+                        "idempotency store circuit breaker opened: the store keeps failing; \
+                         answering claims without it for the cool-down"
+                    );
+                } else {
+                    tracing::warn!(
+                        target: "tower_idempotency",
+                        state,
+                        cool_down_ms,
+                        error,
+                        "idempotency store circuit breaker opened again: the probe failed; \
+                         answering claims without the store for the cool-down"
+                    );
+                }
+            }
+            Entered::HalfOpen => tracing::info!(
+                target: "tower_idempotency",
+                state,
+                "idempotency store circuit breaker half-open: the next claim probes the store"
+            ),
+            Entered::Closed => tracing::info!(
+                target: "tower_idempotency",
+                state,
+                "idempotency store circuit breaker closed: the store answered the probe"
+            ),
+        }
+    }
+}
+
+impl Change {
+    fn to(entered: Entered) -> Self {
+        Self {
+            entered,
+            failures: 0,
+        }
+    }
+}
+
+impl fmt::Debug for Breaker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Breaker")
+            .field("settings", &self.settings)
+            .field("state", &*self.lock())
+            .finish()
+    }
+}
+
+impl Ticket<'_> {
+    /// Tells the breaker what the store answered the claim.
+    pub(crate) fn answered(mut self, claim: &Result<Claim, StoreError>) {
+        self.answered = true;
+        let answer = claim.as_ref().map(|_| ());
+        self.breaker.answer(&self, answer, Instant::now());
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if self.probe && !self.answered {
+            self.breaker.abandon(self);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::advance;
+
+    fn away() -> Result<Claim, StoreError> {
+        Err(StoreError::Timeout(Duration::from_secs(1)))
+    }
+
+    fn answered() -> Result<Claim, StoreError> {
+        Err(StoreError::Full { retry_after: None })
+    }
+
+    fn breaker() -> Breaker {
+        Breaker::new(
+            CircuitBreaker::default()
+                .failures(3)
+                .within(Duration::from_secs(10))
+                .cool_down(Duration::from_secs(5)),
+        )
+    }
+
+    /// Makes a claim through `breaker` that the store answers with `claim`; `None` when refused.
+    fn claim(breaker: &Breaker, claim: Result<Claim, StoreError>) -> Option<()> {
+        match breaker.admit(Instant::now()) {
+            Admission::Pass(ticket) => {
+                ticket.answered(&claim);
+                Some(())
+            }
+            Admission::Refuse(_) => None,
+        }
+    }
+
+    fn refused_for(breaker: &Breaker) -> Option<Duration> {
+        match breaker.admit(Instant::now()) {
+            Admission::Refuse(left) => Some(left),
+            Admission::Pass(_) => None,
+        }
+    }
+
+    fn state(breaker: &Breaker) -> State {
+        *breaker.lock()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_in_a_row_within_the_window_open_it() {
+        let breaker = breaker();
+        for _ in 0..2 {
+            assert_eq!(claim(&breaker, away()), Some(()));
+        }
+        assert!(matches!(state(&breaker), State::Closed { failures: 2, .. }));
+        assert_eq!(claim(&breaker, away()), Some(()));
+        assert!(matches!(state(&breaker), State::Open { .. }));
+        assert_eq!(refused_for(&breaker), Some(Duration::from_secs(5)));
+        advance(Duration::from_millis(3_500)).await;
+        assert_eq!(refused_for(&breaker), Some(Duration::from_millis(1_500)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_between_failures_ends_the_run() {
+        let breaker = breaker();
+        for _ in 0..10 {
+            claim(&breaker, away());
+            claim(&breaker, away());
+            // `Full` is the store's answer: it is there.
+            claim(&breaker, answered());
+        }
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        assert!(breaker.clean.load(Ordering::SeqCst));
+        claim(&breaker, away());
+        claim(
+            &breaker,
+            Ok(Claim::Existing(crate::Record::InFlight(inflight()))),
+        );
+        claim(&breaker, away());
+        claim(&breaker, away());
+        assert!(matches!(state(&breaker), State::Closed { failures: 2, .. }));
+    }
+
+    fn inflight() -> crate::InFlight {
+        crate::InFlight {
+            fingerprint: crate::Fingerprint::from_bytes([0; 32]),
+            lease_remaining: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_further_apart_than_the_window_do_not_open_it() {
+        let breaker = breaker();
+        for _ in 0..10 {
+            claim(&breaker, away());
+            advance(Duration::from_millis(5_001)).await;
+        }
+        assert!(matches!(state(&breaker), State::Closed { .. }));
+        // Within the window of the run's first failure: the third opens it.
+        claim(&breaker, away());
+        advance(Duration::from_secs(5)).await;
+        claim(&breaker, away());
+        assert!(matches!(state(&breaker), State::Closed { failures: 2, .. }));
+        advance(Duration::from_secs(5)).await;
+        claim(&breaker, away());
+        assert!(matches!(state(&breaker), State::Open { .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_the_cool_down_one_probe_passes_and_its_answer_closes_it() {
+        let breaker = breaker();
+        for _ in 0..3 {
+            claim(&breaker, away());
+        }
+        advance(Duration::from_secs(5)).await;
+        let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
+            panic!("the probe passes");
+        };
+        assert!(probe.probe);
+        // While it runs, everyone else is refused, with no time named.
+        assert_eq!(refused_for(&breaker), Some(Duration::ZERO));
+        assert_eq!(refused_for(&breaker), Some(Duration::ZERO));
+        probe.answered(&answered());
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        assert_eq!(claim(&breaker, away()), Some(()), "closed: claims pass");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_probe_opens_it_for_another_cool_down() {
+        let breaker = breaker();
+        for _ in 0..3 {
+            claim(&breaker, away());
+        }
+        advance(Duration::from_secs(5)).await;
+        assert_eq!(claim(&breaker, away()), Some(()), "the probe");
+        assert_eq!(refused_for(&breaker), Some(Duration::from_secs(5)));
+        advance(Duration::from_secs(5)).await;
+        assert_eq!(claim(&breaker, Ok(Claim::Claimed(token()))), Some(()));
+        assert!(matches!(state(&breaker), State::Closed { .. }));
+    }
+
+    fn token() -> crate::ClaimToken {
+        crate::ClaimToken::new(crate::Fence::new(1))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_probe_lets_the_next_request_probe() {
+        let breaker = breaker();
+        for _ in 0..3 {
+            claim(&breaker, away());
+        }
+        advance(Duration::from_secs(5)).await;
+        let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
+            panic!("the probe passes");
+        };
+        drop(probe);
+        assert!(matches!(
+            state(&breaker),
+            State::HalfOpen { probing: false }
+        ));
+        assert_eq!(claim(&breaker, answered()), Some(()), "the next probe");
+        assert!(matches!(state(&breaker), State::Closed { .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_of_claims_admitted_before_a_change_count_for_nothing() {
+        let breaker = breaker();
+        // Admitted while closed, answered after the breaker opened and closed again.
+        let Admission::Pass(late_failure) = breaker.admit(Instant::now()) else {
+            panic!("closed");
+        };
+        let Admission::Pass(late_success) = breaker.admit(Instant::now()) else {
+            panic!("closed");
+        };
+        for _ in 0..3 {
+            claim(&breaker, away());
+        }
+        advance(Duration::from_secs(5)).await;
+        let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
+            panic!("the probe passes");
+        };
+        // A claim admitted while closed answers during the probe: it does not close it.
+        late_success.answered(&answered());
+        assert!(matches!(state(&breaker), State::HalfOpen { probing: true }));
+        probe.answered(&answered());
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        // One admitted before the breaker opened, failing now: not a failure of the new run.
+        late_failure.answered(&away());
+        assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
+        assert!(breaker.clean.load(Ordering::SeqCst));
+    }
+}
