@@ -24,6 +24,7 @@ use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId};
 
+use benches::support::callgrind;
 use grpc_payments::{CREATE_CHARGE, CreateChargeRequest, Ledger, PaymentsServer};
 
 const FEW: u64 = 500;
@@ -65,26 +66,7 @@ fn main() {
 
 /// The instructions of a whole run of `case` with `calls` calls, under callgrind.
 fn count(case: &str, calls: u64) -> u64 {
-    let exe = std::env::current_exe().expect("this program's path");
-    let out = std::env::temp_dir().join(format!("grpc-{}.callgrind", std::process::id()));
-    let run = Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg(format!("--callgrind-out-file={}", out.display()))
-        .arg(&exe)
-        .env("PROBE", format!("{case}:{calls}"))
-        .output()
-        .expect("valgrind runs (apt-get install valgrind)");
-    let _ = std::fs::remove_file(&out);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "{case} under callgrind failed:\n{stderr}"
-    );
-    stderr
-        .lines()
-        .find_map(|line| line.split("Collected : ").nth(1))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"))
+    callgrind::instructions(("PROBE", &format!("{case}:{calls}")), true)
 }
 
 /// A unary `CreateCharge` call with `key`, its message framed as gRPC sends it.

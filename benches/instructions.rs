@@ -39,7 +39,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use benches::app::{self, REPLAY_KEY, Variant, app, call, layered, layered_with, post_request};
 use benches::floor;
-use benches::support::chart;
+use benches::support::{callgrind, chart};
 use deadpool_redis::redis;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
@@ -217,27 +217,7 @@ fn quick() {
 
 /// The instructions of a whole run of `case` with `requests` requests, under callgrind.
 fn count(case: &str, requests: u64) -> u64 {
-    let exe = std::env::current_exe().expect("this program's path");
-    let out = std::env::temp_dir().join(format!("instructions-{}.callgrind", std::process::id()));
-    let run = Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg(format!("--callgrind-out-file={}", out.display()))
-        .arg(&exe)
-        .env("PROBE", format!("{case}:{requests}"))
-        .output()
-        .expect("valgrind runs (apt-get install valgrind)");
-    let _ = std::fs::remove_file(&out);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "{case} under callgrind failed:\n{stderr}"
-    );
-    // callgrind's last words: "==<pid>== Collected : <Ir>".
-    stderr
-        .lines()
-        .find_map(|line| line.split("Collected : ").nth(1))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"))
+    callgrind::instructions(("PROBE", &format!("{case}:{requests}")), true)
 }
 
 /// A key that seals, as an application's would be (its bytes do not change the cost).

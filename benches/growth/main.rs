@@ -130,7 +130,7 @@ fn memory(quick: bool) -> bool {
         let instructions = if quick {
             None
         } else {
-            Some(count_new_keys(&exe, records))
+            Some(count_new_keys(records))
         };
         println!(
             "{records:>9} records: {} Ir per new key, {resident:.0} resident bytes per record \
@@ -215,27 +215,8 @@ fn memory(quick: bool) -> bool {
 
 /// Instructions per new key with `records` live records: one run under callgrind, instrumented
 /// only around the counted requests.
-fn count_new_keys(exe: &std::path::Path, records: u64) -> f64 {
-    let out = std::env::temp_dir().join(format!("growth-{}.callgrind", std::process::id()));
-    let run = Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg("--instr-atstart=no")
-        .arg(format!("--callgrind-out-file={}", out.display()))
-        .arg(exe)
-        .env("GROWTH_PROBE", format!("{records}:1"))
-        .output()
-        .expect("valgrind runs (apt-get install valgrind)");
-    let _ = std::fs::remove_file(&out);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "the probe under callgrind failed:\n{stderr}"
-    );
-    let collected: u64 = stderr
-        .lines()
-        .find_map(|line| line.split("Collected : ").nth(1))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"));
+fn count_new_keys(records: u64) -> f64 {
+    let collected = callgrind::instructions(("GROWTH_PROBE", &format!("{records}:1")), false);
     collected as f64 / COUNTED as f64
 }
 

@@ -7,12 +7,60 @@
 //! it does nothing, so the same binary runs natively. Written out here (x86-64 only, as the
 //! header's `VALGRIND_DO_CLIENT_REQUEST_EXPR`) rather than through a crate that compiles the C
 //! header: two requests do not earn a build script and a C compiler.
+//!
+//! [`instructions`] runs a bench's own binary under callgrind and reads back what it counted.
+
+use std::path::Path;
+use std::process::Command;
 
 /// `VG_USERREQ_TOOL_BASE('C','T')`: the first of callgrind's requests.
 const BASE: u64 = (b'C' as u64) << 24 | (b'T' as u64) << 16;
 /// `VG_USERREQ__START_INSTRUMENTATION`, `VG_USERREQ__STOP_INSTRUMENTATION`.
 const START_INSTRUMENTATION: u64 = BASE + 4;
 const STOP_INSTRUMENTATION: u64 = BASE + 5;
+
+/// The instructions callgrind counts over a run of this program with the environment variable
+/// `probe` (its name and value) set, which the bench reads to run one case. With `at_start`, the
+/// whole run counts; without, only what [`start_instrumentation`] and [`stop_instrumentation`]
+/// enclose.
+///
+/// # Panics
+/// When valgrind is missing, the run fails, or callgrind reports no count.
+pub fn instructions(probe: (&str, &str), at_start: bool) -> u64 {
+    let exe = std::env::current_exe().expect("this program's path");
+    let out = std::env::temp_dir().join(format!(
+        "{}-{}.callgrind",
+        exe.file_stem()
+            .and_then(|stem| stem.to_str())
+            .unwrap_or("bench"),
+        std::process::id()
+    ));
+    let run = Command::new("valgrind")
+        .arg("--tool=callgrind")
+        .arg(format!(
+            "--instr-atstart={}",
+            if at_start { "yes" } else { "no" }
+        ))
+        .arg(format!("--callgrind-out-file={}", out.display()))
+        .arg(Path::new(&exe))
+        .env(probe.0, probe.1)
+        .output()
+        .expect("valgrind runs (apt-get install valgrind)");
+    let _ = std::fs::remove_file(&out);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "{}={} under callgrind failed:\n{stderr}",
+        probe.0,
+        probe.1
+    );
+    // callgrind's last words: "==<pid>== Collected : <Ir>".
+    stderr
+        .lines()
+        .find_map(|line| line.split("Collected : ").nth(1))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"))
+}
 
 /// Turns callgrind's instrumentation (and counting) on.
 pub fn start_instrumentation() {
