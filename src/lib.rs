@@ -191,6 +191,7 @@ mod key;
 mod layer;
 mod lease;
 mod meter;
+pub mod operator;
 mod outcome;
 pub mod problem;
 pub mod protocol;
