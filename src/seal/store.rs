@@ -96,7 +96,9 @@ impl<St> SealedStore<St> {
     /// `record` with its response opened, or why it cannot be replayed.
     fn open(&self, id: &RecordId, record: Record) -> Result<Record, StoreError> {
         match record {
-            Record::Completed(completed) => self.open_completed(id, completed).map(Record::Completed),
+            Record::Completed(completed) => {
+                self.open_completed(id, completed).map(Record::Completed)
+            }
             in_flight => Ok(in_flight),
         }
     }

@@ -46,8 +46,10 @@ trait DynStore: Send + Sync + 'static {
 
     fn changed(&self, id: &RecordId) -> Option<BoxFuture<'static, ()>>;
 
-    fn inspect<'a>(&'a self, id: &'a RecordId)
-    -> BoxFuture<'a, Result<Option<Inspected>, StoreError>>;
+    fn inspect<'a>(
+        &'a self,
+        id: &'a RecordId,
+    ) -> BoxFuture<'a, Result<Option<Inspected>, StoreError>>;
 
     fn forget<'a>(
         &'a self,

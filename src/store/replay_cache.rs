@@ -291,7 +291,12 @@ mod tests {
             panic!("a new key is claimed");
         };
         let window = Duration::from_secs(60);
-        assert!(store.complete(&id, &token, &completed(3), window).await.unwrap());
+        assert!(
+            store
+                .complete(&id, &token, &completed(3), window)
+                .await
+                .unwrap()
+        );
         assert!(store.entries.as_ref().unwrap().get(&id).is_some(), "cached");
         assert!(store.forget(&id, false).await.unwrap().forgotten());
         assert!(

@@ -558,7 +558,8 @@ impl Entry {
 
     /// Whether the entry is live and holds exactly this completed record.
     fn holds(&self, encoded: &Bytes, now: Instant) -> bool {
-        self.is_live(now) && matches!(&self.state, State::Completed { encoded: e, .. } if e == encoded)
+        self.is_live(now)
+            && matches!(&self.state, State::Completed { encoded: e, .. } if e == encoded)
     }
 
     /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a

@@ -81,6 +81,7 @@ pub struct ReadmeDoctests;
 
 mod calls;
 mod health;
+mod inspect;
 mod notify;
 mod processed;
 mod sql;
