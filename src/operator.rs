@@ -44,13 +44,13 @@ use crate::store::{ForgetOutcome, Inspected, Store, StoreError};
 #[non_exhaustive]
 pub enum OperatorError {
     /// The key is not one the layer would accept (§2), so no request can have it.
-    #[error("not a valid idempotency key: {0}")]
+    #[error("not a valid idempotency key")]
     InvalidKey(#[source] KeyError),
     /// [`forget`] was given no reason: the log line must say why a record was forgotten.
     #[error("a reason is required to forget a key")]
     NoReason,
     /// The store failed, or does not support the call ([`StoreError::Unsupported`]).
-    #[error(transparent)]
+    #[error("the store call failed")]
     Store(#[from] StoreError),
 }
 
