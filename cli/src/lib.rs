@@ -205,7 +205,7 @@ impl ScopeArgs {
 
 fn parse_hex(hex: &str) -> Result<Vec<u8>, CliError> {
     let hex = hex.trim();
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return Err(CliError::ScopeHex("an odd number of hex digits"));
     }
     (0..hex.len())

@@ -182,15 +182,15 @@ fn record_table(out: &mut String, record: &Inspected, body: bool) {
         _ => {}
     }
     row(out, "fingerprint", &hex(record.fingerprint().as_bytes()));
-    if let (true, Inspected::Completed(view)) = (body, record) {
-        if let Some(response) = view.completed.plain() {
-            out.push_str("headers:\n");
-            for (name, value) in &response.headers {
-                let _ = writeln!(out, "  {name}: {}", text_or_hex(value.as_bytes()));
-            }
-            out.push_str("body:\n");
-            let _ = writeln!(out, "{}", text_or_hex(&response.body));
+    if let (true, Inspected::Completed(view)) = (body, record)
+        && let Some(response) = view.completed.plain()
+    {
+        out.push_str("headers:\n");
+        for (name, value) in &response.headers {
+            let _ = writeln!(out, "  {name}: {}", text_or_hex(value.as_bytes()));
         }
+        out.push_str("body:\n");
+        let _ = writeln!(out, "{}", text_or_hex(&response.body));
     }
 }
 
