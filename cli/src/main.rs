@@ -1,5 +1,6 @@
 //! `tower-idempotency`: look up or forget one idempotency key (see the crate's documentation).
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -10,6 +11,7 @@ fn main() -> ExitCode {
     // The forget's WARN line, with the operator's reason, is the audit trail: to stderr.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_max_level(tracing::Level::INFO)
         .init();
     let runtime = match tokio::runtime::Builder::new_current_thread()
