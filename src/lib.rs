@@ -192,6 +192,7 @@ mod key;
 mod layer;
 mod lease;
 mod meter;
+pub mod operator;
 mod outcome;
 pub mod problem;
 pub mod protocol;

@@ -156,6 +156,8 @@ fn result<T>(result: &Result<T, StoreError>) -> usize {
         Err(StoreError::Codec(_)) => 5,
         Err(StoreError::Rejected(_)) => 6,
         Err(StoreError::Unreadable(_)) => 7,
+        // Only an operator's calls (inspect, forget) can answer it, and they are not metered.
+        Err(StoreError::Unsupported { .. }) => 3,
     }
 }
 
@@ -238,7 +240,7 @@ impl<St: Store> Store for Metered<St> {
         timed(call_keys!("release"), self.0.release(id, token)).await
     }
 
-    crate::forward_store!(0 => prepare, changed);
+    crate::forward_store!(0 => prepare, changed, inspect, forget);
 }
 
 #[cfg(all(test, feature = "metrics"))]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::keys::{OpenError, SealKeys};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Payload, Record, RecordId};
-use crate::store::{Claim, Store, StoreError};
+use crate::store::{Claim, CompletedView, Inspected, Store, StoreError};
 
 /// A [`Store`] that keeps every response of `St` sealed: status, headers and body encrypted and
 /// authenticated with XChaCha20-Poly1305 under the first of its [`SealKeys`], bound to the
@@ -95,9 +95,16 @@ impl<St> SealedStore<St> {
 
     /// `record` with its response opened, or why it cannot be replayed.
     fn open(&self, id: &RecordId, record: Record) -> Result<Record, StoreError> {
-        let Record::Completed(completed) = record else {
-            return Ok(record);
-        };
+        match record {
+            Record::Completed(completed) => {
+                self.open_completed(id, completed).map(Record::Completed)
+            }
+            in_flight => Ok(in_flight),
+        }
+    }
+
+    /// `completed` with its response opened, or why it cannot be replayed.
+    fn open_completed(&self, id: &RecordId, completed: Completed) -> Result<Completed, StoreError> {
         let unreadable = |err: OpenError| StoreError::Unreadable(Box::new(err));
         let response = match completed.response {
             None => None,
@@ -111,10 +118,10 @@ impl<St> SealedStore<St> {
                 Some(Payload::Plain(Arc::new(opened)))
             }
         };
-        Ok(Record::Completed(Completed {
+        Ok(Completed {
             fingerprint: completed.fingerprint,
             response,
-        }))
+        })
     }
 
     /// `completed` with its response sealed.
@@ -161,5 +168,23 @@ impl<St: Store> Store for SealedStore<St> {
         self.inner.complete(id, token, &sealed, ttl).await
     }
 
-    crate::forward_store!(inner => renew, prepare, release, changed);
+    /// The record with its response opened, as a claim would replay it; one that does not open
+    /// (or in clear, unless [`SealedStore::accept_clear`]) is [`StoreError::Unreadable`], never
+    /// bytes taken for a response. Read through the inner store, without the keys, a sealed
+    /// response stays sealed: [`CompletedView::sealed_under`] names its key.
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        match self.inner.inspect(id).await {
+            Ok(Some(Inspected::Completed(view))) => {
+                let completed = self.open_completed(id, view.completed)?;
+                Ok(Some(Inspected::Completed(CompletedView {
+                    completed,
+                    ..view
+                })))
+            }
+            Err(StoreError::Codec(err)) => Err(StoreError::Unreadable(err)),
+            other => other,
+        }
+    }
+
+    crate::forward_store!(inner => renew, prepare, release, changed, forget);
 }

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Claim, Store, StoreError};
+use super::{Claim, ForgetOutcome, Inspected, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, RecordId};
 
@@ -45,6 +45,17 @@ trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     fn changed(&self, id: &RecordId) -> Option<BoxFuture<'static, ()>>;
+
+    fn inspect<'a>(
+        &'a self,
+        id: &'a RecordId,
+    ) -> BoxFuture<'a, Result<Option<Inspected>, StoreError>>;
+
+    fn forget<'a>(
+        &'a self,
+        id: &'a RecordId,
+        force: bool,
+    ) -> BoxFuture<'a, Result<ForgetOutcome, StoreError>>;
 }
 
 impl<S: Store> DynStore for S {
@@ -91,14 +102,30 @@ impl<S: Store> DynStore for S {
     fn changed(&self, id: &RecordId) -> Option<BoxFuture<'static, ()>> {
         Store::changed(self, id).map(|changed| Box::pin(changed) as BoxFuture<'static, ()>)
     }
+
+    fn inspect<'a>(
+        &'a self,
+        id: &'a RecordId,
+    ) -> BoxFuture<'a, Result<Option<Inspected>, StoreError>> {
+        Box::pin(Store::inspect(self, id))
+    }
+
+    fn forget<'a>(
+        &'a self,
+        id: &'a RecordId,
+        force: bool,
+    ) -> BoxFuture<'a, Result<ForgetOutcome, StoreError>> {
+        Box::pin(Store::forget(self, id, force))
+    }
 }
 
 /// Any [`Store`], behind one type: for a store chosen at run time (from configuration, say), so
 /// that the layer, the services it builds and the code around them exist once, as
 /// `IdempotencyLayer<BoxStore>`, whatever the store.
 ///
-/// Every method is forwarded, [`Store::prepare`] and [`Store::changed`] included. A call's future is boxed, one small
-/// allocation per store call; clones share the store.
+/// Every method is forwarded, [`Store::prepare`], [`Store::changed`], [`Store::inspect`] and
+/// [`Store::forget`] included. A call's future is boxed, one small allocation per store call;
+/// clones share the store.
 ///
 /// ```
 /// use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
@@ -179,10 +206,18 @@ impl Store for BoxStore {
     fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
         self.inner.changed(id)
     }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        self.inner.inspect(id).await
+    }
+
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        self.inner.forget(id, force).await
+    }
 }
 
-/// A shared store is a store: every method is forwarded, [`Store::prepare`] and
-/// [`Store::changed`] included.
+/// A shared store is a store: every method is forwarded, [`Store::prepare`],
+/// [`Store::changed`], [`Store::inspect`] and [`Store::forget`] included.
 impl<S: Store> Store for Arc<S> {
-    crate::forward_store!(* => claim, complete, renew, prepare, release, changed);
+    crate::forward_store!(* => claim, complete, renew, prepare, release, changed, inspect, forget);
 }

@@ -7,7 +7,8 @@
 /// Forward every method the wrapper does not change, [`Store::prepare`](crate::Store::prepare) and
 /// [`Store::changed`](crate::Store::changed) included: their defaults do nothing, so a wrapper
 /// that leaves them out cuts `PgTx` off from its transaction, or its waiters off from their
-/// signal, without an error.
+/// signal, without an error. [`Store::inspect`](crate::Store::inspect) and
+/// [`Store::forget`](crate::Store::forget) left out answer `StoreError::Unsupported`.
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,7 +35,7 @@
 ///         self.inner.claim(id, fingerprint, lease).await
 ///     }
 ///
-///     forward_store!(inner => complete, renew, prepare, release, changed);
+///     forward_store!(inner => complete, renew, prepare, release, changed, inspect, forget);
 /// }
 ///
 /// let store = CountingClaims { inner: MemoryStore::new(), claims: AtomicUsize::new(0) };
@@ -119,6 +120,30 @@ macro_rules! forward_store {
             Output = ::std::result::Result<bool, $crate::store::StoreError>,
         > + Send {
             $crate::store::Store::release($crate::forward_store!(@inner [$field] self), id, token)
+        }
+    };
+    (@method [$field:tt] inspect) => {
+        fn inspect(
+            &self,
+            id: &$crate::record::RecordId,
+        ) -> impl ::std::future::Future<
+            Output = ::std::result::Result<
+                ::std::option::Option<$crate::store::Inspected>,
+                $crate::store::StoreError,
+            >,
+        > + Send {
+            $crate::store::Store::inspect($crate::forward_store!(@inner [$field] self), id)
+        }
+    };
+    (@method [$field:tt] forget) => {
+        fn forget(
+            &self,
+            id: &$crate::record::RecordId,
+            force: bool,
+        ) -> impl ::std::future::Future<
+            Output = ::std::result::Result<$crate::store::ForgetOutcome, $crate::store::StoreError>,
+        > + Send {
+            $crate::store::Store::forget($crate::forward_store!(@inner [$field] self), id, force)
         }
     };
     (@method [$field:tt] changed) => {

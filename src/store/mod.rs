@@ -21,6 +21,7 @@
 mod forward;
 
 mod boxed;
+mod inspect;
 mod memory;
 mod replay_cache;
 
@@ -28,6 +29,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use boxed::BoxStore;
+pub use inspect::{CompletedView, ForgetOutcome, InFlightView, Inspected};
 pub use memory::MemoryStore;
 pub use replay_cache::ReplayCache;
 
@@ -89,6 +91,14 @@ pub enum StoreError {
     /// neither replays the record nor runs the request.
     #[error("the record under the key cannot be opened")]
     Unreadable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store does not implement `operation` ([`Store::inspect`] or [`Store::forget`]): the
+    /// trait's default, so that a store written before them keeps compiling. Nothing was read or
+    /// written.
+    #[error("{operation} is not supported by this store")]
+    Unsupported {
+        /// The store call, by its method's name.
+        operation: &'static str,
+    },
 }
 
 /// A place to keep idempotency records, shared by every instance that must agree on them.
@@ -202,5 +212,45 @@ pub trait Store: Send + Sync + 'static {
     fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
         let _ = id;
         None::<std::future::Ready<()>>
+    }
+
+    /// Reads the live record under `id` for an operator, writing nothing: `None` when there is
+    /// none (never claimed, released, forgotten, or past its expiry), else the record with its
+    /// fence and the end of its lease or window on the store's clock (`docs/PROTOCOL.md` §10.9).
+    /// A completed record comes back as the store keeps it (a sealed response stays sealed
+    /// unless a [`SealedStore`](crate::seal::SealedStore) opens it). The
+    /// [`operator`](crate::operator) module reads a key through it.
+    ///
+    /// The default answers [`StoreError::Unsupported`], so that a store written before it keeps
+    /// compiling; every store of the workspace implements it, and the contract suite checks it.
+    fn inspect(
+        &self,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send {
+        let _ = id;
+        std::future::ready(Err(StoreError::Unsupported {
+            operation: "inspect",
+        }))
+    }
+
+    /// Forgets the live record under `id`, in one atomic step, so that the key is new to the
+    /// next claim: a completed record or tombstone always; an in-flight record only when `force`
+    /// is set (its handler may still be running: its completion is then written if nobody
+    /// claimed the key since, §10.1), else [`ForgetOutcome::Refused`] and nothing written.
+    /// [`ForgetOutcome::Absent`] when there is no live record. The next claim of `id` still gets
+    /// a fence larger than every earlier claim's (§5.3, §10.9).
+    ///
+    /// Logs nothing: [`operator::forget`](crate::operator::forget) is the operator's way in,
+    /// and logs the reason. The default answers [`StoreError::Unsupported`], as
+    /// [`Store::inspect`]'s does.
+    fn forget(
+        &self,
+        id: &RecordId,
+        force: bool,
+    ) -> impl Future<Output = Result<ForgetOutcome, StoreError>> + Send {
+        let _ = (id, force);
+        std::future::ready(Err(StoreError::Unsupported {
+            operation: "forget",
+        }))
     }
 }

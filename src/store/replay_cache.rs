@@ -19,7 +19,7 @@ use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 use tokio::time::Instant;
 
-use super::{Claim, Store, StoreError};
+use super::{Claim, ForgetOutcome, Inspected, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};
 
@@ -118,6 +118,27 @@ impl<St: Store> Store for ReplayCache<St> {
             entries.insert(*id, completed.clone(), deadline);
         }
         written
+    }
+
+    /// The store's own answer: the cache holds copies of what the store holds, and the operator
+    /// asks what the store holds.
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        self.store.inspect(id).await
+    }
+
+    /// Forgets the record in the store, and this process's copy of it, whatever the store
+    /// answers: a forgotten record is never replayed from here. The copies other processes keep
+    /// are theirs (`docs/PROTOCOL.md` §6.7).
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        if let Some(entries) = &self.entries {
+            entries.entries.remove(id);
+        }
+        let forgotten = self.store.forget(id, force).await;
+        // Again: a completion of this process that landed while the store forgot.
+        if let Some(entries) = &self.entries {
+            entries.entries.remove(id);
+        }
+        forgotten
     }
 
     crate::forward_store!(store => renew, prepare, release, changed);
@@ -255,6 +276,33 @@ mod tests {
         let too_large = Entries::new(1000, 10_000).unwrap();
         too_large.insert(RecordId::new(b"", "big"), completed(20_000), far);
         assert!(too_large.get(&RecordId::new(b"", "big")).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forgotten_record_is_not_replayed_from_the_cache() {
+        use crate::MemoryStore;
+        let store = ReplayCache::new(MemoryStore::new(), 10, 1 << 20);
+        let (id, fp, lease) = (
+            RecordId::new(b"acct", "k"),
+            Fingerprint::from_bytes([7; 32]),
+            Duration::from_secs(30),
+        );
+        let Ok(Claim::Claimed(token)) = store.claim(&id, &fp, lease).await else {
+            panic!("a new key is claimed");
+        };
+        let window = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&id, &token, &completed(3), window)
+                .await
+                .unwrap()
+        );
+        assert!(store.entries.as_ref().unwrap().get(&id).is_some(), "cached");
+        assert!(store.forget(&id, false).await.unwrap().forgotten());
+        assert!(
+            matches!(store.claim(&id, &fp, lease).await, Ok(Claim::Claimed(_))),
+            "the key is new again, not replayed from the cache"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -163,6 +163,9 @@ macro_rules! store_contract {
             store_fences_grow_with_every_claim_of_a_key,
             store_first_claims_are_numbered_by_the_clock,
             store_completed_record_keeps_its_trailers,
+            store_inspect_reads_each_state,
+            store_forget_frees_a_completed_key,
+            store_forget_refuses_a_key_in_flight_unless_forced,
         );
     };
 }

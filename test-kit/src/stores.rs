@@ -106,7 +106,7 @@ impl<St: Store> Store for Counting<St> {
         self.inner.release(id, token).await
     }
 
-    tower_idempotency::forward_store!(inner => prepare, changed);
+    tower_idempotency::forward_store!(inner => prepare, changed, inspect, forget);
 }
 
 #[derive(Debug, Default)]
@@ -282,5 +282,5 @@ impl<St: Store> Store for Faulty<St> {
         self.inner.release(id, token).await
     }
 
-    tower_idempotency::forward_store!(inner => changed);
+    tower_idempotency::forward_store!(inner => changed, inspect, forget);
 }

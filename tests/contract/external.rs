@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{
+    Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, Store, StoreError,
+};
 use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId};
 use tower_idempotency_test::Harness;
 
@@ -35,6 +37,25 @@ impl TinyStore {
         let now = Instant::now();
         records.retain(|_, (_, expires)| *expires > now);
         f(&mut records)
+    }
+
+    /// The live record under `id`, as an operator reads it (its times on the wall clock).
+    fn view(records: &HashMap<RecordId, (Entry, Instant)>, id: &RecordId) -> Option<Inspected> {
+        let (entry, expires) = records.get(id)?;
+        let at = std::time::SystemTime::now() + expires.saturating_duration_since(Instant::now());
+        Some(match entry {
+            Entry::InFlight { token, fingerprint } => Inspected::InFlight(InFlightView {
+                fingerprint: *fingerprint,
+                fence: token.fence(),
+                lease_ends: at,
+            }),
+            // The smallest store keeps no fence once completed, as the contract allows.
+            Entry::Completed(completed) => Inspected::Completed(CompletedView {
+                completed: completed.clone(),
+                fence: None,
+                expires: at,
+            }),
+        })
     }
 
     /// Whether `id` is in flight under `token`.
@@ -117,6 +138,22 @@ impl Store for TinyStore {
                 records.remove(id);
             }
             owned
+        }))
+    }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        Ok(self.with_live(|records| Self::view(records, id)))
+    }
+
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        Ok(self.with_live(|records| match Self::view(records, id) {
+            None => ForgetOutcome::Absent,
+            Some(Inspected::InFlight(view)) if !force => ForgetOutcome::Refused(view),
+            Some(was) => {
+                // Fences come from the process's clock and counter: none is lost with the record.
+                records.remove(id);
+                ForgetOutcome::Forgotten(was)
+            }
         }))
     }
 }

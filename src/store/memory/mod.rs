@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, hash_map};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use tokio::time::Instant;
@@ -11,7 +11,7 @@ mod budget;
 mod expiry;
 mod scopes;
 
-use super::{Claim, Store, StoreError};
+use super::{Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Fence, InFlight, Record, RecordId, encode_tombstone};
 use budget::{Budget, Refused};
@@ -86,8 +86,9 @@ enum State {
     },
     /// A completed record is kept encoded, as the shared stores keep it (its fingerprint
     /// included): one allocation for the whole record, rather than a response, its header map and
-    /// its body held apart for the whole dedup window. A replay decodes it.
-    Completed(Bytes),
+    /// its body held apart for the whole dedup window. A replay decodes it. With the fence of
+    /// the claim that completed it, for an operator ([`Store::inspect`]).
+    Completed { encoded: Bytes, fence: Fence },
 }
 
 /// A live record as a claim found it, decoded once the shard's lock is let go.
@@ -364,7 +365,10 @@ impl MemoryStore {
                 encoded = Bytes::from(encode_tombstone(&completed.fingerprint));
             }
         }
-        entry.state = State::Completed(encoded);
+        entry.state = State::Completed {
+            encoded,
+            fence: token.fence(),
+        };
         entry.expires_at = now + ttl;
         budget.completed(id, entry.expires_at, now);
         shard.expiry.cancel(entry.queued);
@@ -431,6 +435,70 @@ impl Store for MemoryStore {
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         Ok(self.release_now(id, token))
     }
+
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        let (shard, now) = self.shard_now(id);
+        let seen = shard
+            .map
+            .get(id)
+            .filter(|entry| entry.is_live(now))
+            .map(|entry| entry.seen(now));
+        drop(shard);
+        seen.map(Seen::decode).transpose()
+    }
+
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        let (mut guard, now) = self.shard_now(id);
+        let shard = &mut *guard;
+        let Some(entry) = shard.map.get(id).filter(|entry| entry.is_live(now)) else {
+            return Ok(ForgetOutcome::Absent);
+        };
+        let seen = entry.seen(now);
+        if let (Seen::InFlight(view), false) = (&seen, force) {
+            return Ok(ForgetOutcome::Refused(view.clone()));
+        }
+        // The next claim's fence comes from the process's clock and counter, past every fence
+        // this store gave: forgetting the record loses nothing fences need.
+        if let Some(entry) = shard.map.remove(id) {
+            shard.expiry.cancel(entry.queued);
+            self.inner.budget.free(id, entry.size);
+        }
+        drop(guard);
+        seen.decode().map(ForgetOutcome::Forgotten)
+    }
+}
+
+/// A live record as an operator reads it, decoded once the shard's lock is let go.
+enum Seen {
+    InFlight(InFlightView),
+    Completed {
+        encoded: Bytes,
+        fence: Fence,
+        expires: SystemTime,
+    },
+}
+
+impl Seen {
+    fn decode(self) -> Result<Inspected, StoreError> {
+        match self {
+            Seen::InFlight(view) => Ok(Inspected::InFlight(view)),
+            Seen::Completed {
+                encoded,
+                fence,
+                expires,
+            } => match Record::decode(encoded) {
+                Ok(Record::Completed(completed)) => Ok(Inspected::Completed(CompletedView {
+                    completed,
+                    fence: Some(fence),
+                    expires,
+                })),
+                Ok(Record::InFlight(_)) => Err(StoreError::Codec(
+                    "a completed entry holds an in-flight record".into(),
+                )),
+                Err(err) => Err(StoreError::Codec(Box::new(err))),
+            },
+        }
+    }
 }
 
 impl Shard {
@@ -473,7 +541,10 @@ impl Entry {
     /// An entry that holds only its overhead, for a completion to fill in.
     fn bare(now: Instant, size: usize) -> Self {
         Self {
-            state: State::Completed(Bytes::new()),
+            state: State::Completed {
+                encoded: Bytes::new(),
+                fence: Fence::new(0),
+            },
             expires_at: now,
             size,
             queued: None,
@@ -487,13 +558,33 @@ impl Entry {
 
     /// Whether the entry is live and holds exactly this completed record.
     fn holds(&self, encoded: &Bytes, now: Instant) -> bool {
-        self.is_live(now) && matches!(&self.state, State::Completed(e) if e == encoded)
+        self.is_live(now)
+            && matches!(&self.state, State::Completed { encoded: e, .. } if e == encoded)
     }
 
     /// Whether the entry has not expired by `now`. An expired entry can stay in the map for a
     /// moment after it comes due (until its shard collects it), and counts as gone.
     fn is_live(&self, now: Instant) -> bool {
         self.expires_at > now
+    }
+
+    /// The record as an operator reads it, its times on the wall clock, as far as it can be read
+    /// under the shard's lock: an encoded one is decoded after.
+    fn seen(&self, now: Instant) -> Seen {
+        // The entry's expiry is on tokio's clock: on the wall clock, as far from now.
+        let at = SystemTime::now() + self.expires_at.saturating_duration_since(now);
+        match &self.state {
+            State::InFlight { token, fingerprint } => Seen::InFlight(InFlightView {
+                fingerprint: *fingerprint,
+                fence: token.fence(),
+                lease_ends: at,
+            }),
+            State::Completed { encoded, fence } => Seen::Completed {
+                encoded: encoded.clone(),
+                fence: *fence,
+                expires: at,
+            },
+        }
     }
 
     /// The record, as far as it can be read under the shard's lock: an encoded one is decoded
@@ -504,7 +595,7 @@ impl Entry {
                 fingerprint: *fingerprint,
                 lease_remaining: self.expires_at.saturating_duration_since(now),
             }),
-            State::Completed(encoded) => Found::Completed(encoded.clone()),
+            State::Completed { encoded, .. } => Found::Completed(encoded.clone()),
         }
     }
 }

@@ -14,7 +14,7 @@ use tower_idempotency::Fingerprint;
 use tower_idempotency::record::{
     ClaimToken, Completed, DecodeError, Fence, InFlight, Record, RecordId,
 };
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, Store, StoreError};
 
 impl PgStore {
     /// Runs the completion statement for the claim `token` on `conn`, in whatever transaction
@@ -149,6 +149,21 @@ impl Store for PgStore {
 
     fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
         self.prepare_call(token, extensions);
+    }
+
+    fn inspect(
+        &self,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send {
+        Box::pin(self.inspect_call(id))
+    }
+
+    fn forget(
+        &self,
+        id: &RecordId,
+        force: bool,
+    ) -> impl Future<Output = Result<ForgetOutcome, StoreError>> + Send {
+        Box::pin(self.forget_call(id, force))
     }
 }
 

@@ -81,6 +81,7 @@ pub struct ReadmeDoctests;
 
 mod calls;
 mod health;
+mod inspect;
 mod notify;
 mod processed;
 mod sql;
@@ -226,6 +227,9 @@ pub enum PgStoreError {
     /// [`PgStore::connect`] was called outside a Tokio runtime, where sqlx cannot start its pool.
     #[error("PgStore::connect must be called inside a Tokio runtime")]
     NoRuntime,
+    /// [`PgStore::try_with_table`] was given a name that is not a plain table name.
+    #[error("invalid table name: {0}")]
+    InvalidTable(String),
 }
 
 impl PgStore {
@@ -290,8 +294,30 @@ impl PgStore {
     /// # Panics
     /// When `table` is not such a name: it is written into the store's SQL, so it is checked.
     pub fn with_table(self, table: &str) -> Self {
-        let statements = Statements::new(table).unwrap_or_else(|err| panic!("{err}"));
-        self.with_inner(|inner| inner.statements = statements)
+        self.try_with_table(table)
+            .unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// [`PgStore::with_table`] for a name read at run time (a setting, a command line): a name
+    /// that is not a table name is an error rather than a panic.
+    ///
+    /// # Errors
+    /// [`PgStoreError::InvalidTable`], saying what a name may hold.
+    ///
+    /// ```
+    /// use sqlx::PgPool;
+    /// use tower_idempotency_postgres::PgStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let store = PgStore::new(PgPool::connect_lazy("postgres://localhost/app").unwrap());
+    /// assert!(store.clone().try_with_table("billing.idempotency_records").is_ok());
+    /// assert!(store.try_with_table("records; DROP TABLE users").is_err());
+    /// # }
+    /// ```
+    pub fn try_with_table(self, table: &str) -> Result<Self, PgStoreError> {
+        let statements = Statements::new(table).map_err(PgStoreError::InvalidTable)?;
+        Ok(self.with_inner(|inner| inner.statements = statements))
     }
 
     /// Sets the bound on each call, taking a connection included. Default: 1 second.

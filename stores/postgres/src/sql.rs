@@ -68,6 +68,12 @@ pub(super) struct Statements {
     /// $1 batch size. Deletes up to that many expired rows, skipping rows other transactions
     /// hold.
     pub(super) sweep: String,
+    /// $1 id. The live row, if any: `token`, `fingerprint`, `completed`, `expires_us` (its
+    /// expiry in microseconds since the Unix epoch).
+    pub(super) inspect: String,
+    /// $1 id, $2 force. `inspect`'s row as it was, and `forgotten`: whether it was expired in
+    /// place with its record cleared (a completed row always, an in-flight one when forced).
+    pub(super) forget: String,
 }
 
 impl Statements {
@@ -188,6 +194,28 @@ SELECT token, fingerprint, completed, remaining_ms FROM live",
                 "UPDATE {t} SET expires_at = statement_timestamp() + $3::int8 * interval '1 millisecond'
 WHERE id = $1 AND token = $2 AND completed IS NULL AND expires_at > statement_timestamp()"
             ),
+            inspect: format!(
+                "SELECT token, fingerprint, completed,
+       (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us
+FROM {t} WHERE id = $1 AND expires_at > statement_timestamp()"
+            ),
+            // Expired in place, as a release is, not deleted: the next claim takes the row over
+            // and numbers itself past its fence (§5.3); the completed record goes at once, the
+            // row with the sweep. `FOR UPDATE` reads the row as a concurrent writer left it.
+            forget: format!(
+                "WITH old AS (
+    SELECT id, token, fingerprint, completed,
+           (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us
+    FROM {t} WHERE id = $1 AND expires_at > statement_timestamp()
+    FOR UPDATE
+), gone AS (
+    UPDATE {t} AS r SET expires_at = statement_timestamp(), completed = NULL
+    FROM old WHERE r.id = old.id AND (old.completed IS NOT NULL OR $2)
+    RETURNING r.id
+)
+SELECT token, fingerprint, completed, expires_us, EXISTS (SELECT FROM gone) AS forgotten
+FROM old"
+            ),
             // The oldest first, through the index; `FOR UPDATE` re-checks a row another
             // transaction changed meanwhile (a claim that took it over is live again, and kept).
             sweep: format!(
@@ -265,6 +293,8 @@ mod tests {
             &other.complete_claimed,
             &other.sweep,
             &other.check,
+            &other.inspect,
+            &other.forget,
         ] {
             assert!(!sql.contains("idempotency_records"), "{sql}");
         }

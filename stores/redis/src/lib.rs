@@ -59,7 +59,7 @@ use replication::Replication;
 use scripts::{CLAIM, COMPLETE, Lua, RELEASE, RENEW};
 use tower_idempotency::Fingerprint;
 use tower_idempotency::record::{ClaimToken, Completed, RecordId};
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, Store, StoreError};
 
 use compression::Compression;
 
@@ -67,6 +67,7 @@ mod batch;
 mod calls;
 mod compression;
 mod connection;
+mod inspect;
 mod replication;
 mod scripts;
 mod shared;
@@ -615,6 +616,21 @@ impl Store for RedisStore {
         token: &ClaimToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         Box::pin(self.release_call(id, token))
+    }
+
+    fn inspect(
+        &self,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send {
+        Box::pin(self.inspect_call(id))
+    }
+
+    fn forget(
+        &self,
+        id: &RecordId,
+        force: bool,
+    ) -> impl Future<Output = Result<ForgetOutcome, StoreError>> + Send {
+        Box::pin(self.forget_call(id, force))
     }
 }
 

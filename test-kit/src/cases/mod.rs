@@ -8,6 +8,7 @@
 
 mod fence;
 mod layer;
+mod operator;
 mod options;
 mod seal;
 mod store;
@@ -16,6 +17,7 @@ mod wait;
 
 pub use fence::*;
 pub use layer::*;
+pub use operator::*;
 pub use options::*;
 pub use seal::*;
 pub use store::*;

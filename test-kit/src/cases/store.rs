@@ -17,7 +17,7 @@ use tower_idempotency::{
 pub(super) const ANSWERS: &str = "§10.1: every call on a reachable store answers Ok (a StoreError here is a \
                        failure of the store, not an answer)";
 
-fn fingerprint(n: u8) -> Fingerprint {
+pub(super) fn fingerprint(n: u8) -> Fingerprint {
     Fingerprint::from_bytes([n; 32])
 }
 
@@ -25,7 +25,7 @@ fn record_id(key: &str) -> RecordId {
     RecordId::new(b"contract", key)
 }
 
-async fn claimed<St: Store>(
+pub(super) async fn claimed<St: Store>(
     store: &St,
     id: &RecordId,
     fp: &Fingerprint,
@@ -55,7 +55,11 @@ async fn existing<St: Store>(
     }
 }
 
-async fn existing_in_flight<St: Store>(store: &St, id: &RecordId, lease: Duration) -> InFlight {
+pub(super) async fn existing_in_flight<St: Store>(
+    store: &St,
+    id: &RecordId,
+    lease: Duration,
+) -> InFlight {
     match existing(store, id, &fingerprint(0xee), lease).await {
         Record::InFlight(in_flight) => in_flight,
         other => panic!(
@@ -77,7 +81,7 @@ async fn existing_completed<St: Store>(store: &St, id: &RecordId, lease: Duratio
 
 /// A completed record whose response has repeated, empty and non-UTF-8 header values and a
 /// binary body.
-fn completed_with_response(fp: Fingerprint) -> Completed {
+pub(super) fn completed_with_response(fp: Fingerprint) -> Completed {
     let mut headers = HeaderMap::new();
     headers.append(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.append("x-multi", HeaderValue::from_static("first"));

@@ -1,0 +1,315 @@
+//! `tower-idempotency`: the operator's tool for
+//! [tower-idempotency](https://docs.rs/tower-idempotency). It answers "what happened to key X of
+//! customer Y?" and forgets one key, on the Redis, Redis Cluster or PostgreSQL store an
+//! application uses, without decoding store bytes or record-id digests by hand.
+//!
+//! ```text
+//! cargo install tower-idempotency-cli
+//! tower-idempotency --redis redis://127.0.0.1:6379 lookup --scope acct_1 --key order-42
+//! tower-idempotency --postgres postgres://app@db/app forget --scope acct_1 --key order-42 \
+//!     --reason "charge refunded by hand; the customer must be able to pay again"
+//! ```
+//!
+//! `lookup` prints the key's state: absent, in flight (claimed when, lease until when, under
+//! which fence), completed (status, body length, fence where the store keeps it, expiry; the
+//! response's headers and body with `--body`) or a tombstone. `forget` frees the key for the next
+//! request: a completed record always, one in flight only with `--force`. Both print a table, or
+//! with `--json` one JSON object.
+//!
+//! Exit codes: 0 found (lookup) or forgotten (forget); 1 absent (either) or refused (forget of a
+//! key in flight without `--force`); 2 anything else (a usage error, an invalid key, an
+//! unreachable store).
+//!
+//! The scope is the bytes the application's scope function makes of a request (for the payments
+//! example, the account id): `--scope <text>`, `--scope-hex <hex>`, or `--no-scope` for an
+//! application without a scope function. The README says how to find a tenant's.
+//!
+//! What each state means, and what forgetting does to fences, is `docs/PROTOCOL.md` §10.9 (in
+//! the crate's repository); the library calls behind the tool are
+//! [`tower_idempotency::operator`]. This crate's library is the tool itself, for its tests:
+//!
+//! ```
+//! use clap::Parser;
+//! use tower_idempotency_cli::Cli;
+//!
+//! let cli = Cli::try_parse_from([
+//!     "tower-idempotency", "--redis", "redis://127.0.0.1:6379",
+//!     "lookup", "--scope", "acct_1", "--key", "order-42",
+//! ])?;
+//! # let _ = cli;
+//! # Ok::<(), clap::Error>(())
+//! ```
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
+
+mod output;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tower_idempotency::store::{ForgetOutcome, Store};
+use tower_idempotency::{BoxStore, RecordId, operator};
+use tower_idempotency_postgres::PgStore;
+use tower_idempotency_redis::RedisStore;
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "tower-idempotency",
+    version,
+    about = "Look up or forget one idempotency key in a tower-idempotency store",
+    after_help = "Exit codes: 0 found or forgotten; 1 absent, or refused (in flight, not \
+                  forced); 2 any error."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    store: StoreArgs,
+    #[command(flatten)]
+    options: StoreOptions,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where the records live: exactly one store, with the options that change where in it.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false, id = "store")]
+struct StoreArgs {
+    /// A single Redis server: redis://[user:password@]host:port[/db]
+    #[arg(long, value_name = "URL", global = true)]
+    redis: Option<String>,
+    /// A Redis Cluster: its nodes' URLs, separated by commas.
+    #[arg(long, value_name = "URL,URL,..", value_delimiter = ',', global = true)]
+    redis_cluster: Option<Vec<String>>,
+    /// PostgreSQL: postgres://user[:password]@host[:port]/database
+    #[arg(long, value_name = "URL", global = true)]
+    postgres: Option<String>,
+}
+
+/// Options of the stores that change where records are found.
+#[derive(Debug, Args)]
+#[group(multiple = true)]
+struct StoreOptions {
+    /// Redis: the prefix of the store's keys (RedisStore::with_prefix).
+    #[arg(
+        long,
+        value_name = "PREFIX",
+        default_value = "idempotency:",
+        global = true
+    )]
+    redis_prefix: String,
+    /// Redis: the largest record a compressed value may declare (RedisStore::with_max_decompressed);
+    /// the store's default unless given.
+    #[arg(long, value_name = "BYTES", global = true)]
+    redis_max_decompressed: Option<usize>,
+    /// PostgreSQL: the records' table, `name` or `schema.name` (PgStore::with_table).
+    #[arg(
+        long,
+        value_name = "TABLE",
+        default_value = "idempotency_records",
+        global = true
+    )]
+    postgres_table: String,
+    /// How long to wait for the store, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0, global = true)]
+    timeout: f64,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show what the store holds for one key of one scope.
+    Lookup {
+        #[command(flatten)]
+        target: Target,
+        /// Include the stored response's headers and body.
+        #[arg(long)]
+        body: bool,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Forget one key of one scope, so that the next request with it runs again.
+    Forget {
+        #[command(flatten)]
+        target: Target,
+        /// Why (logged at WARN with the record id): a ticket, an incident, a sentence.
+        #[arg(long, value_name = "TEXT")]
+        reason: String,
+        /// Forget the key even while a request holds it in flight (its handler may still be
+        /// running: if it finishes before another claim, its record is written all the same).
+        #[arg(long)]
+        force: bool,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// One key of one scope.
+#[derive(Debug, Args)]
+struct Target {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    /// The key as the client sent it in its Idempotency-Key header (bare or quoted).
+    #[arg(long, value_name = "KEY")]
+    key: String,
+}
+
+/// The scope's bytes: one of the three, so that a forgotten `--scope` is an error, not a look in
+/// the wrong namespace.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct ScopeArgs {
+    /// The scope's bytes, as text (an account id, a tenant name).
+    #[arg(long, value_name = "TEXT")]
+    scope: Option<String>,
+    /// The scope's bytes, in hex (for a scope that is not text).
+    #[arg(long, value_name = "HEX")]
+    scope_hex: Option<String>,
+    /// The empty scope: the application's layer has no scope function.
+    #[arg(long)]
+    no_scope: bool,
+}
+
+/// Why the tool could not answer: exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// `--scope-hex` is not hex.
+    #[error("--scope-hex: {0}")]
+    ScopeHex(&'static str),
+    /// `--timeout` is not a number of seconds.
+    #[error("--timeout must be a positive number of seconds")]
+    Timeout,
+    /// The Redis store could not be set up.
+    #[error("the Redis store could not be set up")]
+    Redis(#[from] tower_idempotency_redis::RedisStoreError),
+    /// The PostgreSQL store could not be set up.
+    #[error("the PostgreSQL store could not be set up")]
+    Postgres(#[from] tower_idempotency_postgres::PgStoreError),
+    /// The lookup or the forget failed.
+    #[error(transparent)]
+    Operator(#[from] operator::OperatorError),
+}
+
+impl ScopeArgs {
+    fn bytes(&self) -> Result<Vec<u8>, CliError> {
+        match (&self.scope, &self.scope_hex) {
+            (Some(text), _) => Ok(text.as_bytes().to_vec()),
+            (None, Some(hex)) => parse_hex(hex),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
+}
+
+fn parse_hex(hex: &str) -> Result<Vec<u8>, CliError> {
+    let hex = hex.trim();
+    if !hex.len().is_multiple_of(2) {
+        return Err(CliError::ScopeHex("an odd number of hex digits"));
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|at| {
+            hex.get(at..at + 2)
+                .and_then(|pair| u8::from_str_radix(pair, 16).ok())
+                .ok_or(CliError::ScopeHex("not a hex digit"))
+        })
+        .collect()
+}
+
+impl StoreArgs {
+    /// The store the arguments name, built as the application builds it.
+    fn open(&self, options: &StoreOptions) -> Result<BoxStore, CliError> {
+        let timeout = Duration::try_from_secs_f64(options.timeout)
+            .ok()
+            .filter(|timeout| !timeout.is_zero())
+            .ok_or(CliError::Timeout)?;
+        let redis = |store: RedisStore| {
+            let store = store
+                .with_prefix(options.redis_prefix.clone())
+                .with_timeout(timeout);
+            match options.redis_max_decompressed {
+                Some(bytes) => store.with_max_decompressed(bytes),
+                None => store,
+            }
+        };
+        if let Some(url) = &self.redis {
+            return Ok(BoxStore::new(redis(RedisStore::from_url(url)?)));
+        }
+        if let Some(urls) = &self.redis_cluster {
+            return Ok(BoxStore::new(redis(RedisStore::cluster(urls.clone())?)));
+        }
+        let url = self.postgres.as_deref().unwrap_or_default();
+        // No sweep: the tool reads and forgets one key, and deletes nothing else.
+        let store = PgStore::connect(url)?
+            .try_with_table(&options.postgres_table)?
+            .with_timeout(timeout)
+            .with_sweep_interval(None);
+        Ok(BoxStore::new(store))
+    }
+}
+
+/// What a command found, and its exit code.
+enum Answer {
+    Found,
+    Absent,
+}
+
+/// Runs the command line: prints to stdout, errors to stderr; the exit code is the documented
+/// one. Logs (the forget's WARN line) go to stderr through `tracing`, if a subscriber is set.
+pub async fn run(cli: Cli) -> ExitCode {
+    match execute(cli).await {
+        Ok(Answer::Found) => ExitCode::SUCCESS,
+        Ok(Answer::Absent) => ExitCode::from(1),
+        Err(err) => {
+            eprintln!("error: {}", output::chain(&err));
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn execute(cli: Cli) -> Result<Answer, CliError> {
+    let store = cli.store.open(&cli.options)?;
+    match cli.command {
+        Command::Lookup { target, body, json } => {
+            let scope = target.scope.bytes()?;
+            let id = operator::record_id(&scope, &target.key)?;
+            let found = store
+                .inspect(&id)
+                .await
+                .map_err(operator::OperatorError::from)?;
+            let report = output::Report::new(&scope, &target.key, &id);
+            if json {
+                println!("{}", report.lookup_json(found.as_ref(), body));
+            } else {
+                print!("{}", report.lookup_table(found.as_ref(), body));
+            }
+            Ok(if found.is_some() {
+                Answer::Found
+            } else {
+                Answer::Absent
+            })
+        }
+        Command::Forget {
+            target,
+            reason,
+            force,
+            json,
+        } => {
+            let scope = target.scope.bytes()?;
+            let id: RecordId = operator::record_id(&scope, &target.key)?;
+            let outcome = operator::forget(&store, &scope, &target.key, &reason, force).await?;
+            let report = output::Report::new(&scope, &target.key, &id);
+            if json {
+                println!("{}", report.forget_json(&outcome, force));
+            } else {
+                print!("{}", report.forget_table(&outcome));
+            }
+            Ok(match outcome {
+                ForgetOutcome::Forgotten(_) => Answer::Found,
+                _ => Answer::Absent,
+            })
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! The tool against real servers (a redis-server, a Redis Cluster, a PostgreSQL, each started by
+//! `test-servers`): every state of a key as the table and the JSON show it, the exit codes, the
+//! refusals, and the options that say where records live.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use serde_json::Value;
+use test_servers::postgres_server::PostgresServer;
+use test_servers::redis_cluster::RedisCluster;
+use test_servers::redis_server::RedisServer;
+use tower_idempotency::store::{Claim, Store};
+use tower_idempotency::{ClaimToken, Completed, Fingerprint, RecordId, StoredResponse};
+use tower_idempotency_postgres::PgStore;
+use tower_idempotency_redis::RedisStore;
+
+const LEASE: Duration = Duration::from_secs(60);
+const WINDOW: Duration = Duration::from_secs(3600);
+
+/// What one run of the tool printed, and its exit code.
+#[derive(Debug)]
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|err| panic!("--json prints one JSON object ({err}): {self:?}"))
+    }
+}
+
+/// Runs the tool with `store` (its store arguments) and `args`, printing what it printed.
+async fn tool(store: &[String], args: &[&str]) -> Run {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_tower-idempotency"))
+        .args(store)
+        .args(args)
+        .output()
+        .await
+        .expect("the tool runs");
+    let run = Run {
+        code: output.status.code().expect("an exit code"),
+        stdout: String::from_utf8(output.stdout).expect("UTF-8 output"),
+        stderr: String::from_utf8(output.stderr).expect("UTF-8 errors"),
+    };
+    println!(
+        "$ tower-idempotency {} {}\n{}{}[exit {}]\n",
+        store.join(" "),
+        args.join(" "),
+        run.stdout,
+        run.stderr,
+        run.code
+    );
+    run
+}
+
+fn fingerprint(n: u8) -> Fingerprint {
+    Fingerprint::from_bytes([n; 32])
+}
+
+async fn claim<St: Store>(store: &St, id: &RecordId) -> ClaimToken {
+    match store.claim(id, &fingerprint(1), LEASE).await {
+        Ok(Claim::Claimed(token)) => token,
+        other => panic!("a free key is claimed: {other:?}"),
+    }
+}
+
+fn created() -> Completed {
+    let mut headers = HeaderMap::new();
+    headers.append("content-type", HeaderValue::from_static("application/json"));
+    headers.append("location", HeaderValue::from_static("/v1/charges/ch_1"));
+    Completed::with_response(
+        fingerprint(1),
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"{\"id\":\"ch_1\"}"),
+            trailers: None,
+        },
+    )
+}
+
+/// Every state of a key, through the tool, on `store` (named to the tool by `args`): absent, in
+/// flight (and a forget refused, then forced), completed (with its body), forgotten, and a
+/// tombstone.
+async fn every_state<St: Store>(store: &St, args: &[String], keeps_completed_fence: bool) {
+    let scope = ["--scope", "acct_1"];
+    let lookup = |key: &'static str, extra: &'static [&'static str]| {
+        let mut all = vec!["lookup"];
+        all.extend(scope);
+        all.extend(["--key", key]);
+        all.extend(extra);
+        all
+    };
+    let id = RecordId::new(b"acct_1", "order-42");
+
+    // Absent.
+    let run = tool(args, &lookup("order-42", &[])).await;
+    assert_eq!(run.code, 1, "absent: exit 1");
+    assert!(run.stdout.contains("absent"), "{run:?}");
+    let json = tool(args, &lookup("order-42", &["--json"])).await.json();
+    assert_eq!(json["state"], "absent");
+    assert_eq!(json["record_id"], id.to_string());
+    assert_eq!(json["scope"], "acct_1");
+    assert_eq!(json["scope_hex"], "616363745f31");
+
+    // In flight.
+    let token = claim(store, &id).await;
+    let run = tool(args, &lookup("order-42", &[])).await;
+    assert_eq!(run.code, 0, "found: exit 0");
+    assert!(run.stdout.contains("in flight"), "{run:?}");
+    let json = tool(args, &lookup("order-42", &["--json"])).await.json();
+    assert_eq!(json["state"], "in_flight");
+    assert_eq!(json["fence"], token.fence().get(), "{json}");
+    assert_eq!(json["fingerprint"], "01".repeat(32));
+    assert!(
+        json["lease_ends"]
+            .as_str()
+            .is_some_and(|at| at.ends_with('Z'))
+    );
+
+    // A forget refused while in flight, then forced.
+    let forget = |key: &'static str, extra: &'static [&'static str]| {
+        let mut all = vec!["forget"];
+        all.extend(scope);
+        all.extend(["--key", key, "--reason", "charge refunded by hand"]);
+        all.extend(extra);
+        all
+    };
+    let run = tool(args, &forget("order-42", &["--json"])).await;
+    assert_eq!(run.code, 1, "refused: exit 1");
+    assert_eq!(run.json()["result"], "refused");
+    assert_eq!(run.json()["record"]["state"], "in_flight");
+    assert!(
+        store.renew(&id, &token, LEASE).await.expect("renewed"),
+        "a refused forget leaves the claim"
+    );
+    let run = tool(args, &forget("order-42", &["--force"])).await;
+    assert_eq!(run.code, 0, "forgotten: exit 0");
+    assert!(run.stdout.contains("forgotten"), "{run:?}");
+    assert!(
+        run.stderr.contains("record forgotten by an operator")
+            && run.stderr.contains("charge refunded by hand")
+            && run.stderr.contains(&id.to_string()),
+        "the forget is logged at WARN with the reason and the record id: {run:?}"
+    );
+    assert!(!store.renew(&id, &token, LEASE).await.expect("answered"));
+
+    // Completed, with its body on request.
+    let token = claim(store, &id).await;
+    assert!(
+        store
+            .complete(&id, &token, &created(), WINDOW)
+            .await
+            .expect("completed")
+    );
+    let run = tool(args, &lookup("order-42", &["--body"])).await;
+    assert_eq!(run.code, 0);
+    assert!(run.stdout.contains("201 Created"), "{run:?}");
+    assert!(run.stdout.contains("{\"id\":\"ch_1\"}"), "{run:?}");
+    let json = tool(args, &lookup("\"order-42\"", &["--json"]))
+        .await
+        .json();
+    assert_eq!(json["state"], "completed", "the quoted key is the same key");
+    assert_eq!(json["status"], 201);
+    assert_eq!(json["body_len"], 13);
+    assert!(json.get("body").is_none(), "no body unless asked: {json}");
+    if keeps_completed_fence {
+        assert_eq!(json["fence"], token.fence().get());
+    } else {
+        assert_eq!(json["fence"], Value::Null);
+    }
+    let json = tool(args, &lookup("order-42", &["--json", "--body"]))
+        .await
+        .json();
+    assert_eq!(json["body"], "{\"id\":\"ch_1\"}");
+    assert_eq!(json["headers"][1]["name"], "location");
+    assert_eq!(json["headers"][1]["value"], "/v1/charges/ch_1");
+
+    // Another scope does not see it.
+    let run = tool(
+        args,
+        &["lookup", "--scope", "acct_2", "--key", "order-42", "--json"],
+    )
+    .await;
+    assert_eq!(run.json()["state"], "absent");
+
+    // Forgotten, unforced; then gone, and a new claim is a new run with a larger fence.
+    let run = tool(args, &forget("order-42", &["--json"])).await;
+    assert_eq!(run.code, 0);
+    let json = run.json();
+    assert_eq!(json["result"], "forgotten");
+    assert_eq!(json["forced"], false);
+    assert_eq!(json["record"]["state"], "completed");
+    assert_eq!(tool(args, &lookup("order-42", &[])).await.code, 1);
+    assert_eq!(
+        tool(args, &forget("order-42", &[])).await.code,
+        1,
+        "absent: exit 1"
+    );
+    let again = claim(store, &id).await;
+    assert!(again.fence() > token.fence());
+
+    // A tombstone.
+    let id = RecordId::new(b"acct_1", "order-43");
+    let token = claim(store, &id).await;
+    let tombstone = Completed {
+        fingerprint: fingerprint(1),
+        response: None,
+    };
+    assert!(
+        store
+            .complete(&id, &token, &tombstone, WINDOW)
+            .await
+            .expect("completed")
+    );
+    let run = tool(args, &lookup("order-43", &[])).await;
+    assert!(run.stdout.contains("tombstone"), "{run:?}");
+    let json = tool(args, &lookup("order-43", &["--json"])).await.json();
+    assert_eq!(json["state"], "tombstone");
+    assert_eq!(json["status"], Value::Null);
+}
+
+/// Bad input is a clear error and exit 2, never a panic.
+async fn refuses_bad_input(args: &[String]) {
+    for (bad, says) in [
+        (
+            &["lookup", "--scope", "a", "--key", "two, keys"][..],
+            "not a valid idempotency key",
+        ),
+        (
+            &["lookup", "--scope-hex", "6x", "--key", "k"],
+            "--scope-hex",
+        ),
+        (&["lookup", "--key", "k"], "--scope"),
+        (
+            &["lookup", "--scope", "a", "--scope-hex", "61", "--key", "k"],
+            "cannot be used with",
+        ),
+        (
+            &["forget", "--scope", "a", "--key", "k", "--reason", " "],
+            "a reason is required",
+        ),
+        (
+            &["lookup", "--scope", "a", "--key", "k", "--timeout", "0"],
+            "--timeout",
+        ),
+    ] {
+        let run = tool(args, bad).await;
+        assert_eq!(run.code, 2, "{bad:?}: {run:?}");
+        assert!(run.stderr.contains(says), "{bad:?} says {says:?}: {run:?}");
+        assert!(!run.stderr.contains("panicked"), "{run:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_single_server() {
+    let server = RedisServer::start();
+    let store = RedisStore::from_url(&server.url())
+        .expect("a store")
+        .with_prefix("app:");
+    let args = vec![
+        "--redis".to_owned(),
+        server.url(),
+        "--redis-prefix".to_owned(),
+        "app:".to_owned(),
+    ];
+    every_state(&store, &args, false).await;
+    refuses_bad_input(&args).await;
+
+    // Without the application's prefix, the tool looks elsewhere: the key is absent there.
+    let id = RecordId::new(b"acct_9", "k");
+    claim(&store, &id).await;
+    let elsewhere = vec!["--redis".to_owned(), server.url()];
+    let run = tool(&elsewhere, &["lookup", "--scope", "acct_9", "--key", "k"]).await;
+    assert_eq!(run.code, 1, "{run:?}");
+    let run = tool(&args, &["lookup", "--scope", "acct_9", "--key", "k"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_cluster() {
+    let cluster = RedisCluster::shared();
+    let store = RedisStore::cluster(cluster.urls())
+        .expect("a store")
+        .with_prefix("cli:");
+    let args = vec![
+        "--redis-cluster".to_owned(),
+        cluster.urls().join(","),
+        "--redis-prefix".to_owned(),
+        "cli:".to_owned(),
+    ];
+    every_state(&store, &args, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres() {
+    let server = PostgresServer::start();
+    let store = PgStore::connect(&server.url())
+        .expect("a store")
+        .try_with_table("ops_records")
+        .expect("a table name");
+    store.migrate().await.expect("the table is created");
+    let args = vec![
+        "--postgres".to_owned(),
+        server.url(),
+        "--postgres-table".to_owned(),
+        "ops_records".to_owned(),
+    ];
+    every_state(&store, &args, true).await;
+    refuses_bad_input(&args).await;
+
+    // The default table does not exist here: a clear error, exit 2.
+    let elsewhere = vec!["--postgres".to_owned(), server.url()];
+    let run = tool(&elsewhere, &["lookup", "--scope", "a", "--key", "k"]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("does not exist"), "{run:?}");
+    let bad_table = vec![
+        "--postgres".to_owned(),
+        server.url(),
+        "--postgres-table".to_owned(),
+        "x; DROP TABLE ops_records".to_owned(),
+    ];
+    let run = tool(&bad_table, &["lookup", "--scope", "a", "--key", "k"]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("invalid table name"), "{run:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_store_is_exit_2() {
+    // A port nothing listens on: taken from a server that has stopped.
+    let url = {
+        let server = RedisServer::start();
+        server.url()
+    };
+    let args = vec![
+        "--redis".to_owned(),
+        url,
+        "--timeout".to_owned(),
+        "1".to_owned(),
+    ];
+    let run = tool(&args, &["lookup", "--scope", "a", "--key", "k"]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.starts_with("error: "), "{run:?}");
+}
