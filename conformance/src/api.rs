@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use reqwest::StatusCode;
+use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 
 use crate::config::{Config, Prepared, UNIQUE};
@@ -125,7 +125,12 @@ impl Api {
                 Ok(value) => {
                     headers.insert(prepared.key_header.clone(), value);
                 }
-                Err(err) => return (self.exchange(step, call, key_shown, None), Err(err.to_string())),
+                Err(err) => {
+                    return (
+                        self.exchange(step, call, key_shown, None),
+                        Err(err.to_string()),
+                    );
+                }
             }
         }
         let request = (self.client)
@@ -170,7 +175,10 @@ impl Api {
         if let Some(answer) = answer {
             for (name, value) in &answer.headers {
                 if relevant.contains(&name) {
-                    headers.push((name.to_string(), String::from_utf8_lossy(value.as_bytes()).into_owned()));
+                    headers.push((
+                        name.to_string(),
+                        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    ));
                 }
             }
         }
@@ -185,7 +193,9 @@ impl Api {
             key,
             status: answer.map(|answer| answer.status.as_u16()),
             headers,
-            body: answer.map(|answer| excerpt(&answer.body)).unwrap_or_default(),
+            body: answer
+                .map(|answer| excerpt(&answer.body))
+                .unwrap_or_default(),
             error: None,
         }
     }
@@ -225,7 +235,10 @@ pub(crate) struct Probe {
 
 impl Probe {
     pub fn new(api: Arc<Api>) -> Self {
-        Self { api, seen: Vec::new() }
+        Self {
+            api,
+            seen: Vec::new(),
+        }
     }
 
     /// Sends `call` and keeps the exchange; no answer is a failure.
@@ -343,8 +356,9 @@ pub(crate) fn retention_moment(value: &HeaderValue) -> Result<SystemTime, String
             UNIX_EPOCH - Duration::from_secs(seconds.unsigned_abs())
         });
     }
-    httpdate::parse_http_date(text)
-        .map_err(|_| format!("{text:?} is neither an HTTP-date nor a structured Date (`@` seconds)"))
+    httpdate::parse_http_date(text).map_err(|_| {
+        format!("{text:?} is neither an HTTP-date nor a structured Date (`@` seconds)")
+    })
 }
 
 /// The server's clock at `answer`: its `Date` header, or ours when it has none.
@@ -377,13 +391,24 @@ mod tests {
     #[test]
     fn retention_forms() {
         let at = |text| retention_moment(&value(text));
-        assert_eq!(at("@1767348000").unwrap(), UNIX_EPOCH + Duration::from_secs(1_767_348_000));
+        assert_eq!(
+            at("@1767348000").unwrap(),
+            UNIX_EPOCH + Duration::from_secs(1_767_348_000)
+        );
         assert_eq!(
             at("Fri, 02 Jan 2026 10:00:00 GMT").unwrap(),
             UNIX_EPOCH + Duration::from_secs(1_767_348_000)
         );
         assert!(at("@-5").unwrap() < UNIX_EPOCH);
-        for bad in ["@", "@1.5", "@--1", "@1e9", "86400", "tomorrow", "@99999999999999999"] {
+        for bad in [
+            "@",
+            "@1.5",
+            "@--1",
+            "@1e9",
+            "86400",
+            "tomorrow",
+            "@99999999999999999",
+        ] {
             assert!(at(bad).is_err(), "{bad}");
         }
     }
@@ -393,7 +418,11 @@ mod tests {
         assert_eq!(body_difference(b"same", b"same"), None);
         let text = body_difference(b"{\"at\":1}", b"{\"at\":2}").unwrap();
         assert!(text.contains("from byte 6"), "{text}");
-        assert!(body_difference(b"ab", b"abc").unwrap().contains("from byte 2"));
+        assert!(
+            body_difference(b"ab", b"abc")
+                .unwrap()
+                .contains("from byte 2")
+        );
     }
 
     #[test]

@@ -139,12 +139,21 @@ fn same_response(api: &Api, first: &Answer, replay: &Answer, what: &str) -> Outc
     let marker = (api.config.replay_header.as_deref())
         .map(|name| format!(", {name}"))
         .unwrap_or_default();
-    let headers: Vec<_> = api.prepared.compare_headers.iter().map(|h| h.as_str()).collect();
+    let headers: Vec<_> = api
+        .prepared
+        .compare_headers
+        .iter()
+        .map(|h| h.as_str())
+        .collect();
     Ok(format!(
         "{}, {} bytes equal, same {}{marker}",
         first.status.as_u16(),
         first.body.len(),
-        if headers.is_empty() { "status".to_owned() } else { headers.join(", ") }
+        if headers.is_empty() {
+            "status".to_owned()
+        } else {
+            headers.join(", ")
+        }
     ))
 }
 
@@ -191,7 +200,8 @@ pub(crate) async fn pause_end(
     let pause = p.api.config.pause;
     let retry = p.send("retry after the pause", &call).await?;
     let step = format!("the retry {} ms later", pause.as_millis());
-    same_response(&p.api, &first, &retry, &step).map(|same| format!("after {} ms: {same}", pause.as_millis()))
+    same_response(&p.api, &first, &retry, &step)
+        .map(|same| format!("after {} ms: {same}", pause.as_millis()))
 }
 
 /// N concurrent duplicates execute once.
@@ -267,7 +277,11 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
     }
     if let Some(problem) = problems.first() {
         let more = problems.len() - 1;
-        return fail(if more > 0 { format!("{problem} (and {more} more)") } else { problem.clone() });
+        return fail(if more > 0 {
+            format!("{problem} (and {more} more)")
+        } else {
+            problem.clone()
+        });
     }
     // A retry once the dust settles gets the one execution's answer.
     let settled = settle(p, &call).await?;
@@ -282,7 +296,12 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
     let retry_after = answers
         .iter()
         .find_map(|(_, answer)| answer.headers.get(RETRY_AFTER))
-        .map(|value| format!(" (Retry-After: {})", String::from_utf8_lossy(value.as_bytes())))
+        .map(|value| {
+            format!(
+                " (Retry-After: {})",
+                String::from_utf8_lossy(value.as_bytes())
+            )
+        })
         .unwrap_or_default();
     Ok(format!(
         "{n} at once: 1 execution ({identity}), {replays} replays, {conflicts} x 409{retry_after}; \
@@ -335,7 +354,9 @@ pub(crate) async fn key_reuse(p: &mut Probe) -> Outcome {
     if let (Some(id), Some(leaked)) = (api.id(&first), api.id(&reused))
         && id == leaked
     {
-        return fail(format!("another body under the key was answered with the first request's id {id}"));
+        return fail(format!(
+            "another body under the key was answered with the first request's id {id}"
+        ));
     }
     if api.replayed(&reused) == Some(true) {
         return fail("another body under the key was answered as a replay");
@@ -347,7 +368,12 @@ pub(crate) async fn key_reuse(p: &mut Probe) -> Outcome {
         ));
     }
     let again = p.send("the first body again", &call).await?;
-    same_execution(&api, &first, &again, "the first body sent again after the refusal")?;
+    same_execution(
+        &api,
+        &first,
+        &again,
+        "the first body sent again after the refusal",
+    )?;
     Ok(format!("{expected}; the first request still replays"))
 }
 
@@ -361,7 +387,9 @@ pub(crate) async fn missing_key(p: &mut Probe) -> Outcome {
     let answer = p.send("without a key", &call).await?;
     let status = answer.status.as_u16();
     if !answer.status.is_client_error() {
-        return fail(format!("a request without a key was answered {status}, not 4xx"));
+        return fail(format!(
+            "a request without a key was answered {status}, not 4xx"
+        ));
     }
     Ok(if status == 400 {
         "400".to_owned()
@@ -376,11 +404,17 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
     if !api.config.keys_required {
         return not_applicable("keys_required = false: the API may treat a bad key as none");
     }
-    let long: String = std::iter::repeat_with(crate::api::unique).flat_map(|u| u.chars().collect::<Vec<_>>()).take(300).collect();
+    let long: String = std::iter::repeat_with(crate::api::unique)
+        .flat_map(|u| u.chars().collect::<Vec<_>>())
+        .take(300)
+        .collect();
     let cases = [
         ("empty", Vec::new()),
         ("300 characters", api.write_key(&long)),
-        ("non-ASCII", api.write_key(&format!("clé-{}", crate::api::unique()))),
+        (
+            "non-ASCII",
+            api.write_key(&format!("clé-{}", crate::api::unique())),
+        ),
     ];
     let mut seen = Vec::new();
     let mut accepted = Vec::new();
@@ -394,7 +428,10 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
         seen.push(format!("{what}: {status}"));
     }
     if !accepted.is_empty() {
-        return fail(format!("malformed keys not refused with 4xx: {}", accepted.join(", ")));
+        return fail(format!(
+            "malformed keys not refused with 4xx: {}",
+            accepted.join(", ")
+        ));
     }
     Ok(seen.join(", "))
 }
@@ -418,7 +455,9 @@ pub(crate) async fn tenant_scope(p: &mut Probe) -> Outcome {
     if let (Some(a), Some(b)) = (api.id(&first), api.id(&other))
         && a == b
     {
-        return fail(format!("tenant B was answered with tenant A's id {a}: keys are shared across tenants"));
+        return fail(format!(
+            "tenant B was answered with tenant A's id {a}: keys are shared across tenants"
+        ));
     }
     if !other.status.is_success() {
         return fail(format!(
@@ -484,7 +523,8 @@ pub(crate) async fn validation(p: &mut Probe) -> Outcome {
     }
     let fixed = api.call(Kind::Valid, Tenant::A, Some(key));
     let answer = p.send("corrected, same key", &fixed).await?;
-    if api.replayed(&answer) == Some(true) || body_difference(&failed.body, &answer.body).is_none() {
+    if api.replayed(&answer) == Some(true) || body_difference(&failed.body, &answer.body).is_none()
+    {
         return fail(format!(
             "the corrected request got the stored validation error ({})",
             answer.status.as_u16()
@@ -525,7 +565,9 @@ pub(crate) async fn retention(p: &mut Probe) -> Outcome {
     let retry = p.send("retry", &call).await?;
     let replayed: Vec<_> = retry.headers.get_all(&name).iter().collect();
     if replayed != [&value] {
-        return fail(format!("{name}: the first response has {value:?}, the replay {replayed:?}"));
+        return fail(format!(
+            "{name}: the first response has {value:?}, the replay {replayed:?}"
+        ));
     }
     Ok(format!(
         "{name}: {} ({} s ahead), the same on replay",

@@ -289,7 +289,11 @@ impl Config {
     /// assert_eq!(config.mismatch_status, 422);
     /// assert!(config.validate().is_ok());
     /// ```
-    pub fn new(base_url: impl Into<String>, path: impl Into<String>, body: impl Into<String>) -> Self {
+    pub fn new(
+        base_url: impl Into<String>,
+        path: impl Into<String>,
+        body: impl Into<String>,
+    ) -> Self {
         Self {
             base_url: base_url.into(),
             method: default_method(),
@@ -389,7 +393,10 @@ impl Config {
         let base = Url::parse(&self.base_url)
             .map_err(|err| ConfigError::invalid("base_url", format!("is not a URL: {err}")))?;
         if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
-            return Err(ConfigError::invalid("base_url", "must be an http:// or https:// URL"));
+            return Err(ConfigError::invalid(
+                "base_url",
+                "must be an http:// or https:// URL",
+            ));
         }
         if !self.path.starts_with('/') {
             return Err(ConfigError::invalid("path", "must start with `/`"));
@@ -400,8 +407,9 @@ impl Config {
             self.path
         ))
         .map_err(|err| ConfigError::invalid("path", format!("does not make a URL: {err}")))?;
-        let method = Method::from_bytes(self.method.as_bytes())
-            .map_err(|_| ConfigError::invalid("method", format!("{:?} is not a method", self.method)))?;
+        let method = Method::from_bytes(self.method.as_bytes()).map_err(|_| {
+            ConfigError::invalid("method", format!("{:?} is not a method", self.method))
+        })?;
         if !self.body.contains(UNIQUE) {
             return Err(ConfigError::invalid(
                 "body",
@@ -506,7 +514,10 @@ fn headers(field: &'static str, map: &BTreeMap<String, String>) -> Result<Header
     let mut headers = HeaderMap::new();
     for (name, value) in map {
         let value = HeaderValue::from_str(value).map_err(|_| {
-            ConfigError::invalid(field, format!("the value of {name:?} is not a header value"))
+            ConfigError::invalid(
+                field,
+                format!("the value of {name:?} is not a header value"),
+            )
         })?;
         headers.insert(header_name(field, name)?, value);
     }
@@ -530,7 +541,10 @@ mod tests {
     #[test]
     fn defaults() {
         let config = Config::from_toml(MINIMAL).unwrap();
-        assert_eq!(config, Config::new("http://127.0.0.1:1", "/a", "{{unique}}"));
+        assert_eq!(
+            config,
+            Config::new("http://127.0.0.1:1", "/a", "{{unique}}")
+        );
         assert_eq!(config.pause, Duration::from_secs(2));
         assert_eq!(config.compare_headers, ["content-type"]);
     }
@@ -555,7 +569,11 @@ mod tests {
 
     #[test]
     fn clear_errors() {
-        assert!(error("base_url = ").contains("not valid"), "{}", error("base_url = "));
+        assert!(
+            error("base_url = ").contains("not valid"),
+            "{}",
+            error("base_url = ")
+        );
         assert!(error(&format!("{MINIMAL}surprise = 1")).contains("surprise"));
         assert!(error("path = '/a'\nbody = '{{unique}}'").contains("base_url"));
         assert!(error(&MINIMAL.replace("http://127.0.0.1:1", "nope")).starts_with("`base_url`"));
@@ -569,8 +587,10 @@ mod tests {
         assert!(error(&format!("{MINIMAL}[tenant_a]\n'a b' = 'x'")).starts_with("`tenant_a`"));
         assert!(error(&format!("{MINIMAL}[tenant_a]\nA = \"x\\n\"")).contains("header value"));
         assert!(
-            error(&format!("{MINIMAL}[tenant_a]\nA = 'x'\n[tenant_b]\nA = 'x'"))
-                .contains("another tenant")
+            error(&format!(
+                "{MINIMAL}[tenant_a]\nA = 'x'\n[tenant_b]\nA = 'x'"
+            ))
+            .contains("another tenant")
         );
         assert!(error(&format!("{MINIMAL}key_format = 'fancy'")).contains("key_format"));
         assert!(error(&format!("{MINIMAL}timeout_ms = 0")).starts_with("`timeout_ms`"));

@@ -36,7 +36,10 @@ fn main() -> ExitCode {
     if let Some(base_url) = args.base_url {
         config.base_url = base_url;
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(err) => return bad(&format!("cannot start the runtime: {err}")),
     };

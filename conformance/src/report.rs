@@ -223,7 +223,11 @@ impl Report {
             self.endpoint
         );
         for check in self.failed() {
-            let _ = writeln!(out, "\n{} ({}): {}", check.name, check.citation, check.title);
+            let _ = writeln!(
+                out,
+                "\n{} ({}): {}",
+                check.name, check.citation, check.title
+            );
             if let Verdict::Fail { exchanges, .. } = &check.verdict {
                 for exchange in exchanges {
                     let _ = writeln!(out, "  {exchange}");
@@ -350,7 +354,9 @@ mod tests {
                     name: "one",
                     title: "t1",
                     citation: "c1",
-                    verdict: Verdict::Pass { detail: "fine".into() },
+                    verdict: Verdict::Pass {
+                        detail: "fine".into(),
+                    },
                 },
                 CheckResult {
                     name: "two",
@@ -365,7 +371,9 @@ mod tests {
                     name: "three",
                     title: "t3",
                     citation: "c3",
-                    verdict: Verdict::NotApplicable { reason: "none".into() },
+                    verdict: Verdict::NotApplicable {
+                        reason: "none".into(),
+                    },
                 },
             ],
         )
@@ -377,9 +385,13 @@ mod tests {
         assert!(table.contains("one    pass     fine"), "{table}");
         assert!(table.contains("two    FAIL     bodies"), "{table}");
         assert!(table.contains("three  n/a      none"), "{table}");
-        assert!(table.contains("1 passed, 1 failed, 1 not applicable"), "{table}");
         assert!(
-            table.contains("retry: POST /a as tenant a, key \"k\" -> 201; content-type: text/plain"),
+            table.contains("1 passed, 1 failed, 1 not applicable"),
+            "{table}"
+        );
+        assert!(
+            table
+                .contains("retry: POST /a as tenant a, key \"k\" -> 201; content-type: text/plain"),
             "{table}"
         );
         assert_eq!(report().exit_code(), 1);
@@ -397,8 +409,14 @@ mod tests {
     #[test]
     fn junit_is_escaped() {
         let junit = report().junit();
-        assert!(junit.contains("failures=\"1\" errors=\"0\" skipped=\"1\""), "{junit}");
-        assert!(junit.contains("<failure message=\"bodies &quot;differ&quot;\">"), "{junit}");
+        assert!(
+            junit.contains("failures=\"1\" errors=\"0\" skipped=\"1\""),
+            "{junit}"
+        );
+        assert!(
+            junit.contains("<failure message=\"bodies &quot;differ&quot;\">"),
+            "{junit}"
+        );
         assert!(junit.contains("body: &lt;b&gt;&amp;\u{FFFD}"), "{junit}");
         assert!(junit.contains("<skipped message=\"none\"/>"), "{junit}");
     }

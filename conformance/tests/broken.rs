@@ -59,8 +59,15 @@ async fn the_correct_server_passes_every_check() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_lock_executes_concurrent_duplicates_more_than_once() {
     let report = fails_exactly(Bug::NoLock, &["concurrent-duplicates"]).await;
-    let detail = report.check("concurrent-duplicates").unwrap().verdict.detail();
-    assert!(detail.starts_with("8 concurrent duplicates executed 8 times"), "{detail}");
+    let detail = report
+        .check("concurrent-duplicates")
+        .unwrap()
+        .verdict
+        .detail();
+    assert!(
+        detail.starts_with("8 concurrent duplicates executed 8 times"),
+        "{detail}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,12 +76,20 @@ async fn no_scope_gives_tenant_b_tenant_as_response() {
     let Verdict::Fail { detail, exchanges } = &report.check("tenant-scope").unwrap().verdict else {
         unreachable!()
     };
-    assert!(detail.contains("keys are shared across tenants"), "{detail}");
+    assert!(
+        detail.contains("keys are shared across tenants"),
+        "{detail}"
+    );
     // What was sent and seen: B's request, its key and the replay header it got.
     let b = &exchanges[1];
     assert_eq!((b.tenant, b.status), ('b', Some(201)));
     assert!(b.key.is_some());
-    assert!(b.headers.iter().any(|(name, _)| name == "idempotent-replayed"), "{b:?}");
+    assert!(
+        b.headers
+            .iter()
+            .any(|(name, _)| name == "idempotent-replayed"),
+        "{b:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +126,11 @@ async fn stored_errors_are_replayed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_409_without_retry_after_fails() {
     let report = fails_exactly(Bug::NoRetryAfter, &["concurrent-duplicates"]).await;
-    let detail = report.check("concurrent-duplicates").unwrap().verdict.detail();
+    let detail = report
+        .check("concurrent-duplicates")
+        .unwrap()
+        .verdict
+        .detail();
     assert!(detail.contains("got 409 without Retry-After"), "{detail}");
 }
 
@@ -135,7 +154,9 @@ async fn checks_without_their_config_are_not_applicable_and_say_why() {
         "/things",
         r#"{"name": "{{unique}}", "amount": 100}"#,
     );
-    config.tenant_a.insert("Authorization".into(), "Bearer alice".into());
+    config
+        .tenant_a
+        .insert("Authorization".into(), "Bearer alice".into());
     config.keys_required = false;
     config.pause = Duration::from_millis(100);
     let report = run(&config).await.expect("the server answers");
@@ -197,7 +218,10 @@ async fn cli(args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_line_exits_0_1_or_2_and_writes_json_and_junit() {
-    let (good, bad) = (Server::start(Bug::None).await, Server::start(Bug::NoScope).await);
+    let (good, bad) = (
+        Server::start(Bug::None).await,
+        Server::start(Bug::NoScope).await,
+    );
     let config = config_path();
     let config = config.to_str().unwrap();
     let junit = std::env::temp_dir().join(format!("conformance-{}.xml", std::process::id()));
@@ -211,16 +235,24 @@ async fn the_command_line_exits_0_1_or_2_and_writes_json_and_junit() {
     let args = [config, "--base-url", &bad.url(), "--junit", junit_arg];
     let (code, stdout, stderr) = cli(&args).await;
     assert_eq!(code, 1, "{stdout}{stderr}");
-    let line = stdout.lines().find(|line| line.starts_with("tenant-scope "));
+    let line = stdout
+        .lines()
+        .find(|line| line.starts_with("tenant-scope "));
     assert!(line.is_some_and(|line| line.contains(" FAIL ")), "{stdout}");
     let xml = std::fs::read_to_string(&junit).expect("--junit writes the file");
     let _ = std::fs::remove_file(&junit);
     assert!(xml.contains("failures=\"1\""), "{xml}");
-    assert!(xml.contains("name=\"tenant-scope\"><failure message="), "{xml}");
+    assert!(
+        xml.contains("name=\"tenant-scope\"><failure message="),
+        "{xml}"
+    );
 
     let (code, _, stderr) = cli(&["no/such.toml"]).await;
     assert_eq!(code, 2);
-    assert!(stderr.contains("cannot read the config file no/such.toml"), "{stderr}");
+    assert!(
+        stderr.contains("cannot read the config file no/such.toml"),
+        "{stderr}"
+    );
 
     let (code, _, stderr) = cli(&[config, "--base-url", "http://127.0.0.1:1"]).await;
     assert_eq!(code, 2);

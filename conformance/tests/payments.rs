@@ -11,7 +11,9 @@ use example_payments::balance::{Balances, MemoryBalances, PgBalances, RedisBalan
 use example_payments::config::STREAM;
 use example_payments::events::Publisher;
 use example_payments::ledger::{Ledger, MemoryLedger, PgLedger, RedisLedger};
-use example_payments::provider::{self, KeyTable, MemoryKeys, PgKeys, Provider, ProviderClient, RedisKeys};
+use example_payments::provider::{
+    self, KeyTable, MemoryKeys, PgKeys, Provider, ProviderClient, RedisKeys,
+};
 use example_payments::queue::{MemoryQueue, RedisQueue};
 use example_payments::{AppState, app, consumer, pg};
 use test_servers::postgres_server::PostgresServer;
@@ -57,7 +59,9 @@ impl Backend {
     }
 
     async fn postgres(server: &PostgresServer) -> Self {
-        let store = pg::connect(&server.url()).await.expect("the database is usable");
+        let store = pg::connect(&server.url())
+            .await
+            .expect("the database is usable");
         let pool = store.pool().clone();
         Self {
             records: BoxStore::new(store.clone()),
@@ -76,8 +80,8 @@ impl Backend {
             provider: ProviderClient::new(provider.router()),
             metrics: None,
         };
-        let seal = SealKeys::new([SealKey::new("conformance", [7; 32]).expect("a key")])
-            .expect("one key");
+        let seal =
+            SealKeys::new([SealKey::new("conformance", [7; 32]).expect("a key")]).expect("one key");
         let layer = IdempotencyLayer::new(BoxStore::new(SealedStore::new(self.records, seal)))
             .scope_quota(ScopeQuota::new(64 << 20));
         let router = app(state, layer);
@@ -86,7 +90,9 @@ impl Backend {
             .expect("a free port");
         let addr = listener.local_addr().expect("an address");
         tokio::spawn(async move {
-            axum::serve(listener, router).await.expect("the example serves");
+            axum::serve(listener, router)
+                .await
+                .expect("the example serves");
         });
         format!("http://{addr}")
     }

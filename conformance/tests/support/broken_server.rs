@@ -52,8 +52,14 @@ const WORK: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 enum Record {
-    Running { fingerprint: Bytes },
-    Done { fingerprint: Bytes, answer: Stored, at: Instant },
+    Running {
+        fingerprint: Bytes,
+    },
+    Done {
+        fingerprint: Bytes,
+        answer: Stored,
+        at: Instant,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -84,10 +90,14 @@ impl Server {
             next_id: AtomicU64::new(1),
         });
         let router = Router::new().route("/things", post(create)).with_state(app);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a free port");
         let addr = listener.local_addr().expect("an address");
         let task = tokio::spawn(async move {
-            axum::serve(listener, router).await.expect("the server runs");
+            axum::serve(listener, router)
+                .await
+                .expect("the server runs");
         });
         Server { addr, task }
     }
@@ -104,7 +114,11 @@ impl Drop for Server {
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/problem+json")], json!({ "detail": detail }).to_string())
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        json!({ "detail": detail }).to_string(),
+    )
         .into_response()
 }
 
@@ -129,14 +143,26 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
     };
     let key = match headers.get("idempotency-key").map(parse_key) {
         Some(Some(key)) => key,
-        Some(None) if app.bug == Bug::KeysOptional => return app.run(&body).await.0.into_response(&app, false),
-        None if app.bug == Bug::KeysOptional => return app.run(&body).await.0.into_response(&app, false),
+        Some(None) if app.bug == Bug::KeysOptional => {
+            return app.run(&body).await.0.into_response(&app, false);
+        }
+        None if app.bug == Bug::KeysOptional => {
+            return app.run(&body).await.0.into_response(&app, false);
+        }
         Some(None) => return problem(StatusCode::BAD_REQUEST, "invalid Idempotency-Key"),
         None => return problem(StatusCode::BAD_REQUEST, "Idempotency-Key is required"),
     };
-    let scope = if app.bug == Bug::NoScope { String::new() } else { tenant };
+    let scope = if app.bug == Bug::NoScope {
+        String::new()
+    } else {
+        tenant
+    };
     let id = (scope, key);
-    let memory = if app.bug == Bug::ShortMemory { Duration::from_secs(1) } else { Duration::from_secs(86_400) };
+    let memory = if app.bug == Bug::ShortMemory {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_secs(86_400)
+    };
     {
         let mut records = app.records.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(Record::Done { at, .. }) = records.get(&id)
@@ -145,32 +171,56 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
             records.remove(&id);
         }
         match records.get(&id) {
-            Some(Record::Done { fingerprint, answer, .. }) => {
+            Some(Record::Done {
+                fingerprint,
+                answer,
+                ..
+            }) => {
                 if *fingerprint == body || app.bug == Bug::NoFingerprint {
                     return answer.clone().into_response(&app, true);
                 }
-                return problem(StatusCode::UNPROCESSABLE_ENTITY, "the key was used with another body");
+                return problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "the key was used with another body",
+                );
             }
             Some(Record::Running { fingerprint }) if *fingerprint == body => {
                 let mut answer = problem(StatusCode::CONFLICT, "the key's request is running");
                 if app.bug != Bug::NoRetryAfter {
-                    answer.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                    answer
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 }
                 return answer;
             }
             Some(Record::Running { .. }) => {
-                return problem(StatusCode::UNPROCESSABLE_ENTITY, "the key was used with another body");
+                return problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "the key was used with another body",
+                );
             }
             None if app.bug == Bug::NoLock => {}
             None => {
-                records.insert(id.clone(), Record::Running { fingerprint: body.clone() });
+                records.insert(
+                    id.clone(),
+                    Record::Running {
+                        fingerprint: body.clone(),
+                    },
+                );
             }
         }
     }
     let (answer, store) = app.run(&body).await;
     let mut records = app.records.lock().unwrap_or_else(PoisonError::into_inner);
     if store || app.bug == Bug::StoresErrors {
-        records.insert(id, Record::Done { fingerprint: body, answer: answer.clone(), at: Instant::now() });
+        records.insert(
+            id,
+            Record::Done {
+                fingerprint: body,
+                answer: answer.clone(),
+                at: Instant::now(),
+            },
+        );
     } else {
         records.remove(&id);
     }
@@ -178,7 +228,11 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
 }
 
 fn now_nanos() -> String {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos().to_string()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos()
+        .to_string()
 }
 
 impl App {
@@ -192,10 +246,16 @@ impl App {
             expires: None,
         };
         let Some(amount) = request["amount"].as_i64().filter(|amount| *amount > 0) else {
-            return (error(StatusCode::BAD_REQUEST, "amount must be a positive integer"), false);
+            return (
+                error(StatusCode::BAD_REQUEST, "amount must be a positive integer"),
+                false,
+            );
         };
         if request["explode"] == true {
-            return (error(StatusCode::SERVICE_UNAVAILABLE, "a dependency is down"), false);
+            return (
+                error(StatusCode::SERVICE_UNAVAILABLE, "a dependency is down"),
+                false,
+            );
         }
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let expires = if self.bug == Bug::StaleRetention {
@@ -228,13 +288,22 @@ impl Stored {
             thing["served_at"] = Value::String(now_nanos());
             body = thing.to_string().into_bytes();
         }
-        let content_type = if self.status.is_success() { "application/json" } else { "application/problem+json" };
-        let mut response = (self.status, [(header::CONTENT_TYPE, content_type)], body).into_response();
+        let content_type = if self.status.is_success() {
+            "application/json"
+        } else {
+            "application/problem+json"
+        };
+        let mut response =
+            (self.status, [(header::CONTENT_TYPE, content_type)], body).into_response();
         if let Some(expires) = self.expires.and_then(|e| HeaderValue::from_str(&e).ok()) {
-            response.headers_mut().insert("idempotency-key-expires", expires);
+            response
+                .headers_mut()
+                .insert("idempotency-key-expires", expires);
         }
         if replay {
-            response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            response
+                .headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
         }
         response
     }
