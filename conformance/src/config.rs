@@ -11,6 +11,12 @@ use serde::Deserialize;
 /// The placeholder of a body template that each request replaces with a fresh value.
 pub const UNIQUE: &str = "{{unique}}";
 
+/// The longest `timeout_ms`: an hour.
+const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The longest `pause_ms`: a day, the usual retention of a key.
+const MAX_PAUSE: Duration = Duration::from_secs(86_400);
+
 /// What the runner needs to know about the API: one mutating endpoint, its credentials, and the
 /// conventions its idempotency follows. Every field but `base_url`, `path` and `body` has a
 /// default, stated on the field.
@@ -104,9 +110,10 @@ pub struct Config {
     pub keys_required: bool,
     /// How many duplicates the concurrency check sends at once. Default: 8 (2 to 1,000).
     pub concurrency: usize,
-    /// How long the last check waits before it replays. Default: 2 s. In the file: `pause_ms`.
+    /// How long the last check waits before it replays. Default: 2 s, at most a day. In the
+    /// file: `pause_ms`.
     pub pause: Duration,
-    /// How long one request may take. Default: 10 s. In the file: `timeout_ms`.
+    /// How long one request may take. Default: 10 s, at most an hour. In the file: `timeout_ms`.
     pub timeout: Duration,
 }
 
@@ -469,8 +476,17 @@ impl Config {
                 format!("must be from 2 to 1000, not {}", self.concurrency),
             ));
         }
-        if self.timeout.is_zero() {
-            return Err(ConfigError::invalid("timeout_ms", "must be more than 0"));
+        if self.timeout.is_zero() || self.timeout > MAX_TIMEOUT {
+            return Err(ConfigError::invalid(
+                "timeout_ms",
+                format!("must be from 1 to {}", MAX_TIMEOUT.as_millis()),
+            ));
+        }
+        if self.pause > MAX_PAUSE {
+            return Err(ConfigError::invalid(
+                "pause_ms",
+                format!("must be at most {} (a day)", MAX_PAUSE.as_millis()),
+            ));
         }
         Ok(Prepared {
             url,
@@ -549,22 +565,33 @@ mod tests {
         assert_eq!(config.compare_headers, ["content-type"]);
     }
 
+    /// Every field of the file, each set away from its default.
+    const EVERY_FIELD: &str = "base_url = 'http://127.0.0.1:1'\npath = '/a'\nbody = '{{unique}}'\n\
+        method = 'PATCH'\ncontent_type = 'text/plain'\nkey_header = 'X-Key'\n\
+        key_format = 'bare'\nid_pointer = '/data/id'\nreplay_header = 'Idempotent-Replayed'\n\
+        retention_header = 'Idempotency-Key-Expires'\ncompare_headers = []\n\
+        mismatch_status = 400\nkeys_required = false\nconcurrency = 3\npause_ms = 10\n\
+        timeout_ms = 20\n[headers]\nX-Api = '1'\n[tenant_a]\nAuthorization = 'a'\n\
+        [tenant_b]\nAuthorization = 'b'\n[invalid]\nbody = 'x'\n\
+        [server_error]\nbody = 'y'\nheaders = { X-Fail = '1' }\n";
+
     #[test]
     fn every_field() {
-        let config = Config::from_toml(&format!(
-            "{MINIMAL}method = 'PATCH'\ncontent_type = 'text/plain'\nkey_header = 'X-Key'\n\
-             key_format = 'bare'\nid_pointer = '/data/id'\nreplay_header = 'Idempotent-Replayed'\n\
-             retention_header = 'Idempotency-Key-Expires'\ncompare_headers = []\n\
-             mismatch_status = 400\nkeys_required = false\nconcurrency = 3\npause_ms = 10\n\
-             timeout_ms = 20\n[headers]\nX-Api = '1'\n[tenant_a]\nAuthorization = 'a'\n\
-             [tenant_b]\nAuthorization = 'b'\n[invalid]\nbody = 'x'\n\
-             [server_error]\nbody = 'y'\nheaders = {{ X-Fail = '1' }}\n"
-        ))
-        .unwrap();
+        let config = Config::from_toml(EVERY_FIELD).unwrap();
         assert_eq!(config.key_format, KeyFormat::Bare);
         assert_eq!(config.timeout, Duration::from_millis(20));
         assert_eq!(config.server_error.unwrap().headers["X-Fail"], "1");
         assert_eq!(config.tenant_b.unwrap()["Authorization"], "b");
+    }
+
+    #[test]
+    fn the_readme_describes_every_field() {
+        let readme = include_str!("../README.md");
+        let fields: toml::Table = EVERY_FIELD.parse().unwrap();
+        assert_eq!(fields.len(), 21);
+        for field in fields.keys() {
+            assert!(readme.contains(&format!("| `{field}` |")), "{field}");
+        }
     }
 
     #[test]
@@ -594,6 +621,9 @@ mod tests {
         );
         assert!(error(&format!("{MINIMAL}key_format = 'fancy'")).contains("key_format"));
         assert!(error(&format!("{MINIMAL}timeout_ms = 0")).starts_with("`timeout_ms`"));
+        let forever = u64::MAX;
+        assert!(error(&format!("{MINIMAL}timeout_ms = {forever}")).contains("from 1 to 3600000"));
+        assert!(error(&format!("{MINIMAL}pause_ms = {forever}")).contains("at most 86400000"));
         assert!(error(&format!("{MINIMAL}concurrency = -1")).contains("concurrency"));
     }
 }

@@ -119,3 +119,18 @@ fn result(check: Check, probe: Probe, outcome: checks::Outcome) -> CheckResult {
         verdict,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_readme_describes_every_check() {
+        let readme = include_str!("../README.md");
+        for check in crate::CHECKS {
+            assert!(
+                readme.contains(&format!("| `{}` |", check.name)),
+                "{}",
+                check.name
+            );
+        }
+    }
+}
