@@ -127,6 +127,13 @@ fn same_response(api: &Api, first: &Answer, replay: &Answer, what: &str) -> Outc
             ));
         }
     }
+    if let (Some(before), Some(after)) = (api.id(first), api.id(replay))
+        && before != after
+    {
+        return fail(format!(
+            "{what} ran again: id {after}, the first response's {before} (the record was not kept)"
+        ));
+    }
     if let Some(difference) = body_difference(&first.body, &replay.body) {
         return fail(format!("{what} is not the first response: {difference}"));
     }

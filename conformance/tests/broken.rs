@@ -136,7 +136,12 @@ async fn a_409_without_retry_after_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_forgotten_before_the_pause_fails() {
-    fails_exactly(Bug::ShortMemory, &["replay-after-pause"]).await;
+    let report = fails_exactly(Bug::ShortMemory, &["replay-after-pause"]).await;
+    let detail = report.check("replay-after-pause").unwrap().verdict.detail();
+    assert!(
+        detail.starts_with("the retry 1500 ms later ran again: id thing_"),
+        "{detail}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
