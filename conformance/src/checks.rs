@@ -241,14 +241,18 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
         }
     }
     let mut ran = BTreeSet::new();
-    let (mut firsts, mut replays, mut conflicts) = (0, 0, 0);
+    let (mut successes, mut firsts, mut replays, mut conflicts) = (0, 0, 0, 0);
     for (step, answer) in &answers {
         if answer.status.is_success() {
             ran.insert(api.identity(answer));
             match api.replayed(answer) {
                 Some(false) => firsts += 1,
-                Some(true) | None => replays += 1,
+                Some(true) => replays += 1,
+                // Without a replay header, every 2xx but the execution's is a replay.
+                None if successes > 0 => replays += 1,
+                None => {}
             }
+            successes += 1;
         } else if answer.status == StatusCode::CONFLICT {
             conflicts += 1;
             match answer.headers.get(RETRY_AFTER) {
