@@ -1,0 +1,269 @@
+//! The runner against a server with one bug at a time: the correct server passes every check, and
+//! each bug fails exactly the checks whose rule it breaks. Then the command line's outputs and
+//! exit statuses.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use support::broken_server::{Bug, Server};
+use tower_idempotency_conformance::{CHECKS, Config, Report, RunError, Verdict, run};
+
+/// The config of every test here, as the command line reads it.
+fn config_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/broken.toml")
+}
+
+/// The config for `server`.
+fn config(server: &Server) -> Config {
+    let mut config = Config::load(config_path()).expect("tests/broken.toml is valid");
+    config.base_url = server.url();
+    config
+}
+
+/// Runs every check against a server with `bug`.
+async fn report(bug: Bug) -> Report {
+    let server = Server::start(bug).await;
+    let report = run(&config(&server)).await.expect("the server answers");
+    println!("{bug:?}:\n{}", report.table());
+    assert_eq!(report.checks.len(), CHECKS.len());
+    report
+}
+
+fn failing(report: &Report) -> BTreeSet<&'static str> {
+    report.failed().map(|check| check.name).collect()
+}
+
+/// Runs every check against a server with `bug` and expects `failing` to fail, no other.
+async fn fails_exactly(bug: Bug, expected: &[&str]) -> Report {
+    let report = report(bug).await;
+    assert_eq!(
+        failing(&report),
+        expected.iter().copied().collect::<BTreeSet<_>>(),
+        "{}",
+        report.table()
+    );
+    assert_eq!(report.summary.not_applicable, 0, "{}", report.table());
+    assert_eq!(report.exit_code(), u8::from(!expected.is_empty()));
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_correct_server_passes_every_check() {
+    let report = fails_exactly(Bug::None, &[]).await;
+    assert_eq!(report.summary.pass, CHECKS.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_lock_executes_concurrent_duplicates_more_than_once() {
+    let report = fails_exactly(Bug::NoLock, &["concurrent-duplicates"]).await;
+    let detail = report
+        .check("concurrent-duplicates")
+        .unwrap()
+        .verdict
+        .detail();
+    assert!(
+        detail.starts_with("8 concurrent duplicates executed 8 times"),
+        "{detail}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_scope_gives_tenant_b_tenant_as_response() {
+    let report = fails_exactly(Bug::NoScope, &["tenant-scope"]).await;
+    let Verdict::Fail { detail, exchanges } = &report.check("tenant-scope").unwrap().verdict else {
+        unreachable!()
+    };
+    assert!(
+        detail.contains("keys are shared across tenants"),
+        "{detail}"
+    );
+    // What was sent and seen: B's request, its key and the replay header it got.
+    let b = &exchanges[1];
+    assert_eq!((b.tenant, b.status), ('b', Some(201)));
+    assert!(b.key.is_some());
+    assert!(
+        b.headers
+            .iter()
+            .any(|(name, _)| name == "idempotent-replayed"),
+        "{b:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_timestamp_on_replay_is_not_the_first_response() {
+    let report = fails_exactly(Bug::FreshTimestamp, &["replay", "replay-after-pause"]).await;
+    let detail = report.check("replay").unwrap().verdict.detail();
+    assert!(detail.contains("the bodies differ from byte"), "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_fingerprint_answers_another_body_with_the_first_response() {
+    fails_exactly(Bug::NoFingerprint, &["key-reuse"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optional_keys_run_without_or_with_a_malformed_key() {
+    let report = fails_exactly(Bug::KeysOptional, &["missing-key", "malformed-key"]).await;
+    let detail = report.check("malformed-key").unwrap().verdict.detail();
+    assert_eq!(
+        detail,
+        "malformed keys not refused with 4xx: empty: 201, 300 characters: 201, non-ASCII: 201"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_errors_are_replayed() {
+    fails_exactly(
+        Bug::StoresErrors,
+        &["server-error-not-stored", "validation-not-stored"],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_409_without_retry_after_fails() {
+    let report = fails_exactly(Bug::NoRetryAfter, &["concurrent-duplicates"]).await;
+    let detail = report
+        .check("concurrent-duplicates")
+        .unwrap()
+        .verdict
+        .detail();
+    assert!(detail.contains("got 409 without Retry-After"), "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_forgotten_before_the_pause_fails() {
+    let report = fails_exactly(Bug::ShortMemory, &["replay-after-pause"]).await;
+    let detail = report.check("replay-after-pause").unwrap().verdict.detail();
+    assert!(
+        detail.starts_with("the retry 1500 ms later ran again: id thing_"),
+        "{detail}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_moment_in_the_past_fails() {
+    let report = fails_exactly(Bug::StaleRetention, &["retention"]).await;
+    let detail = report.check("retention").unwrap().verdict.detail();
+    assert!(detail.ends_with("is in the past"), "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_without_their_config_are_not_applicable_and_say_why() {
+    let server = Server::start(Bug::None).await;
+    let mut config = Config::new(
+        server.url(),
+        "/things",
+        r#"{"name": "{{unique}}", "amount": 100}"#,
+    );
+    config
+        .tenant_a
+        .insert("Authorization".into(), "Bearer alice".into());
+    config.keys_required = false;
+    config.pause = Duration::from_millis(100);
+    let report = run(&config).await.expect("the server answers");
+    println!("{}", report.table());
+    let reasons: Vec<_> = (report.checks.iter())
+        .filter_map(|check| match &check.verdict {
+            Verdict::NotApplicable { reason } => Some((check.name, reason.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            (
+                "missing-key",
+                "keys_required = false: a request without a key runs as usual"
+            ),
+            (
+                "malformed-key",
+                "keys_required = false: the API may treat a bad key as none"
+            ),
+            ("tenant-scope", "no [tenant_b] credentials configured"),
+            (
+                "server-error-not-stored",
+                "no [server_error] request configured to provoke a 5xx"
+            ),
+            ("validation-not-stored", "no [invalid] request configured"),
+            ("retention", "no retention_header configured"),
+        ]
+    );
+    assert_eq!(report.summary.pass, 4, "{}", report.table());
+    assert_eq!(report.exit_code(), 0);
+}
+
+#[tokio::test]
+async fn an_unreachable_api_stops_the_run() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = closed.local_addr().unwrap();
+    drop(closed);
+    let config = Config::new(format!("http://{addr}"), "/things", "{{unique}}");
+    let err = run(&config).await.unwrap_err();
+    assert!(matches!(err, RunError::Unreachable { .. }), "{err:?}");
+    assert!(err.to_string().contains("is unreachable"), "{err}");
+}
+
+/// The command line: its exit status, stdout and stderr.
+async fn cli(args: &[&str]) -> (i32, String, String) {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_idempotency-conformance"))
+        .args(args)
+        .output()
+        .await
+        .expect("the binary runs");
+    (
+        output.status.code().expect("an exit status"),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_exits_0_1_or_2_and_writes_json_and_junit() {
+    let (good, bad) = (
+        Server::start(Bug::None).await,
+        Server::start(Bug::NoScope).await,
+    );
+    let config = config_path();
+    let config = config.to_str().unwrap();
+    let junit = std::env::temp_dir().join(format!("conformance-{}.xml", std::process::id()));
+    let junit_arg = junit.to_str().unwrap();
+
+    let (code, stdout, stderr) = cli(&[config, "--base-url", &good.url(), "--json"]).await;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+    assert_eq!(json["summary"]["pass"], CHECKS.len());
+
+    let args = [config, "--base-url", &bad.url(), "--junit", junit_arg];
+    let (code, stdout, stderr) = cli(&args).await;
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find(|line| line.starts_with("tenant-scope "));
+    assert!(line.is_some_and(|line| line.contains(" FAIL ")), "{stdout}");
+    let xml = std::fs::read_to_string(&junit).expect("--junit writes the file");
+    let _ = std::fs::remove_file(&junit);
+    assert!(xml.contains("failures=\"1\""), "{xml}");
+    assert!(
+        xml.contains("name=\"tenant-scope\"><failure message="),
+        "{xml}"
+    );
+
+    let (code, _, stderr) = cli(&["no/such.toml"]).await;
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("cannot read the config file no/such.toml"),
+        "{stderr}"
+    );
+
+    let (code, _, stderr) = cli(&[config, "--base-url", "http://127.0.0.1:1"]).await;
+    assert_eq!(code, 2);
+    assert!(stderr.contains("is unreachable"), "{stderr}");
+
+    let (code, _, stderr) = cli(&[config, "--base-url", "not a url"]).await;
+    assert_eq!(code, 2);
+    assert!(stderr.contains("`base_url` is not a URL"), "{stderr}");
+}
