@@ -442,6 +442,14 @@ mod tests {
         )
     }
 
+    /// Three failures open `breaker`, and its cool-down passes: the next claim is the probe.
+    async fn open_until_the_probe(breaker: &Breaker) {
+        for _ in 0..3 {
+            claim(breaker, away());
+        }
+        advance(Duration::from_secs(5)).await;
+    }
+
     /// Makes a claim through `breaker` that the store answers with `claim`; `None` when refused.
     fn claim(breaker: &Breaker, claim: Result<Claim, StoreError>) -> Option<()> {
         match breaker.admit(Instant::now()) {
@@ -527,10 +535,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn after_the_cool_down_one_probe_passes_and_its_answer_closes_it() {
         let breaker = breaker();
-        for _ in 0..3 {
-            claim(&breaker, away());
-        }
-        advance(Duration::from_secs(5)).await;
+        open_until_the_probe(&breaker).await;
         let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
             panic!("the probe passes");
         };
@@ -546,10 +551,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_probe_opens_it_for_another_cool_down() {
         let breaker = breaker();
-        for _ in 0..3 {
-            claim(&breaker, away());
-        }
-        advance(Duration::from_secs(5)).await;
+        open_until_the_probe(&breaker).await;
         assert_eq!(claim(&breaker, away()), Some(()), "the probe");
         assert_eq!(refused_for(&breaker), Some(Duration::from_secs(5)));
         advance(Duration::from_secs(5)).await;
@@ -564,10 +566,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_abandoned_probe_lets_the_next_request_probe() {
         let breaker = breaker();
-        for _ in 0..3 {
-            claim(&breaker, away());
-        }
-        advance(Duration::from_secs(5)).await;
+        open_until_the_probe(&breaker).await;
         let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
             panic!("the probe passes");
         };
@@ -590,10 +589,7 @@ mod tests {
         let Admission::Pass(late_success) = breaker.admit(Instant::now()) else {
             panic!("closed");
         };
-        for _ in 0..3 {
-            claim(&breaker, away());
-        }
-        advance(Duration::from_secs(5)).await;
+        open_until_the_probe(&breaker).await;
         let Admission::Pass(probe) = breaker.admit(Instant::now()) else {
             panic!("the probe passes");
         };
