@@ -12,7 +12,9 @@
 //!
 //! `lookup` prints the key's state: absent, in flight (claimed when, lease until when, under
 //! which fence), completed (status, body length, fence where the store keeps it, expiry; the
-//! response's headers and body with `--body`) or a tombstone. `forget` frees the key for the next
+//! response's headers and body with `--body`) or a tombstone. A sealed response is opened only
+//! with its keys (`--seal-keys-env IDEMPOTENCY_SEAL_KEYS`); without them the tool names the key
+//! it is sealed under. `forget` frees the key for the next
 //! request: a completed record always, one in flight only with `--force`. Both print a table, or
 //! with `--json` one JSON object.
 //!
@@ -49,6 +51,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use tower_idempotency::seal::{SealKeys, SealedStore};
 use tower_idempotency::store::{ForgetOutcome, Store};
 use tower_idempotency::{BoxStore, RecordId, operator};
 use tower_idempotency_postgres::PgStore;
@@ -114,6 +117,12 @@ struct StoreOptions {
     /// How long to wait for the store, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0, global = true)]
     timeout: f64,
+    /// Open sealed responses with the keys in this environment variable (`id:base64key,...`, as
+    /// the application reads them, e.g. IDEMPOTENCY_SEAL_KEYS). Without it, a sealed response
+    /// shows only the id of the key it is sealed under. The keys are read from the environment,
+    /// never from the command line, so that they stay out of shell history and process lists.
+    #[arg(long, value_name = "VAR", global = true)]
+    seal_keys_env: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -191,6 +200,12 @@ pub enum CliError {
     /// The lookup or the forget failed.
     #[error(transparent)]
     Operator(#[from] operator::OperatorError),
+    /// `--seal-keys-env` names a variable that is not set.
+    #[error("--seal-keys-env: the environment variable {0} is not set")]
+    SealKeysUnset(String),
+    /// The variable `--seal-keys-env` names does not hold a key list.
+    #[error("--seal-keys-env: {0} does not hold `id:base64key,...`")]
+    SealKeys(String, #[source] tower_idempotency::seal::SealKeyError),
 }
 
 impl ScopeArgs {
@@ -219,8 +234,19 @@ fn parse_hex(hex: &str) -> Result<Vec<u8>, CliError> {
 }
 
 impl StoreArgs {
-    /// The store the arguments name, built as the application builds it.
+    /// The store the arguments name, built as the application builds it; behind a `SealedStore`
+    /// when `--seal-keys-env` is given.
     fn open(&self, options: &StoreOptions) -> Result<BoxStore, CliError> {
+        let store = self.open_plain(options)?;
+        let Some(var) = &options.seal_keys_env else {
+            return Ok(store);
+        };
+        let list = std::env::var(var).map_err(|_| CliError::SealKeysUnset(var.clone()))?;
+        let keys = SealKeys::parse(&list).map_err(|err| CliError::SealKeys(var.clone(), err))?;
+        Ok(BoxStore::new(SealedStore::new(store, keys)))
+    }
+
+    fn open_plain(&self, options: &StoreOptions) -> Result<BoxStore, CliError> {
         let timeout = Duration::try_from_secs_f64(options.timeout)
             .ok()
             .filter(|timeout| !timeout.is_zero())

@@ -35,9 +35,15 @@ impl Run {
 
 /// Runs the tool with `store` (its store arguments) and `args`, printing what it printed.
 async fn tool(store: &[String], args: &[&str]) -> Run {
+    tool_with_env(store, args, &[]).await
+}
+
+/// [`tool`], with `env` set in its environment.
+async fn tool_with_env(store: &[String], args: &[&str], env: &[(&str, &str)]) -> Run {
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_tower-idempotency"))
         .args(store)
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .await
         .expect("the tool runs");
@@ -345,4 +351,54 @@ async fn an_unreachable_store_is_exit_2() {
     let run = tool(&args, &["lookup", "--scope", "a", "--key", "k"]).await;
     assert_eq!(run.code, 2, "{run:?}");
     assert!(run.stderr.starts_with("error: "), "{run:?}");
+}
+
+/// A sealed response is shown sealed, under its key's id, without the keys; with the
+/// application's keys (`--seal-keys-env`), opened; under keys that do not open it, an error.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sealed_response_opens_only_with_its_keys() {
+    use tower_idempotency::seal::{SealKeys, SealedStore};
+
+    const KEYS: &str = "2026-12:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    const OTHER_KEYS: &str = "2026-12:Hx4dHBsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=";
+    let server = RedisServer::start();
+    let store = RedisStore::from_url(&server.url()).expect("a store");
+    let sealed = SealedStore::new(store, SealKeys::parse(KEYS).expect("a key list"));
+    let id = RecordId::new(b"acct_1", "order-42");
+    let token = claim(&sealed, &id).await;
+    sealed
+        .complete(&id, &token, &created(), WINDOW)
+        .await
+        .expect("completed");
+    let args = vec!["--redis".to_owned(), server.url()];
+    let lookup = [
+        "lookup", "--scope", "acct_1", "--key", "order-42", "--body", "--json",
+    ];
+
+    let run = tool(&args, &lookup).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let json = run.json();
+    assert_eq!(json["sealed_under"], "2026-12", "{run:?}");
+    assert!(json["body"].is_null(), "no ciphertext as a body: {run:?}");
+
+    let with_keys = [args.clone(), vec!["--seal-keys-env".into(), "SEAL".into()]].concat();
+    let run = tool_with_env(&with_keys, &lookup, &[("SEAL", KEYS)]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let json = run.json();
+    assert_eq!(json["status"], 201, "{run:?}");
+    assert_eq!(json["body"], "{\"id\":\"ch_1\"}", "{run:?}");
+    assert!(json["sealed_under"].is_null(), "{run:?}");
+
+    let run = tool_with_env(&with_keys, &lookup, &[("SEAL", OTHER_KEYS)]).await;
+    assert_eq!(run.code, 2, "keys that do not open it: {run:?}");
+    assert!(
+        run.stdout.is_empty(),
+        "nothing printed as the record: {run:?}"
+    );
+    let run = tool_with_env(&with_keys, &lookup, &[]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("SEAL is not set"), "{run:?}");
+    let run = tool_with_env(&with_keys, &lookup, &[("SEAL", "not a key list")]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(!run.stderr.contains("panicked"), "{run:?}");
 }
