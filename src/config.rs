@@ -42,6 +42,9 @@ pub(crate) struct Config {
     pub(crate) quota: Option<Arc<Quotas>>,
     /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
     pub(crate) dialect: Option<Arc<dyn Dialect>>,
+    /// Whether completed records keep the trace context of their execution
+    /// (`IdempotencyLayer::trace_origin`).
+    pub(crate) trace_origin: bool,
 }
 
 impl Default for Config {
@@ -68,6 +71,7 @@ impl Default for Config {
             retention: None,
             quota: None,
             dialect: None,
+            trace_origin: false,
         }
     }
 }
@@ -110,6 +114,7 @@ impl fmt::Debug for Config {
             .field("retention", &self.retention)
             .field("quota", &self.quota)
             .field("dialect", &self.dialect)
+            .field("trace_origin", &self.trace_origin)
             .finish_non_exhaustive()
     }
 }

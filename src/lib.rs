@@ -191,6 +191,8 @@ mod key;
 mod layer;
 mod lease;
 mod meter;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod outcome;
 pub mod problem;
 pub mod protocol;

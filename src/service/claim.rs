@@ -78,7 +78,9 @@ impl<St: Store> Shared<St> {
                         token,
                         fingerprint,
                     };
-                    self.run_claimed(inner, request(), claimed).await
+                    let request = request();
+                    let origin = self.origin_of(request.headers());
+                    self.run_claimed(inner, request, claimed, origin).await
                 }
                 Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
                 // A record is there: neither a store failure (fail-open would run the request

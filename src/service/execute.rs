@@ -16,7 +16,7 @@ use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
-use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse};
+use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse, TraceOrigin};
 use crate::report::{ErrorChain, panic_message};
 use crate::store::{Store, StoreError};
 
@@ -29,6 +29,7 @@ impl<St: Store> Shared<St> {
         inner: S,
         request: Request<RequestBody<ReqBody>>,
         claimed: Claimed,
+        origin: Option<TraceOrigin>,
     ) -> impl Future<Output = Response<ResponseBody<ResBody>>> + Send + 'static
     where
         S: Handler<ReqBody, ResBody>,
@@ -43,7 +44,7 @@ impl<St: Store> Shared<St> {
         request.extensions_mut().insert(held);
         (self.store).prepare(&claimed.id, &claimed.token, request.extensions_mut());
         let work = Box::pin(self.clone().run(inner, request));
-        let execute = Box::pin(self.clone().execute(work, claimed));
+        let execute = Box::pin(self.clone().execute(work, claimed, origin));
         self.background.detachable(execute)
     }
 
@@ -71,6 +72,7 @@ impl<St: Store> Shared<St> {
         self: Arc<Self>,
         work: Pin<Box<W>>,
         claimed: Claimed,
+        origin: Option<TraceOrigin>,
     ) -> impl Future<Output = Response<ResponseBody<ResBody>>>
     where
         W: Future<Output = Result<Handled<ResBody>, String>>,
@@ -134,6 +136,7 @@ impl<St: Store> Shared<St> {
             let completed = Completed {
                 fingerprint: claimed.fingerprint,
                 response: stored.map(Payload::Plain),
+                origin: origin.map(Arc::new),
             };
             self.spend_quota(&claimed.id, crate::quota::completion_cost(&completed));
             self.complete(&claimed, completed, response).await

@@ -163,6 +163,7 @@ macro_rules! store_contract {
             store_fences_grow_with_every_claim_of_a_key,
             store_first_claims_are_numbered_by_the_clock,
             store_completed_record_keeps_its_trailers,
+            store_completed_record_keeps_its_trace_origin,
         );
     };
 }
@@ -193,6 +194,7 @@ macro_rules! layer_contract {
             rotated_keys_open_old_records_and_seal_new_ones,
             a_record_sealed_under_a_retired_key_is_never_replayed,
             records_in_clear_and_sealed_records_without_keys_are_not_replayed,
+            a_sealed_record_keeps_its_trace_origin_inside_the_seal,
         );
     };
     (@general ($harness:expr) $attrs:tt) => {
@@ -229,6 +231,7 @@ macro_rules! layer_contract {
             trailers_are_stored_and_replayed,
             trailers_count_against_the_response_limit,
             // Opt-in options.
+            the_record_keeps_the_first_runs_trace_origin,
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
             a_scope_past_its_quota_leaves_the_others_untouched,

@@ -9,6 +9,7 @@
 mod fence;
 mod layer;
 mod options;
+mod origin;
 mod seal;
 mod store;
 mod trailers;
@@ -17,6 +18,7 @@ mod wait;
 pub use fence::*;
 pub use layer::*;
 pub use options::*;
+pub use origin::*;
 pub use seal::*;
 pub use store::*;
 pub use trailers::*;

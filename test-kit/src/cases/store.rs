@@ -77,7 +77,7 @@ async fn existing_completed<St: Store>(store: &St, id: &RecordId, lease: Duratio
 
 /// A completed record whose response has repeated, empty and non-UTF-8 header values and a
 /// binary body.
-fn completed_with_response(fp: Fingerprint) -> Completed {
+pub(super) fn completed_with_response(fp: Fingerprint) -> Completed {
     let mut headers = HeaderMap::new();
     headers.append(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.append("x-multi", HeaderValue::from_static("first"));
@@ -99,6 +99,7 @@ fn completed_with_response(fp: Fingerprint) -> Completed {
             body: Bytes::from(body),
             trailers: None,
         }))),
+        origin: None,
     }
 }
 
@@ -242,10 +243,7 @@ pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
     let lease = h.lease();
     let id = record_id("tombstone");
     let token = claimed(&store, &id, &fingerprint(3), lease).await;
-    let tombstone = Completed {
-        fingerprint: fingerprint(3),
-        response: None,
-    };
+    let tombstone = Completed::tombstone(fingerprint(3));
     assert!(
         store
             .complete(&id, &token, &tombstone, h.window())
@@ -469,6 +467,7 @@ pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H)
     let done = Completed {
         fingerprint: fingerprint(2),
         response: completed_with_response(fingerprint(2)).response,
+        origin: None,
     };
     assert!(
         store
@@ -501,10 +500,7 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
         "§10.1 complete: the in-flight record claimed with the token is completed, Ok(true)"
     );
 
-    let other = Completed {
-        fingerprint: fingerprint(1),
-        response: None,
-    };
+    let other = Completed::tombstone(fingerprint(1));
     assert!(
         !store
             .complete(&id, &token, &other, window)
