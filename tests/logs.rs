@@ -442,7 +442,9 @@ async fn a_replay_logs_the_trace_of_the_run_that_wrote_its_record() {
     };
     let retry = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let mut large = request("large", first_run, "x");
-    large.headers_mut().insert("x-large", HeaderValue::from_static("1"));
+    large
+        .headers_mut()
+        .insert("x-large", HeaderValue::from_static("1"));
     let cases = [
         (request("k", first_run, "x"), Outcome::Executed),
         (request("k", retry, "x"), Outcome::Replayed),
@@ -460,7 +462,11 @@ async fn a_replay_logs_the_trace_of_the_run_that_wrote_its_record() {
             assert_eq!(event.field("origin.traceparent"), None, "{event:?}");
             continue;
         }
-        assert_eq!(event.field("origin.traceparent"), Some(first_run), "{event:?}");
+        assert_eq!(
+            event.field("origin.traceparent"),
+            Some(first_run),
+            "{event:?}"
+        );
         assert_eq!(
             event.field("origin.trace_id"),
             Some("4bf92f3577b34da6a3ce929d0e0e4736"),

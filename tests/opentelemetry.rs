@@ -6,15 +6,19 @@ use std::time::Duration;
 
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use tracing::Instrument as _;
-use tracing_subscriber::layer::SubscriberExt as _;
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Outcome, Record, RecordId};
 use tower_idempotency_test::{Handler, created, post, send, service};
+use tracing::Instrument as _;
+use tracing_subscriber::layer::SubscriberExt as _;
 
 /// An exporter that keeps every finished span, and the subscriber that sends spans to it: this
 /// thread's default while the guard lives.
-fn traced() -> (InMemorySpanExporter, SdkTracerProvider, tracing::subscriber::DefaultGuard) {
+fn traced() -> (
+    InMemorySpanExporter,
+    SdkTracerProvider,
+    tracing::subscriber::DefaultGuard,
+) {
     let exporter = InMemorySpanExporter::default();
     let provider = SdkTracerProvider::builder()
         .with_simple_exporter(exporter.clone())
@@ -25,26 +29,39 @@ fn traced() -> (InMemorySpanExporter, SdkTracerProvider, tracing::subscriber::De
 }
 
 /// The finished `idempotency` spans, in the order they ended.
-fn idempotency_spans(exporter: &InMemorySpanExporter, provider: &SdkTracerProvider) -> Vec<SpanData> {
+fn idempotency_spans(
+    exporter: &InMemorySpanExporter,
+    provider: &SdkTracerProvider,
+) -> Vec<SpanData> {
     provider.force_flush().expect("flushed");
     let spans = exporter.get_finished_spans().expect("the finished spans");
-    spans.into_iter().filter(|span| span.name == "idempotency").collect()
+    spans
+        .into_iter()
+        .filter(|span| span.name == "idempotency")
+        .collect()
 }
 
 fn layer(store: MemoryStore) -> IdempotencyLayer<MemoryStore> {
-    IdempotencyLayer::new(store).single_tenant().trace_origin(true)
+    IdempotencyLayer::new(store)
+        .single_tenant()
+        .trace_origin(true)
 }
 
 /// The origin of the record under `key`.
 async fn stored_origin(store: &MemoryStore, key: &str) -> (TraceId, SpanId) {
     let fingerprint = Fingerprint::from_bytes([0; 32]);
     let id = RecordId::new(b"", key);
-    let claim = store.claim(&id, &fingerprint, Duration::from_secs(30)).await;
+    let claim = store
+        .claim(&id, &fingerprint, Duration::from_secs(30))
+        .await;
     let Ok(Claim::Existing(Record::Completed(done))) = claim else {
         panic!("a completed record: {claim:?}");
     };
     let origin = done.origin.expect("§5.6: the record keeps an origin");
-    (TraceId::from_bytes(origin.trace_id()), SpanId::from_bytes(origin.span_id()))
+    (
+        TraceId::from_bytes(origin.trace_id()),
+        SpanId::from_bytes(origin.span_id()),
+    )
 }
 
 /// The retry's span carries a link to the first request's span: the trace id and span id of the

@@ -780,8 +780,14 @@ mod tests {
             ..response.clone()
         };
         let records = [
-            (Completed::with_response(fingerprint(), response), KIND_COMPLETED),
-            (Completed::with_response(fingerprint(), with_trailers), KIND_COMPLETED_WITH_TRAILERS),
+            (
+                Completed::with_response(fingerprint(), response),
+                KIND_COMPLETED,
+            ),
+            (
+                Completed::with_response(fingerprint(), with_trailers),
+                KIND_COMPLETED_WITH_TRAILERS,
+            ),
             (Completed::tombstone(fingerprint()), KIND_TOMBSTONE),
         ];
         for (plain, kind) in records {
@@ -789,9 +795,16 @@ mod tests {
             let record = plain.with_origin(Some(origin()));
             let bytes = record.encode().unwrap();
             assert_eq!(bytes[layout::KIND], kind, "an origin changes no kind");
-            assert_eq!(&bytes[layout::COMPLETED_FINGERPRINT], fingerprint().as_bytes());
+            assert_eq!(
+                &bytes[layout::COMPLETED_FINGERPRINT],
+                fingerprint().as_bytes()
+            );
             let block = &bytes[layout::COMPLETED_FINGERPRINT.end..];
-            assert_eq!(block[..2], ORIGIN_MARKER, "the block where the status would be");
+            assert_eq!(
+                block[..2],
+                ORIGIN_MARKER,
+                "the block where the status would be"
+            );
             assert_eq!(block[2..18], origin().trace_id());
             assert_eq!(block[18..26], origin().span_id());
             assert_eq!(block[26], 1);
@@ -826,8 +839,14 @@ mod tests {
         };
         let done = Completed::with_response(fingerprint(), response.clone());
         let bytes = done.encode().unwrap();
-        assert_eq!(bytes.len(), layout::COMPLETED_FINGERPRINT.end + response_len(&response));
-        assert_eq!(bytes[layout::COMPLETED_FINGERPRINT.end..][..2], 200u16.to_le_bytes());
+        assert_eq!(
+            bytes.len(),
+            layout::COMPLETED_FINGERPRINT.end + response_len(&response)
+        );
+        assert_eq!(
+            bytes[layout::COMPLETED_FINGERPRINT.end..][..2],
+            200u16.to_le_bytes()
+        );
         assert_eq!(
             Completed::tombstone(fingerprint()).encode().unwrap(),
             encode_tombstone(&fingerprint())
@@ -840,10 +859,10 @@ mod tests {
         let good = record.encode().unwrap();
         let at = layout::COMPLETED_FINGERPRINT.end;
         let cases: [(usize, &[u8]); 4] = [
-            (at + 2, &[0; 16]),         // an all-zero trace id
-            (at + 18, &[0; 8]),         // an all-zero span id
-            (at + 29, b"C"),            // an uppercase tracestate key
-            (at + 27, &[0xff, 0xff]),   // a tracestate longer than the record
+            (at + 2, &[0; 16]),       // an all-zero trace id
+            (at + 18, &[0; 8]),       // an all-zero span id
+            (at + 29, b"C"),          // an uppercase tracestate key
+            (at + 27, &[0xff, 0xff]), // a tracestate longer than the record
         ];
         for (offset, bytes) in cases {
             let mut bad = good.clone();
@@ -868,7 +887,10 @@ mod tests {
         let mut plaintext = Vec::new();
         encode_origin(Some(&origin()), &mut plaintext).unwrap();
         encode_response(&response, &mut plaintext).unwrap();
-        assert_eq!(plaintext.len(), origin_len(Some(&origin())) + response_len(&response));
+        assert_eq!(
+            plaintext.len(),
+            origin_len(Some(&origin())) + response_len(&response)
+        );
         let (decoded, decoded_origin) = decode_response(Bytes::from(plaintext)).unwrap();
         assert_eq!(decoded, response);
         assert_eq!(decoded_origin, Some(origin()));

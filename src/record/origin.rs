@@ -308,9 +308,9 @@ fn is_list_member(member: &str) -> bool {
     };
     let key_ok = (1..=256).contains(&key.len())
         && key.bytes().filter(|&b| b == b'@').count() <= 1
-        && key.bytes().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-*/@".contains(&b)
-        });
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-*/@".contains(&b));
     let value_ok = (1..=256).contains(&value.len())
         && !value.ends_with(' ')
         && value
@@ -369,7 +369,10 @@ mod tests {
         }
         // A later version may carry more fields after a dash.
         let later = format!("cc-{}-more", &VALID[3..]);
-        assert_eq!(TraceOrigin::parse(&later).map(|o| o.to_string()).as_deref(), Some(VALID));
+        assert_eq!(
+            TraceOrigin::parse(&later).map(|o| o.to_string()).as_deref(),
+            Some(VALID)
+        );
     }
 
     #[test]
@@ -382,7 +385,11 @@ mod tests {
         let origin = TraceOrigin::from_headers(&headers).expect("valid");
         assert_eq!(origin.tracestate(), Some("a=1"));
         headers.append("traceparent", VALID.parse().unwrap());
-        assert_eq!(TraceOrigin::from_headers(&headers), None, "two traceparents");
+        assert_eq!(
+            TraceOrigin::from_headers(&headers),
+            None,
+            "two traceparents"
+        );
     }
 
     #[test]
@@ -394,7 +401,11 @@ mod tests {
         let kept = kept.tracestate().expect("the leading members");
         assert!(kept.len() <= MAX_TRACESTATE_LEN, "{}", kept.len());
         assert_eq!(kept, long[..kept.split(',').count()].join(","));
-        assert_eq!(kept.split(',').count(), 7, "seven 64-byte members and their commas");
+        assert_eq!(
+            kept.split(',').count(),
+            7,
+            "seven 64-byte members and their commas"
+        );
 
         let too_many: Vec<_> = (0..33).map(|n| format!("k{n}=v")).collect();
         for bad in [
@@ -406,9 +417,16 @@ mod tests {
             ",".into(),
             String::new(),
         ] {
-            assert_eq!(origin.clone().with_tracestate(&bad).tracestate(), None, "{bad:?}");
+            assert_eq!(
+                origin.clone().with_tracestate(&bad).tracestate(),
+                None,
+                "{bad:?}"
+            );
         }
-        assert!(TraceOrigin::from_parts([1; 16], [2; 8], 1, b"a=1, b=2").is_none(), "not as kept");
+        assert!(
+            TraceOrigin::from_parts([1; 16], [2; 8], 1, b"a=1, b=2").is_none(),
+            "not as kept"
+        );
         assert!(TraceOrigin::from_parts([1; 16], [2; 8], 1, b"a=1,b=2").is_some());
     }
 }

@@ -24,7 +24,10 @@ pub(super) async fn completed_under<St: Store>(
     id: &RecordId,
     lease: Duration,
 ) -> Completed {
-    match store.claim(id, &Fingerprint::from_bytes([0xee; 32]), lease).await {
+    match store
+        .claim(id, &Fingerprint::from_bytes([0xee; 32]), lease)
+        .await
+    {
         Ok(Claim::Existing(Record::Completed(completed))) => completed,
         other => panic!("§10.1: a completed record is found under the key: {other:?}"),
     }
@@ -56,7 +59,10 @@ pub async fn store_completed_record_keeps_its_trace_origin<H: Harness>(h: H) {
             origin.as_ref(),
             "§5.6: a completed record's trace origin comes back with it, as written"
         );
-        assert_eq!(got, done, "§10.1: the record comes back exactly as it was written");
+        assert_eq!(
+            got, done,
+            "§10.1: the record comes back exactly as it was written"
+        );
     }
 }
 
@@ -79,23 +85,43 @@ pub async fn the_record_keeps_the_first_runs_trace_origin<H: Harness>(h: H) {
     assert_eq!(first.outcome, Some(Outcome::Executed));
     let retry = send(&svc, traced("traced", RETRY)).await;
     assert_eq!(retry.outcome, Some(Outcome::Replayed));
-    assert_eq!(retry.body, first.body, "§6.4: the replay is the first response");
+    assert_eq!(
+        retry.body, first.body,
+        "§6.4: the replay is the first response"
+    );
     let record = completed_under(&store, &RecordId::new(b"", "traced"), h.lease()).await;
     let origin = record
         .origin
         .expect("§5.6: a record completed with trace_origin on keeps the first run's traceparent");
-    assert_eq!(origin.to_string(), FIRST_RUN, "§5.6: the first run's, not the retry's");
+    assert_eq!(
+        origin.to_string(),
+        FIRST_RUN,
+        "§5.6: the first run's, not the retry's"
+    );
     assert_eq!(origin.tracestate(), Some(FIRST_STATE));
 
     let malformed = send(&svc, traced("malformed", &FIRST_RUN.to_uppercase())).await;
-    assert_eq!(malformed.outcome, Some(Outcome::Executed), "§5.6: a malformed header is ignored");
+    assert_eq!(
+        malformed.outcome,
+        Some(Outcome::Executed),
+        "§5.6: a malformed header is ignored"
+    );
     let record = completed_under(&store, &RecordId::new(b"", "malformed"), h.lease()).await;
-    assert_eq!(record.origin, None, "§5.6: a malformed traceparent is never stored");
+    assert_eq!(
+        record.origin, None,
+        "§5.6: a malformed traceparent is never stored"
+    );
 
     // Off (the default): nothing is kept.
     let off = service(layer(&h, h.store()), handler.clone());
-    assert_eq!(send(&off, traced("off", FIRST_RUN)).await.outcome, Some(Outcome::Executed));
+    assert_eq!(
+        send(&off, traced("off", FIRST_RUN)).await.outcome,
+        Some(Outcome::Executed)
+    );
     let record = completed_under(&store, &RecordId::new(b"", "off"), h.lease()).await;
-    assert_eq!(record.origin, None, "§5.6: a layer keeps origins only when told to");
+    assert_eq!(
+        record.origin, None,
+        "§5.6: a layer keeps origins only when told to"
+    );
     assert_eq!(handler.calls(), 3);
 }

@@ -111,14 +111,21 @@ pub async fn a_sealed_record_keeps_its_trace_origin_inside_the_seal<H: Harness>(
     let encoded = stored.encode().expect("a sealed record encodes");
     let trace_id = &FIRST_RUN.as_bytes()[3..35];
     let binary = tower_idempotency::record::TraceOrigin::parse(FIRST_RUN).expect("valid");
-    for needle in [&binary.trace_id()[..], &binary.span_id()[..], trace_id, b"congo=t61r"] {
+    for needle in [
+        &binary.trace_id()[..],
+        &binary.span_id()[..],
+        trace_id,
+        b"congo=t61r",
+    ] {
         assert!(
             !encoded.windows(needle.len()).any(|w| w == needle),
             "§15.2: no part of the trace origin is in clear in the record"
         );
     }
     let opened = completed_under(&sealed, &id, h.lease()).await;
-    let origin = opened.origin.expect("§5.6: the origin comes back once the seal opens");
+    let origin = opened
+        .origin
+        .expect("§5.6: the origin comes back once the seal opens");
     assert_eq!(origin.to_string(), FIRST_RUN);
     assert_eq!(origin.tracestate(), Some(FIRST_STATE));
 }
