@@ -18,7 +18,8 @@ use crate::store::{Claim, Store, StoreError};
 /// response in clear (written without sealing) is never replayed: the claim fails with
 /// [`StoreError::Unreadable`], and the layer answers `500 record-unreadable` without running the
 /// request (fail-open or not). Tombstones and in-flight records hold no response and pass as
-/// they are.
+/// they are, but for a tombstone's trace origin, which is not written: only a seal may hold one
+/// (a response's is sealed with it).
 ///
 /// ```
 /// use std::time::Duration;
