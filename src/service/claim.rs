@@ -78,9 +78,7 @@ impl<St: Store> Shared<St> {
                         token,
                         fingerprint,
                     };
-                    let request = request();
-                    let origin = self.origin_of(request.headers());
-                    self.run_claimed(inner, request, claimed, origin).await
+                    self.run_claimed(inner, request(), claimed).await
                 }
                 Ok(Claim::Existing(record)) => self.answer_existing(record, &fingerprint),
                 // A record is there: neither a store failure (fail-open would run the request
