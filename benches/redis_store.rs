@@ -97,10 +97,7 @@ async fn new_key(store: &RedisStore) -> RecordId {
     let Claim::Claimed(token) = store.claim(&id, &fingerprint, LEASE).await.expect("claim") else {
         panic!("a new key is claimed")
     };
-    let done = Completed {
-        fingerprint,
-        response: None,
-    };
+    let done = Completed::tombstone(fingerprint);
     assert!(
         store
             .complete(&id, &token, &done, WINDOW)

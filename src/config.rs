@@ -46,6 +46,9 @@ pub(crate) struct Config {
     /// The circuit breaker in front of the store (`IdempotencyLayer::circuit_breaker`), shared by
     /// every service the layer builds.
     pub(crate) breaker: Option<Arc<Breaker>>,
+    /// Whether completed records keep the trace context of their execution
+    /// (`IdempotencyLayer::trace_origin`).
+    pub(crate) trace_origin: bool,
 }
 
 impl Default for Config {
@@ -73,6 +76,7 @@ impl Default for Config {
             quota: None,
             dialect: None,
             breaker: None,
+            trace_origin: false,
         }
     }
 }
@@ -116,6 +120,7 @@ impl fmt::Debug for Config {
             .field("quota", &self.quota)
             .field("dialect", &self.dialect)
             .field("breaker", &self.breaker)
+            .field("trace_origin", &self.trace_origin)
             .finish_non_exhaustive()
     }
 }

@@ -209,10 +209,7 @@ impl<St: Store> Deduplicator<St> {
         let result = held.renewing(AssertUnwindSafe(work()).catch_unwind()).await;
         match result {
             Ok(Ok(value)) => {
-                let done = Completed {
-                    fingerprint,
-                    response: None,
-                };
+                let done = Completed::tombstone(fingerprint);
                 let window = self.window;
                 // Bounded by a lease, not the window: the caller is waiting to ack the message, and
                 // the effect is done whether or not the record lands.

@@ -480,6 +480,29 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
+    /// Whether a completed record keeps the trace context of the execution that completed it
+    /// (PROTOCOL.md §5.6): the request's W3C `traceparent` header (and `tracestate`, at most 512
+    /// bytes), or, with the feature `opentelemetry` and no valid header, the OpenTelemetry
+    /// context of the request's span. A malformed header is ignored. A replay then logs where
+    /// its record came from (`origin.trace_id`, `origin.span_id` on its span, §12.1) and, with
+    /// `opentelemetry`, links its span to the original. A sealed record keeps it in its seal.
+    ///
+    /// Default: `false`: releases before this one refuse a record that keeps an origin (`503`
+    /// at claim, or `500 record-unreadable` for a sealed one), so turn it on only once every
+    /// instance sharing the store runs a release that reads it. Turning it off again is safe at
+    /// any time.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).trace_origin(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn trace_origin(mut self, record: bool) -> Self {
+        self.config.trace_origin = record;
+        self
+    }
+
     /// The store.
     pub fn store(&self) -> &St {
         &self.store

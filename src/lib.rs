@@ -168,6 +168,10 @@
 //! - `seal`: [`seal::SealedStore`], records encrypted and authenticated at rest.
 //! - `grpc`: gRPC mode for tonic services ([`IdempotencyLayer::grpc`], the [`grpc`] module).
 //!   Brings tonic (without its transport) and prost.
+//! - `opentelemetry`: with [`IdempotencyLayer::trace_origin`], a request without a `traceparent`
+//!   keeps its span's OpenTelemetry context as its record's origin, and a replay's span gets a
+//!   span link to the span of the run it replays (PROTOCOL §5.6, §12.1). Brings the
+//!   `opentelemetry` API crate and `tracing-opentelemetry`.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
@@ -193,6 +197,8 @@ mod layer;
 mod lease;
 mod meter;
 pub mod operator;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod outcome;
 pub mod problem;
 pub mod protocol;

@@ -293,14 +293,12 @@ mod tests {
         let completed = Completed {
             fingerprint,
             response: Some(Payload::Plain(std::sync::Arc::new(response))),
+            origin: None,
         };
         // 10 of body; "content-type" (12) + "text/plain" (10) + 8; "grpc-status" (11) + "0" (1)
         // + 8.
         assert_eq!(completion_cost(&completed), 10 + 30 + 20);
-        let tombstone = Completed {
-            fingerprint,
-            response: None,
-        };
+        let tombstone = Completed::tombstone(fingerprint);
         assert_eq!(completion_cost(&tombstone), 0);
     }
 

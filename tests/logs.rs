@@ -504,3 +504,69 @@ async fn the_breakers_changes_of_state_are_logged() {
         ]
     );
 }
+
+/// A request answered from a record points at the run that wrote it: its span carries the first
+/// run's `origin.traceparent`, `origin.trace_id` and `origin.span_id` (never its `tracestate`),
+/// so that the outcome event of a replay, a 422 or a not-replayable answer leads a log search to
+/// that run; the first run's own events carry none. PROTOCOL.md §5.6, §12.1.
+#[tokio::test(start_paused = true)]
+async fn a_replay_logs_the_trace_of_the_run_that_wrote_its_record() {
+    let _turn = Captured::turn().await;
+    let captured = Captured::global();
+    let first_run = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let svc = service(
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .trace_origin(true)
+            .response_body_limit(16),
+        Handler::ok(|call| match call.header("x-large") {
+            Some(_) => created("a response over the sixteen-byte limit"),
+            None => created(format!("call {}", call.n)),
+        }),
+    );
+    let request = |key: &str, traceparent: &str, body: &'static str| {
+        keyed(Method::POST, "/", key)
+            .header("traceparent", traceparent)
+            .header("tracestate", "congo=t61rcWkgMzE")
+            .body(axum::body::Body::from(body))
+            .expect("a request")
+    };
+    let retry = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let mut large = request("large", first_run, "x");
+    large
+        .headers_mut()
+        .insert("x-large", HeaderValue::from_static("1"));
+    let cases = [
+        (request("k", first_run, "x"), Outcome::Executed),
+        (request("k", retry, "x"), Outcome::Replayed),
+        (request("k", retry, "another body"), Outcome::Mismatch),
+        (large, Outcome::Executed),
+        (request("large", retry, "x"), Outcome::NotReplayable),
+    ];
+    for (request, outcome) in cases {
+        let before = captured.len();
+        assert_eq!(send(&svc, request).await.outcome, Some(outcome));
+        let events = outcomes_since(captured, before);
+        assert_eq!(events.len(), 1, "{events:?}");
+        let event = &events[0];
+        if outcome == Outcome::Executed {
+            assert_eq!(event.field("origin.traceparent"), None, "{event:?}");
+            continue;
+        }
+        assert_eq!(
+            event.field("origin.traceparent"),
+            Some(first_run),
+            "{event:?}"
+        );
+        assert_eq!(
+            event.field("origin.trace_id"),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+            "{event:?}"
+        );
+        assert_eq!(event.field("origin.span_id"), Some("00f067aa0ba902b7"));
+        assert!(
+            !event.fields.iter().any(|(_, v)| v.contains("t61rcWkgMzE")),
+            "the tracestate is never logged: {event:?}"
+        );
+    }
+}

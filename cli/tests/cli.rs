@@ -213,10 +213,7 @@ async fn every_state<St: Store>(store: &St, args: &[String], keeps_completed_fen
     // A tombstone.
     let id = RecordId::new(b"acct_1", "order-43");
     let token = claim(store, &id).await;
-    let tombstone = Completed {
-        fingerprint: fingerprint(1),
-        response: None,
-    };
+    let tombstone = Completed::tombstone(fingerprint(1));
     assert!(
         store
             .complete(&id, &token, &tombstone, WINDOW)

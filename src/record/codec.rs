@@ -10,6 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 use super::id::ClaimToken;
 use super::model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
+use super::origin::TraceOrigin;
 use crate::fingerprint::Fingerprint;
 
 /// The encoding version written by this crate.
@@ -23,6 +24,8 @@ const KIND_SEALED: u8 = 4;
 const KIND_COMPLETED_WITH_TRAILERS: u8 = 5;
 /// The longest key id a sealed record names.
 pub(crate) const MAX_KEY_ID_LEN: usize = 64;
+/// Marks an origin block where a response's status would begin (a status is 100 to 999, never 0).
+const ORIGIN_MARKER: [u8; 2] = [0, 0];
 
 /// Where the fields of an encoded record sit, for stores whose server-side scripts read or write
 /// records in place (the table is in the [module docs](super)): a Redis script fences on an
@@ -101,12 +104,23 @@ impl Completed {
     /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB) or a sealed
     /// response's key id is not a valid one.
     pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let origin = self.origin.as_deref();
         match &self.response {
-            None => Ok(encode_tombstone(&self.fingerprint)),
+            None if origin.is_none() => Ok(encode_tombstone(&self.fingerprint)),
+            None => {
+                let len = layout::COMPLETED_FINGERPRINT.end + origin_len(origin);
+                let mut out = Vec::with_capacity(len);
+                out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
+                out.extend_from_slice(self.fingerprint.as_bytes());
+                encode_origin(origin, &mut out)?;
+                debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
+                Ok(out)
+            }
             Some(Payload::Plain(response)) => {
                 // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one
                 // allocation with no slack, and `Bytes::from` takes it over without a second one.
-                let len = layout::COMPLETED_FINGERPRINT.end + response_len(response);
+                let len =
+                    layout::COMPLETED_FINGERPRINT.end + origin_len(origin) + response_len(response);
                 let mut out = Vec::with_capacity(len);
                 let kind = match response.trailers {
                     None => KIND_COMPLETED,
@@ -114,10 +128,12 @@ impl Completed {
                 };
                 out.extend_from_slice(&[VERSION, kind]);
                 out.extend_from_slice(self.fingerprint.as_bytes());
+                encode_origin(origin, &mut out)?;
                 encode_response(response, &mut out)?;
                 debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
                 Ok(out)
             }
+            // A sealed record's origin is inside its seal: a `SealedStore` leaves none beside it.
             Some(Payload::Sealed(sealed)) => {
                 let ciphertext_len = len_u32(sealed.ciphertext.len())?;
                 let len = sealed_header_len(&sealed.key_id) + 24 + 4 + sealed.ciphertext.len();
@@ -131,6 +147,49 @@ impl Completed {
             }
         }
     }
+}
+
+/// The length of an origin block by [`encode_origin`]: none without an origin.
+pub(crate) fn origin_len(origin: Option<&TraceOrigin>) -> usize {
+    origin.map_or(0, |origin| ORIGIN_MARKER.len() + origin.encoded_len())
+}
+
+/// Appends an origin block to `out`, if there is an origin: the marker, the trace id, the span id,
+/// the flags, and the tracestate's length (`u16`) and bytes. It goes where a response's status
+/// would begin: in a completed record or tombstone right after the fingerprint, and at the start
+/// of a sealed record's plaintext.
+pub(crate) fn encode_origin(
+    origin: Option<&TraceOrigin>,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    let Some(origin) = origin else {
+        return Ok(());
+    };
+    let state = origin.tracestate().unwrap_or_default();
+    let state_len = u16::try_from(state.len()).map_err(|_| EncodeError::TooLarge)?;
+    out.extend_from_slice(&ORIGIN_MARKER);
+    out.extend_from_slice(&origin.trace_id());
+    out.extend_from_slice(&origin.span_id());
+    out.push(origin.flags());
+    out.extend_from_slice(&state_len.to_le_bytes());
+    out.extend_from_slice(state.as_bytes());
+    Ok(())
+}
+
+/// Reads an origin block, if the next bytes begin one.
+fn read_origin(r: &mut Reader<'_>) -> Result<Option<TraceOrigin>, DecodeError> {
+    if !r.0.starts_with(&ORIGIN_MARKER) {
+        return Ok(None);
+    }
+    r.take(ORIGIN_MARKER.len())?;
+    let trace_id = r.array()?;
+    let span_id = r.array()?;
+    let flags = r.u8()?;
+    let state_len = r.u16()? as usize;
+    let state = r.take(state_len)?;
+    TraceOrigin::from_parts(trace_id, span_id, flags, state)
+        .map(Some)
+        .ok_or(DecodeError::Malformed("trace origin"))
 }
 
 /// The length of a response's encoding by [`encode_response`].
@@ -180,8 +239,11 @@ fn encode_fields(fields: &HeaderMap, out: &mut Vec<u8>) -> Result<(), EncodeErro
 /// header values: with trailers when fields follow the body (a sealed record's plaintext says so
 /// by its length alone, as one sealed before trailers were kept has none).
 #[cfg(feature = "seal")]
-pub(crate) fn decode_response(bytes: Bytes) -> Result<StoredResponse, DecodeError> {
+pub(crate) fn decode_response(
+    bytes: Bytes,
+) -> Result<(StoredResponse, Option<TraceOrigin>), DecodeError> {
     let mut r = Reader(&bytes);
+    let origin = read_origin(&mut r)?;
     let mut response = read_response(&mut r, &bytes)?;
     if !r.0.is_empty() {
         response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
@@ -189,7 +251,7 @@ pub(crate) fn decode_response(bytes: Bytes) -> Result<StoredResponse, DecodeErro
     if !r.0.is_empty() {
         return Err(DecodeError::Malformed("trailing bytes"));
     }
-    Ok(response)
+    Ok((response, origin))
 }
 
 /// The length of a sealed record's clear header.
@@ -289,6 +351,7 @@ impl Record {
             }
             kind @ (KIND_COMPLETED | KIND_COMPLETED_WITH_TRAILERS) => {
                 let fingerprint = r.fingerprint()?;
+                let origin = read_origin(&mut r)?.map(Arc::new);
                 let mut response = read_response(&mut r, &bytes)?;
                 if kind == KIND_COMPLETED_WITH_TRAILERS {
                     response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
@@ -296,6 +359,7 @@ impl Record {
                 Record::Completed(Completed {
                     fingerprint,
                     response: Some(Payload::Plain(Arc::new(response))),
+                    origin,
                 })
             }
             KIND_SEALED => {
@@ -317,11 +381,13 @@ impl Record {
                         nonce,
                         ciphertext: bytes.slice(start..start + ciphertext_len),
                     }))),
+                    origin: None,
                 })
             }
             KIND_TOMBSTONE => Record::Completed(Completed {
                 fingerprint: r.fingerprint()?,
                 response: None,
+                origin: read_origin(&mut r)?.map(Arc::new),
             }),
             other => return Err(DecodeError::Kind(other)),
         };
@@ -436,6 +502,7 @@ mod tests {
                 body: Bytes::from_static(b"{\"id\":1}\xff\x00"),
                 trailers: None,
             }))),
+            origin: None,
         };
         let bytes = record.encode().unwrap();
         assert_eq!(bytes[layout::KIND], KIND_COMPLETED);
@@ -463,6 +530,7 @@ mod tests {
         let record = Completed {
             fingerprint: fingerprint(),
             response: None,
+            origin: None,
         };
         let bytes = record.encode().unwrap();
         assert_eq!(bytes.len(), layout::COMPLETED_FINGERPRINT.end);
@@ -513,6 +581,7 @@ mod tests {
                 nonce: [9; 24],
                 ciphertext: Bytes::from_static(&[5; 40]),
             }))),
+            origin: None,
         };
         let bytes = record.encode().unwrap();
         assert_eq!(bytes[layout::KIND], KIND_SEALED);
@@ -549,6 +618,7 @@ mod tests {
                 body: Bytes::from_static(b"abc"),
                 trailers: None,
             }))),
+            origin: None,
         }
         .encode()
         .unwrap();
@@ -680,15 +750,149 @@ mod tests {
             let mut plaintext = Vec::new();
             encode_response(&response, &mut plaintext).unwrap();
             assert_eq!(plaintext.len(), response_len(&response));
-            let decoded = decode_response(Bytes::from(plaintext.clone())).unwrap();
-            assert_eq!(decoded, response);
+            let (decoded, origin) = decode_response(Bytes::from(plaintext.clone())).unwrap();
+            assert_eq!((decoded, origin), (response.clone(), None));
             for n in 0..plaintext.len() {
-                if let Ok(prefix) = decode_response(Bytes::copy_from_slice(&plaintext[..n])) {
+                if let Ok((prefix, _)) = decode_response(Bytes::copy_from_slice(&plaintext[..n])) {
                     // Only the plaintext without its trailer block reads as a response.
                     assert_eq!(prefix.trailers, None, "prefix {n}");
                     assert!(response.trailers.is_some(), "prefix {n}");
                 }
             }
         }
+    }
+    fn origin() -> TraceOrigin {
+        TraceOrigin::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            .expect("a valid traceparent")
+            .with_tracestate("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7")
+    }
+
+    #[test]
+    fn an_origin_round_trips_after_the_fingerprint_of_every_completed_kind() {
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"{}"),
+            trailers: None,
+        };
+        let with_trailers = StoredResponse {
+            trailers: Some(grpc_trailers()),
+            ..response.clone()
+        };
+        let records = [
+            (
+                Completed::with_response(fingerprint(), response),
+                KIND_COMPLETED,
+            ),
+            (
+                Completed::with_response(fingerprint(), with_trailers),
+                KIND_COMPLETED_WITH_TRAILERS,
+            ),
+            (Completed::tombstone(fingerprint()), KIND_TOMBSTONE),
+        ];
+        for (plain, kind) in records {
+            let without = plain.encode().unwrap();
+            let record = plain.with_origin(Some(origin()));
+            let bytes = record.encode().unwrap();
+            assert_eq!(bytes[layout::KIND], kind, "an origin changes no kind");
+            assert_eq!(
+                &bytes[layout::COMPLETED_FINGERPRINT],
+                fingerprint().as_bytes()
+            );
+            let block = &bytes[layout::COMPLETED_FINGERPRINT.end..];
+            assert_eq!(
+                block[..2],
+                ORIGIN_MARKER,
+                "the block where the status would be"
+            );
+            assert_eq!(block[2..18], origin().trace_id());
+            assert_eq!(block[18..26], origin().span_id());
+            assert_eq!(block[26], 1);
+            let state = origin().tracestate().unwrap().len();
+            assert_eq!(block[27..29], (state as u16).to_le_bytes());
+            assert_eq!(bytes.len(), without.len() + 2 + 27 + state, "exactly sized");
+            assert_eq!(
+                Record::decode(Bytes::from(bytes.clone())).unwrap(),
+                Record::Completed(record),
+            );
+            for n in 0..bytes.len() {
+                let prefix = Record::decode(Bytes::copy_from_slice(&bytes[..n]));
+                if kind == KIND_TOMBSTONE && n == layout::COMPLETED_FINGERPRINT.end {
+                    // A tombstone's bytes without the block: the tombstone, without an origin.
+                    let bare = Completed::tombstone(fingerprint());
+                    assert_eq!(prefix.unwrap(), Record::Completed(bare));
+                    continue;
+                }
+                assert!(prefix.is_err(), "prefix {n} of kind {kind}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_record_without_an_origin_keeps_its_bytes() {
+        // What every earlier release wrote and reads: no block, no byte more.
+        let response = StoredResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"abc"),
+            trailers: None,
+        };
+        let done = Completed::with_response(fingerprint(), response.clone());
+        let bytes = done.encode().unwrap();
+        assert_eq!(
+            bytes.len(),
+            layout::COMPLETED_FINGERPRINT.end + response_len(&response)
+        );
+        assert_eq!(
+            bytes[layout::COMPLETED_FINGERPRINT.end..][..2],
+            200u16.to_le_bytes()
+        );
+        assert_eq!(
+            Completed::tombstone(fingerprint()).encode().unwrap(),
+            encode_tombstone(&fingerprint())
+        );
+    }
+
+    #[test]
+    fn a_damaged_origin_is_an_error_not_an_origin() {
+        let record = Completed::tombstone(fingerprint()).with_origin(Some(origin()));
+        let good = record.encode().unwrap();
+        let at = layout::COMPLETED_FINGERPRINT.end;
+        let cases: [(usize, &[u8]); 4] = [
+            (at + 2, &[0; 16]),       // an all-zero trace id
+            (at + 18, &[0; 8]),       // an all-zero span id
+            (at + 29, b"C"),          // an uppercase tracestate key
+            (at + 27, &[0xff, 0xff]), // a tracestate longer than the record
+        ];
+        for (offset, bytes) in cases {
+            let mut bad = good.clone();
+            bad[offset..offset + bytes.len()].copy_from_slice(bytes);
+            assert!(Record::decode(Bytes::from(bad)).is_err(), "at {offset}");
+        }
+        // A tombstone followed by anything but an origin block.
+        let mut trailing = encode_tombstone(&fingerprint());
+        trailing.extend_from_slice(&[0, 1]);
+        assert!(Record::decode(Bytes::from(trailing)).is_err());
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_sealed_plaintext_may_begin_with_an_origin() {
+        let response = StoredResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"abc"),
+            trailers: Some(grpc_trailers()),
+        };
+        let mut plaintext = Vec::new();
+        encode_origin(Some(&origin()), &mut plaintext).unwrap();
+        encode_response(&response, &mut plaintext).unwrap();
+        assert_eq!(
+            plaintext.len(),
+            origin_len(Some(&origin())) + response_len(&response)
+        );
+        let (decoded, decoded_origin) = decode_response(Bytes::from(plaintext)).unwrap();
+        assert_eq!(decoded, response);
+        assert_eq!(decoded_origin, Some(origin()));
     }
 }

@@ -26,13 +26,16 @@
 mod codec;
 mod id;
 mod model;
+mod origin;
 
 pub(crate) use codec::encode_tombstone;
 pub use codec::layout;
 pub use codec::{DecodeError, EncodeError};
 #[cfg(feature = "seal")]
 pub(crate) use codec::{
-    decode_response, encode_response, encode_sealed_header, is_key_id, response_len,
+    decode_response, encode_origin, encode_response, encode_sealed_header, is_key_id, origin_len,
+    response_len,
 };
 pub use id::{ClaimToken, Fence, RecordId};
 pub use model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
+pub use origin::{MAX_TRACESTATE_LEN, TraceOrigin};

@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
+use super::origin::TraceOrigin;
 use crate::fingerprint::Fingerprint;
 
 /// A stored response: status, headers (every value, in order), body and trailers.
@@ -54,6 +55,11 @@ pub struct Completed {
     /// not be stored (larger than the response limit, or failing while it was read), so it cannot
     /// be replayed.
     pub response: Option<Payload>,
+    /// The trace context of the execution that completed it, when the layer records it
+    /// ([`IdempotencyLayer::trace_origin`](crate::IdempotencyLayer::trace_origin), PROTOCOL.md
+    /// §5.6): a replay points at it. A sealed record keeps it inside its seal, so it is `None`
+    /// until the record is opened.
+    pub origin: Option<Arc<TraceOrigin>>,
 }
 
 impl Completed {
@@ -79,7 +85,39 @@ impl Completed {
         Self {
             fingerprint,
             response: Some(Payload::Plain(Arc::new(response))),
+            origin: None,
         }
+    }
+
+    /// A tombstone: a completed record without a response (PROTOCOL.md §5.2).
+    ///
+    /// ```
+    /// use tower_idempotency::{Completed, Fingerprint};
+    ///
+    /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
+    /// assert!(tombstone.response.is_none());
+    /// ```
+    pub fn tombstone(fingerprint: Fingerprint) -> Self {
+        Self {
+            fingerprint,
+            response: None,
+            origin: None,
+        }
+    }
+
+    /// This record with the trace context of the execution that completed it.
+    ///
+    /// ```
+    /// use tower_idempotency::record::TraceOrigin;
+    /// use tower_idempotency::{Completed, Fingerprint};
+    ///
+    /// let origin = TraceOrigin::new([1; 16], [2; 8], 1).unwrap();
+    /// let done = Completed::tombstone(Fingerprint::from_bytes([1; 32])).with_origin(Some(origin.clone()));
+    /// assert_eq!(done.origin.as_deref(), Some(&origin));
+    /// ```
+    pub fn with_origin(mut self, origin: Option<TraceOrigin>) -> Self {
+        self.origin = origin.map(Arc::new);
+        self
     }
 
     /// The response in clear, if the record keeps one: `None` for a tombstone and for a sealed
@@ -88,7 +126,7 @@ impl Completed {
     /// ```
     /// use tower_idempotency::{Completed, Fingerprint};
     ///
-    /// let tombstone = Completed { fingerprint: Fingerprint::from_bytes([1; 32]), response: None };
+    /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// assert!(tombstone.plain().is_none());
     /// ```
     pub fn plain(&self) -> Option<&Arc<StoredResponse>> {

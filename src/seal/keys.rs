@@ -10,8 +10,8 @@ use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{
-    RecordId, SealedResponse, StoredResponse, decode_response, encode_response,
-    encode_sealed_header, is_key_id, response_len,
+    RecordId, SealedResponse, StoredResponse, TraceOrigin, decode_response, encode_origin,
+    encode_response, encode_sealed_header, is_key_id, origin_len, response_len,
 };
 
 /// One sealing key: 32 secret bytes, and the id that names it in the records it seals.
@@ -176,9 +176,22 @@ impl SealKeys {
         fingerprint: &Fingerprint,
         response: &StoredResponse,
     ) -> Result<SealedResponse, crate::record::EncodeError> {
+        self.seal_with_origin(id, fingerprint, response, None)
+    }
+
+    /// Seals `response` and the trace context of the execution that wrote it, `origin`, together:
+    /// the origin is in the ciphertext, never beside it (PROTOCOL.md §5.6).
+    pub(crate) fn seal_with_origin(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        response: &StoredResponse,
+        origin: Option<&TraceOrigin>,
+    ) -> Result<SealedResponse, crate::record::EncodeError> {
         let key = self.sealing();
         let aad = associated_data(id, fingerprint, &key.id)?;
-        let mut buffer = Vec::with_capacity(response_len(response) + 16);
+        let mut buffer = Vec::with_capacity(origin_len(origin) + response_len(response) + 16);
+        encode_origin(origin, &mut buffer)?;
         encode_response(response, &mut buffer)?;
         let mut hasher = blake3::Hasher::new_keyed(&key.nonce_key);
         hasher.update(&(aad.len() as u64).to_le_bytes());
@@ -197,13 +210,25 @@ impl SealKeys {
     }
 
     /// Opens `sealed`, the response of the record `id` with `fingerprint`: the response, or why
-    /// it cannot be trusted ([`SealKeys::seal`] has an example).
+    /// it cannot be trusted ([`SealKeys::seal`] has an example). The trace context sealed with
+    /// it, if any, is left out: [`SealedStore`](super::SealedStore) returns it in the record.
     pub fn open(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
         sealed: &SealedResponse,
     ) -> Result<StoredResponse, OpenError> {
+        self.open_with_origin(id, fingerprint, sealed)
+            .map(|(response, _)| response)
+    }
+
+    /// Opens `sealed`: the response and the trace context sealed with it.
+    pub(crate) fn open_with_origin(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        sealed: &SealedResponse,
+    ) -> Result<(StoredResponse, Option<TraceOrigin>), OpenError> {
         let key = (self.keys.iter())
             .find(|key| *key.id == *sealed.key_id)
             .ok_or_else(|| OpenError::UnknownKey(sealed.key_id.clone()))?;

@@ -18,7 +18,8 @@ use crate::store::{Claim, CompletedView, Inspected, Store, StoreError};
 /// response in clear (written without sealing) is never replayed: the claim fails with
 /// [`StoreError::Unreadable`], and the layer answers `500 record-unreadable` without running the
 /// request (fail-open or not). Tombstones and in-flight records hold no response and pass as
-/// they are.
+/// they are, but for a tombstone's trace origin, which is not written: only a seal may hold one
+/// (a response's is sealed with it).
 ///
 /// ```
 /// use std::time::Duration;
@@ -106,29 +107,35 @@ impl<St> SealedStore<St> {
     /// `completed` with its response opened, or why it cannot be replayed.
     fn open_completed(&self, id: &RecordId, completed: Completed) -> Result<Completed, StoreError> {
         let unreadable = |err: OpenError| StoreError::Unreadable(Box::new(err));
-        let response = match completed.response {
-            None => None,
+        let (response, origin) = match completed.response {
+            None => (None, completed.origin),
             Some(Payload::Plain(_)) if !self.accept_clear => {
                 return Err(unreadable(OpenError::NotSealed));
             }
-            Some(Payload::Plain(plain)) => Some(Payload::Plain(plain)),
+            Some(Payload::Plain(plain)) => (Some(Payload::Plain(plain)), completed.origin),
             Some(Payload::Sealed(sealed)) => {
-                let opened =
-                    (self.keys.open(id, &completed.fingerprint, &sealed)).map_err(unreadable)?;
-                Some(Payload::Plain(Arc::new(opened)))
+                let (opened, origin) = (self.keys)
+                    .open_with_origin(id, &completed.fingerprint, &sealed)
+                    .map_err(unreadable)?;
+                (Some(Payload::Plain(Arc::new(opened))), origin.map(Arc::new))
             }
         };
         Ok(Completed {
             fingerprint: completed.fingerprint,
             response,
+            origin,
         })
     }
 
-    /// `completed` with its response sealed.
+    /// `completed` with its response sealed, and its trace context sealed with it: nothing of
+    /// the origin is left beside the seal. A tombstone has no seal to keep an origin in, so its
+    /// origin is not stored.
     fn seal(&self, id: &RecordId, completed: &Completed) -> Result<Completed, StoreError> {
         let response = match &completed.response {
             Some(Payload::Plain(plain)) => {
-                let sealed = (self.keys.seal(id, &completed.fingerprint, plain))
+                let origin = completed.origin.as_deref();
+                let sealed = (self.keys)
+                    .seal_with_origin(id, &completed.fingerprint, plain, origin)
                     .map_err(|err| StoreError::Codec(Box::new(err)))?;
                 Some(Payload::Sealed(Arc::new(sealed)))
             }
@@ -137,6 +144,7 @@ impl<St> SealedStore<St> {
         Ok(Completed {
             fingerprint: completed.fingerprint,
             response,
+            origin: None,
         })
     }
 }

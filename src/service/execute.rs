@@ -16,7 +16,7 @@ use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
-use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse};
+use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse, TraceOrigin};
 use crate::report::{ErrorChain, panic_message};
 use crate::store::{Store, StoreError};
 
@@ -39,11 +39,13 @@ impl<St: Store> Shared<St> {
         // which allocators serve from their fast per-thread caches, where one box of both would
         // not be.
         let mut request = request;
+        // Taken here, in the request's span, and kept as a pointer: the boxes below stay small.
+        let origin = self.origin_of(request.headers()).map(Arc::new);
         let held = HeldClaim::new(claimed.id, claimed.token, self.clone());
         request.extensions_mut().insert(held);
         (self.store).prepare(&claimed.id, &claimed.token, request.extensions_mut());
         let work = Box::pin(self.clone().run(inner, request));
-        let execute = Box::pin(self.clone().execute(work, claimed));
+        let execute = Box::pin(self.clone().execute(work, claimed, origin));
         self.background.detachable(execute)
     }
 
@@ -71,6 +73,7 @@ impl<St: Store> Shared<St> {
         self: Arc<Self>,
         work: Pin<Box<W>>,
         claimed: Claimed,
+        origin: Option<Arc<TraceOrigin>>,
     ) -> impl Future<Output = Response<ResponseBody<ResBody>>>
     where
         W: Future<Output = Result<Handled<ResBody>, String>>,
@@ -131,10 +134,13 @@ impl<St: Store> Shared<St> {
                     return self.fail(&claimed, failure).await;
                 }
             };
-            let completed = Completed {
+            // Boxed: held across the store's write, it would carry a record's fields in this
+            // future's state, which then outgrows the allocator's per-thread cache (1 KiB).
+            let completed = Box::new(Completed {
                 fingerprint: claimed.fingerprint,
                 response: stored.map(Payload::Plain),
-            };
+                origin,
+            });
             self.spend_quota(&claimed.id, crate::quota::completion_cost(&completed));
             self.complete(&claimed, completed, response).await
         }
@@ -167,7 +173,7 @@ impl<St: Store> Shared<St> {
     async fn complete<B>(
         self: &Arc<Self>,
         claimed: &Claimed,
-        completed: Completed,
+        completed: Box<Completed>,
         (response, outcome): (Response<ResponseBody<B>>, Outcome),
     ) -> Response<ResponseBody<B>> {
         let ttl = self.config.dedup_window;
@@ -196,7 +202,7 @@ impl<St: Store> Shared<St> {
             let retry_after = Some(whole_seconds(self.config.retry_after));
             return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
         }
-        self.after_write(claimed, Some(completed), written);
+        self.after_write(claimed, Some(*completed), written);
         finish(response, outcome)
     }
 

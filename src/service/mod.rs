@@ -10,6 +10,7 @@ mod body_reader;
 mod capture;
 mod claim;
 mod execute;
+mod origin;
 mod replay;
 mod wait;
 
@@ -230,6 +231,10 @@ where
             "idempotency",
             key = %id.tag(),
             scope = %ScopeTag(&scope),
+            // Where the record a request is answered from came from (`origin::show_origin`).
+            origin.traceparent = tracing::field::Empty,
+            origin.trace_id = tracing::field::Empty,
+            origin.span_id = tracing::field::Empty,
         );
         if body.size_hint().lower() > config.request_body_limit as u64 {
             let _entered = span.enter();

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderValue, Response};
 
+use super::origin::show_origin;
 use super::{IDEMPOTENT_REPLAYED, Shared, finish, whole_seconds};
 use crate::body::ResponseBody;
 use crate::fingerprint::Fingerprint;
@@ -23,6 +24,13 @@ impl<St: Store> Shared<St> {
         record: Record,
         fingerprint: &Fingerprint,
     ) -> Response<ResponseBody<B>> {
+        if let Record::Completed(Completed {
+            origin: Some(origin),
+            ..
+        }) = &record
+        {
+            show_origin(origin);
+        }
         if record.fingerprint() != fingerprint {
             let detail = "this Idempotency-Key was used for a different request (method, path, query or body); \
                  use a new key for a new request";

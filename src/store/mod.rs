@@ -130,7 +130,7 @@ pub enum StoreError {
 ///     store.claim(&id, &fingerprint, Duration::from_secs(30)).await?,
 ///     Claim::Existing(Record::InFlight(_))
 /// ));
-/// let done = Completed { fingerprint, response: None };
+/// let done = Completed::tombstone(fingerprint);
 /// assert!(store.complete(&id, &token, &done, Duration::from_secs(86_400)).await?);
 /// # Ok(())
 /// # }

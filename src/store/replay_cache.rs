@@ -248,6 +248,7 @@ mod tests {
                 body: bytes::Bytes::from(vec![b'x'; body]),
                 trailers: None,
             }))),
+            origin: None,
         }
     }
 

@@ -166,6 +166,7 @@ macro_rules! store_contract {
             store_inspect_reads_each_state,
             store_forget_frees_a_completed_key,
             store_forget_refuses_a_key_in_flight_unless_forced,
+            store_completed_record_keeps_its_trace_origin,
         );
     };
 }
@@ -196,6 +197,7 @@ macro_rules! layer_contract {
             rotated_keys_open_old_records_and_seal_new_ones,
             a_record_sealed_under_a_retired_key_is_never_replayed,
             records_in_clear_and_sealed_records_without_keys_are_not_replayed,
+            a_sealed_record_keeps_its_trace_origin_inside_the_seal,
         );
     };
     (@general ($harness:expr) $attrs:tt) => {
@@ -232,6 +234,7 @@ macro_rules! layer_contract {
             trailers_are_stored_and_replayed,
             trailers_count_against_the_response_limit,
             // Opt-in options.
+            the_record_keeps_the_first_runs_trace_origin,
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
             a_scope_past_its_quota_leaves_the_others_untouched,

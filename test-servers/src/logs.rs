@@ -128,6 +128,23 @@ where
         }
     }
 
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: Context<'_, S>,
+    ) {
+        // Fields recorded after the span was made: kept after its first ones, so that the last
+        // value of a field is the one events read.
+        let mut fields = Vec::new();
+        values.record(&mut FieldsAsText(&mut fields));
+        if let Some(span) = ctx.span(id)
+            && let Some(span_fields) = span.extensions_mut().get_mut::<SpanFields>()
+        {
+            span_fields.0.extend(fields);
+        }
+    }
+
     fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
         let mut fields = Vec::new();
         if let Some(scope) = ctx.event_scope(event) {

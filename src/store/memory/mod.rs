@@ -351,8 +351,10 @@ impl MemoryStore {
             }
         };
         // The entry holds only its overhead so far, which covers a tombstone: reserve a
-        // response's encoded bytes.
-        let extra = completed.response.as_ref().map_or(0, |_| encoded.len());
+        // response's encoded bytes, or a trace origin's (without room, the bare tombstone
+        // below keeps neither).
+        let bare = completed.response.is_none() && completed.origin.is_none();
+        let extra = if bare { 0 } else { encoded.len() };
         match budget.reserve(id, extra, now) {
             Ok(()) => entry.size += extra,
             Err(refused) => {

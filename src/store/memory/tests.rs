@@ -14,6 +14,7 @@ fn completed(body: usize) -> Completed {
             body: bytes::Bytes::from(vec![b'x'; body]),
             trailers: None,
         }))),
+        origin: None,
     }
 }
 

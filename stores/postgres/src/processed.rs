@@ -52,10 +52,7 @@ impl PgStore {
     ) -> Result<bool, sqlx::Error> {
         let id = RecordId::for_message(scope.as_bytes(), message_id);
         // Every delivery of a message is the same request: one fingerprint for all.
-        let processed = Completed {
-            fingerprint: Fingerprint::from_bytes([0; 32]),
-            response: None,
-        };
+        let processed = Completed::tombstone(Fingerprint::from_bytes([0; 32]));
         let bytes = processed
             .encode()
             .map_err(|err| sqlx::Error::Encode(Box::new(err)))?;

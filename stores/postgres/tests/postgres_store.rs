@@ -69,6 +69,7 @@ fn done(n: u8, body: &'static str) -> Completed {
             body: bytes::Bytes::from_static(body.as_bytes()),
             trailers: None,
         }))),
+        origin: None,
     }
 }
 

@@ -437,10 +437,7 @@ async fn a_paused_owner_that_lost_its_lease_cannot_overwrite_the_new_owner() {
         panic!("the expired claim frees the key")
     };
 
-    let stale = Completed {
-        fingerprint,
-        response: None,
-    };
+    let stale = Completed::tombstone(fingerprint);
     assert!(
         !old_instance
             .complete(&id, &old, &stale, Duration::from_secs(60))

@@ -58,10 +58,7 @@ pub async fn store_fences_grow_with_every_claim_of_a_key<H: Harness>(h: H) {
         taken_over.fence()
     );
 
-    let done = Completed {
-        fingerprint: Fingerprint::from_bytes([1; 32]),
-        response: None,
-    };
+    let done = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     assert!(
         first_instance
             .complete(&id, &after_release, &done, window)

@@ -101,10 +101,7 @@ pub async fn store_inspect_reads_each_state<H: Harness>(h: H) {
 
     let tombstone_id = record_id("inspect-tombstone");
     let token = claimed(&store, &tombstone_id, &fingerprint(2), lease).await;
-    let tombstone = Completed {
-        fingerprint: fingerprint(2),
-        response: None,
-    };
+    let tombstone = Completed::tombstone(fingerprint(2));
     assert!(
         store
             .complete(&tombstone_id, &token, &tombstone, window)
@@ -144,10 +141,7 @@ pub async fn store_forget_frees_a_completed_key<H: Harness>(h: H) {
         let done = if response {
             completed_with_response(fingerprint(1))
         } else {
-            Completed {
-                fingerprint: fingerprint(1),
-                response: None,
-            }
+            Completed::tombstone(fingerprint(1))
         };
         assert!(
             store

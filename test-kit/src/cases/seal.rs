@@ -90,6 +90,46 @@ pub async fn sealed_records_replay_and_keep_no_response_in_clear<H: Harness>(h: 
     }
 }
 
+/// A sealed record keeps its trace origin inside the seal: the record beneath it holds none, and
+/// no part of the `traceparent` or `tracestate` is in its bytes; through the sealed store, the
+/// record comes back with it. PROTOCOL.md §5.6, §15.2.
+pub async fn a_sealed_record_keeps_its_trace_origin_inside_the_seal<H: Harness>(h: H) {
+    use super::origin::{FIRST_RUN, FIRST_STATE, completed_under};
+    let sealed = SealedStore::new(h.store(), keys(&["k1"]));
+    let svc = service(
+        layer(&h, sealed.clone()).trace_origin(true),
+        Handler::ok(|_| created("charged")),
+    );
+    let mut request = post("traced", "x");
+    (request.headers_mut()).insert("traceparent", FIRST_RUN.parse().expect("a value"));
+    (request.headers_mut()).insert("tracestate", FIRST_STATE.parse().expect("a value"));
+    assert_eq!(send(&svc, request).await.outcome, Some(Outcome::Executed));
+
+    let id = RecordId::new(b"", "traced");
+    let stored = raw(&h.store(), &id, h.lease()).await;
+    assert_eq!(stored.origin, None, "§15.2: no origin beside the seal");
+    let encoded = stored.encode().expect("a sealed record encodes");
+    let trace_id = &FIRST_RUN.as_bytes()[3..35];
+    let binary = tower_idempotency::record::TraceOrigin::parse(FIRST_RUN).expect("valid");
+    for needle in [
+        &binary.trace_id()[..],
+        &binary.span_id()[..],
+        trace_id,
+        b"congo=t61r",
+    ] {
+        assert!(
+            !encoded.windows(needle.len()).any(|w| w == needle),
+            "§15.2: no part of the trace origin is in clear in the record"
+        );
+    }
+    let opened = completed_under(&sealed, &id, h.lease()).await;
+    let origin = opened
+        .origin
+        .expect("§5.6: the origin comes back once the seal opens");
+    assert_eq!(origin.to_string(), FIRST_RUN);
+    assert_eq!(origin.tracestate(), Some(FIRST_STATE));
+}
+
 /// A sealed record with any one byte changed, in its header, nonce, ciphertext or tag, is never
 /// replayed, and its request is not run: 500 record-unreadable. The same record unchanged
 /// replays (the planting is sound).
@@ -122,6 +162,7 @@ pub async fn a_sealed_record_with_a_changed_byte_is_never_replayed<H: Harness>(h
                 .expect("sealed")
                 .into(),
         )),
+        origin: None,
     };
     plant(&store, &RecordId::new(b"", "honest"), &honest("honest"), &h).await;
     let replay = send(&svc, post("honest", "x")).await;

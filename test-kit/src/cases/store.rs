@@ -103,6 +103,7 @@ pub(super) fn completed_with_response(fp: Fingerprint) -> Completed {
             body: Bytes::from(body),
             trailers: None,
         }))),
+        origin: None,
     }
 }
 
@@ -246,10 +247,7 @@ pub async fn store_tombstone_is_kept<H: Harness>(h: H) {
     let lease = h.lease();
     let id = record_id("tombstone");
     let token = claimed(&store, &id, &fingerprint(3), lease).await;
-    let tombstone = Completed {
-        fingerprint: fingerprint(3),
-        response: None,
-    };
+    let tombstone = Completed::tombstone(fingerprint(3));
     assert!(
         store
             .complete(&id, &token, &tombstone, h.window())
@@ -473,6 +471,7 @@ pub async fn store_fencing_stops_an_owner_whose_lease_was_lost<H: Harness>(h: H)
     let done = Completed {
         fingerprint: fingerprint(2),
         response: completed_with_response(fingerprint(2)).response,
+        origin: None,
     };
     assert!(
         store
@@ -505,10 +504,7 @@ pub async fn store_completed_record_is_final<H: Harness>(h: H) {
         "§10.1 complete: the in-flight record claimed with the token is completed, Ok(true)"
     );
 
-    let other = Completed {
-        fingerprint: fingerprint(1),
-        response: None,
-    };
+    let other = Completed::tombstone(fingerprint(1));
     assert!(
         !store
             .complete(&id, &token, &other, window)
