@@ -40,7 +40,7 @@ impl Inspected {
     /// use tower_idempotency::store::{CompletedView, Inspected};
     /// use tower_idempotency::{Completed, Fingerprint};
     ///
-    /// let tombstone = Completed { fingerprint: Fingerprint::from_bytes([1; 32]), response: None };
+    /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// let view = CompletedView { completed: tombstone, fence: None, expires: SystemTime::now() };
     /// assert_eq!(Inspected::Completed(view).state(), "tombstone");
     /// ```
@@ -110,7 +110,7 @@ impl InFlightView {
 /// use tower_idempotency::store::CompletedView;
 /// use tower_idempotency::{Completed, Fingerprint};
 ///
-/// let tombstone = Completed { fingerprint: Fingerprint::from_bytes([1; 32]), response: None };
+/// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
 /// let view = CompletedView { completed: tombstone, fence: None, expires: SystemTime::now() };
 /// assert_eq!(view.status(), None);
 /// assert_eq!(view.body_len(), None);
