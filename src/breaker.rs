@@ -442,6 +442,24 @@ mod tests {
         )
     }
 
+    #[test]
+    fn the_settings_read_back_as_set_and_are_bounded() {
+        let settings = CircuitBreaker::default()
+            .failures(3)
+            .within(Duration::from_secs(7))
+            .cool_down(Duration::from_secs(2));
+        assert_eq!(settings.failure_threshold(), 3);
+        assert_eq!(settings.window(), Duration::from_secs(7));
+        assert_eq!(settings.cool_down_period(), Duration::from_secs(2));
+        let least = CircuitBreaker::default()
+            .failures(0)
+            .within(Duration::ZERO)
+            .cool_down(Duration::ZERO);
+        assert_eq!(least.failure_threshold(), 1);
+        assert!(!least.window().is_zero());
+        assert!(!least.cool_down_period().is_zero());
+    }
+
     /// Three failures open `breaker`, and its cool-down passes: the next claim is the probe.
     async fn open_until_the_probe(breaker: &Breaker) {
         for _ in 0..3 {
