@@ -561,6 +561,7 @@ mod tests {
         // While it runs, everyone else is refused, with no time named.
         assert_eq!(refused_for(&breaker), Some(Duration::ZERO));
         assert_eq!(refused_for(&breaker), Some(Duration::ZERO));
+        assert!(format!("{breaker:?}").contains("HalfOpen"), "{breaker:?}");
         probe.answered(&answered());
         assert!(matches!(state(&breaker), State::Closed { failures: 0, .. }));
         assert_eq!(claim(&breaker, away()), Some(()), "closed: claims pass");

@@ -137,3 +137,46 @@ pub async fn forget<St: Store>(
     }
     Ok(outcome)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Fingerprint, MemoryStore};
+
+    #[tokio::test]
+    async fn lookup_finds_the_key_of_its_scope_only() {
+        let store = MemoryStore::new();
+        let id = RecordId::new(b"acct_1", "order-42");
+        store
+            .claim(
+                &id,
+                &Fingerprint::from_bytes([1; 32]),
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("claimed");
+        let found = lookup(&store, b"acct_1", "\"order-42\"")
+            .await
+            .expect("read");
+        assert!(matches!(found, Some(Inspected::InFlight(_))), "{found:?}");
+        assert_eq!(
+            lookup(&store, b"acct_2", "order-42").await.expect("read"),
+            None
+        );
+        assert!(matches!(
+            lookup(&store, b"acct_1", "").await,
+            Err(OperatorError::InvalidKey(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn forget_needs_a_reason() {
+        let store = MemoryStore::new();
+        assert!(matches!(
+            forget(&store, b"acct_1", "order-42", "", true).await,
+            Err(OperatorError::NoReason)
+        ));
+    }
+}
