@@ -429,4 +429,55 @@ mod tests {
         );
         assert!(TraceOrigin::from_parts([1; 16], [2; 8], 1, b"a=1,b=2").is_some());
     }
+
+    #[test]
+    fn a_separator_out_of_place_is_no_origin() {
+        for at in [2, 35, 52] {
+            let mut bytes = VALID.as_bytes().to_vec();
+            bytes[at] = b'0';
+            let value = String::from_utf8(bytes).expect("ASCII");
+            assert_eq!(TraceOrigin::parse(&value), None, "{value}");
+        }
+    }
+
+    #[test]
+    fn a_later_version_is_read_up_to_the_bound() {
+        let longest = format!("01-{}-{}", &VALID[3..55], "x".repeat(200));
+        assert_eq!(longest.len(), MAX_TRACEPARENT_LEN);
+        assert_eq!(
+            TraceOrigin::parse(&longest).map(|o| o.to_string()),
+            Some(VALID.into())
+        );
+        assert_eq!(TraceOrigin::parse(&format!("{longest}x")), None);
+    }
+
+    #[test]
+    fn tracestate_lines_are_joined_up_to_their_bound() {
+        let with_lines = |lines: &[String]| {
+            let mut headers = HeaderMap::new();
+            headers.insert("traceparent", VALID.parse().expect("a value"));
+            for line in lines {
+                headers.append("tracestate", line.parse().expect("a value"));
+            }
+            TraceOrigin::from_headers(&headers).expect("an origin")
+        };
+        let (first, second) = (
+            format!("a={}", "1".repeat(98)),
+            format!("b={}", "2".repeat(98)),
+        );
+        let origin = with_lines(&[first.clone(), second.clone()]);
+        assert_eq!(
+            origin.tracestate(),
+            Some(format!("{first},{second}").as_str())
+        );
+
+        // One line exactly as long as the joined text may be: read, its first members kept.
+        let members: Vec<String> = (0..32)
+            .map(|n| format!("k{n:02}={}", "v".repeat(if n == 31 { 124 } else { 123 })))
+            .collect();
+        let line = members.join(",");
+        assert_eq!(line.len(), 8 * MAX_TRACESTATE_LEN);
+        let origin = with_lines(&[line]);
+        assert_eq!(origin.tracestate(), Some(members[..4].join(",").as_str()));
+    }
 }
