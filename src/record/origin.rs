@@ -431,6 +431,16 @@ mod tests {
     }
 
     #[test]
+    fn the_flags_are_read_as_sent() {
+        let unsampled = VALID.replace("-01", "-00");
+        let origin = TraceOrigin::parse(&unsampled).expect("valid");
+        assert_eq!(origin.flags(), 0);
+        assert_eq!(origin.to_string(), unsampled);
+        let other = TraceOrigin::parse(&VALID.replace("-01", "-a3")).expect("valid");
+        assert_eq!(other.flags(), 0xa3);
+    }
+
+    #[test]
     fn a_separator_out_of_place_is_no_origin() {
         for at in [2, 35, 52] {
             let mut bytes = VALID.as_bytes().to_vec();
