@@ -441,6 +441,17 @@ mod tests {
     }
 
     #[test]
+    fn tracestate_members_are_kept_while_they_fit_the_byte_bound() {
+        let origin = TraceOrigin::parse(VALID).expect("valid");
+        let member = |key: char, len: usize| format!("{key}={}", "v".repeat(len - 2));
+        let (a, b, c) = (member('a', 255), member('b', 256), member('c', 257));
+        let exact = origin.clone().with_tracestate(&format!("{a},{b}"));
+        assert_eq!(exact.tracestate().map(str::len), Some(MAX_TRACESTATE_LEN));
+        let over = origin.with_tracestate(&format!("{a},{c},b=1"));
+        assert_eq!(over.tracestate(), Some(format!("{a},b=1").as_str()));
+    }
+
+    #[test]
     fn a_separator_out_of_place_is_no_origin() {
         for at in [2, 35, 52] {
             let mut bytes = VALID.as_bytes().to_vec();
