@@ -40,6 +40,8 @@ mod tests {
         for bad in [
             "@",
             "@-1",
+            // Rust's integer parser takes a sign; a structured-field Date has none.
+            "@+1767348000",
             "@1.5",
             "@ 1",
             "1767348000",
