@@ -52,7 +52,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use tower_idempotency::seal::{SealKeys, SealedStore};
-use tower_idempotency::store::{ForgetOutcome, Store};
+use tower_idempotency::store::ForgetOutcome;
 use tower_idempotency::{BoxStore, RecordId, operator};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
@@ -301,10 +301,7 @@ async fn execute(cli: Cli) -> Result<Answer, CliError> {
         Command::Lookup { target, body, json } => {
             let scope = target.scope.bytes()?;
             let id = operator::record_id(&scope, &target.key)?;
-            let found = store
-                .inspect(&id)
-                .await
-                .map_err(operator::OperatorError::from)?;
+            let found = operator::lookup(&store, &scope, &target.key).await?;
             let report = output::Report::new(&scope, &target.key, &id);
             if json {
                 println!("{}", report.lookup_json(found.as_ref(), body));
