@@ -885,6 +885,66 @@ fn probed(keys: impl KeyTable + 'static) -> (Provider, Arc<ProbedKeys>) {
     (Provider::new(keys.clone(), Duration::ZERO), keys)
 }
 
+/// The key table a provider scenario runs on, and the server it needs, kept running while the
+/// scenario does.
+enum KeyTableOn {
+    Memory,
+    Redis(RedisServer),
+    RedisCluster(RedisCluster),
+    Postgres(PostgresServer),
+}
+
+impl KeyTableOn {
+    /// A provider whose keys are on this table for the provider's window, and its probe.
+    async fn provider(&self) -> (Provider, Arc<ProbedKeys>) {
+        let redis = |store: Result<RedisStore, _>| {
+            let conn = store.expect("valid URLs").shared_connection();
+            probed(RedisKeys::new(conn, WINDOW))
+        };
+        match self {
+            KeyTableOn::Memory => memory_provider(WINDOW),
+            KeyTableOn::Redis(server) => redis(RedisStore::from_url(&server.url())),
+            KeyTableOn::RedisCluster(cluster) => redis(RedisStore::cluster(cluster.urls())),
+            KeyTableOn::Postgres(server) => {
+                let db = pg::connect(&server.url()).await.expect("the database");
+                probed(PgKeys::new(db.pool().clone(), WINDOW))
+            }
+        }
+    }
+}
+
+/// Runs each provider scenario on every key table: memory, Redis, a Redis Cluster, PostgreSQL.
+macro_rules! on_every_key_table {
+    ($scenario:ident) => {
+        mod $scenario {
+            use super::*;
+
+            #[tokio::test]
+            async fn in_memory() {
+                $scenario(KeyTableOn::Memory.provider().await).await;
+            }
+
+            #[tokio::test]
+            async fn on_redis() {
+                let table = KeyTableOn::Redis(RedisServer::start());
+                $scenario(table.provider().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_a_redis_cluster() {
+                let table = KeyTableOn::RedisCluster(RedisCluster::start());
+                $scenario(table.provider().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_postgres() {
+                let table = KeyTableOn::Postgres(PostgresServer::start());
+                $scenario(table.provider().await).await;
+            }
+        }
+    };
+}
+
 #[tokio::test]
 async fn a_repeated_key_gets_the_first_reply_without_a_second_effect() {
     let (provider, keys) = memory_provider(WINDOW);
@@ -1201,27 +1261,14 @@ async fn the_provider_refuses_a_smaller_fence((provider, keys): (Provider, Arc<P
     assert_eq!(keys.effects(), 2, "one payment, one refund");
 }
 
-#[tokio::test]
-async fn the_provider_refuses_a_smaller_fence_in_memory() {
-    the_provider_refuses_a_smaller_fence(memory_provider(WINDOW)).await;
-}
+on_every_key_table!(the_provider_refuses_a_smaller_fence);
 
-#[tokio::test]
-async fn the_provider_refuses_a_smaller_fence_on_redis() {
-    let server = RedisServer::start();
-    let conn = RedisStore::from_url(&server.url())
-        .expect("a valid URL")
-        .shared_connection();
-    the_provider_refuses_a_smaller_fence(probed(RedisKeys::new(conn, WINDOW))).await;
-}
-
-/// On PostgreSQL too; and the keys whose window ended are swept from the table.
+/// The keys whose window ended are swept from PostgreSQL's table (Redis expires its own, memory
+/// drops them as it goes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_a_smaller_fence_on_postgres_and_sweeps_expired_keys() {
+async fn postgres_sweeps_the_expired_keys() {
     let server = PostgresServer::start();
     let db = pg::connect(&server.url()).await.expect("the database");
-    the_provider_refuses_a_smaller_fence(probed(PgKeys::new(db.pool().clone(), WINDOW))).await;
-
     let short = Arc::new(PgKeys::new(db.pool().clone(), Duration::from_millis(50)));
     Provider::new(short.clone(), Duration::ZERO)
         .capture("short-lived", 1, "py_1")
@@ -1273,43 +1320,15 @@ async fn the_provider_refuses_an_over_refund((provider, _): (Provider, Arc<Probe
     assert_eq!(listed[0].refunded, 1000);
 }
 
-#[tokio::test]
-async fn the_provider_refuses_an_over_refund_in_memory() {
-    the_provider_refuses_an_over_refund(memory_provider(WINDOW)).await;
-}
-
-#[tokio::test]
-async fn the_provider_refuses_an_over_refund_on_redis() {
-    let server = RedisServer::start();
-    let conn = RedisStore::from_url(&server.url())
-        .expect("a valid URL")
-        .shared_connection();
-    the_provider_refuses_an_over_refund(probed(RedisKeys::new(conn, WINDOW))).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_an_over_refund_on_a_redis_cluster() {
-    let cluster = RedisCluster::start();
-    let conn = RedisStore::cluster(cluster.urls())
-        .expect("valid URLs")
-        .shared_connection();
-    the_provider_refuses_an_over_refund(probed(RedisKeys::new(conn, WINDOW))).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_provider_refuses_an_over_refund_on_postgres() {
-    let server = PostgresServer::start();
-    let db = pg::connect(&server.url()).await.expect("the database");
-    the_provider_refuses_an_over_refund(probed(PgKeys::new(db.pool().clone(), WINDOW))).await;
-}
+on_every_key_table!(the_provider_refuses_an_over_refund);
 
 // ---------------------------------------------------------------------------------------------
 // The client's half (`src/bin/client.rs`) against the server as users run it: answers lost or cut
 // off on the way, and each charge made once.
 
-/// `the client (`src/bin/client.rs`)` against the payments example: the flaky link loses the first answer, the
-/// client layer retries with the same key, the server replays its stored answer, and the charge
-/// is applied once (one charge in the list, its amount once in the balance).
+/// The client (`src/bin/client.rs`) against the payments example: the flaky link loses the first
+/// answer, the client layer retries with the same key, the server replays its stored answer, and
+/// the charge is applied once (one charge in the list, its amount once in the balance).
 #[cfg(unix)]
 #[test]
 fn the_client_example_pays_once_through_a_flaky_link() {
@@ -1348,14 +1367,13 @@ fn the_client_example_pays_once_through_a_flaky_link() {
     assert_charges(server.addr, &[id]);
     wait_for_balance(server.addr, r#"{"amount":2500,"currency":"eur"}"#);
 
-    server.terminate();
-    let (status, stderr) = server.wait();
-    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    server.stop();
 }
 
-/// `the client (`src/bin/client.rs`)` through a proxy that cuts answers off after their head (a reset, or a
-/// body that ends short): the layer's retries end at the head, so the example sends the charge
-/// again with the same key until an answer arrives whole, and the server makes each charge once.
+/// The client (`src/bin/client.rs`) through a proxy that cuts answers off after their head (a
+/// reset, or a body that ends short): the layer's retries end at the head, so the example sends
+/// the charge again with the same key until an answer arrives whole, and the server makes each
+/// charge once.
 #[cfg(unix)]
 #[test]
 fn the_client_example_sends_the_charge_again_when_its_answer_is_cut_off() {
@@ -1410,9 +1428,7 @@ fn the_client_example_sends_the_charge_again_when_its_answer_is_cut_off() {
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     assert_charges(server.addr, &ids);
     wait_for_balance(server.addr, r#"{"amount":7500,"currency":"eur"}"#);
-    server.terminate();
-    let (status, stderr) = server.wait();
-    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    server.stop();
 }
 
 /// Every answer cut off after its head: the example gives up at its deadline with an error that
@@ -1464,9 +1480,7 @@ fn the_client_example_names_the_key_when_every_answer_is_cut_off() {
     );
     let json: serde_json::Value = serde_json::from_str(&again.body).expect("a charge");
     assert_charges(server.addr, &[json["id"].as_str().expect("an id")]);
-    server.terminate();
-    let (status, stderr) = server.wait();
-    assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+    server.stop();
 }
 
 // ---------------------------------------------------------------------------------------------

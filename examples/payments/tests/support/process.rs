@@ -127,6 +127,16 @@ impl Server {
         assert!(status.success(), "kill -TERM failed");
     }
 
+    /// Stops the server as an orchestrator does (SIGTERM) and asserts that it exits 0, without a
+    /// panic; returns its stderr.
+    pub fn stop(self) -> String {
+        self.terminate();
+        let (status, stderr) = self.wait();
+        assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    }
+
     /// Waits for the process to exit; returns its status and its stderr.
     pub fn wait(self) -> (ExitStatus, String) {
         self.wait_within(EXIT_TIMEOUT)
