@@ -42,8 +42,10 @@ pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 /// far within the response limit the idempotency layer stores: see [`super::RESPONSE_LIMIT`].
 pub const DESCRIPTION_CHARS: usize = 1000;
 
-/// The body of `POST /v1/charges`, as JSON or as a form (`params.rs`).
+/// The body of `POST /v1/charges`, as JSON or as a form (`params.rs`); either way an unknown
+/// parameter is refused, so that a misspelt one is never taken as left out.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CreateCharge {
     amount: Option<i64>,
     currency: Option<String>,
@@ -68,8 +70,10 @@ impl CreateCharge {
     }
 }
 
-/// The body of `POST /v1/charges/{id}/refunds`; empty means "refund the rest".
+/// The body of `POST /v1/charges/{id}/refunds`; empty means "refund the rest" (and `{"amont":
+/// 100}` is refused, not a refund of the rest).
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CreateRefund {
     amount: Option<i64>,
 }
@@ -349,7 +353,7 @@ async fn move_along(
         ),
     };
     if let Err(err) = called {
-        return Err(roll_back(&state, &account, &id, err).await);
+        return Err(roll_back(&state, &account, &id, &call_key, err).await);
     }
     let end_call = &mut |c: &mut Charge| end_call(c, end, &call_key);
     let event = |c: &Charge| (end == Event::Captured).then(|| PaymentEvent::captured(c));
@@ -446,7 +450,7 @@ pub async fn refund(
         .await
     {
         Ok(refund_id) => refund_id,
-        Err(err) => return Err(roll_back(&state, &account, &id, err).await),
+        Err(err) => return Err(roll_back(&state, &account, &id, &call_key, err).await),
     };
     let settle = &mut |c: &mut Charge| {
         if !waits_on(c, &call_key) {
@@ -479,7 +483,13 @@ pub async fn refund(
 /// stored by the idempotency layer, so a retry with the same key runs again. A call refused as
 /// superseded leaves the charge as it is (the later run of the same request holds it), and so
 /// does a call whose outcome is unknown (the retry, or the reconciler, learns it).
-async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderError) -> ApiError {
+async fn roll_back(
+    state: &AppState,
+    account: &Account,
+    id: &str,
+    call_key: &str,
+    err: ProviderError,
+) -> ApiError {
     if matches!(err, ProviderError::Superseded | ProviderError::Unknown) {
         return err.into();
     }
@@ -487,8 +497,9 @@ async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderE
     let rolled_back = state
         .ledger
         .update(account, id, &mut |c| {
-            if !is_busy(c) {
-                // Not in a call of this request (its key was another's): nothing to undo.
+            if !waits_on(c, call_key) {
+                // Not in this request's call: the reconciler settled or rolled it back, and the
+                // charge may be in another request's call by now, which is not this one's to undo.
                 return Ok(());
             }
             c.apply(Event::ProviderDidNothing)?;
@@ -508,6 +519,10 @@ async fn roll_back(state: &AppState, account: &Account, id: &str, err: ProviderE
 /// the wrong type. serde's message quotes the bad value: cut to a few hundred bytes.
 fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|err| match err.classify() {
+        // serde's own words for a field the type does not have (`deny_unknown_fields`).
+        serde_json::error::Category::Data if err.to_string().starts_with("unknown field") => {
+            ApiError::invalid_request("parameter_unknown", quote(&err.to_string()))
+        }
         serde_json::error::Category::Data => {
             ApiError::invalid_request("parameter_invalid", quote(&err.to_string()))
         }

@@ -24,11 +24,12 @@ use example_payments::provider::{
 use support::api::{ALICE, BOB, Call, authorize, visa};
 use support::cut_proxy::{Cut, CutProxy};
 use support::harness::{Harness, SHORT_WINDOW, ids, on_both_stores};
-use support::instruments::{Hang, Outage, ProbedKeys};
+use support::instruments::{Gate, Hang, Outage, ProbedKeys};
 use support::process::{
     API_KEY, Server, assert_charges, charge_id, key_of, line_starting, request,
     run_example_to_exit, wait_for_balance,
 };
+use support::wait_until;
 
 // ---------------------------------------------------------------------------------------------
 // Scenarios: each runs on both stores.
@@ -655,17 +656,38 @@ async fn a_key_reused_after_the_window_for_another_amount_is_a_new_charge(h: &mu
 /// A key the layer forgot but the ledger and the provider still hold, reused for another amount:
 /// refused (by the ledger's operation, before the provider), and nothing charged.
 async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(h: &mut Harness) {
-    fn create(h: &Harness, amount: i64) -> Call {
+    reused_within_the_providers_window(h, "reused-3", visa(900), visa(1200)).await;
+}
+
+/// Metadata is part of the request a key names, as Stripe compares every parameter.
+async fn a_key_reused_within_the_providers_window_for_other_metadata_is_refused(h: &mut Harness) {
+    let with_order = |order: &str| {
+        let mut body = visa(900);
+        body["metadata"] = json!({ "order_id": order });
+        body
+    };
+    reused_within_the_providers_window(h, "reused-5", with_order("1"), with_order("2")).await;
+}
+
+/// `first` under `key`, then, once the layer forgot the key, `other` under it: refused by the
+/// ledger's operation before the provider; and `first` again is still the first charge.
+async fn reused_within_the_providers_window(
+    h: &mut Harness,
+    key: &str,
+    first: Value,
+    other: Value,
+) {
+    let create = |h: &Harness, body: &Value| {
         h.post("/v1/charges")
             .auth(ALICE)
-            .key("reused-3")
-            .json(visa(amount))
-    }
-    let first = create(h, 900).send().await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+            .key(key)
+            .json(body.clone())
+    };
+    let charged = create(h, &first).send().await;
+    assert_eq!(charged.status, StatusCode::CREATED, "{}", charged.text());
 
     h.lose_idempotency_records();
-    let reused = create(h, 1200).send().await;
+    let reused = create(h, &other).send().await;
     reused.assert_error(
         StatusCode::BAD_REQUEST,
         "idempotency_error",
@@ -677,14 +699,14 @@ async fn a_key_reused_within_the_providers_window_for_another_amount_is_refused(
         "the ledger's operation refused it before the provider"
     );
     let list = h.get("/v1/charges").auth(ALICE).send().await;
-    assert_eq!(ids(&list.json), [first.json["id"].as_str().unwrap()]);
+    assert_eq!(ids(&list.json), [charged.json["id"].as_str().unwrap()]);
 
     // The same request as the first, once the layer forgot the refusal too, is still the
     // first charge.
     h.lose_idempotency_records();
-    let same = create(h, 900).send().await;
+    let same = create(h, &first).send().await;
     assert_eq!(same.status, StatusCode::CREATED, "{}", same.text());
-    assert_eq!(same.json["id"], first.json["id"]);
+    assert_eq!(same.json["id"], charged.json["id"]);
 }
 
 /// A key the layer forgot but the provider still holds, reused for another operation: refused
@@ -732,6 +754,58 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
     assert_eq!(h.provider_counts(), (4, 2));
 }
 
+/// A refund whose provider call fails after the reconciler gave it up, while a second refund of
+/// the charge is in the provider's hands: the first request's rollback leaves the second's call
+/// alone, and the second settles the charge refunded, as the provider did.
+async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().expect("an id").to_owned();
+    let refunds = format!("/v1/charges/{id}/refunds");
+    // The first refund begins, its provider call fails (the provider is down), and its rollback
+    // waits at the ledger.
+    h.parts.outage.set_down(true);
+    let rollback = Arc::new(Gate::default());
+    let rollback_held = rollback.shut().await;
+    h.parts.ledger.hold_update(1, rollback.clone());
+    let call = h
+        .post(&refunds)
+        .auth(ALICE)
+        .key("refund-1")
+        .form("amount=400");
+    let first = tokio::spawn(call.send());
+    wait_until("the rollback at the ledger", || rollback.waiting() == 1).await;
+    // The provider is back; the reconciler finds the charge refunding, and the provider never saw
+    // its call: captured again.
+    h.parts.outage.set_down(false);
+    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
+    assert!(reconciled.is_ok(), "{reconciled:?}");
+    assert_eq!(h.charge_status(ALICE, &id).await["status"], "captured");
+    // The second refund, of the rest, reaches the provider and waits there.
+    let provider_held = h.parts.keys.stall().await;
+    let call = h.post(&refunds).auth(ALICE).key("refund-2");
+    let second = tokio::spawn(call.send());
+    wait_until("the refund at the provider", || h.parts.keys.stalled() == 1).await;
+
+    drop(rollback_held);
+    let first = first.await.expect("the first refund");
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        first.text()
+    );
+    drop(provider_held);
+    let second = second.await.expect("the second refund");
+    assert_eq!(second.status, StatusCode::CREATED, "{}", second.text());
+    assert_eq!(second.json["amount"], 1000);
+    let charge = h.charge_status(ALICE, &id).await;
+    assert_eq!(
+        (&charge["status"], &charge["amount_refunded"]),
+        (&json!("refunded"), &json!(1000)),
+        "{charge}"
+    );
+}
+
 on_both_stores!(
     create_is_201_with_the_charge,
     a_retry_replays_the_charge,
@@ -753,7 +827,9 @@ on_both_stores!(
     a_key_reused_after_the_window_for_another_operation_is_a_new_charge,
     a_key_reused_after_the_window_for_another_amount_is_a_new_charge,
     a_key_reused_within_the_providers_window_for_another_amount_is_refused,
+    a_key_reused_within_the_providers_window_for_other_metadata_is_refused,
     a_key_reused_within_the_providers_window_for_another_operation_is_refused,
+    a_late_rollback_leaves_another_requests_call_alone,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

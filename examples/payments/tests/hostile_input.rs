@@ -109,7 +109,7 @@ async fn form_parameters_are_checked(h: &mut Harness) {
 }
 
 async fn invalid_input_is_400(h: &mut Harness) {
-    let cases: [(&str, &str, Option<&str>); 14] = [
+    let cases: [(&str, &str, Option<&str>); 15] = [
         ("not json", "invalid_json", None),
         ("", "invalid_json", None),
         ("[1, 2]", "parameter_invalid", None),
@@ -168,6 +168,12 @@ async fn invalid_input_is_400(h: &mut Harness) {
             "parameter_invalid",
             None,
         ),
+        // Misspelt, not left out: the charge is not captured by default.
+        (
+            r#"{"amount": 100, "currency": "eur", "source": "tok_visa", "captur": false}"#,
+            "parameter_unknown",
+            None,
+        ),
     ];
     for (i, (body, code, param)) in cases.into_iter().enumerate() {
         let reply = h
@@ -189,6 +195,31 @@ async fn invalid_input_is_400(h: &mut Harness) {
         }
     }
     assert_eq!(h.provider_counts(), (0, 0));
+}
+
+/// A JSON refund with a parameter the API does not know is refused, not taken as a refund of the
+/// rest with the parameter left out.
+async fn a_misspelt_refund_amount_refunds_nothing(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().expect("an id");
+    let reply = h
+        .post(&format!("/v1/charges/{id}/refunds"))
+        .auth(ALICE)
+        .key("misspelt-refund")
+        .raw(r#"{"amont": 100}"#)
+        .send()
+        .await;
+    reply.assert_error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "parameter_unknown",
+    );
+    let charge = h.charge_status(ALICE, id).await;
+    assert_eq!(
+        (&charge["status"], &charge["amount_refunded"]),
+        (&json!("captured"), &json!(0))
+    );
+    assert_eq!(h.provider_counts(), (1, 1), "the charge's call alone");
 }
 
 async fn amounts_out_of_bounds_are_400(h: &mut Harness) {
@@ -372,6 +403,7 @@ on_both_stores!(
     a_charge_without_idempotency_key_is_400,
     form_parameters_are_checked,
     invalid_input_is_400,
+    a_misspelt_refund_amount_refunds_nothing,
     amounts_out_of_bounds_are_400,
     a_description_over_the_bound_is_400,
     the_largest_valid_charge_replays_byte_for_byte,

@@ -17,12 +17,13 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::http::StatusCode;
+use axum::http::{Extensions, StatusCode};
 use serde_json::Value;
 use sqlx::Row;
 use test_servers::postgres_server::PostgresServer;
@@ -35,11 +36,14 @@ use tower_idempotency::{
 use tower_idempotency_redis::RedisStore;
 
 use example_payments::app;
+use example_payments::auth::Account;
 use example_payments::balance::Balances;
 use example_payments::consumer;
+use example_payments::ledger::{Ledger, NewCharge, Opened};
 use example_payments::pg;
-use example_payments::provider::WINDOW;
+use example_payments::provider::{Source, WINDOW};
 use example_payments::queue::ConsumerConfig;
+use example_payments::state_machine::Status;
 use support::api::{ALICE, Call, Reply, account, authorize, create_charge, visa};
 use support::instance::{
     AUTHORIZING, Instance, LEASE as PG_LEASE, NEVER, admin, charge_through_a_locked_provider,
@@ -48,6 +52,7 @@ use support::instance::{
 };
 use support::instruments::Hang;
 use support::stack::Parts;
+use support::wait_until;
 
 /// The idempotency layer's lease here: short, so that each repetition takes about a second.
 const SHORT_LEASE: Duration = Duration::from_millis(300);
@@ -456,14 +461,6 @@ async fn charges_of(router: &Router, amount: i64) -> Vec<Value> {
         .filter(|charge| charge["amount"] == amount)
         .cloned()
         .collect()
-}
-
-async fn wait_until(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !condition() {
-        assert!(Instant::now() < deadline, "gave up waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Runs [`REPETITIONS`] repetitions on `pair`, and fails naming every one that went wrong.
@@ -956,4 +953,66 @@ async fn postgres_a_payment_no_charge_names_is_found_by_the_reconciler() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(retry.json["id"].as_str(), Some(charges[0].0.as_str()));
     assert_eq!(provider_payments(&server).await, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A charge the reconciler removed, written back by the handler's late answer.
+
+/// The handler's answer came after the reconciler removed its charge (the provider had not seen
+/// the call when it asked): the charge is written back and holds its operation again, so neither
+/// a retry nor the reconciler's payments scan makes a second charge of the same payment.
+async fn a_charge_written_back_holds_its_operation(ledger: Arc<dyn Ledger>) {
+    let alice = Account::for_api_key(ALICE);
+    let request = NewCharge {
+        amount: 500,
+        currency: "eur".into(),
+        source: Source::Visa,
+        capture: true,
+        description: None,
+        metadata: BTreeMap::new(),
+    };
+    let opened = ledger.open(&alice, "op-late", &request).await;
+    let Ok(Opened::Authorizing(charge)) = opened else {
+        panic!("a new charge: {opened:?}");
+    };
+    let removed = ledger.remove(&charge, Duration::ZERO).await;
+    assert!(removed.expect("a removal"), "removed by the reconciler");
+    let held = ledger.has_operation(&alice, "op-late").await;
+    assert!(
+        !held.expect("an answer"),
+        "a removed charge holds no operation"
+    );
+
+    let mut answered = charge.clone();
+    (answered.status, answered.payment) = (Status::Captured, "py_late".into());
+    let recorded =
+        (ledger.record(&Extensions::new(), answered, &|_| None).await).expect("written back");
+    assert_eq!(
+        (recorded.id.as_str(), recorded.status),
+        (charge.id.as_str(), Status::Captured)
+    );
+    let held = ledger.has_operation(&alice, "op-late").await;
+    assert!(
+        held.expect("an answer"),
+        "the charge written back holds its operation"
+    );
+    match ledger.open(&alice, "op-late", &request).await {
+        Ok(Opened::Settled(again)) => assert_eq!(again.id, charge.id),
+        other => panic!("the written-back charge, settled: {other:?}"),
+    }
+    let list = ledger.list(&alice).await.expect("a list");
+    assert_eq!(list.len(), 1, "{list:?}");
+}
+
+#[tokio::test]
+async fn a_charge_written_back_holds_its_operation_in_memory() {
+    a_charge_written_back_holds_its_operation(Parts::memory(WINDOW).ledger).await;
+}
+
+#[tokio::test]
+async fn a_charge_written_back_holds_its_operation_on_redis() {
+    let server = RedisServer::start();
+    let store = RedisStore::from_url(&server.url()).expect("a valid URL");
+    let parts = Parts::redis(&store.shared_connection(), WINDOW).await;
+    a_charge_written_back_holds_its_operation(parts.ledger).await;
 }

@@ -206,6 +206,7 @@ impl Charge {
             && self.source == request.source
             && self.capture == request.capture
             && self.description == request.description
+            && self.metadata == request.metadata
     }
 
     /// Moves the charge along `event`, or refuses with `invalid_state` (nothing changes).

@@ -3,7 +3,9 @@
 //! Keys, all under [`LEDGER_PREFIX`] and its `{ledger}` hash tag, so that one script changes a
 //! charge, its account's list and the index of unsettled charges together, on a cluster as on
 //! one server: `charge:<id>` (the charge's JSON), `op:<account>:<key>` (an operation's charge id,
-//! `SET NX` for the window: one charge per operation), `list:<account>` (ids by `seq`),
+//! held for the window and set only while no live charge holds it: one charge per operation; a
+//! charge written again after the reconciler removed it takes it back), `list:<account>` (ids by
+//! `seq`),
 //! `unsettled` (ids of charges in an `-ing` state, by when they last changed), `seq`. The charges
 //! never expire: keep them on a Redis with persistence and no eviction.
 //!
@@ -48,13 +50,21 @@ return false
 ";
 
 /// Sets the charge `KEYS[1]` to `ARGV[2]` if it still holds `ARGV[1]` (empty: if it is gone, a
-/// charge written again, then listed in `KEYS[3]` by `ARGV[6]`), keeping its id `ARGV[3]` in the
-/// unsettled index `KEYS[2]` (scored `ARGV[4]`) exactly while `ARGV[5]` is `1`. Returns 1, or 0
-/// when the charge changed meanwhile.
+/// charge written again, then listed in `KEYS[3]` by `ARGV[6]` and holding its operation
+/// `KEYS[4]` again for `ARGV[7]` ms, unless another charge, under the prefix `ARGV[8]`, holds it
+/// by now), keeping its id `ARGV[3]` in the unsettled index `KEYS[2]` (scored `ARGV[4]`) exactly
+/// while `ARGV[5]` is `1`. Returns 1, or 0 when the charge or its operation changed meanwhile.
 const SWAP: &str = r"
 local now = redis.call('GET', KEYS[1])
 if (now or '') ~= ARGV[1] then
     return 0
+end
+if not now then
+    local held = redis.call('GET', KEYS[4])
+    if held and held ~= ARGV[3] and redis.call('EXISTS', ARGV[8] .. held) == 1 then
+        return 0
+    end
+    redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[7])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 if ARGV[5] == '1' then
@@ -167,12 +177,15 @@ impl RedisLedger {
         invocation
             .key(unsettled_key())
             .key(list_key(&new.account))
+            .key(operation_key(&new.account, &new.provider_key))
             .arg(expected)
             .arg(encode(new)?)
             .arg(&new.id)
             .arg(new.updated)
             .arg(if new.is_busy() { "1" } else { "0" })
-            .arg(new.seq);
+            .arg(new.seq)
+            .arg(millis(self.window).max(1))
+            .arg(format!("{LEDGER_PREFIX}charge:"));
         let swapped: i64 = self.invoke(invocation).await?;
         Ok(swapped == 1)
     }

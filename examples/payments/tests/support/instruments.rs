@@ -206,11 +206,13 @@ async fn probe(State(outage): State<Arc<Outage>>, request: Request, next: Next) 
 // The ledger.
 
 /// A ledger whose opens wait at a gate while a test holds it shut, right after the request's
-/// claim, as behind a locked `charges` table.
+/// claim, as behind a locked `charges` table; and one chosen update can be held the same way.
 #[derive(Debug)]
 pub struct GatedLedger {
     inner: Arc<dyn Ledger>,
     pub opens: Gate,
+    /// The update to hold (after how many more pass), and its gate.
+    held_update: Mutex<Option<(usize, Arc<Gate>)>>,
 }
 
 impl GatedLedger {
@@ -218,7 +220,13 @@ impl GatedLedger {
         Arc::new(Self {
             inner,
             opens: Gate::default(),
+            held_update: Mutex::default(),
         })
+    }
+
+    /// Lets the next `pass` updates through, then holds the one after at `gate`.
+    pub fn hold_update(&self, pass: usize, gate: Arc<Gate>) {
+        *lock(&self.held_update) = Some((pass, gate));
     }
 }
 
@@ -256,6 +264,20 @@ impl Ledger for GatedLedger {
     }
 
     async fn update(&self, account: &Account, id: &str, change: Change<'_>) -> ApiResult<Charge> {
+        let gate = {
+            let mut held = lock(&self.held_update);
+            match held.as_mut() {
+                Some((0, _)) => held.take().map(|(_, gate)| gate),
+                Some((pass, _)) => {
+                    *pass -= 1;
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(gate) = gate {
+            gate.pass().await;
+        }
         self.inner.update(account, id, change).await
     }
 

@@ -43,3 +43,12 @@ pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Polls `condition` every 5 ms until it holds, for up to [`instance::PATIENCE`].
+pub async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    let deadline = Instant::now() + instance::PATIENCE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "gave up waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
