@@ -158,7 +158,8 @@ pub async fn create(
     let opened = state.ledger.open(&account, &provider_key, &request).await?;
     let mut charge = match opened {
         Opened::Authorizing(charge) => charge,
-        // An earlier attempt with this key crashed, and the reconciler settled its charge.
+        // An earlier attempt with this key settled its charge (its idempotency record was lost),
+        // or crashed and the reconciler settled it.
         Opened::Settled(charge) if charge.status == Status::Failed => {
             return Err(ApiError::card_declined(&charge.id));
         }

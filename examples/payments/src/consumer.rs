@@ -52,7 +52,8 @@ pub fn deduplicator<St>(store: St, min_idle: Duration) -> Deduplicator<St> {
 pub enum Handled {
     /// Applied now. Acked.
     Applied,
-    /// The Deduplicator had no record, but the ledger had applied it: nothing changed. Acked.
+    /// The ledger had applied it (the Deduplicator had no record of it, or there is none: the
+    /// outbox): nothing changed. Acked.
     AlreadyApplied,
     /// The Deduplicator knew it as done. Acked.
     Duplicate,

@@ -41,9 +41,10 @@ use balance::Balances;
 use ledger::Ledger;
 use provider::ProviderClient;
 
-/// The largest request body the API reads: 64 KiB, above any charge a client sends (the longest
-/// description and Stripe's largest metadata are under 40 KB as a form); a larger one gets `413`
-/// from the idempotency layer and nothing runs.
+/// The largest request body the API reads: 64 KiB, above any charge whose text is plain ASCII (the
+/// longest description and Stripe's largest metadata are under 40 KB as a form); a larger one,
+/// such as the largest metadata written in non-Latin script and percent-encoded (up to 12 bytes a
+/// character), gets `413` from the idempotency layer and nothing runs.
 pub const REQUEST_LIMIT: usize = 64 * 1024;
 
 /// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every answer of

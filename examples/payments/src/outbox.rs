@@ -119,7 +119,7 @@ impl OutboxConsumer {
             }
             Ok(event) => match self.balances.apply_in(&mut tx, &event).await {
                 Ok(Applied::New) => Handled::Applied,
-                Ok(Applied::Already) => Handled::Duplicate,
+                Ok(Applied::Already) => Handled::AlreadyApplied,
                 Err(err) if err.is_permanent() => {
                     tracing::error!(event = %event.id, account = %event.account, error = %super::report(&err), "dropping an event the ledger refuses for good");
                     // The failed statement aborted the transaction: drop the event in another.

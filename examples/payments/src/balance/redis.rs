@@ -1,5 +1,5 @@
-//! The balances in Redis: one Lua script records the event id in the account's applied set
-//! (`ZADD`) and changes the balance (`HINCRBY`), or does nothing. Both keys carry the account as
+//! The balances in Redis: one Lua script changes the balance (`HINCRBY`) and records the event id
+//! in the account's applied set (`ZADD`), or does nothing for an id the set holds. Both keys carry the account as
 //! their hash tag, so a Redis Cluster keeps them in one slot.
 
 use std::sync::Arc;

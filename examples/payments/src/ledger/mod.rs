@@ -262,7 +262,8 @@ pub enum Opened {
     /// The charge is `authorizing`: call the provider. A new one, or one an earlier attempt left
     /// there.
     Authorizing(Charge),
-    /// An earlier attempt's charge, settled since (by the reconciler): the answer.
+    /// An earlier attempt's charge, settled since (by that attempt, whose idempotency record was
+    /// lost, or by the reconciler): the answer.
     Settled(Charge),
 }
 

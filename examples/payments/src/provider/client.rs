@@ -39,7 +39,7 @@ pub const ATTEMPTS: u32 = 3;
 /// provider that hangs times out.
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How long a call may take in all: 8 s, well before the charge's own client gives up (10 s by
+/// How long a call may take in all: 8 s, within one attempt of the charge's own client (10 s by
 /// default with [`IdempotentRetryLayer`]) and before a shutdown's drain (20 s) cuts it off.
 pub const DEADLINE: Duration = Duration::from_secs(8);
 

@@ -1,4 +1,5 @@
-//! The queue on a Redis Stream (Redis 6.2 or newer, for `XAUTOCLAIM`).
+//! The queue on a Redis Stream (Redis 7 or newer, as the store requires; `XAUTOCLAIM` answers
+//! three elements there).
 //!
 //! | step | command |
 //! |---|---|
@@ -199,8 +200,7 @@ impl RedisConsumer {
             .arg(&self.cursor)
             .arg("COUNT")
             .arg(self.config.batch);
-        // Redis 7 lists entries deleted while pending apart (and forgets them); Redis 6.2 returns
-        // them with nil fields.
+        // Redis 7 lists entries deleted while pending apart (and forgets them).
         let (cursor, claimed, _deleted): (String, Vec<Entry>, Vec<String>) =
             self.query(&claim).await?;
         self.cursor = cursor;
