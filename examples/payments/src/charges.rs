@@ -354,9 +354,9 @@ async fn move_along(
         ),
     };
     if let Err(err) = called {
-        return Err(roll_back(&state, &account, &id, &call_key, err).await);
+        return Err(roll_back(&state, &account, &id, begin, &call_key, err).await);
     }
-    let end_call = &mut |c: &mut Charge| end_call(c, end, &call_key);
+    let end_call = &mut |c: &mut Charge| end_call(c, begin, end, &call_key);
     let event = |c: &Charge| (end == Event::Captured).then(|| PaymentEvent::captured(c));
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, end_call, &event)
@@ -370,7 +370,7 @@ async fn move_along(
 /// key that was another request's), and [`end_call`] settles it once.
 fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
     if charge.call_key == call_key {
-        return Ok(());
+        return resumable(charge, event);
     }
     charge.apply(event)?;
     charge.call_key = call_key.to_owned();
@@ -378,26 +378,41 @@ fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), A
     Ok(())
 }
 
-/// Moves `charge` along `event` out of the `-ing` state of the call with `call_key`, unless
-/// another run of the same request did already.
-fn end_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
-    if !waits_on(charge, call_key) {
+/// Moves `charge` along `end` out of the `-ing` state of the `begin` call with `call_key`,
+/// unless another run of the same request did already.
+fn end_call(charge: &mut Charge, begin: Event, end: Event, call_key: &str) -> Result<(), ApiError> {
+    if !waits_on(charge, begin, call_key) {
         return Ok(());
     }
-    charge.apply(event)
+    charge.apply(end)
 }
 
-/// Whether `charge` still waits on the provider call with `call_key`. Once it does not, the call
-/// was settled already (by another run of the request, or the reconciler), and the charge may
-/// have moved on to another call since: a late run of this one must change nothing (with the
-/// charges in memory, its write would otherwise count a refund twice).
-fn waits_on(charge: &Charge, call_key: &str) -> bool {
-    charge.call_key == call_key && is_busy(charge)
+/// Whether `charge` still waits on the provider call of `operation` (`Capture`, `Refund` or
+/// `Cancel`) with `call_key`. Once it does not, the call was settled already (by another run of
+/// the request, or the reconciler), and the charge may have moved on to another call since: a
+/// late run of this one must change nothing (with the charges in memory, its write would
+/// otherwise count a refund twice).
+fn waits_on(charge: &Charge, operation: Event, call_key: &str) -> bool {
+    charge.call_key == call_key && charge.status == calling(operation)
 }
 
-/// Whether `charge` waits on a capture, refund or cancellation call.
-fn is_busy(charge: &Charge) -> bool {
-    charge.is_busy() && charge.status != Status::Authorizing
+/// The `-ing` state a call of `operation` holds its charge in.
+fn calling(operation: Event) -> Status {
+    match operation {
+        Event::Capture => Status::Capturing,
+        Event::Cancel => Status::Canceling,
+        _ => Status::Refunding,
+    }
+}
+
+/// A request whose key made the charge's last call, for `operation`: resumed, unless that call is
+/// another operation's still in flight (the client's key sent again for another operation, once
+/// the layer let it go after a `5xx`), which this request must neither resume nor undo.
+fn resumable(charge: &Charge, operation: Event) -> Result<(), ApiError> {
+    if charge.is_busy() && charge.status != calling(operation) {
+        return Err(ApiError::idempotency_key_reused());
+    }
+    Ok(())
 }
 
 /// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
@@ -426,7 +441,7 @@ pub async fn refund(
             // An earlier run of this request began (or made) this refund: the provider answers
             // it again, or refuses the key if it was another request's.
             amount = c.call_amount;
-            return Ok(());
+            return resumable(c, Event::Refund);
         }
         amount = input.amount.unwrap_or(c.refundable());
         c.apply(Event::Refund)?;
@@ -451,10 +466,13 @@ pub async fn refund(
         .await
     {
         Ok(refund_id) => refund_id,
-        Err(err) => return Err(roll_back(&state, &account, &id, &call_key, err).await),
+        Err(err) => {
+            let operation = Event::Refund;
+            return Err(roll_back(&state, &account, &id, operation, &call_key, err).await);
+        }
     };
     let settle = &mut |c: &mut Charge| {
-        if !waits_on(c, &call_key) {
+        if !waits_on(c, Event::Refund, &call_key) {
             return Ok(());
         }
         c.amount_refunded += amount;
@@ -488,6 +506,7 @@ async fn roll_back(
     state: &AppState,
     account: &Account,
     id: &str,
+    operation: Event,
     call_key: &str,
     err: ProviderError,
 ) -> ApiError {
@@ -498,7 +517,7 @@ async fn roll_back(
     let rolled_back = state
         .ledger
         .update(account, id, &mut |c| {
-            if !waits_on(c, call_key) {
+            if !waits_on(c, operation, call_key) {
                 // Not in this request's call: the reconciler settled or rolled it back, and the
                 // charge may be in another request's call by now, which is not this one's to undo.
                 return Ok(());

@@ -136,7 +136,7 @@ impl Backend {
     async fn postgres(url: &str) -> Result<Self, String> {
         if ["REDIS_URL", "REDIS_CLUSTER_URLS", "LEDGER_REDIS_URL"]
             .into_iter()
-            .any(|var| env_url(var).is_some())
+            .any(|var| env_nonempty(var).is_some())
         {
             tracing::warn!("DATABASE_URL is set: the Redis variables are not used");
         }
@@ -185,7 +185,7 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
     let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
     let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(RECONCILE_AFTER);
     let metrics = prometheus::install()?;
-    let backend = match env_url("DATABASE_URL") {
+    let backend = match env_nonempty("DATABASE_URL") {
         Some(url) => Backend::postgres(&url).await?,
         None => redis_or_memory().await?,
     };
@@ -274,7 +274,7 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
 
 /// The backend of `REDIS_URL`, `REDIS_CLUSTER_URLS` and `LEDGER_REDIS_URL`, or memory.
 async fn redis_or_memory() -> Result<Backend, String> {
-    let records = match (env_url("REDIS_URL"), env_urls("REDIS_CLUSTER_URLS")) {
+    let records = match (env_nonempty("REDIS_URL"), env_urls("REDIS_CLUSTER_URLS")) {
         (Some(_), Some(_)) => return Err("set REDIS_URL or REDIS_CLUSTER_URLS, not both".into()),
         (Some(url), None) => Some(connect_redis("REDIS_URL", RedisStore::from_url(&url)).await?),
         (None, Some(urls)) => {
@@ -284,7 +284,7 @@ async fn redis_or_memory() -> Result<Backend, String> {
     };
     // The ledger's Redis is the records' (one connection for both) unless `LEDGER_REDIS_URL`
     // names another; its errors name the variable its URL came from.
-    let ledger = match env_url("LEDGER_REDIS_URL") {
+    let ledger = match env_nonempty("LEDGER_REDIS_URL") {
         Some(url) => {
             let store = RedisStore::from_url(&url);
             Some(connect_redis("LEDGER_REDIS_URL", store).await?)
@@ -324,7 +324,7 @@ fn consumer_name() -> String {
 /// The keys that seal the idempotency records: `IDEMPOTENCY_SEAL_KEYS`, or the development key,
 /// with a warning. To rotate, put a new key first and drop the old one a dedup window later.
 fn seal_keys() -> Result<SealKeys, Box<dyn Error>> {
-    let Some(list) = env_url("IDEMPOTENCY_SEAL_KEYS") else {
+    let Some(list) = env_nonempty("IDEMPOTENCY_SEAL_KEYS") else {
         let (id, key) = DEV_SEAL_KEY;
         tracing::warn!(
             "IDEMPOTENCY_SEAL_KEYS is unset: idempotency records are sealed under the public \
@@ -359,16 +359,16 @@ fn env_millis(name: &str) -> Result<Option<Duration>, String> {
 }
 
 /// The environment variable `name`, unless it is unset or empty.
-fn env_url(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|url| !url.is_empty())
+fn env_nonempty(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|value| !value.is_empty())
 }
 
 /// The comma-separated URLs of the environment variable `name`, unless it names none.
 fn env_urls(name: &str) -> Option<Vec<String>> {
-    let urls: Vec<String> = env_url(name)?
+    let urls: Vec<String> = env_nonempty(name)?
         .split(',')
         .map(str::trim)
-        .filter(|url| !url.is_empty())
+        .filter(|value| !value.is_empty())
         .map(str::to_owned)
         .collect();
     (!urls.is_empty()).then_some(urls)

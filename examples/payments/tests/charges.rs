@@ -754,6 +754,50 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
     assert_eq!(h.provider_counts(), (4, 2));
 }
 
+/// A capture whose answer was lost (`504`, not stored), then the same client key sent to cancel
+/// the charge: another request under the capture's key, refused (`idempotency_key_reused`)
+/// without a provider call; it neither resumes the capture nor rolls it back. The reconciler
+/// then learns that the capture was made.
+async fn a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone(h: &mut Harness) {
+    let id = h.authorized(ALICE, 800).await;
+    h.parts.outage.set_losing_answers(true);
+    let capture = h
+        .post(&format!("/v1/charges/{id}/capture"))
+        .auth(ALICE)
+        .key("op-7")
+        .send()
+        .await;
+    capture.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    h.parts.outage.set_losing_answers(false);
+    let calls = h.parts.outage.calls();
+    let cancel = h
+        .post(&format!("/v1/charges/{id}/cancel"))
+        .auth(ALICE)
+        .key("op-7")
+        .send()
+        .await;
+    cancel.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
+    );
+    assert_eq!(
+        h.parts.outage.calls(),
+        calls,
+        "no provider call for the cancel"
+    );
+    assert_eq!(h.charge_status(ALICE, &id).await["status"], "capturing");
+
+    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
+    assert!(reconciled.is_ok(), "{reconciled:?}");
+    assert_eq!(h.charge_status(ALICE, &id).await["status"], "captured");
+    assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
+}
+
 /// A refund whose provider call fails after the reconciler gave it up, while a second refund of
 /// the charge is in the provider's hands: the first request's rollback leaves the second's call
 /// alone, and the second settles the charge refunded, as the provider did.
@@ -830,6 +874,7 @@ on_both_stores!(
     a_key_reused_within_the_providers_window_for_other_metadata_is_refused,
     a_key_reused_within_the_providers_window_for_another_operation_is_refused,
     a_late_rollback_leaves_another_requests_call_alone,
+    a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

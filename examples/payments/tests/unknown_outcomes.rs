@@ -960,7 +960,8 @@ async fn postgres_a_payment_no_charge_names_is_found_by_the_reconciler() {
 
 /// The handler's answer came after the reconciler removed its charge (the provider had not seen
 /// the call when it asked): the charge is written back and holds its operation again, so neither
-/// a retry nor the reconciler's payments scan makes a second charge of the same payment.
+/// a retry nor the reconciler's payments scan makes a second charge of the same payment; and a
+/// retry's charge, opened and removed meanwhile, is refused when its own answer comes.
 async fn a_charge_written_back_holds_its_operation(ledger: Arc<dyn Ledger>) {
     let alice = Account::for_api_key(ALICE);
     let request = NewCharge {
@@ -982,6 +983,14 @@ async fn a_charge_written_back_holds_its_operation(ledger: Arc<dyn Ledger>) {
         !held.expect("an answer"),
         "a removed charge holds no operation"
     );
+    // A retry opens the operation again, and its charge is removed too.
+    let reopened = ledger.open(&alice, "op-late", &request).await;
+    let Ok(Opened::Authorizing(retried)) = reopened else {
+        panic!("a second charge: {reopened:?}");
+    };
+    assert_ne!(retried.id, charge.id);
+    let removed = ledger.remove(&retried, Duration::ZERO).await;
+    assert!(removed.expect("a removal"), "removed by the reconciler");
 
     let mut answered = charge.clone();
     (answered.status, answered.payment) = (Status::Captured, "py_late".into());
@@ -995,6 +1004,13 @@ async fn a_charge_written_back_holds_its_operation(ledger: Arc<dyn Ledger>) {
     assert!(
         held.expect("an answer"),
         "the charge written back holds its operation"
+    );
+    let mut late = retried.clone();
+    (late.status, late.payment) = (Status::Captured, "py_late".into());
+    let refused = ledger.record(&Extensions::new(), late, &|_| None).await;
+    assert!(
+        refused.is_err(),
+        "the operation has its charge: {refused:?}"
     );
     match ledger.open(&alice, "op-late", &request).await {
         Ok(Opened::Settled(again)) => assert_eq!(again.id, charge.id),

@@ -151,6 +151,9 @@ impl Ledger for MemoryLedger {
                 {
                     return Err(ApiError::superseded());
                 }
+                // It holds its operation again, as it did before it was removed.
+                let until = Instant::now() + self.window;
+                charges.operations.insert(key, (until, charge.id.clone()));
                 let mut charge = charge;
                 charges.next_seq += 1;
                 charge.seq = charges.next_seq;

@@ -155,13 +155,15 @@ impl KeyTable for ProbedKeys {
     }
 }
 
-/// In front of the provider's API: counts every call that reaches it, and answers `503` (nothing
-/// done) while the provider is down.
+/// In front of the provider's API: counts every call that reaches it, answers `503` (nothing
+/// done) while the provider is down, and loses the answers (a `500` once the provider acted)
+/// while told to.
 #[derive(Debug, Default)]
 pub struct Outage {
     calls: AtomicUsize,
     down: AtomicBool,
     down_for: AtomicUsize,
+    losing: AtomicBool,
 }
 
 impl Outage {
@@ -178,6 +180,12 @@ impl Outage {
     /// Makes the next `calls` calls fail as unavailable: a provider down for a moment.
     pub fn set_down_for(&self, calls: usize) {
         self.down_for.store(calls, Ordering::SeqCst);
+    }
+
+    /// Makes every call take effect and then fail as the provider's `500` (an answer lost on
+    /// its way: the outcome unknown to the caller) until switched off.
+    pub fn set_losing_answers(&self, losing: bool) {
+        self.losing.store(losing, Ordering::SeqCst);
     }
 
     /// `provider`'s API behind this probe.
@@ -199,7 +207,12 @@ async fn probe(State(outage): State<Arc<Outage>>, request: Request, next: Next) 
         let body = Json(serde_json::json!({ "error": "unavailable" }));
         return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
     }
-    next.run(request).await
+    let answer = next.run(request).await;
+    if outage.losing.load(Ordering::SeqCst) {
+        let body = Json(serde_json::json!({ "error": "unknown" }));
+        return (StatusCode::INTERNAL_SERVER_ERROR, body).into_response();
+    }
+    answer
 }
 
 // ---------------------------------------------------------------------------------------------
