@@ -26,7 +26,7 @@ use super::AppState;
 use super::auth::Account;
 use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
-use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
+use super::ledger::{Charge, ChargeJson, NewCharge, Opened, Refund};
 use super::params::{self, Form};
 use super::provider::{Outcome, ProviderError, Source};
 use super::reconciler::Reference;
@@ -436,7 +436,14 @@ pub async fn refund(
     };
     let call_key = provider_key(&key, &account);
     let mut amount = 0;
+    let mut made = None;
     let begin = &mut |c: &mut Charge| {
+        if let Some(refund) = c.refund_under(&call_key) {
+            // This request's refund was made and settled (by an earlier run, or the reconciler),
+            // and other calls may have moved the charge on since: its answer, nothing more.
+            (amount, made) = (refund.amount, Some(refund.id.clone()));
+            return Ok(());
+        }
         if c.call_key == call_key {
             // An earlier run of this request began (or made) this refund: the provider answers
             // it again, or refuses the key if it was another request's.
@@ -459,6 +466,9 @@ pub async fn refund(
         Ok(())
     };
     let charge = state.ledger.update(&account, &id, begin).await?;
+    if let Some(refund_id) = made {
+        return Ok(refunded(refund_id, amount, charge.id));
+    }
     still_held(claim.as_ref()).await?;
     let refund_id = match state
         .provider
@@ -476,6 +486,11 @@ pub async fn refund(
             return Ok(());
         }
         c.amount_refunded += amount;
+        c.refunds.push(Refund {
+            call_key: call_key.clone(),
+            id: refund_id.clone(),
+            amount,
+        });
         let event = if c.refundable() == 0 {
             Event::Refunded
         } else {
@@ -487,14 +502,19 @@ pub async fn refund(
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, settle, &event)
         .await?;
+    Ok(refunded(refund_id, amount, charge.id))
+}
+
+/// The answer to a refund of `amount` made as `id`, of the charge `charge`.
+fn refunded(id: String, amount: i64, charge: String) -> (StatusCode, Json<RefundJson>) {
     let refund = RefundJson {
-        id: refund_id,
+        id,
         object: "refund",
         amount,
-        charge: charge.id,
+        charge,
         status: "succeeded",
     };
-    Ok((StatusCode::CREATED, Json(refund)))
+    (StatusCode::CREATED, Json(refund))
 }
 
 /// The provider did nothing (it was unavailable, knew the key from another request, or refused a

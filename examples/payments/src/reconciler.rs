@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::ledger::{Charge, Ledger, NewCharge};
+use super::ledger::{Charge, Ledger, NewCharge, Refund};
 use super::provider::{
     Outcome, PaymentRecord, ProviderClient, ProviderError, Request, WINDOW, now_ms,
 };
@@ -280,8 +280,13 @@ impl Reconciler {
                 }
             }
             Answer::Done(moves) => moves,
-            Answer::Refund(_) => {
+            Answer::Refund(refund) => {
                 charge.amount_refunded += charge.call_amount;
+                charge.refunds.push(Refund {
+                    call_key: charge.call_key.clone(),
+                    id: refund.clone(),
+                    amount: charge.call_amount,
+                });
                 if charge.refundable() == 0 {
                     &[Event::Refunded]
                 } else {

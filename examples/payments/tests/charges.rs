@@ -798,6 +798,58 @@ async fn a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone(h:
     assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
 }
 
+/// A refund whose answer was lost, which the reconciler then learned was made, another refund,
+/// and then the first one's retry: answered with its refund, and counted once, in the ledger as
+/// at the provider.
+async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().expect("an id").to_owned();
+    let refunds = format!("/v1/charges/{id}/refunds");
+    let first = |h: &Harness| {
+        h.post(&refunds)
+            .auth(ALICE)
+            .key("refund-a")
+            .form("amount=300")
+    };
+    h.parts.outage.set_losing_answers(true);
+    let lost = first(h).send().await;
+    lost.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    h.parts.outage.set_losing_answers(false);
+    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
+    assert!(reconciled.is_ok(), "{reconciled:?}");
+    assert_eq!(h.charge_status(ALICE, &id).await["amount_refunded"], 300);
+    let second = h
+        .post(&refunds)
+        .auth(ALICE)
+        .key("refund-b")
+        .form("amount=200");
+    let second = second.send().await;
+    assert_eq!(second.status, StatusCode::CREATED, "{}", second.text());
+
+    let retried = first(h).send().await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.text());
+    assert_eq!(retried.json["amount"], 300);
+    assert_ne!(retried.json["id"], second.json["id"]);
+    let charge = h.charge_status(ALICE, &id).await;
+    assert_eq!(
+        (&charge["status"], &charge["amount_refunded"]),
+        (&json!("captured"), &json!(500)),
+        "{charge}"
+    );
+    let payments = h.parts.provider.payments_since(0, 10).await;
+    let refunded: Vec<i64> = payments
+        .expect("the report")
+        .iter()
+        .map(|p| p.refunded)
+        .collect();
+    assert_eq!(refunded, [500]);
+    assert_eq!(h.parts.keys.effects(), 3, "one payment, two refunds");
+}
+
 /// A refund whose provider call fails after the reconciler gave it up, while a second refund of
 /// the charge is in the provider's hands: the first request's rollback leaves the second's call
 /// alone, and the second settles the charge refunded, as the provider did.
@@ -875,6 +927,7 @@ on_both_stores!(
     a_key_reused_within_the_providers_window_for_another_operation_is_refused,
     a_late_rollback_leaves_another_requests_call_alone,
     a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone,
+    a_refund_retried_after_another_refund_is_counted_once,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

@@ -156,6 +156,10 @@ pub struct Charge {
     pub call_key: String,
     /// That call's amount, for a refund.
     pub call_amount: i64,
+    /// The refunds made, each under its provider key: a retry of one, after other calls moved
+    /// the charge on, is answered from here, and never counted again.
+    #[serde(default)]
+    pub refunds: Vec<Refund>,
     /// Orders the charges (several may share a `created` second).
     pub seq: u64,
     /// When it last changed, in ms since the epoch (PostgreSQL keeps `updated_at`): what a
@@ -186,6 +190,7 @@ impl Charge {
             payment: String::new(),
             call_key: String::new(),
             call_amount: 0,
+            refunds: Vec::new(),
             seq: 0,
             updated: now_ms(),
         }
@@ -216,6 +221,13 @@ impl Charge {
         Ok(())
     }
 
+    /// The refund made under the provider key `call_key`, if one was.
+    pub fn refund_under(&self, call_key: &str) -> Option<&Refund> {
+        self.refunds
+            .iter()
+            .find(|refund| refund.call_key == call_key)
+    }
+
     /// What is left to refund.
     pub fn refundable(&self) -> i64 {
         self.amount - self.amount_refunded
@@ -239,6 +251,16 @@ impl Charge {
             created: self.created,
         }
     }
+}
+
+/// A refund of a charge, as the ledger keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refund {
+    /// The provider's key of the refund call.
+    pub call_key: String,
+    /// The provider's refund id.
+    pub id: String,
+    pub amount: i64,
 }
 
 /// A charge, as the API shows it.

@@ -32,7 +32,7 @@ use crate::state_machine::{Event, Status};
 /// The columns [`read`] reads.
 const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, capture, \
                        status, amount_refunded, created, provider_key, payment, call_key, \
-                       call_amount, seq";
+                       call_amount, refunds, seq";
 
 /// `$n` milliseconds ago, in SQL.
 const AGO: &str = "statement_timestamp() - $N::int8 * interval '1 millisecond'";
@@ -108,7 +108,7 @@ async fn change(
     change(&mut charge)?;
     sqlx::query(
         "UPDATE charges SET status = $2, amount_refunded = $3, payment = $4, call_key = $5,
-                            call_amount = $6, updated_at = statement_timestamp()
+                            call_amount = $6, refunds = $7, updated_at = statement_timestamp()
          WHERE id = $1",
     )
     .bind(&charge.id)
@@ -117,6 +117,7 @@ async fn change(
     .bind(&charge.payment)
     .bind(&charge.call_key)
     .bind(charge.call_amount)
+    .bind(refunds_json(&charge)?)
     .execute(&mut *conn)
     .await
     .map_err(unavailable)?;
@@ -328,7 +329,7 @@ impl Ledger for PgLedger {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let updated = sqlx::query(&format!(
             "UPDATE charges SET status = $2, payment = $3, amount_refunded = $4, call_key = $7,
-                                call_amount = $8, updated_at = statement_timestamp()
+                                call_amount = $8, refunds = $10, updated_at = statement_timestamp()
              WHERE id = $1 AND status = $5 AND call_key = $6 AND updated_at <= {}",
             ago(9)
         ))
@@ -341,6 +342,7 @@ impl Ledger for PgLedger {
         .bind(&settled.call_key)
         .bind(settled.call_amount)
         .bind(ms(unchanged_for))
+        .bind(refunds_json(settled)?)
         .execute(&mut *tx)
         .await
         .map_err(unavailable)?;
@@ -423,6 +425,14 @@ async fn insert<'c>(
     .transpose()
 }
 
+/// A charge's refunds, as the `refunds` column holds them (JSON).
+fn refunds_json(charge: &Charge) -> Result<String, ApiError> {
+    serde_json::to_string(&charge.refunds).map_err(|err| {
+        tracing::error!(%err, "cannot encode a charge's refunds");
+        ApiError::storage_unavailable()
+    })
+}
+
 /// A charge from a row of [`COLUMNS`].
 fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
     let bad = |what: &str, value: &str| {
@@ -433,6 +443,9 @@ fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
     let metadata: String = row.try_get("metadata")?;
     let metadata = serde_json::from_str(&metadata)
         .map_err(|err| sqlx::Error::Decode(format!("a charge's metadata: {err}").into()))?;
+    let refunds: String = row.try_get("refunds")?;
+    let refunds = serde_json::from_str(&refunds)
+        .map_err(|err| sqlx::Error::Decode(format!("a charge's refunds: {err}").into()))?;
     Ok(Charge {
         id: row.try_get("id")?,
         account: Account::from_id(row.try_get("account")?),
@@ -449,6 +462,7 @@ fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
         payment: row.try_get("payment")?,
         call_key: row.try_get("call_key")?,
         call_amount: row.try_get("call_amount")?,
+        refunds,
         seq: u64::try_from(row.try_get::<i64, _>("seq")?).unwrap_or(0),
         updated: 0,
     })

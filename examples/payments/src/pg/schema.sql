@@ -28,6 +28,9 @@ CREATE TABLE IF NOT EXISTS charges (
     -- while the charge is capturing, refunding or canceling, for the retry and the reconciler.
     call_key        text        NOT NULL DEFAULT '',
     call_amount     bigint      NOT NULL DEFAULT 0,
+    -- The refunds made, each under its provider key, as JSON ([{"call_key", "id", "amount"}]): a
+    -- retry of one is answered from here, never counted again.
+    refunds         text        NOT NULL DEFAULT '[]',
     -- Seconds since the Unix epoch, as the API shows it.
     created         bigint      NOT NULL,
     seq             bigserial,
@@ -52,6 +55,7 @@ BEGIN
 END $$;
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS refunds text NOT NULL DEFAULT '[]';
 
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
 -- The last line of defence: one charge per operation, whatever ran twice in front of it.
