@@ -5,13 +5,18 @@
 //! lost after the call was sent, a crash) leaves its charge `authorizing`, `capturing`,
 //! `refunding` or `canceling`, never deleted. Every round the reconciler takes those unchanged
 //! for longer than `after` (far above the provider client's deadline: a live request's call has
-//! long ended) and asks the provider, by the key of the call in flight, what became of it:
+//! long ended) and settles it with the provider, by the key of the call in flight. A create is
+//! looked up; a capture, refund or cancellation is sent again under its key with the largest
+//! fence, so that the provider makes it once (now, or answering what it made) and refuses any
+//! late run of it (rolling it back instead would let a call held up at the provider land after,
+//! money moved under a charge that says otherwise):
 //!
 //! - made: the charge moves to the state the answer says, with the event the request would have
 //!   published (the same id: the consumer applies it once), only if it is still as it was found;
-//! - not made, so far: a new charge goes, and one in the middle of a capture, refund or
-//!   cancellation goes back to where it was; a later retry does it again;
-//! - the provider unavailable: the charge waits for the next round.
+//! - refused (a refund beyond what is left, a key used for another request), or a create not
+//!   made so far: a new charge goes, one in the middle of a capture, refund or cancellation goes
+//!   back to where it was;
+//! - the provider unavailable, or its answer lost: the charge waits for the next round.
 //!
 //! **Payments no charge names.** "Not made so far" is not "never": a call held up at the
 //! provider can take effect after its charge went. So the reconciler also reads the provider's
@@ -231,10 +236,13 @@ impl Reconciler {
         Ok(adopted)
     }
 
-    /// What the provider did with the call `charge` waits on: `None` when it did nothing.
+    /// What the provider did with the call `charge` waits on, or does now with it: `None` when
+    /// it did nothing. A capture, refund or cancellation is sent again, under its key, with the
+    /// largest fence: the provider makes it once, and a late run of it is refused as superseded.
     async fn ask(&self, charge: &Charge) -> Result<Option<Answer>, ProviderError> {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
+        let (key, amount) = (charge.call_key.as_str(), charge.call_amount);
         Ok(match charge.status {
             Status::Authorizing => {
                 let (source, amount, capture) = (charge.source, charge.amount, charge.capture);
@@ -246,20 +254,12 @@ impl Reconciler {
                 (provider.find_call(&charge.provider_key, create).await?)
                     .map(|id| Answer::Payment(id, Outcome::of(source, capture)))
             }
-            Status::Capturing => provider
-                .find_call(&charge.call_key, Request::Capture { payment })
-                .await?
-                .map(|_| Answer::Done(&[Event::Captured])),
-            Status::Canceling => provider
-                .find_call(&charge.call_key, Request::Cancel { payment })
-                .await?
-                .map(|_| Answer::Done(&[Event::Canceled])),
+            Status::Capturing => made(provider.capture(key, LAST_FENCE, payment).await)?
+                .map(|()| Answer::Done(&[Event::Captured])),
+            Status::Canceling => made(provider.cancel(key, LAST_FENCE, payment).await)?
+                .map(|()| Answer::Done(&[Event::Canceled])),
             Status::Refunding => {
-                let amount = charge.call_amount;
-                provider
-                    .find_call(&charge.call_key, Request::Refund { payment, amount })
-                    .await?
-                    .map(Answer::Refund)
+                made(provider.refund(key, LAST_FENCE, payment, amount).await)?.map(Answer::Refund)
             }
             _ => None,
         })
@@ -325,9 +325,9 @@ impl Reconciler {
         Ok(settled)
     }
 
-    /// The provider has not seen the call `charge` waits on: a new charge is removed, one in the
-    /// middle of a capture, refund or cancellation goes back to where it was; unless a retry
-    /// resumed it meanwhile.
+    /// The provider has not seen the create `charge` waits on, or refused its capture, refund or
+    /// cancellation: a new charge is removed, one in the middle of a call goes back to where it
+    /// was; unless a retry resumed it meanwhile.
     async fn undo(&self, found: Charge) -> Result<bool, ApiError> {
         if found.status == Status::Authorizing {
             let removed = self.ledger.remove(&found, self.after).await?;
@@ -347,6 +347,23 @@ impl Reconciler {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }
         Ok(undone)
+    }
+}
+
+/// The fence of the reconciler's own calls: larger than any claim's, so that a handler's call
+/// held up or stalled past the reconciler's is refused as superseded.
+const LAST_FENCE: u64 = u64::MAX;
+
+/// A call's answer: made (`Some`), refused, so nothing was done (`None`), or not known yet.
+fn made<T>(answer: Result<T, ProviderError>) -> Result<Option<T>, ProviderError> {
+    match answer {
+        Ok(made) => Ok(Some(made)),
+        Err(
+            ProviderError::AmountTooLarge { .. }
+            | ProviderError::NoSuchPayment
+            | ProviderError::KeyReused,
+        ) => Ok(None),
+        Err(err) => Err(err),
     }
 }
 

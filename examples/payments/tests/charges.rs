@@ -798,6 +798,38 @@ async fn a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone(h:
     assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
 }
 
+/// A capture held up at the provider's key table (as behind a lock) while the reconciler settles
+/// its charge: the reconciler sends the capture again under its key with the largest fence, so
+/// the provider makes it once, whichever lands first, and the charge ends captured, as the money
+/// is; never rolled back while the held-up call can still land.
+async fn a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler(h: &mut Harness) {
+    let id = h.authorized(ALICE, 700).await;
+    let held = h.parts.keys.stall().await;
+    let call = h.post(&format!("/v1/charges/{id}/capture")).auth(ALICE);
+    let capture = tokio::spawn(call.key("held-capture").send());
+    wait_until("the capture at the provider", || {
+        h.parts.keys.stalled() == 1
+    })
+    .await;
+    let reconciler = h.parts.reconciler(Duration::ZERO);
+    let round = tokio::spawn(async move { reconciler.round().await });
+    let both = || h.parts.keys.stalled() == 2;
+    wait_until("the reconciler's capture at the provider", both).await;
+
+    drop(held);
+    let round = round.await.expect("the round");
+    assert!(round.is_ok(), "{round:?}");
+    let capture = capture.await.expect("the capture");
+    // Its own call first: captured; the reconciler's first: this run was superseded.
+    assert!(
+        [StatusCode::OK, StatusCode::CONFLICT].contains(&capture.status),
+        "{}",
+        capture.text()
+    );
+    assert_eq!(h.charge_status(ALICE, &id).await["status"], "captured");
+    assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
+}
+
 /// A refund whose answer was lost, which the reconciler then learned was made, another refund,
 /// and then the first one's retry: answered with its refund, and counted once, in the ledger as
 /// at the provider.
@@ -850,9 +882,9 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
     assert_eq!(h.parts.keys.effects(), 3, "one payment, two refunds");
 }
 
-/// A refund whose provider call fails after the reconciler gave it up, while a second refund of
-/// the charge is in the provider's hands: the first request's rollback leaves the second's call
-/// alone, and the second settles the charge refunded, as the provider did.
+/// A refund whose provider call failed, held up before its rollback while the reconciler settled
+/// its charge and a second refund reached the provider: the first request's rollback leaves the
+/// second's call alone, and the second settles the charge refunded, as the provider did.
 async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     let charge = h.charge(ALICE, visa(1000)).await;
     let id = charge["id"].as_str().expect("an id").to_owned();
@@ -870,12 +902,17 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
         .form("amount=400");
     let first = tokio::spawn(call.send());
     wait_until("the rollback at the ledger", || rollback.waiting() == 1).await;
-    // The provider is back; the reconciler finds the charge refunding, and the provider never saw
-    // its call: captured again.
+    // The provider is back; the reconciler finds the charge refunding and sends the refund again
+    // under its key: made, and the charge captured again, 400 refunded.
     h.parts.outage.set_down(false);
     let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
     assert!(reconciled.is_ok(), "{reconciled:?}");
-    assert_eq!(h.charge_status(ALICE, &id).await["status"], "captured");
+    let charge = h.charge_status(ALICE, &id).await;
+    assert_eq!(
+        (&charge["status"], &charge["amount_refunded"]),
+        (&json!("captured"), &json!(400)),
+        "{charge}"
+    );
     // The second refund, of the rest, reaches the provider and waits there.
     let provider_held = h.parts.keys.stall().await;
     let call = h.post(&refunds).auth(ALICE).key("refund-2");
@@ -893,7 +930,7 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     drop(provider_held);
     let second = second.await.expect("the second refund");
     assert_eq!(second.status, StatusCode::CREATED, "{}", second.text());
-    assert_eq!(second.json["amount"], 1000);
+    assert_eq!(second.json["amount"], 600);
     let charge = h.charge_status(ALICE, &id).await;
     assert_eq!(
         (&charge["status"], &charge["amount_refunded"]),
@@ -928,6 +965,7 @@ on_both_stores!(
     a_late_rollback_leaves_another_requests_call_alone,
     a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone,
     a_refund_retried_after_another_refund_is_counted_once,
+    a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the
