@@ -169,25 +169,34 @@ impl Reconciler {
     /// charge names; returns how many.
     async fn scan_payments(&self) -> Result<usize, ApiError> {
         let after = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
-        let since = self.since.load(Ordering::SeqCst);
-        let payments = match self.provider.payments_since(since, BATCH).await {
-            Ok(payments) => payments,
-            Err(err) => {
-                tracing::debug!(%err, "the provider cannot list its payments now");
-                return Ok(0);
-            }
-        };
+        let started = now_ms();
+        let mut from = self.since.load(Ordering::SeqCst);
         let mut adopted = 0;
-        for payment in &payments {
-            adopted += usize::from(self.match_payment(payment).await?);
+        loop {
+            let payments = match self.provider.payments_since(from, BATCH).await {
+                Ok(payments) => payments,
+                Err(err) => {
+                    // Read again from the same point next round.
+                    tracing::debug!(%err, "the provider cannot list its payments now");
+                    return Ok(adopted);
+                }
+            };
+            for payment in &payments {
+                adopted += usize::from(self.match_payment(payment).await?);
+            }
+            // A full page: the next one, from its newest payment (a page of one millisecond's
+            // payments ends the round rather than read itself again).
+            match payments.last() {
+                Some(last) if payments.len() == BATCH && last.created > from => {
+                    from = last.created;
+                }
+                _ => break,
+            }
         }
-        // Go on from the newest payment seen (a full page: from there, less nothing, so that the
-        // scan moves on), else from now; less `after`, for a write that lands late.
-        let next = match payments.last() {
-            Some(last) if payments.len() == BATCH => last.created,
-            _ => now_ms().saturating_sub(after).max(since),
-        };
-        self.since.store(next, Ordering::SeqCst);
+        // Every page read: the next round reads again from `after` before this one began, so that
+        // a payment stamped before it committed (a write held up, another clock) is still listed.
+        self.since
+            .store(started.saturating_sub(after), Ordering::SeqCst);
         Ok(adopted)
     }
 

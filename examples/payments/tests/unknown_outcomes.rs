@@ -43,6 +43,7 @@ use example_payments::ledger::{Ledger, NewCharge, Opened};
 use example_payments::pg;
 use example_payments::provider::{Source, WINDOW};
 use example_payments::queue::ConsumerConfig;
+use example_payments::reconciler::Reference;
 use example_payments::state_machine::Status;
 use support::api::{ALICE, Call, Reply, account, authorize, create_charge, visa};
 use support::instance::{
@@ -957,6 +958,52 @@ async fn postgres_a_payment_no_charge_names_is_found_by_the_reconciler() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(retry.json["id"].as_str(), Some(charges[0].0.as_str()));
     assert_eq!(provider_payments(&server).await, 1);
+}
+
+/// The scan of the provider's payments after a full page still lists a payment stamped earlier
+/// than it committed (a write held up, another instance's clock), for as long as `after`: the
+/// reconciler reads every page of a round, then reads again from `after` before it began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_payment_stamped_late_is_adopted_after_a_full_page() {
+    let server = PostgresServer::start();
+    let store = pg::connect(&server.url()).await.expect("the database");
+    let parts = Parts::postgres(&store, WINDOW);
+    let alice = Account::for_api_key(ALICE);
+    let request = NewCharge {
+        amount: 100,
+        currency: "eur".into(),
+        source: Source::Visa,
+        capture: true,
+        description: None,
+        metadata: BTreeMap::new(),
+    };
+    let reference = Reference::of(&alice, &request);
+    let pay = async |key: &str| {
+        let made = (parts.provider)
+            .create_payment(key, 1, Source::Visa, 100, true, &reference)
+            .await;
+        made.expect("a payment");
+    };
+    for n in 0..150 {
+        pay(&format!("bulk-{n}")).await;
+    }
+    let reconciler = parts.reconciler(Duration::from_secs(10));
+    let first = reconciler.round().await.expect("a round");
+    assert_eq!(first.adopted, 150, "every page in one round: {first:?}");
+
+    pay("stamped-late").await;
+    let mut admin = admin(&server).await;
+    sqlx::query(
+        "UPDATE provider_payments SET created_at = created_at - interval '5 seconds'
+         WHERE key = 'stamped-late'",
+    )
+    .execute(&mut admin)
+    .await
+    .expect("stamped earlier");
+    let second = reconciler.round().await.expect("a round");
+    assert_eq!(second.adopted, 1, "{second:?}");
+    let charges = parts.ledger.list(&alice).await.expect("a list");
+    assert_eq!(charges.len(), 151);
 }
 
 // ---------------------------------------------------------------------------------------------
