@@ -131,15 +131,14 @@ impl Ledger for MemoryLedger {
     ) -> Result<Charge, ApiError> {
         let recorded = {
             let mut charges = self.lock();
-            if charges.by_id.contains_key(&charge.id) {
-                drop(charges);
-                self.change(&charge.account, &charge.id, &mut |c| {
-                    if c.status == Status::Authorizing {
-                        c.status = charge.status;
-                        c.payment.clone_from(&charge.payment);
-                    }
-                    Ok(())
-                })?
+            // Under the one lock: the reconciler cannot remove it between the look and the write.
+            if let Some(stored) = charges.by_id.get_mut(&charge.id) {
+                if stored.status == Status::Authorizing {
+                    stored.status = charge.status;
+                    stored.payment.clone_from(&charge.payment);
+                    stored.updated = now_ms();
+                }
+                stored.clone()
             } else {
                 // The reconciler removed it before this answer came: written again, unless its
                 // operation has another charge by now.
