@@ -341,6 +341,17 @@ async fn move_along(
     let charge = (state.ledger)
         .update(&account, &id, &mut |c| begin_call(c, begin, &call_key))
         .await?;
+    if charge.call_key == call_key && charge.status == settled(begin) {
+        // Made already, and settled (by an earlier run, or the reconciler, whose call under this
+        // key refuses any later one): the answer, and its event again in case it was lost.
+        if begin == Event::Capture {
+            state
+                .ledger
+                .publish_again(PaymentEvent::captured(&charge))
+                .await;
+        }
+        return Ok(Json(charge.to_json()));
+    }
     still_held(claim.as_ref()).await?;
     let (provider, fence) = (&state.provider, fence(claim.as_ref()));
     let (called, end) = match begin {
@@ -396,6 +407,14 @@ fn waits_on(charge: &Charge, operation: Event, call_key: &str) -> bool {
     charge.call_key == call_key && charge.status == calling(operation)
 }
 
+/// The state a made capture or cancellation leaves its charge in.
+fn settled(operation: Event) -> Status {
+    match operation {
+        Event::Capture => Status::Captured,
+        _ => Status::Canceled,
+    }
+}
+
 /// The `-ing` state a call of `operation` holds its charge in.
 fn calling(operation: Event) -> Status {
     match operation {
@@ -438,15 +457,23 @@ pub async fn refund(
     let mut amount = 0;
     let mut made = None;
     let begin = &mut |c: &mut Charge| {
+        // The key names one refund: another amount under it is another request.
+        let other_amount = |earlier: i64| input.amount.is_some_and(|asked| asked != earlier);
         if let Some(refund) = c.refund_under(&call_key) {
             // This request's refund was made and settled (by an earlier run, or the reconciler),
             // and other calls may have moved the charge on since: its answer, nothing more.
+            if other_amount(refund.amount) {
+                return Err(ApiError::idempotency_key_reused());
+            }
             (amount, made) = (refund.amount, Some(refund.id.clone()));
             return Ok(());
         }
         if c.call_key == call_key {
             // An earlier run of this request began (or made) this refund: the provider answers
             // it again, or refuses the key if it was another request's.
+            if c.status == Status::Refunding && other_amount(c.call_amount) {
+                return Err(ApiError::idempotency_key_reused());
+            }
             amount = c.call_amount;
             return resumable(c, Event::Refund);
         }
@@ -533,26 +560,40 @@ async fn roll_back(
     if matches!(err, ProviderError::Superseded | ProviderError::Unknown) {
         return err.into();
     }
-    let error = ApiError::from(err);
+    // Whether the refusal still tells what happened: the charge rolled back, or the key's last
+    // call another operation's (nothing of this request's was ever in flight).
+    let mut told = false;
     let rolled_back = state
         .ledger
         .update(account, id, &mut |c| {
             if !waits_on(c, operation, call_key) {
-                // Not in this request's call: the reconciler settled or rolled it back, and the
-                // charge may be in another request's call by now, which is not this one's to undo.
+                // Not in this request's call: the reconciler settled it (making the call under
+                // its key) or rolled it back, and the charge may be in another request's call by
+                // now, which is not this one's to undo.
+                let made = match operation {
+                    Event::Refund => c.refund_under(call_key).is_some(),
+                    _ => c.status == settled(operation),
+                };
+                told = c.call_key == call_key && !made;
                 return Ok(());
             }
             c.apply(Event::ProviderDidNothing)?;
             // The call did nothing: the same request may begin it again.
             c.call_key.clear();
             c.call_amount = 0;
+            told = true;
             Ok(())
         })
         .await;
-    if let Err(err) = rolled_back {
+    if let Err(err) = &rolled_back {
         tracing::error!(charge = id, ?err, "could not roll the charge back");
     }
-    error
+    if rolled_back.is_err() || !told {
+        // The charge was left in, or settled from, this call: "nothing was done" may no longer
+        // be true, and the retry with the same key learns what was.
+        return ProviderError::Unknown.into();
+    }
+    ApiError::from(err)
 }
 
 /// A JSON body, or 400: `invalid_json` when it is not JSON, `parameter_invalid` when a field has

@@ -830,6 +830,31 @@ async fn a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler(h: &mu
     assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
 }
 
+/// A capture whose answer was lost, which the reconciler then settled (sending it again under its
+/// key, with the largest fence): the client's retry gets the captured charge, not a refusal of
+/// its smaller fence.
+async fn a_capture_the_reconciler_settled_is_answered_to_its_retry(h: &mut Harness) {
+    let id = h.authorized(ALICE, 900).await;
+    let capture = || {
+        h.post(&format!("/v1/charges/{id}/capture"))
+            .auth(ALICE)
+            .key("cap-r")
+    };
+    h.parts.outage.set_losing_answers(true);
+    capture().send().await.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    h.parts.outage.set_losing_answers(false);
+    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
+    assert!(reconciled.is_ok(), "{reconciled:?}");
+    let retried = capture().send().await;
+    assert_eq!(retried.status, StatusCode::OK, "{}", retried.text());
+    assert_eq!(retried.json["status"], "captured");
+    assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
+}
+
 /// A refund whose answer was lost, which the reconciler then learned was made, another refund,
 /// and then the first one's retry: answered with its refund, and counted once, in the ledger as
 /// at the provider.
@@ -871,6 +896,18 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
         (&charge["status"], &charge["amount_refunded"]),
         (&json!("captured"), &json!(500)),
         "{charge}"
+    );
+    // The same key for another amount, once the layer forgot it, is another request.
+    h.lose_idempotency_records();
+    let other = h
+        .post(&refunds)
+        .auth(ALICE)
+        .key("refund-a")
+        .form("amount=250");
+    other.send().await.assert_error(
+        StatusCode::BAD_REQUEST,
+        "idempotency_error",
+        "idempotency_key_reused",
     );
     let payments = h.parts.provider.payments_since(0, 10).await;
     let refunded: Vec<i64> = payments
@@ -920,17 +957,26 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     wait_until("the refund at the provider", || h.parts.keys.stalled() == 1).await;
 
     drop(rollback_held);
+    // Its call was made meanwhile, by the reconciler: not "nothing was done", but unknown to this
+    // run; the retry with its key learns it.
     let first = first.await.expect("the first refund");
-    assert_eq!(
-        first.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        first.text()
+    first.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
     );
     drop(provider_held);
     let second = second.await.expect("the second refund");
     assert_eq!(second.status, StatusCode::CREATED, "{}", second.text());
     assert_eq!(second.json["amount"], 600);
+    let retried = h
+        .post(&refunds)
+        .auth(ALICE)
+        .key("refund-1")
+        .form("amount=400");
+    let retried = retried.send().await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.text());
+    assert_eq!(retried.json["amount"], 400);
     let charge = h.charge_status(ALICE, &id).await;
     assert_eq!(
         (&charge["status"], &charge["amount_refunded"]),
@@ -966,6 +1012,7 @@ on_both_stores!(
     a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone,
     a_refund_retried_after_another_refund_is_counted_once,
     a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler,
+    a_capture_the_reconciler_settled_is_answered_to_its_retry,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

@@ -784,7 +784,8 @@ async fn two_reconcilers_settle_a_charge_once() {
 /// under the key of the call in flight: a capture, a cancellation and a refund the provider made
 /// are completed, with the events the requests would have published (the balance counts the
 /// capture and the refund once); a capture and a refund it never saw are made now, under their
-/// keys, once (rolled back, a call held up at the provider could land after). A second round finds
+/// keys, once (rolled back, a call held up at the provider could land after); a refund the
+/// provider refuses (more than is left) goes back to where the charge was. A second round finds
 /// nothing to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reconciler_settles_every_intermediate_state() {
@@ -797,12 +798,13 @@ async fn the_reconciler_settles_every_intermediate_state() {
         ("refund-made", visa(3000)),
         ("capture-lost", authorize(400)),
         ("refund-lost", visa(500)),
+        ("refund-refused", visa(600)),
     ] {
         let reply = h.charge(key, &body).await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
         ids.push(reply.json["id"].as_str().expect("an id").to_owned());
     }
-    h.wait_for_balance(3500).await;
+    h.wait_for_balance(4100).await;
 
     let mut admin = admin(&server).await;
     let mut payment_of = async |id: &str| -> String {
@@ -841,6 +843,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         (&ids[2], "refunding", "refund-call", 1200),
         (&ids[3], "capturing", "never-sent", 0),
         (&ids[4], "refunding", "never-sent-either", 100),
+        (&ids[5], "refunding", "more-than-is-left", 700),
     ] {
         sqlx::query(
             "UPDATE charges SET status = $2, call_key = $3, call_amount = $4 WHERE id = $1",
@@ -861,7 +864,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
     let done = reconciler.round().await.expect("a round");
     assert_eq!(
         (done.settled, done.removed, done.left),
-        (5, 0, 0),
+        (5, 1, 0),
         "{done:?}"
     );
 
@@ -882,10 +885,11 @@ async fn the_reconciler_settles_every_intermediate_state() {
         ("captured", 1200),
         ("captured", 0),
         ("captured", 100),
+        ("captured", 0),
     ]
     .map(|(status, refunded)| (status.to_owned(), refunded));
     assert_eq!(found, expected);
-    let balance = 3500 + 1000 + 400 - 1200 - 100;
+    let balance = 4100 + 1000 + 400 - 1200 - 100;
     h.wait_for_balance(balance).await;
 
     let again = reconciler.round().await.expect("a round");
