@@ -760,19 +760,8 @@ async fn a_key_reused_within_the_providers_window_for_another_operation_is_refus
 /// then learns that the capture was made.
 async fn a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone(h: &mut Harness) {
     let id = h.authorized(ALICE, 800).await;
-    h.parts.outage.set_losing_answers(true);
-    let capture = h
-        .post(&format!("/v1/charges/{id}/capture"))
-        .auth(ALICE)
-        .key("op-7")
-        .send()
-        .await;
-    capture.assert_error(
-        StatusCode::GATEWAY_TIMEOUT,
-        "api_error",
-        "provider_outcome_unknown",
-    );
-    h.parts.outage.set_losing_answers(false);
+    let capture = h.post(&format!("/v1/charges/{id}/capture")).auth(ALICE);
+    h.send_losing_the_answer(capture.key("op-7")).await;
     let calls = h.parts.outage.calls();
     let cancel = h
         .post(&format!("/v1/charges/{id}/cancel"))
@@ -792,8 +781,7 @@ async fn a_key_sent_again_for_another_operation_leaves_the_unknown_call_alone(h:
     );
     assert_eq!(h.charge_status(ALICE, &id).await["status"], "capturing");
 
-    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
-    assert!(reconciled.is_ok(), "{reconciled:?}");
+    h.reconcile_now().await;
     assert_eq!(h.charge_status(ALICE, &id).await["status"], "captured");
     assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
 }
@@ -840,15 +828,8 @@ async fn a_capture_the_reconciler_settled_is_answered_to_its_retry(h: &mut Harne
             .auth(ALICE)
             .key("cap-r")
     };
-    h.parts.outage.set_losing_answers(true);
-    capture().send().await.assert_error(
-        StatusCode::GATEWAY_TIMEOUT,
-        "api_error",
-        "provider_outcome_unknown",
-    );
-    h.parts.outage.set_losing_answers(false);
-    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
-    assert!(reconciled.is_ok(), "{reconciled:?}");
+    h.send_losing_the_answer(capture()).await;
+    h.reconcile_now().await;
     let retried = capture().send().await;
     assert_eq!(retried.status, StatusCode::OK, "{}", retried.text());
     assert_eq!(retried.json["status"], "captured");
@@ -868,16 +849,8 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
             .key("refund-a")
             .form("amount=300")
     };
-    h.parts.outage.set_losing_answers(true);
-    let lost = first(h).send().await;
-    lost.assert_error(
-        StatusCode::GATEWAY_TIMEOUT,
-        "api_error",
-        "provider_outcome_unknown",
-    );
-    h.parts.outage.set_losing_answers(false);
-    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
-    assert!(reconciled.is_ok(), "{reconciled:?}");
+    h.send_losing_the_answer(first(h)).await;
+    h.reconcile_now().await;
     assert_eq!(h.charge_status(ALICE, &id).await["amount_refunded"], 300);
     let second = h
         .post(&refunds)
@@ -942,8 +915,7 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     // The provider is back; the reconciler finds the charge refunding and sends the refund again
     // under its key: made, and the charge captured again, 400 refunded.
     h.parts.outage.set_down(false);
-    let reconciled = h.parts.reconciler(Duration::ZERO).round().await;
-    assert!(reconciled.is_ok(), "{reconciled:?}");
+    h.reconcile_now().await;
     let charge = h.charge_status(ALICE, &id).await;
     assert_eq!(
         (&charge["status"], &charge["amount_refunded"]),

@@ -973,14 +973,7 @@ async fn postgres_a_payment_stamped_late_is_adopted_after_a_full_page() {
     let store = pg::connect(&server.url()).await.expect("the database");
     let parts = Parts::postgres(&store, WINDOW);
     let alice = Account::for_api_key(ALICE);
-    let request = NewCharge {
-        amount: 100,
-        currency: "eur".into(),
-        source: Source::Visa,
-        capture: true,
-        description: None,
-        metadata: BTreeMap::new(),
-    };
+    let request = visa_request(100);
     let reference = Reference::of(&alice, &request);
     let pay = async |key: &str| {
         let made = (parts.provider)
@@ -1010,6 +1003,18 @@ async fn postgres_a_payment_stamped_late_is_adopted_after_a_full_page() {
     assert_eq!(charges.len(), 151);
 }
 
+/// What `POST /v1/charges` asks for with [`visa`]`(amount)`, as the ledger takes it.
+fn visa_request(amount: i64) -> NewCharge {
+    NewCharge {
+        amount,
+        currency: "eur".into(),
+        source: Source::Visa,
+        capture: true,
+        description: None,
+        metadata: BTreeMap::new(),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // A charge the reconciler removed, written back by the handler's late answer.
 
@@ -1019,14 +1024,7 @@ async fn postgres_a_payment_stamped_late_is_adopted_after_a_full_page() {
 /// retry's charge, opened and removed meanwhile, is refused when its own answer comes.
 async fn a_charge_written_back_holds_its_operation(ledger: Arc<dyn Ledger>) {
     let alice = Account::for_api_key(ALICE);
-    let request = NewCharge {
-        amount: 500,
-        currency: "eur".into(),
-        source: Source::Visa,
-        capture: true,
-        description: None,
-        metadata: BTreeMap::new(),
-    };
+    let request = visa_request(500);
     let opened = ledger.open(&alice, "op-late", &request).await;
     let Ok(Opened::Authorizing(charge)) = opened else {
         panic!("a new charge: {opened:?}");

@@ -158,6 +158,25 @@ impl Harness {
         }
     }
 
+    /// Sends `call` while the provider's answers are lost after it acted: `504`, the outcome
+    /// unknown to the client.
+    pub async fn send_losing_the_answer(&self, call: Call) {
+        self.parts.outage.set_losing_answers(true);
+        let reply = call.send().await;
+        self.parts.outage.set_losing_answers(false);
+        reply.assert_error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "api_error",
+            "provider_outcome_unknown",
+        );
+    }
+
+    /// One round of the reconciler, taking every unsettled charge however recent.
+    pub async fn reconcile_now(&self) {
+        let reconciled = self.parts.reconciler(Duration::ZERO).round().await;
+        assert!(reconciled.is_ok(), "{reconciled:?}");
+    }
+
     pub fn post(&self, path: &str) -> Call {
         Call::post(&self.router, path)
     }
