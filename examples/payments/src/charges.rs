@@ -395,6 +395,7 @@ fn end_call(charge: &mut Charge, begin: Event, end: Event, call_key: &str) -> Re
     if !waits_on(charge, begin, call_key) {
         return Ok(());
     }
+    charge.reconciling = false;
     charge.apply(end)
 }
 
@@ -513,6 +514,7 @@ pub async fn refund(
             return Ok(());
         }
         c.amount_refunded += amount;
+        c.reconciling = false;
         c.refunds.push(Refund {
             call_key: call_key.clone(),
             id: refund_id.clone(),
@@ -566,6 +568,11 @@ async fn roll_back(
     let rolled_back = state
         .ledger
         .update(account, id, &mut |c| {
+            if c.reconciling {
+                // The reconciler sends this call again under its key: it may be made, and the
+                // reconciler settles it, or rolls it back on its own refusal.
+                return Ok(());
+            }
             if !waits_on(c, operation, call_key) {
                 // Not in this request's call: the reconciler settled it (making the call under
                 // its key) or rolled it back, and the charge may be in another request's call by

@@ -142,6 +142,11 @@ impl Reconciler {
         let charges = self.ledger.unsettled(self.after, BATCH).await?;
         let mut done = Reconciled::default();
         for charge in charges {
+            let Some(charge) = self.take_over(charge).await? else {
+                // Changed since it was listed: a run of its request is on it.
+                done.left += 1;
+                continue;
+            };
             let found = self.ask(&charge).await;
             let changed = match found {
                 Ok(Some(answer)) => {
@@ -245,6 +250,25 @@ impl Reconciler {
         Ok(adopted)
     }
 
+    /// Marks a capture, refund or cancellation in flight as the reconciler's before its call is
+    /// sent again, unless the charge changed since it was listed (`None`): a run of the request
+    /// that then finds its own call refused leaves the charge to the reconciler instead of
+    /// rolling back a call the reconciler may make. A create needs no mark.
+    async fn take_over(&self, found: Charge) -> Result<Option<Charge>, ApiError> {
+        if found.status == Status::Authorizing || found.reconciling {
+            return Ok(Some(found));
+        }
+        let mut marked = found.clone();
+        marked.reconciling = true;
+        if !self.ledger.swap(&found, &marked, None, self.after).await? {
+            return Ok(None);
+        }
+        // As written (its time of change is the ledger's): what the next write compares.
+        let now = self.ledger.get(&found.account, &found.id).await?;
+        let same_call = now.status == found.status && now.call_key == found.call_key;
+        Ok((now.reconciling && same_call).then_some(now))
+    }
+
     /// What the provider did with the call `charge` waits on, or does now with it: `None` when
     /// it did nothing. A capture, refund or cancellation is sent again, under its key, with the
     /// largest fence: the provider makes it once, and a late run of it is refused as superseded.
@@ -278,6 +302,7 @@ impl Reconciler {
     /// found.
     async fn settle(&self, found: Charge, answer: Answer) -> Result<bool, ApiError> {
         let mut charge = found.clone();
+        charge.reconciling = false;
         let mut event = None;
         let moves: &[Event] = match &answer {
             Answer::Payment(payment, outcome) => {
@@ -346,12 +371,20 @@ impl Reconciler {
             return Ok(removed);
         }
         let mut charge = found.clone();
+        charge.reconciling = false;
         if charge.apply(Event::ProviderDidNothing).is_err() {
             return Ok(false);
         }
         charge.call_key.clear();
         charge.call_amount = 0;
-        let undone = self.ledger.swap(&found, &charge, None, self.after).await?;
+        // Marked as the reconciler's (just now, or in an earlier round): no run rolls it back or
+        // settles it from a refusal meanwhile, so it need not have stood still for `after`.
+        let unchanged_for = if found.reconciling {
+            Duration::ZERO
+        } else {
+            self.after
+        };
+        let undone = (self.ledger.swap(&found, &charge, None, unchanged_for)).await?;
         if undone {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }

@@ -836,6 +836,61 @@ async fn a_capture_the_reconciler_settled_is_answered_to_its_retry(h: &mut Harne
     assert_eq!(h.parts.keys.effects(), 2, "one payment, one capture");
 }
 
+/// A refund whose call was lost on its way (`504`, never seen by the provider), which the
+/// reconciler takes over and sends again, while the client's retry finds the provider down: the
+/// retry leaves the charge to the reconciler (the outcome unknown, not rolled back with "nothing
+/// was done"), and the refund the reconciler makes ends in the ledger as at the provider.
+async fn a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry(h: &mut Harness) {
+    let charge = h.charge(ALICE, visa(1000)).await;
+    let id = charge["id"].as_str().expect("an id").to_owned();
+    let refunds = format!("/v1/charges/{id}/refunds");
+    let refund = || {
+        h.post(&refunds)
+            .auth(ALICE)
+            .key("refund-t")
+            .form("amount=400")
+    };
+    h.parts.outage.set_dropping_calls(true);
+    refund().send().await.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    h.parts.outage.set_dropping_calls(false);
+    // The reconciler takes the call over; its call waits at the provider.
+    let held = h.parts.keys.stall().await;
+    let reconciler = h.parts.reconciler(Duration::ZERO);
+    let round = tokio::spawn(async move { reconciler.round().await });
+    let stalled = || h.parts.keys.stalled() == 1;
+    wait_until("the reconciler's refund at the provider", stalled).await;
+
+    h.parts.outage.set_down(true);
+    refund().send().await.assert_error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "api_error",
+        "provider_outcome_unknown",
+    );
+    h.parts.outage.set_down(false);
+    drop(held);
+    let round = round.await.expect("the round");
+    assert!(round.is_ok(), "{round:?}");
+    // The retry's touch may have kept that round's write out: the next one settles it.
+    h.reconcile_now().await;
+    let charge = h.charge_status(ALICE, &id).await;
+    assert_eq!(
+        (&charge["status"], &charge["amount_refunded"]),
+        (&json!("captured"), &json!(400)),
+        "{charge}"
+    );
+    let payments = h.parts.provider.payments_since(0, 10).await;
+    let refunded: Vec<i64> = payments
+        .expect("the report")
+        .iter()
+        .map(|p| p.refunded)
+        .collect();
+    assert_eq!(refunded, [400]);
+}
+
 /// A refund whose answer was lost, which the reconciler then learned was made, another refund,
 /// and then the first one's retry: answered with its refund, and counted once, in the ledger as
 /// at the provider.
@@ -985,6 +1040,7 @@ on_both_stores!(
     a_refund_retried_after_another_refund_is_counted_once,
     a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler,
     a_capture_the_reconciler_settled_is_answered_to_its_retry,
+    a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

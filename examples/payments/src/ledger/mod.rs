@@ -160,6 +160,10 @@ pub struct Charge {
     /// the charge on, is answered from here, and never counted again.
     #[serde(default)]
     pub refunds: Vec<Refund>,
+    /// The reconciler took the call in flight over (it sends it again under its key): a run of
+    /// the request whose own call is refused leaves the charge to it, as its call may be made.
+    #[serde(default)]
+    pub reconciling: bool,
     /// Orders the charges (several may share a `created` second).
     pub seq: u64,
     /// When it last changed, in ms since the epoch (PostgreSQL keeps `updated_at`): what a
@@ -191,6 +195,7 @@ impl Charge {
             call_key: String::new(),
             call_amount: 0,
             refunds: Vec::new(),
+            reconciling: false,
             seq: 0,
             updated: now_ms(),
         }

@@ -32,7 +32,7 @@ use crate::state_machine::{Event, Status};
 /// The columns [`read`] reads.
 const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, capture, \
                        status, amount_refunded, created, provider_key, payment, call_key, \
-                       call_amount, refunds, seq";
+                       call_amount, refunds, reconciling, seq";
 
 /// `$n` milliseconds ago, in SQL.
 const AGO: &str = "statement_timestamp() - $N::int8 * interval '1 millisecond'";
@@ -108,7 +108,8 @@ async fn change(
     change(&mut charge)?;
     sqlx::query(
         "UPDATE charges SET status = $2, amount_refunded = $3, payment = $4, call_key = $5,
-                            call_amount = $6, refunds = $7, updated_at = statement_timestamp()
+                            call_amount = $6, refunds = $7, reconciling = $8,
+                            updated_at = statement_timestamp()
          WHERE id = $1",
     )
     .bind(&charge.id)
@@ -118,6 +119,7 @@ async fn change(
     .bind(&charge.call_key)
     .bind(charge.call_amount)
     .bind(refunds_json(&charge)?)
+    .bind(charge.reconciling)
     .execute(&mut *conn)
     .await
     .map_err(unavailable)?;
@@ -329,7 +331,8 @@ impl Ledger for PgLedger {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let updated = sqlx::query(&format!(
             "UPDATE charges SET status = $2, payment = $3, amount_refunded = $4, call_key = $7,
-                                call_amount = $8, refunds = $10, updated_at = statement_timestamp()
+                                call_amount = $8, refunds = $10, reconciling = $11,
+                                updated_at = statement_timestamp()
              WHERE id = $1 AND status = $5 AND call_key = $6 AND updated_at <= {}",
             ago(9)
         ))
@@ -343,6 +346,7 @@ impl Ledger for PgLedger {
         .bind(settled.call_amount)
         .bind(ms(unchanged_for))
         .bind(refunds_json(settled)?)
+        .bind(settled.reconciling)
         .execute(&mut *tx)
         .await
         .map_err(unavailable)?;
@@ -463,6 +467,7 @@ fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
         call_key: row.try_get("call_key")?,
         call_amount: row.try_get("call_amount")?,
         refunds,
+        reconciling: row.try_get("reconciling")?,
         seq: u64::try_from(row.try_get::<i64, _>("seq")?).unwrap_or(0),
         updated: 0,
     })

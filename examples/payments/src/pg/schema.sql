@@ -31,6 +31,8 @@ CREATE TABLE IF NOT EXISTS charges (
     -- The refunds made, each under its provider key, as JSON ([{"call_key", "id", "amount"}]): a
     -- retry of one is answered from here, never counted again.
     refunds         text        NOT NULL DEFAULT '[]',
+    -- The reconciler took the call in flight over: a run whose own call is refused leaves it.
+    reconciling     boolean     NOT NULL DEFAULT false,
     -- Seconds since the Unix epoch, as the API shows it.
     created         bigint      NOT NULL,
     seq             bigserial,
@@ -56,6 +58,7 @@ END $$;
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS refunds text NOT NULL DEFAULT '[]';
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS reconciling boolean NOT NULL DEFAULT false;
 
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
 -- The last line of defence: one charge per operation, whatever ran twice in front of it.

@@ -156,14 +156,15 @@ impl KeyTable for ProbedKeys {
 }
 
 /// In front of the provider's API: counts every call that reaches it, answers `503` (nothing
-/// done) while the provider is down, and loses the answers (a `500` once the provider acted)
-/// while told to.
+/// done) while the provider is down, and loses the answers (a `500` once the provider acted) or
+/// the calls themselves (a `500`, the provider never reached) while told to.
 #[derive(Debug, Default)]
 pub struct Outage {
     calls: AtomicUsize,
     down: AtomicBool,
     down_for: AtomicUsize,
     losing: AtomicBool,
+    dropping: AtomicBool,
 }
 
 impl Outage {
@@ -188,6 +189,12 @@ impl Outage {
         self.losing.store(losing, Ordering::SeqCst);
     }
 
+    /// Makes every call fail as the provider's `500` without reaching it (a call lost on its
+    /// way: the outcome unknown to the caller, nothing done) until switched off.
+    pub fn set_dropping_calls(&self, dropping: bool) {
+        self.dropping.store(dropping, Ordering::SeqCst);
+    }
+
     /// `provider`'s API behind this probe.
     pub fn router(self: &Arc<Self>, provider: &Provider) -> Router {
         provider
@@ -207,10 +214,13 @@ async fn probe(State(outage): State<Arc<Outage>>, request: Request, next: Next) 
         let body = Json(serde_json::json!({ "error": "unavailable" }));
         return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
     }
+    let unknown = Json(serde_json::json!({ "error": "unknown" }));
+    if outage.dropping.load(Ordering::SeqCst) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, unknown).into_response();
+    }
     let answer = next.run(request).await;
     if outage.losing.load(Ordering::SeqCst) {
-        let body = Json(serde_json::json!({ "error": "unknown" }));
-        return (StatusCode::INTERNAL_SERVER_ERROR, body).into_response();
+        return (StatusCode::INTERNAL_SERVER_ERROR, unknown).into_response();
     }
     answer
 }
