@@ -495,6 +495,10 @@ pub async fn refund(
     };
     let charge = state.ledger.update(&account, &id, begin).await?;
     if let Some(refund_id) = made {
+        // Its event may have been lost with a process that died: published again (the same id,
+        // applied once).
+        let event = PaymentEvent::refunded(&charge, &refund_id, amount);
+        state.ledger.publish_again(event).await;
         return Ok(refunded(refund_id, amount, charge.id));
     }
     still_held(claim.as_ref()).await?;

@@ -915,10 +915,17 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
     let second = second.send().await;
     assert_eq!(second.status, StatusCode::CREATED, "{}", second.text());
 
+    let queue = h.parts.queue.clone().expect("the events' queue");
+    let published = queue.published();
     let retried = first(h).send().await;
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.text());
     assert_eq!(retried.json["amount"], 300);
     assert_ne!(retried.json["id"], second.json["id"]);
+    assert_eq!(
+        queue.published(),
+        published + 1,
+        "its event again, in case a process died before it was published"
+    );
     let charge = h.charge_status(ALICE, &id).await;
     assert_eq!(
         (&charge["status"], &charge["amount_refunded"]),
