@@ -28,7 +28,7 @@ use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened, Refund};
 use super::params::{self, Form};
-use super::provider::{Outcome, ProviderError, Source};
+use super::provider::{Outcome, ProviderError, Source, now_ms};
 use super::reconciler::Reference;
 use super::state_machine::{Event, Status};
 
@@ -385,6 +385,7 @@ fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), A
     }
     charge.apply(event)?;
     charge.call_key = call_key.to_owned();
+    charge.call_started = now_ms();
     charge.call_amount = 0;
     Ok(())
 }
@@ -481,6 +482,7 @@ pub async fn refund(
         amount = input.amount.unwrap_or(c.refundable());
         c.apply(Event::Refund)?;
         c.call_key = call_key.clone();
+        c.call_started = now_ms();
         c.call_amount = amount;
         if amount <= 0 {
             return Err(ApiError::invalid_param(

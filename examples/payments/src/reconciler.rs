@@ -255,7 +255,16 @@ impl Reconciler {
     /// that then finds its own call refused leaves the charge to the reconciler instead of
     /// rolling back a call the reconciler may make. A create needs no mark.
     async fn take_over(&self, found: Charge) -> Result<Option<Charge>, ApiError> {
-        if found.status == Status::Authorizing || found.reconciling {
+        if found.status == Status::Authorizing {
+            return Ok(Some(found));
+        }
+        if outlived_its_key(&found) {
+            // The provider may have forgotten the call's key: sent again, a call it made would be
+            // made twice, and one it refuses could be rolled back though it was made.
+            tracing::error!(charge = %found.id, status = found.status.as_str(), "a call in flight past the provider's key window: settle it by hand from the provider's records");
+            return Ok(None);
+        }
+        if found.reconciling {
             return Ok(Some(found));
         }
         let mut marked = found.clone();
@@ -390,6 +399,18 @@ impl Reconciler {
         }
         Ok(undone)
     }
+}
+
+/// How long before the provider forgets a call's key the reconciler stops sending the call again:
+/// an hour, for the clocks of the provider and this process to differ and the call to take its
+/// time.
+const KEY_MARGIN: Duration = Duration::from_secs(60 * 60);
+
+/// Whether the call `charge` waits on began too long ago to be sent again under its key.
+fn outlived_its_key(charge: &Charge) -> bool {
+    let usable = WINDOW.saturating_sub(KEY_MARGIN);
+    let usable = u64::try_from(usable.as_millis()).unwrap_or(u64::MAX);
+    now_ms().saturating_sub(charge.call_started) >= usable
 }
 
 /// The fence of the reconciler's own calls: larger than any claim's, so that a handler's call

@@ -785,8 +785,9 @@ async fn two_reconcilers_settle_a_charge_once() {
 /// are completed, with the events the requests would have published (the balance counts the
 /// capture and the refund once); a capture and a refund it never saw are made now, under their
 /// keys, once (rolled back, a call held up at the provider could land after); a refund the
-/// provider refuses (more than is left) goes back to where the charge was. A second round finds
-/// nothing to do.
+/// provider refuses (more than is left) goes back to where the charge was; a call that began
+/// longer ago than the provider keeps its keys is left for an operator. A second round finds
+/// nothing else to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reconciler_settles_every_intermediate_state() {
     let server = PostgresServer::start();
@@ -799,6 +800,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         ("capture-lost", authorize(400)),
         ("refund-lost", visa(500)),
         ("refund-refused", visa(600)),
+        ("capture-forgotten", authorize(300)),
     ] {
         let reply = h.charge(key, &body).await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
@@ -844,6 +846,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         (&ids[3], "capturing", "never-sent", 0),
         (&ids[4], "refunding", "never-sent-either", 100),
         (&ids[5], "refunding", "more-than-is-left", 700),
+        (&ids[6], "capturing", "past-the-window", 0),
     ] {
         sqlx::query(
             "UPDATE charges SET status = $2, call_key = $3, call_amount = $4 WHERE id = $1",
@@ -857,6 +860,13 @@ async fn the_reconciler_settles_every_intermediate_state() {
         .expect("the charge is left mid-call");
     }
 
+    // This call began 25 h ago: the provider may have forgotten its key, and the reconciler leaves
+    // it for an operator rather than make it a second time.
+    sqlx::query("UPDATE charges SET call_started = call_started - 90000000 WHERE id = $1")
+        .bind(&ids[6])
+        .execute(&mut admin)
+        .await
+        .expect("an old call");
     let store = pg::connect(&server.url()).await.expect("the database");
     let reconciler = Parts::postgres(&store, WINDOW).reconciler(Duration::ZERO);
     // Made or not, each call is sent again under its key: the provider answers what it made
@@ -864,7 +874,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
     let done = reconciler.round().await.expect("a round");
     assert_eq!(
         (done.settled, done.removed, done.left),
-        (5, 1, 0),
+        (5, 1, 1),
         "{done:?}"
     );
 
@@ -886,6 +896,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
         ("captured", 0),
         ("captured", 100),
         ("captured", 0),
+        ("capturing", 0),
     ]
     .map(|(status, refunded)| (status.to_owned(), refunded));
     assert_eq!(found, expected);
@@ -895,7 +906,7 @@ async fn the_reconciler_settles_every_intermediate_state() {
     let again = reconciler.round().await.expect("a round");
     assert_eq!(
         (again.settled, again.removed, again.left),
-        (0, 0, 0),
+        (0, 0, 1),
         "{again:?}"
     );
     wait_for_count(&server, "SELECT count(*) FROM payment_events", 0).await;

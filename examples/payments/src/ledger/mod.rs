@@ -156,6 +156,11 @@ pub struct Charge {
     pub call_key: String,
     /// That call's amount, for a refund.
     pub call_amount: i64,
+    /// When that call began, in ms since the epoch: the provider remembers its key for its
+    /// window from then, and the reconciler sends it again only within it. (A charge written
+    /// before this was kept counts from when it is read.)
+    #[serde(default = "now_ms")]
+    pub call_started: u64,
     /// The refunds made, each under its provider key: a retry of one, after other calls moved
     /// the charge on, is answered from here, and never counted again.
     #[serde(default)]
@@ -194,6 +199,7 @@ impl Charge {
             payment: String::new(),
             call_key: String::new(),
             call_amount: 0,
+            call_started: 0,
             refunds: Vec::new(),
             reconciling: false,
             seq: 0,

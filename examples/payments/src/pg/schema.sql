@@ -28,6 +28,9 @@ CREATE TABLE IF NOT EXISTS charges (
     -- while the charge is capturing, refunding or canceling, for the retry and the reconciler.
     call_key        text        NOT NULL DEFAULT '',
     call_amount     bigint      NOT NULL DEFAULT 0,
+    -- When that call began, in ms since the epoch: the reconciler sends it again only within the
+    -- provider's window from then.
+    call_started    bigint      NOT NULL DEFAULT (extract(epoch FROM now()) * 1000)::bigint,
     -- The refunds made, each under its provider key, as JSON ([{"call_key", "id", "amount"}]): a
     -- retry of one is answered from here, never counted again.
     refunds         text        NOT NULL DEFAULT '[]',
@@ -59,6 +62,8 @@ ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS refunds text NOT NULL DEFAULT '[]';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS reconciling boolean NOT NULL DEFAULT false;
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_started bigint NOT NULL
+    DEFAULT (extract(epoch FROM now()) * 1000)::bigint;
 
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
 -- The last line of defence: one charge per operation, whatever ran twice in front of it.
