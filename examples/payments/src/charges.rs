@@ -341,7 +341,8 @@ async fn move_along(
     let charge = (state.ledger)
         .update(&account, &id, &mut |c| begin_call(c, begin, &call_key))
         .await?;
-    if charge.call_key == call_key && charge.status == settled(begin) {
+    let captured_by_this = begin == Event::Capture && charge.capture_key == call_key;
+    if captured_by_this || (charge.call_key == call_key && charge.status == settled(begin)) {
         // Made already, and settled (by an earlier run, or the reconciler, whose call under this
         // key refuses any later one): the answer, and its event again in case it was lost.
         if begin == Event::Capture {
@@ -383,6 +384,10 @@ fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), A
     if charge.call_key == call_key {
         return resumable(charge, event);
     }
+    if event == Event::Capture && charge.capture_key == call_key {
+        // This capture was made, and later calls moved the charge on: answered as it is.
+        return Ok(());
+    }
     charge.apply(event)?;
     charge.call_key = call_key.to_owned();
     charge.call_started = now_ms();
@@ -397,6 +402,9 @@ fn end_call(charge: &mut Charge, begin: Event, end: Event, call_key: &str) -> Re
         return Ok(());
     }
     charge.reconciling = false;
+    if end == Event::Captured {
+        charge.capture_key = call_key.to_owned();
+    }
     charge.apply(end)
 }
 

@@ -322,7 +322,12 @@ impl Reconciler {
                     Outcome::Captured => &[Event::Approved, Event::Capture, Event::Captured],
                 }
             }
-            Answer::Done(moves) => moves,
+            Answer::Done(moves) => {
+                if found.status == Status::Capturing {
+                    charge.capture_key.clone_from(&found.call_key);
+                }
+                moves
+            }
             Answer::Refund(refund) => {
                 charge.amount_refunded += charge.call_amount;
                 charge.refunds.push(Refund {

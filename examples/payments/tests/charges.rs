@@ -891,6 +891,30 @@ async fn a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry(h: &mut H
     assert_eq!(refunded, [400]);
 }
 
+/// A capture sent again after a refund moved its charge on (its answer lost to the client, the
+/// layer's record gone): the charge as it is now, with no provider call, not `invalid_state` for
+/// a capture that was made.
+async fn a_capture_retried_after_a_refund_gets_the_charge(h: &mut Harness) {
+    let id = h.authorized(ALICE, 1000).await;
+    let path = format!("/v1/charges/{id}/capture");
+    let capture = |h: &Harness| h.post(&path).auth(ALICE).key("cap-then-refund");
+    let captured = capture(h).send().await;
+    assert_eq!(captured.status, StatusCode::OK, "{}", captured.text());
+    let refund = h.post(&format!("/v1/charges/{id}/refunds")).auth(ALICE);
+    let refund = refund.key("refund-after").form("amount=300").send().await;
+    assert_eq!(refund.status, StatusCode::CREATED, "{}", refund.text());
+
+    h.lose_idempotency_records();
+    let calls = h.parts.outage.calls();
+    let again = capture(h).send().await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(
+        (&again.json["status"], &again.json["amount_refunded"]),
+        (&json!("captured"), &json!(300))
+    );
+    assert_eq!(h.parts.outage.calls(), calls, "no provider call");
+}
+
 /// A refund whose answer was lost, which the reconciler then learned was made, another refund,
 /// and then the first one's retry: answered with its refund, and counted once, in the ledger as
 /// at the provider.
@@ -1048,6 +1072,7 @@ on_both_stores!(
     a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler,
     a_capture_the_reconciler_settled_is_answered_to_its_retry,
     a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry,
+    a_capture_retried_after_a_refund_gets_the_charge,
 );
 
 /// The provider charges, then its answer never comes (it hangs once the payment is made): the

@@ -165,6 +165,10 @@ pub struct Charge {
     /// the charge on, is answered from here, and never counted again.
     #[serde(default)]
     pub refunds: Vec<Refund>,
+    /// The provider's key of the capture made (empty before one): a retry of it, after other
+    /// calls moved the charge on, gets the charge.
+    #[serde(default)]
+    pub capture_key: String,
     /// The reconciler took the call in flight over (it sends it again under its key): a run of
     /// the request whose own call is refused leaves the charge to it, as its call may be made.
     #[serde(default)]
@@ -201,6 +205,7 @@ impl Charge {
             call_amount: 0,
             call_started: 0,
             refunds: Vec::new(),
+            capture_key: String::new(),
             reconciling: false,
             seq: 0,
             updated: now_ms(),

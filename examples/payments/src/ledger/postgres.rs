@@ -32,7 +32,7 @@ use crate::state_machine::{Event, Status};
 /// The columns [`read`] reads.
 const COLUMNS: &str = "id, account, amount, currency, description, metadata, source, capture, \
                        status, amount_refunded, created, provider_key, payment, call_key, \
-                       call_amount, call_started, refunds, reconciling, seq";
+                       call_amount, call_started, refunds, capture_key, reconciling, seq";
 
 /// `$n` milliseconds ago, in SQL.
 const AGO: &str = "statement_timestamp() - $N::int8 * interval '1 millisecond'";
@@ -109,7 +109,7 @@ async fn change(
     sqlx::query(
         "UPDATE charges SET status = $2, amount_refunded = $3, payment = $4, call_key = $5,
                             call_amount = $6, refunds = $7, reconciling = $8, call_started = $9,
-                            updated_at = statement_timestamp()
+                            capture_key = $10, updated_at = statement_timestamp()
          WHERE id = $1",
     )
     .bind(&charge.id)
@@ -121,6 +121,7 @@ async fn change(
     .bind(refunds_json(&charge)?)
     .bind(charge.reconciling)
     .bind(i64::try_from(charge.call_started).unwrap_or(i64::MAX))
+    .bind(&charge.capture_key)
     .execute(&mut *conn)
     .await
     .map_err(unavailable)?;
@@ -333,7 +334,7 @@ impl Ledger for PgLedger {
         let updated = sqlx::query(&format!(
             "UPDATE charges SET status = $2, payment = $3, amount_refunded = $4, call_key = $7,
                                 call_amount = $8, refunds = $10, reconciling = $11,
-                                call_started = $12,
+                                call_started = $12, capture_key = $13,
                                 updated_at = statement_timestamp()
              WHERE id = $1 AND status = $5 AND call_key = $6 AND updated_at <= {}",
             ago(9)
@@ -350,6 +351,7 @@ impl Ledger for PgLedger {
         .bind(refunds_json(settled)?)
         .bind(settled.reconciling)
         .bind(i64::try_from(settled.call_started).unwrap_or(i64::MAX))
+        .bind(&settled.capture_key)
         .execute(&mut *tx)
         .await
         .map_err(unavailable)?;
@@ -471,6 +473,7 @@ fn read(row: &PgRow) -> Result<Charge, sqlx::Error> {
         call_amount: row.try_get("call_amount")?,
         call_started: u64::try_from(row.try_get::<i64, _>("call_started")?).unwrap_or(0),
         refunds,
+        capture_key: row.try_get("capture_key")?,
         reconciling: row.try_get("reconciling")?,
         seq: u64::try_from(row.try_get::<i64, _>("seq")?).unwrap_or(0),
         updated: 0,

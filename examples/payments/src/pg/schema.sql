@@ -34,6 +34,8 @@ CREATE TABLE IF NOT EXISTS charges (
     -- The refunds made, each under its provider key, as JSON ([{"call_key", "id", "amount"}]): a
     -- retry of one is answered from here, never counted again.
     refunds         text        NOT NULL DEFAULT '[]',
+    -- The provider's key of the capture made: a retry of it gets the charge.
+    capture_key     text        NOT NULL DEFAULT '',
     -- The reconciler took the call in flight over: a run whose own call is refused leaves it.
     reconciling     boolean     NOT NULL DEFAULT false,
     -- Seconds since the Unix epoch, as the API shows it.
@@ -62,6 +64,7 @@ ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS refunds text NOT NULL DEFAULT '[]';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS reconciling boolean NOT NULL DEFAULT false;
+ALTER TABLE charges ADD COLUMN IF NOT EXISTS capture_key text NOT NULL DEFAULT '';
 ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_started bigint NOT NULL
     DEFAULT (extract(epoch FROM now()) * 1000)::bigint;
 
