@@ -441,6 +441,11 @@ fn resumable(charge: &Charge, operation: Event) -> Result<(), ApiError> {
     if charge.is_busy() && charge.status != calling(operation) {
         return Err(ApiError::idempotency_key_reused());
     }
+    if charge.reconciling {
+        // The reconciler sends this call again: its outcome is unknown until it settles it, and
+        // a retry changes nothing meanwhile (a write would only put the reconciler's turn off).
+        return Err(ProviderError::Unknown.into());
+    }
     Ok(())
 }
 

@@ -262,6 +262,9 @@ impl Reconciler {
             // The provider may have forgotten the call's key: sent again, a call it made would be
             // made twice, and one it refuses could be rolled back though it was made.
             tracing::error!(charge = %found.id, status = found.status.as_str(), "a call in flight past the provider's key window: settle it by hand from the provider's records");
+            // Touched, so that it goes to the back of the list and such charges never fill a
+            // round's batch; it is reported again a round length later.
+            let _ = self.ledger.swap(&found, &found, None, self.after).await?;
             return Ok(None);
         }
         if found.reconciling {

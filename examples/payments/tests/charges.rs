@@ -865,10 +865,16 @@ async fn a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry(h: &mut H
     wait_until("the reconciler's refund at the provider", stalled).await;
 
     h.parts.outage.set_down(true);
+    let calls = h.parts.outage.calls();
     refund().send().await.assert_error(
         StatusCode::GATEWAY_TIMEOUT,
         "api_error",
         "provider_outcome_unknown",
+    );
+    assert_eq!(
+        h.parts.outage.calls(),
+        calls,
+        "the reconciler's call: the retry waits for it, and sends none"
     );
     h.parts.outage.set_down(false);
     drop(held);
