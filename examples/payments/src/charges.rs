@@ -26,7 +26,7 @@ use super::AppState;
 use super::auth::Account;
 use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
-use super::ledger::{Charge, ChargeJson, NewCharge, Opened, Refund};
+use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::params::{self, Form};
 use super::provider::{Outcome, ProviderError, Source, now_ms};
 use super::reconciler::Reference;
@@ -341,8 +341,7 @@ async fn move_along(
     let charge = (state.ledger)
         .update(&account, &id, &mut |c| begin_call(c, begin, &call_key))
         .await?;
-    let captured_by_this = begin == Event::Capture && charge.capture_key == call_key;
-    if captured_by_this || (charge.call_key == call_key && charge.status == settled(begin)) {
+    if call_made(&charge, begin, &call_key) {
         // Made already, and settled (by an earlier run, or the reconciler, whose call under this
         // key refuses any later one): the answer, and its event again in case it was lost.
         if begin == Event::Capture {
@@ -384,8 +383,8 @@ fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), A
     if charge.call_key == call_key {
         return resumable(charge, event);
     }
-    if event == Event::Capture && charge.capture_key == call_key {
-        // This capture was made, and later calls moved the charge on: answered as it is.
+    if call_made(charge, event, call_key) {
+        // Made, and later calls moved the charge on: answered as it is.
         return Ok(());
     }
     charge.apply(event)?;
@@ -401,7 +400,6 @@ fn end_call(charge: &mut Charge, begin: Event, end: Event, call_key: &str) -> Re
     if !waits_on(charge, begin, call_key) {
         return Ok(());
     }
-    charge.reconciling = false;
     if end == Event::Captured {
         charge.capture_key = call_key.to_owned();
     }
@@ -417,11 +415,14 @@ fn waits_on(charge: &Charge, operation: Event, call_key: &str) -> bool {
     charge.call_key == call_key && charge.status == calling(operation)
 }
 
-/// The state a made capture or cancellation leaves its charge in.
-fn settled(operation: Event) -> Status {
+/// Whether this request's `operation` call, under `call_key`, was made and settled (by an
+/// earlier run, or the reconciler), whatever calls moved the charge on since.
+fn call_made(charge: &Charge, operation: Event, call_key: &str) -> bool {
     match operation {
-        Event::Capture => Status::Captured,
-        _ => Status::Canceled,
+        Event::Refund => charge.refund_under(call_key).is_some(),
+        Event::Capture if charge.capture_key == call_key => true,
+        Event::Capture => charge.call_key == call_key && charge.status == Status::Captured,
+        _ => charge.call_key == call_key && charge.status == Status::Canceled,
     }
 }
 
@@ -532,19 +533,7 @@ pub async fn refund(
         if !waits_on(c, Event::Refund, &call_key) {
             return Ok(());
         }
-        c.amount_refunded += amount;
-        c.reconciling = false;
-        c.refunds.push(Refund {
-            call_key: call_key.clone(),
-            id: refund_id.clone(),
-            amount,
-        });
-        let event = if c.refundable() == 0 {
-            Event::Refunded
-        } else {
-            Event::PartiallyRefunded
-        };
-        c.apply(event)
+        c.record_refund(&call_key, &refund_id, amount)
     };
     let event = |c: &Charge| Some(PaymentEvent::refunded(c, &refund_id, amount));
     let charge = (state.ledger)
@@ -596,11 +585,7 @@ async fn roll_back(
                 // Not in this request's call: the reconciler settled it (making the call under
                 // its key) or rolled it back, and the charge may be in another request's call by
                 // now, which is not this one's to undo.
-                let made = match operation {
-                    Event::Refund => c.refund_under(call_key).is_some(),
-                    _ => c.status == settled(operation),
-                };
-                told = c.call_key == call_key && !made;
+                told = c.call_key == call_key && !call_made(c, operation, call_key);
                 return Ok(());
             }
             c.apply(Event::ProviderDidNothing)?;

@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::ledger::{Charge, Ledger, NewCharge, Refund};
+use super::ledger::{Charge, Ledger, NewCharge};
 use super::provider::{
     Outcome, PaymentRecord, ProviderClient, ProviderError, Request, WINDOW, now_ms,
 };
@@ -314,7 +314,6 @@ impl Reconciler {
     /// found.
     async fn settle(&self, found: Charge, answer: Answer) -> Result<bool, ApiError> {
         let mut charge = found.clone();
-        charge.reconciling = false;
         let mut event = None;
         let moves: &[Event] = match &answer {
             Answer::Payment(payment, outcome) => {
@@ -332,17 +331,11 @@ impl Reconciler {
                 moves
             }
             Answer::Refund(refund) => {
-                charge.amount_refunded += charge.call_amount;
-                charge.refunds.push(Refund {
-                    call_key: charge.call_key.clone(),
-                    id: refund.clone(),
-                    amount: charge.call_amount,
-                });
-                if charge.refundable() == 0 {
-                    &[Event::Refunded]
-                } else {
-                    &[Event::PartiallyRefunded]
+                let (key, amount) = (charge.call_key.clone(), charge.call_amount);
+                if charge.record_refund(&key, refund, amount).is_err() {
+                    return Ok(false);
                 }
+                &[]
             }
         };
         for step in moves {
@@ -388,7 +381,6 @@ impl Reconciler {
             return Ok(removed);
         }
         let mut charge = found.clone();
-        charge.reconciling = false;
         if charge.apply(Event::ProviderDidNothing).is_err() {
             return Ok(false);
         }

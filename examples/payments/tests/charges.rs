@@ -882,19 +882,8 @@ async fn a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry(h: &mut H
     assert!(round.is_ok(), "{round:?}");
     // The retry's touch may have kept that round's write out: the next one settles it.
     h.reconcile_now().await;
-    let charge = h.charge_status(ALICE, &id).await;
-    assert_eq!(
-        (&charge["status"], &charge["amount_refunded"]),
-        (&json!("captured"), &json!(400)),
-        "{charge}"
-    );
-    let payments = h.parts.provider.payments_since(0, 10).await;
-    let refunded: Vec<i64> = payments
-        .expect("the report")
-        .iter()
-        .map(|p| p.refunded)
-        .collect();
-    assert_eq!(refunded, [400]);
+    h.assert_refunded(&id, "captured", 400).await;
+    assert_eq!(h.provider_refunded().await, [400]);
 }
 
 /// A capture sent again after a refund moved its charge on (its answer lost to the client, the
@@ -956,12 +945,7 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
         published + 1,
         "its event again, in case a process died before it was published"
     );
-    let charge = h.charge_status(ALICE, &id).await;
-    assert_eq!(
-        (&charge["status"], &charge["amount_refunded"]),
-        (&json!("captured"), &json!(500)),
-        "{charge}"
-    );
+    h.assert_refunded(&id, "captured", 500).await;
     // The same key for another amount, once the layer forgot it, is another request.
     h.lose_idempotency_records();
     let other = h
@@ -974,13 +958,7 @@ async fn a_refund_retried_after_another_refund_is_counted_once(h: &mut Harness) 
         "idempotency_error",
         "idempotency_key_reused",
     );
-    let payments = h.parts.provider.payments_since(0, 10).await;
-    let refunded: Vec<i64> = payments
-        .expect("the report")
-        .iter()
-        .map(|p| p.refunded)
-        .collect();
-    assert_eq!(refunded, [500]);
+    assert_eq!(h.provider_refunded().await, [500]);
     assert_eq!(h.parts.keys.effects(), 3, "one payment, two refunds");
 }
 
@@ -1008,12 +986,7 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     // under its key: made, and the charge captured again, 400 refunded.
     h.parts.outage.set_down(false);
     h.reconcile_now().await;
-    let charge = h.charge_status(ALICE, &id).await;
-    assert_eq!(
-        (&charge["status"], &charge["amount_refunded"]),
-        (&json!("captured"), &json!(400)),
-        "{charge}"
-    );
+    h.assert_refunded(&id, "captured", 400).await;
     // The second refund, of the rest, reaches the provider and waits there.
     let provider_held = h.parts.keys.stall().await;
     let call = h.post(&refunds).auth(ALICE).key("refund-2");
@@ -1041,12 +1014,7 @@ async fn a_late_rollback_leaves_another_requests_call_alone(h: &mut Harness) {
     let retried = retried.send().await;
     assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.text());
     assert_eq!(retried.json["amount"], 400);
-    let charge = h.charge_status(ALICE, &id).await;
-    assert_eq!(
-        (&charge["status"], &charge["amount_refunded"]),
-        (&json!("refunded"), &json!(1000)),
-        "{charge}"
-    );
+    h.assert_refunded(&id, "refunded", 1000).await;
 }
 
 on_both_stores!(

@@ -234,7 +234,27 @@ impl Charge {
     pub fn apply(&mut self, event: Event) -> Result<(), ApiError> {
         self.status = next(self.status, event)
             .ok_or_else(|| ApiError::invalid_state(self.status, event.operation()))?;
+        // The reconciler's mark is on the call in flight: it ends with it.
+        if !self.is_busy() {
+            self.reconciling = false;
+        }
         Ok(())
+    }
+
+    /// Records the refund `id` of the call under `call_key`, `amount` of the charge, and moves
+    /// the charge out of `refunding`: fully refunded, or captured with the rest left.
+    pub fn record_refund(&mut self, call_key: &str, id: &str, amount: i64) -> Result<(), ApiError> {
+        self.amount_refunded += amount;
+        self.refunds.push(Refund {
+            call_key: call_key.to_owned(),
+            id: id.to_owned(),
+            amount,
+        });
+        self.apply(if self.refundable() == 0 {
+            Event::Refunded
+        } else {
+            Event::PartiallyRefunded
+        })
     }
 
     /// The refund made under the provider key `call_key`, if one was.

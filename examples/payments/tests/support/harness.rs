@@ -202,6 +202,26 @@ impl Harness {
         reply.json
     }
 
+    /// Asserts ALICE's charge `id` is `status` with `refunded` of it refunded.
+    pub async fn assert_refunded(&self, id: &str, status: &str, refunded: i64) {
+        let charge = self.charge_status(super::api::ALICE, id).await;
+        assert_eq!(
+            (&charge["status"], &charge["amount_refunded"]),
+            (&Value::from(status), &Value::from(refunded)),
+            "{charge}"
+        );
+    }
+
+    /// What the provider refunded of each of its payments, oldest first.
+    pub async fn provider_refunded(&self) -> Vec<i64> {
+        let payments = self.parts.provider.payments_since(0, 100).await;
+        payments
+            .expect("the report")
+            .iter()
+            .map(|p| p.refunded)
+            .collect()
+    }
+
     pub async fn charge_status(&self, api_key: &str, id: &str) -> Value {
         let reply = self
             .get(&format!("/v1/charges/{id}"))
