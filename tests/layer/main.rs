@@ -21,7 +21,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
@@ -31,8 +31,8 @@ use tower_idempotency::{
 };
 use tower_idempotency_test::{
     Counting, Faulty, Handler, Reply, assert_a_quota_keeps_a_flood_off_the_others, created,
-    gated_handler, keyed, post as post_request, send, service, spawn_send, status_handler,
-    status_request, streamed,
+    gated_handler, keyed, pattern, post as post_request, respond, send, service, spawn_send,
+    status_handler, status_request, streamed,
 };
 
 type Store = Counting<MemoryStore>;
@@ -419,6 +419,95 @@ async fn unreadable_request_body_gets_400() {
     assert_rejected(&reply, ProblemKind::BodyUnreadable, StatusCode::BAD_REQUEST);
     assert_eq!(store.calls().claim, 0);
     assert_eq!(handler.calls(), 0);
+}
+
+/// `bytes` in 8 KiB chunks, with no length: as a client or a handler streams a large body.
+fn chunked(bytes: Vec<u8>) -> Body {
+    const CHUNK: usize = 8 * 1024;
+    let bytes = Bytes::from(bytes);
+    let chunks: Vec<Result<Bytes, Infallible>> = (0..bytes.len())
+        .step_by(CHUNK)
+        .map(|at| Ok(bytes.slice(at..bytes.len().min(at + CHUNK))))
+        .collect();
+    Body::from_stream(futures_util::stream::iter(chunks))
+}
+
+/// The default limits at full size (1 MiB each way): a request body of exactly the limit reaches
+/// the handler whole, and its answer of exactly the limit is stored and replayed byte for byte.
+/// One byte more of request is 413 with nothing claimed; one byte more of answer reaches the
+/// client whole but leaves a tombstone. PROTOCOL.md §1.5, §8.4, §6.4.
+#[tokio::test(start_paused = true)]
+async fn the_largest_exchange_the_default_limits_allow_replays_byte_for_byte() {
+    const LIMIT: usize = 1024 * 1024;
+    let store = store();
+    // Echoes the request body and `x-more` bytes after it, in chunks; `x-call` names the run.
+    let handler = Handler::ok(|call| {
+        let more: usize = call
+            .header("x-more")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let mut body = call.body.to_vec();
+        body.extend(pattern(more));
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header(CONTENT_TYPE, "application/octet-stream")
+            .header("x-call", call.n.to_string())
+            .body(chunked(body))
+            .expect("a response")
+    });
+    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+    let request = |key: &str, size: usize, more: usize| {
+        keyed(Method::POST, "/", key)
+            .header("x-more", more.to_string())
+            .body(chunked(pattern(size)))
+            .expect("a request")
+    };
+
+    let first = send(&svc, request("largest", LIMIT, 0)).await;
+    assert_eq!(
+        (first.status, first.outcome),
+        (StatusCode::CREATED, Some(Outcome::Executed)),
+        "{first:?}"
+    );
+    assert!(
+        first.body == pattern(LIMIT),
+        "the handler got the whole request and the client its whole answer: {} bytes",
+        first.body.len()
+    );
+    let replay = send(&svc, request("largest", LIMIT, 0)).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
+    assert!(replay.is_replay());
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.header_list(), first.header_list(), "x-call: 1 kept");
+    assert!(replay.body == first.body, "the same body, byte for byte");
+    assert_eq!(handler.calls(), 1);
+
+    let claims = store.calls().claim;
+    let over = send(&svc, request("request-over", LIMIT + 1, 0)).await;
+    assert_rejected(
+        &over,
+        ProblemKind::BodyTooLarge,
+        StatusCode::PAYLOAD_TOO_LARGE,
+    );
+    assert_eq!(store.calls().claim, claims, "nothing was claimed");
+    assert_eq!(handler.calls(), 1, "the handler did not run");
+
+    let over = send(&svc, request("response-over", LIMIT, 1)).await;
+    assert_eq!(over.outcome, Some(Outcome::Executed), "{over:?}");
+    let mut whole = pattern(LIMIT);
+    whole.extend(pattern(1));
+    assert!(
+        over.body == whole,
+        "delivered whole: {} bytes",
+        over.body.len()
+    );
+    let retry = send(&svc, request("response-over", LIMIT, 1)).await;
+    retry.assert_problem(ProblemKind::NotReplayable, StatusCode::CONFLICT);
+    assert_eq!(
+        handler.calls(),
+        2,
+        "the tombstone kept it from running again"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -844,6 +933,71 @@ async fn store_policy_reads_a_marker_in_the_response_extensions() {
     assert_eq!(replay.outcome, Some(Outcome::Replayed));
     assert_eq!(replay.text(), "call 3");
     assert_eq!(handler.calls(), 3);
+}
+
+/// A handler's refusal made before any effect, answered `Cache-Control: no-store` (a 400, which
+/// the default policy would store), leaves no record, fingerprint included: the same key with a
+/// corrected body runs, where a stored 400 would have made it a different request (422). The key
+/// then holds the corrected request: its retry replays, and the refused body gets the 422.
+/// PROTOCOL.md §8.2, §8.1, §4.3.
+#[tokio::test(start_paused = true)]
+async fn a_no_store_refusal_leaves_the_key_to_the_corrected_request() {
+    let store = store();
+    let handler = Handler::ok(|call| {
+        if call.body == "amount=ten" {
+            let mut refusal = respond(400, format!("amount is not a number (call {})", call.n));
+            refusal
+                .headers_mut()
+                .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            refusal
+        } else {
+            created(format!("charged (call {})", call.n))
+        }
+    });
+    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+
+    let refused = send(&svc, post_request("fix-and-retry", "amount=ten")).await;
+    assert_eq!(
+        (refused.status, refused.outcome),
+        (StatusCode::BAD_REQUEST, Some(Outcome::NotStored)),
+        "{refused:?}"
+    );
+    assert_eq!(refused.header(CACHE_CONTROL), Some("no-store"));
+    assert_eq!(refused.text(), "amount is not a number (call 1)");
+
+    let fixed = send(&svc, post_request("fix-and-retry", "amount=100")).await;
+    assert_eq!(
+        (fixed.status, fixed.outcome, fixed.text()),
+        (
+            StatusCode::CREATED,
+            Some(Outcome::Executed),
+            "charged (call 2)".to_owned()
+        ),
+        "the corrected request runs under the same key: {fixed:?}"
+    );
+    assert!(!fixed.is_replay());
+
+    let retry = send(&svc, post_request("fix-and-retry", "amount=100")).await;
+    assert_eq!(
+        (retry.status, retry.outcome, retry.text()),
+        (
+            StatusCode::CREATED,
+            Some(Outcome::Replayed),
+            "charged (call 2)".to_owned()
+        ),
+        "{retry:?}"
+    );
+    let stale = send(&svc, post_request("fix-and-retry", "amount=ten")).await;
+    stale.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(stale.outcome, Some(Outcome::Mismatch));
+
+    assert_eq!(handler.calls(), 2);
+    let calls = store.calls();
+    assert_eq!(
+        (calls.release, calls.complete),
+        (1, 1),
+        "the refusal released its claim, the charge completed: {calls:?}"
+    );
 }
 
 /// A scope function's `Rejection` built from a whole response reaches the client as it is.
