@@ -6,10 +6,12 @@
 //! the `-ing` state that holds the charge before the call, and writes the answer and its event
 //! with the request after it (in PostgreSQL, with the idempotency record).
 //!
-//! **Fences.** Right before the provider call, the irreversible step, a handler asks
-//! [`HeldClaim::still_held`] (a run taken over stops, `409` `idempotency_key_superseded`), and it
-//! passes its [`HeldClaim::fence`] with the call, which the provider refuses once a later run of
-//! the request called with a larger one.
+//! Right before the provider call, the irreversible step, a handler asks
+//! [`HeldClaim::still_held`]: a run taken over stops there (`409` `idempotency_key_superseded`,
+//! nothing done). That narrows the window, it does not close it: a run that stalls after the
+//! check calls the provider with the same derived key as the newer run, so the provider makes the
+//! call once and answers both alike, and the charge's constraint keeps one charge per operation.
+//! Once the provider may have acted, no answer says that nothing happened.
 
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
@@ -28,8 +30,9 @@ use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
 use super::params::{self, Form};
-use super::provider::{Outcome, ProviderError, Source, now_ms};
-use super::reconciler::Reference;
+use super::now_ms;
+use super::provider::{Outcome, ProviderError, Source};
+use super::reconciler::metadata;
 use super::state_machine::{Event, Status};
 
 /// The amounts a charge may have, in minor units (cents): 1 to 99,999,999, as card payment APIs
@@ -111,12 +114,6 @@ fn provider_key(key: &IdempotencyKey, account: &Account) -> String {
     key.derive(account.id())
 }
 
-/// The fence of the claim the request runs under (0 for a request the layer let through without
-/// one, fail-open: the provider lets every claimed run's call supersede it).
-fn fence(claim: Option<&HeldClaim>) -> u64 {
-    claim.map_or(0, |claim| claim.fence().get())
-}
-
 /// Right before an irreversible provider call: `409` `idempotency_key_superseded` when the
 /// request's claim was taken over by a later run of it, `503` when the store cannot tell.
 async fn still_held(claim: Option<&HeldClaim>) -> Result<(), ApiError> {
@@ -163,34 +160,20 @@ pub async fn create(
         Opened::Settled(charge) if charge.status == Status::Failed => {
             return Err(ApiError::card_declined(&charge.id));
         }
-        Opened::Settled(charge) => {
-            // Its event may have been lost with a process that died: published again (the same
-            // id, applied once).
-            let event = PaymentEvent::succeeded(&charge, charge.capture);
-            state.ledger.publish_again(event).await;
-            return Ok((StatusCode::CREATED, Json(charge.to_json())));
-        }
+        Opened::Settled(charge) => return Ok((StatusCode::CREATED, Json(charge.to_json()))),
     };
     // A run taken over leaves the `authorizing` charge as it is: it is the operation's one
     // charge, which the newer run resumes (or the reconciler settles).
     still_held(claim.as_ref()).await?;
-    let created = state
-        .provider
-        .create_payment(
-            &provider_key,
-            fence(claim.as_ref()),
-            request.source,
-            request.amount,
-            request.capture,
-            &Reference::of(&account, &request),
-        )
-        .await;
-    let payment = match created {
+    let call = (request.source, request.amount, request.capture);
+    let metadata = metadata(&account, &provider_key, &request);
+    let created = state.provider.create_payment(&provider_key, call, metadata);
+    let payment = match created.await {
         Ok(payment) => payment,
-        // The charge stays `authorizing`, the operation's one charge: a later run of the request
-        // holds it (superseded), or the provider may have made the payment (unknown): the retry
-        // with the same key resumes it, or the reconciler settles it from the provider's side.
-        Err(err @ (ProviderError::Superseded | ProviderError::Unknown)) => return Err(err.into()),
+        // The charge stays `authorizing`, the operation's one charge: the provider may have made
+        // the payment, and the retry with the same key resumes it, or the reconciler settles it
+        // from the provider's side.
+        Err(err @ ProviderError::Unknown) => return Err(err.into()),
         // The provider refused before doing anything: the charge was never made.
         Err(err) => {
             state.ledger.abandon(&charge).await;
@@ -215,7 +198,8 @@ pub async fn create(
         payment.outcome == Outcome::Captured,
     );
     let event = |c: &Charge| (!declined).then(|| PaymentEvent::succeeded(c, captured));
-    let charge = state.ledger.record(&extensions, charge, &event).await?;
+    let recorded = state.ledger.record(&extensions, charge, &event).await;
+    let charge = recorded.map_err(not_recorded)?;
     tracing::info!(charge = %charge.id, status = charge.status.as_str(), "charge created");
     if declined {
         return Err(ApiError::card_declined(&charge.id));
@@ -342,25 +326,18 @@ async fn move_along(
         .update(&account, &id, &mut |c| begin_call(c, begin, &call_key))
         .await?;
     if call_made(&charge, begin, &call_key) {
-        // Made already, and settled (by an earlier run, or the reconciler, whose call under this
-        // key refuses any later one): the answer, and its event again in case it was lost.
-        if begin == Event::Capture {
-            state
-                .ledger
-                .publish_again(PaymentEvent::captured(&charge))
-                .await;
-        }
+        // Made already, and settled (by an earlier run, or the reconciler): the answer.
         return Ok(Json(charge.to_json()));
     }
     still_held(claim.as_ref()).await?;
-    let (provider, fence) = (&state.provider, fence(claim.as_ref()));
+    let provider = &state.provider;
     let (called, end) = match begin {
         Event::Capture => (
-            provider.capture(&call_key, fence, &charge.payment).await,
+            provider.capture(&call_key, &charge.payment).await,
             Event::Captured,
         ),
         _ => (
-            provider.cancel(&call_key, fence, &charge.payment).await,
+            provider.cancel(&call_key, &charge.payment).await,
             Event::Canceled,
         ),
     };
@@ -371,7 +348,8 @@ async fn move_along(
     let event = |c: &Charge| (end == Event::Captured).then(|| PaymentEvent::captured(c));
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, end_call, &event)
-        .await?;
+        .await
+        .map_err(not_recorded)?;
     Ok(Json(charge.to_json()))
 }
 
@@ -511,16 +489,12 @@ pub async fn refund(
     };
     let charge = state.ledger.update(&account, &id, begin).await?;
     if let Some(refund_id) = made {
-        // Its event may have been lost with a process that died: published again (the same id,
-        // applied once).
-        let event = PaymentEvent::refunded(&charge, &refund_id, amount);
-        state.ledger.publish_again(event).await;
         return Ok(refunded(refund_id, amount, charge.id));
     }
     still_held(claim.as_ref()).await?;
     let refund_id = match state
         .provider
-        .refund(&call_key, fence(claim.as_ref()), &charge.payment, amount)
+        .refund(&call_key, &charge.payment, amount)
         .await
     {
         Ok(refund_id) => refund_id,
@@ -538,7 +512,8 @@ pub async fn refund(
     let event = |c: &Charge| Some(PaymentEvent::refunded(c, &refund_id, amount));
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, settle, &event)
-        .await?;
+        .await
+        .map_err(not_recorded)?;
     Ok(refunded(refund_id, amount, charge.id))
 }
 
@@ -559,6 +534,7 @@ fn refunded(id: String, amount: i64, charge: String) -> (StatusCode, Json<Refund
 /// stored by the idempotency layer, so a retry with the same key runs again. A call refused as
 /// superseded leaves the charge as it is (the later run of the same request holds it), and so
 /// does a call whose outcome is unknown (the retry, or the reconciler, learns it).
+/// A refusal means nothing happened at the provider: only that is ever answered as such.
 async fn roll_back(
     state: &AppState,
     account: &Account,
@@ -567,7 +543,7 @@ async fn roll_back(
     call_key: &str,
     err: ProviderError,
 ) -> ApiError {
-    if matches!(err, ProviderError::Superseded | ProviderError::Unknown) {
+    if err == ProviderError::Unknown {
         return err.into();
     }
     // Whether the refusal still tells what happened: the charge rolled back, or the key's last
@@ -605,6 +581,14 @@ async fn roll_back(
         return ProviderError::Unknown.into();
     }
     ApiError::from(err)
+}
+
+/// The provider acted, and its answer could not be written (the database failed, or a newer run
+/// of the request holds the charge): never "nothing was done", but the outcome to learn by
+/// retrying with the same key, which finds the charge the provider's answer settles.
+fn not_recorded(err: ApiError) -> ApiError {
+    tracing::warn!(?err, "the provider acted, and its answer could not be recorded");
+    ProviderError::Unknown.into()
 }
 
 /// A JSON body, or 400: `invalid_json` when it is not JSON, `parameter_invalid` when a field has

@@ -223,7 +223,6 @@ impl From<ProviderError> for ApiError {
                     .into(),
             ),
             ProviderError::KeyReused => Self::idempotency_key_reused(),
-            ProviderError::Superseded => Self::superseded(),
             ProviderError::AmountTooLarge { amount, refundable } => {
                 Self::amount_too_large(amount, refundable)
             }

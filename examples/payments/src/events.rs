@@ -1,29 +1,15 @@
-//! The events the API publishes (every charge that succeeds, every capture, every refund), and
-//! their publisher.
+//! The events the API publishes (every charge that succeeds, every capture, every refund).
 //!
 //! An event's id is derived from the effect it reports as the provider knows it (the payment or
 //! refund id, and the type): whatever publishes it for one payment (a handler that ran again, the
 //! reconciler) publishes the same id, and the ledger consumer applies it once.
 //!
-//! [`Publisher`] is a small outbox in memory: an event the queue refuses waits there and is sent
-//! again by the relay, so an unreachable queue delays an event rather than losing it or failing a
-//! request whose money already moved. No lock is held across a call to the queue: a stalled Redis
-//! costs each request at most one publish timeout, side by side. (On PostgreSQL the events go to
-//! an outbox table in the charge's transaction instead: `outbox.rs`.)
-
-use std::collections::VecDeque;
-use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+//! They leave through the outbox, written with the charge they report (`consumer.rs`,
+//! `outbox.rs`).
 
 use serde::{Deserialize, Serialize};
-use tokio_util::sync::CancellationToken;
 
 use super::ledger::Charge;
-use super::queue::{Queue, QueueError};
-
-/// How often [`Publisher::relay`] retries events the queue refused.
-const RELAY_EVERY: Duration = Duration::from_secs(1);
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,7 +25,7 @@ pub enum EventType {
     Refunded,
 }
 
-/// One event, as it travels through the queue:
+/// One event, as the outbox holds it:
 /// `{"id": "evt_...", "type": "charge.succeeded", "account": ..., "amount": ..., "currency": ...}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PaymentEvent {
@@ -113,7 +99,7 @@ impl PaymentEvent {
         }
     }
 
-    /// The event as the queue carries it.
+    /// The event as the outbox holds it.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
@@ -127,108 +113,4 @@ fn event_id(kind: EventType, object: &str) -> String {
         EventType::Refunded => "refunded",
     };
     format!("evt_{what}_{object}")
-}
-
-/// Publishes events to the queue through an in-memory outbox, in order; clones share it.
-#[derive(Clone)]
-pub struct Publisher {
-    queue: Arc<dyn Queue>,
-    /// The events the queue refused, oldest first. Locked only to look or change, never across a
-    /// call to the queue.
-    outbox: Arc<Mutex<VecDeque<PaymentEvent>>>,
-    /// Held by the one flush that sends the outbox; another flush returns at once instead of
-    /// waiting for it (and sending the same event twice).
-    sending: Arc<tokio::sync::Mutex<()>>,
-}
-
-impl Publisher {
-    /// A publisher to `queue`, with an empty outbox.
-    pub fn new(queue: Arc<dyn Queue>) -> Self {
-        Self {
-            queue,
-            outbox: Arc::default(),
-            sending: Arc::default(),
-        }
-    }
-
-    /// Sends `event` to the queue, or leaves it in the outbox for [`Publisher::relay`]: behind
-    /// events that are waiting already, or when the queue refuses it. It is never dropped.
-    pub async fn publish(&self, event: PaymentEvent) {
-        {
-            let mut outbox = self.outbox();
-            if !outbox.is_empty() {
-                outbox.push_back(event);
-                return;
-            }
-        }
-        if let Err(err) = send(&*self.queue, &event).await {
-            let mut outbox = self.outbox();
-            refused(&event, outbox.len() + 1, &err);
-            outbox.push_back(event);
-        }
-    }
-
-    /// Sends what the outbox holds, in order, up to the first event the queue refuses; returns how
-    /// many events are still waiting. While another flush is sending, returns at once.
-    pub async fn flush(&self) -> usize {
-        let Ok(_sending) = self.sending.try_lock() else {
-            return self.outbox().len();
-        };
-        loop {
-            // Only the flush holding `sending` removes events, so the front stays this event.
-            let Some(event) = self.outbox().front().cloned() else {
-                return 0;
-            };
-            if let Err(err) = send(&*self.queue, &event).await {
-                let waiting = self.outbox().len();
-                refused(&event, waiting, &err);
-                return waiting;
-            }
-            self.outbox().pop_front();
-        }
-    }
-
-    /// Retries the outbox every second until `stop`, then one last time.
-    pub async fn relay(self, stop: CancellationToken) {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => break,
-                () = tokio::time::sleep(RELAY_EVERY) => {}
-            }
-            self.flush().await;
-        }
-        let left = self.flush().await;
-        if left > 0 {
-            tracing::error!(left, "stopping with events the queue did not take");
-        }
-    }
-
-    fn outbox(&self) -> MutexGuard<'_, VecDeque<PaymentEvent>> {
-        self.outbox.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Sends one event to the queue.
-async fn send(queue: &dyn Queue, event: &PaymentEvent) -> Result<(), QueueError> {
-    let message = queue.publish(&event.to_json()).await?;
-    tracing::debug!(event = %event.id, %message, "event published");
-    Ok(())
-}
-
-/// Logs that the queue refused `event`, which waits in the outbox with `waiting - 1` others.
-fn refused(event: &PaymentEvent, waiting: usize, err: &QueueError) {
-    tracing::warn!(
-        event = %event.id,
-        waiting,
-        error = %super::report(err),
-        "the queue refused an event; it stays in the outbox"
-    );
-}
-
-impl fmt::Debug for Publisher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Publisher")
-            .field("queue", &self.queue)
-            .finish_non_exhaustive()
-    }
 }

@@ -1,12 +1,13 @@
 //! A payments API made safe to retry with `tower-idempotency`: charges as a state machine, a
-//! simulated provider called with keys derived from the client's, events through an
-//! at-least-once queue and an idempotent consumer, a reconciler for unknown outcomes; on memory,
-//! Redis (or a Redis Cluster) or PostgreSQL. `README.md` opens with a map of each idea and the
-//! file where it lives.
+//! provider (a program of its own) called with keys derived from the client's, events through an
+//! outbox and an idempotent consumer, a reconciler for unknown outcomes. Its money lives in
+//! PostgreSQL, for any number of instances, or in memory, for one process; the layer's records in
+//! PostgreSQL, Redis (or a Redis Cluster) or memory. `README.md` opens with a map of each idea and
+//! the file where it lives.
 //!
-//! Each component is a trait with one implementation per backend ([`ledger::Ledger`],
-//! [`balance::Balances`], [`provider::KeyTable`], [`queue::Queue`]), chosen once at start-up
-//! (`config.rs`); [`app`] is the API over them, which tests drive with `oneshot`.
+//! The ledger, the balances and the outbox are each a trait with two implementations, memory
+//! and PostgreSQL ([`ledger::Ledger`], [`balance::Balances`], [`consumer::Outbox`]), chosen once
+//! at start-up (`config.rs`); [`app`] is the API over them, which tests drive with `oneshot`.
 
 pub mod auth;
 pub mod balance;
@@ -22,8 +23,8 @@ pub mod params;
 pub mod pg;
 pub mod prometheus;
 pub mod provider;
-pub mod queue;
 pub mod reconciler;
+mod single_process;
 pub mod state_machine;
 
 use std::sync::Arc;
@@ -52,6 +53,15 @@ pub const REQUEST_LIMIT: usize = 64 * 1024;
 /// for each of its bytes once escaped in JSON; an error quotes at most 200 bytes), so a client
 /// that lost one can always get it back.
 pub const RESPONSE_LIMIT: usize = 1024 * 1024;
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
 
 /// What the handlers share.
 #[derive(Debug, Clone)]

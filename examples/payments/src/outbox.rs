@@ -1,11 +1,12 @@
-//! The outbox: the at-least-once queue PostgreSQL users already have.
+//! The outbox in PostgreSQL: the at-least-once queue a PostgreSQL team already has, rather than
+//! a broker beside it (a second system whose write could not join the charge's transaction).
 //!
 //! A handler inserts its event into `payment_events` in the request's transaction
 //! ([`insert`]), so the event commits with the change it reports and with the request's
 //! idempotency record, or none of them does: no event is lost between the database and a queue,
 //! and none is sent for a change that rolled back.
 //!
-//! The ledger consumer ([`OutboxConsumer`]) takes the oldest event with
+//! The ledger consumer (`consumer.rs`, over [`PgOutbox`]) takes the oldest event with
 //! `SELECT ... FOR UPDATE SKIP LOCKED` in a transaction, applies it to its balance in that
 //! transaction ([`PgBalances::apply_in`]: the event id recorded as processed, then the balance
 //! changed), deletes it and commits. Consumers on several instances each take another event
@@ -13,25 +14,14 @@
 //! back, its lock goes), and the next one takes the event at once. An event published twice (the
 //! same id in two rows) is applied once: the second finds its id processed.
 //!
-//! | the event | what happens | taken off the outbox? |
-//! |---|---|---|
-//! | not processed before | applied: [`Handled::Applied`] | yes, in the same transaction |
-//! | its id processed before | nothing: [`Handled::Duplicate`] | yes |
-//! | the apply failed (the database, say) | rolled back: [`Handled::Failed`] | no: taken again |
-//! | the apply can never succeed (the balance would overflow) | logged as an error: [`Handled::Rejected`] | yes |
-//! | not an event | logged: [`Handled::Unreadable`] | yes |
+//! What it does with each event is the consumer's table (`consumer.rs`).
 
-use std::time::Duration;
-
+use async_trait::async_trait;
 use sqlx::{PgConnection, PgPool, Row};
-use tokio_util::sync::CancellationToken;
 
-use super::balance::{Applied, PgBalances};
-use super::consumer::{Counts, Handled};
+use super::balance::PgBalances;
+use super::consumer::{Handled, Outbox, OutboxError, handled};
 use super::events::PaymentEvent;
-
-/// The longest pause after a failure.
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Adds `event` to the outbox, in the transaction of `conn`.
 pub async fn insert(conn: &mut PgConnection, event: &PaymentEvent) -> Result<(), sqlx::Error> {
@@ -43,63 +33,30 @@ pub async fn insert(conn: &mut PgConnection, event: &PaymentEvent) -> Result<(),
         .map(drop)
 }
 
-/// One consumer of the outbox.
+/// The outbox table of `pool`, whose events go to `balances`.
 #[derive(Debug)]
-pub struct OutboxConsumer {
+pub struct PgOutbox {
     pool: PgPool,
     balances: PgBalances,
-    /// How long to wait before looking again when the outbox is empty.
-    poll: Duration,
 }
 
-impl OutboxConsumer {
-    /// A consumer that applies the events of `pool`'s outbox to `balances`, and looks again
-    /// every `poll` while the outbox is empty.
-    pub fn new(pool: PgPool, balances: PgBalances, poll: Duration) -> Self {
-        Self {
-            pool,
-            balances,
-            poll,
-        }
+impl PgOutbox {
+    pub fn new(pool: PgPool, balances: PgBalances) -> Self {
+        Self { pool, balances }
     }
+}
 
-    /// Takes events off the outbox until `stop` is cancelled; then finishes the event at hand and
-    /// returns what it did.
-    pub async fn run(self, stop: CancellationToken) -> Counts {
-        tracing::info!("ledger consumer started (outbox)");
-        let mut backoff = Duration::from_millis(100);
-        let mut counts = Counts::default();
-        while !stop.is_cancelled() {
-            let pause = match self.next().await {
-                Ok(Some(handled)) => {
-                    counts.record(handled);
-                    if handled != Handled::Failed {
-                        backoff = Duration::from_millis(100);
-                        continue;
-                    }
-                    backoff
-                }
-                Ok(None) => self.poll,
-                Err(err) => {
-                    tracing::warn!(error = %super::report(&err), ?backoff, "cannot take events off the outbox");
-                    backoff
-                }
-            };
-            if pause == backoff {
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-            }
-            tokio::select! {
-                () = stop.cancelled() => break,
-                () = tokio::time::sleep(pause) => {}
-            }
-        }
-        tracing::info!(?counts, "ledger consumer stopped");
-        counts
+#[async_trait]
+impl Outbox for PgOutbox {
+    async fn next(&self) -> Result<Option<Handled>, OutboxError> {
+        Ok(self.take().await?)
     }
+}
 
+impl PgOutbox {
     /// Takes the oldest event no other consumer holds, applies it and deletes it, in one
     /// transaction; `None` when there is none.
-    pub async fn next(&self) -> Result<Option<Handled>, sqlx::Error> {
+    async fn take(&self) -> Result<Option<Handled>, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(
             "SELECT seq, payload FROM payment_events ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED",
@@ -117,11 +74,8 @@ impl OutboxConsumer {
                 tracing::error!(seq, %err, "dropping an outbox row that is not an event");
                 Handled::Unreadable
             }
-            Ok(event) => match self.balances.apply_in(&mut tx, &event).await {
-                Ok(Applied::New) => Handled::Applied,
-                Ok(Applied::Already) => Handled::AlreadyApplied,
-                Err(err) if err.is_permanent() => {
-                    tracing::error!(event = %event.id, account = %event.account, error = %super::report(&err), "dropping an event the ledger refuses for good");
+            Ok(event) => match handled(&event, self.balances.apply_in(&mut tx, &event).await) {
+                Handled::Rejected => {
                     // The failed statement aborted the transaction: drop the event in another.
                     tx.rollback().await?;
                     tx = self.pool.begin().await?;
@@ -137,11 +91,11 @@ impl OutboxConsumer {
                     }
                     Handled::Rejected
                 }
-                Err(err) => {
-                    tracing::warn!(event = %event.id, error = %super::report(&err), "applying the event failed; it will be retried");
+                Handled::Failed => {
                     tx.rollback().await?;
                     return Ok(Some(Handled::Failed));
                 }
+                other => other,
             },
         };
         sqlx::query("DELETE FROM payment_events WHERE seq = $1")

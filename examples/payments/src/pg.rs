@@ -1,6 +1,6 @@
 //! The example's PostgreSQL database (`DATABASE_URL`): the idempotency records ([`PgStore`]'s
-//! table) and the example's own tables (`pg/schema.sql`: charges, balances, the outbox, the
-//! provider's keys and payments), created at start-up when missing.
+//! table) and the example's own tables (`pg/schema.sql`: charges, balances, the outbox), created
+//! at start-up when missing.
 
 use std::time::Duration;
 

@@ -5,11 +5,11 @@
 //! lost after the call was sent, a crash) leaves its charge `authorizing`, `capturing`,
 //! `refunding` or `canceling`, never deleted. Every round the reconciler takes those unchanged
 //! for longer than `after` (far above the provider client's deadline: a live request's call has
-//! long ended) and settles it with the provider, by the key of the call in flight. A create is
-//! looked up; a capture, refund or cancellation is sent again under its key with the largest
-//! fence, so that the provider makes it once (now, or answering what it made) and refuses any
-//! late run of it (rolling it back instead would let a call held up at the provider land after,
-//! money moved under a charge that says otherwise):
+//! long ended) and settles it with the provider, as one settles an unknown outcome with Stripe. A
+//! create is found by its metadata (the operation's key); a capture, refund or cancellation is
+//! sent again under its key, so that the provider makes it once (now, or answering what it made
+//! before: a late run of it gets the same answer). Rolling it back instead would let a call held
+//! up at the provider land after, money moved under a charge that says otherwise:
 //!
 //! - made: the charge moves to the state the answer says, with the event the request would have
 //!   published (the same id: the consumer applies it once), only if it is still as it was found;
@@ -21,7 +21,7 @@
 //! **Payments no charge names.** "Not made so far" is not "never": a call held up at the
 //! provider can take effect after its charge went. So the reconciler also reads the provider's
 //! payments report from where its last round left off (less `after`, for late writes) and
-//! matches each payment to its operation (the account in its reference, its key): a payment
+//! matches each payment to its operation (the account and key in its metadata): a payment
 //! whose operation has no charge gets its charge written from it, with its event, so that the
 //! money the provider moved is in the ledger and the balance. Adoption is refused when the
 //! operation has a charge, so there is never a second charge nor a second event for a payment.
@@ -39,36 +39,45 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::ledger::{Charge, Ledger, NewCharge};
-use super::provider::{
-    Outcome, PaymentRecord, ProviderClient, ProviderError, Request, WINDOW, now_ms,
-};
+use super::now_ms;
+use super::provider::{Outcome, PaymentRecord, ProviderClient, ProviderError, WINDOW};
 use super::state_machine::{Event, Status};
 
 /// Charges, and provider payments, looked at per round.
 const BATCH: usize = 100;
 
-/// What the example passes the provider as a payment's reference: enough to write the charge of
-/// a payment that no charge names.
+/// The metadata field of a payment that names its operation: the provider key of its create call.
+pub const OPERATION: &str = "operation";
+
+/// The metadata field of a payment that names its account.
+const ACCOUNT: &str = "account";
+
+/// The metadata field that holds the rest of a charge (JSON): enough to write the charge of a
+/// payment that no charge names.
+const CHARGE: &str = "charge";
+
+/// What a charge keeps that the provider's payment does not.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Reference {
-    pub account: Account,
-    pub currency: String,
-    pub description: Option<String>,
-    pub metadata: BTreeMap<String, String>,
+struct Reference {
+    currency: String,
+    description: Option<String>,
+    metadata: BTreeMap<String, String>,
 }
 
-impl Reference {
-    /// The reference of a charge's payment.
-    pub fn of(account: &Account, request: &NewCharge) -> String {
-        let reference = Reference {
-            account: account.clone(),
-            currency: request.currency.clone(),
-            description: request.description.clone(),
-            metadata: request.metadata.clone(),
-        };
+/// The metadata the example gives a charge's payment: its account and operation, by which the
+/// reconciler finds it, and the rest of the charge.
+pub fn metadata(account: &Account, operation: &str, request: &NewCharge) -> BTreeMap<String, String> {
+    let reference = Reference {
+        currency: request.currency.clone(),
+        description: request.description.clone(),
+        metadata: request.metadata.clone(),
+    };
+    BTreeMap::from([
+        (ACCOUNT.to_owned(), account.id().to_owned()),
+        (OPERATION.to_owned(), operation.to_owned()),
         // Strings and maps of strings always encode.
-        serde_json::to_string(&reference).unwrap_or_default()
-    }
+        (CHARGE.to_owned(), serde_json::to_string(&reference).unwrap_or_default()),
+    ])
 }
 
 /// What a round of the reconciler did.
@@ -207,15 +216,16 @@ impl Reconciler {
 
     /// Writes the charge of `payment` unless its operation has one; says whether it did.
     async fn match_payment(&self, payment: &PaymentRecord) -> Result<bool, ApiError> {
-        let Ok(reference) = serde_json::from_str::<Reference>(&payment.reference) else {
-            tracing::error!(payment = %payment.id, "a provider payment without the example's reference: reconcile it by hand");
+        let field = |name: &str| payment.metadata.get(name);
+        let reference = field(CHARGE).and_then(|text| serde_json::from_str::<Reference>(text).ok());
+        let (Some(account), Some(operation), Some(reference)) =
+            (field(ACCOUNT), field(OPERATION), reference)
+        else {
+            tracing::error!(payment = %payment.id, "a provider payment without the example's metadata: reconcile it by hand");
             return Ok(false);
         };
-        if self
-            .ledger
-            .has_operation(&reference.account, &payment.key)
-            .await?
-        {
+        let account = Account::from_id(account.clone());
+        if self.ledger.has_operation(&account, operation).await? {
             return Ok(false);
         }
         let request = NewCharge {
@@ -226,7 +236,7 @@ impl Reconciler {
             description: reference.description,
             metadata: reference.metadata,
         };
-        let mut charge = Charge::new(reference.account, &request, &payment.key);
+        let mut charge = Charge::new(account, &request, operation);
         charge.payment.clone_from(&payment.id);
         let moves: &[Event] = match payment.outcome {
             Outcome::Declined => &[Event::Authorize, Event::Declined],
@@ -282,30 +292,29 @@ impl Reconciler {
     }
 
     /// What the provider did with the call `charge` waits on, or does now with it: `None` when
-    /// it did nothing. A capture, refund or cancellation is sent again, under its key, with the
-    /// largest fence: the provider makes it once, and a late run of it is refused as superseded.
+    /// it did nothing. A create is searched for by its operation; a capture, refund or
+    /// cancellation is sent again, under its key: the provider makes it once.
     async fn ask(&self, charge: &Charge) -> Result<Option<Answer>, ProviderError> {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
         let (key, amount) = (charge.call_key.as_str(), charge.call_amount);
         Ok(match charge.status {
             Status::Authorizing => {
-                let (source, amount, capture) = (charge.source, charge.amount, charge.capture);
-                let create = Request::CreatePayment {
-                    source,
-                    amount,
-                    capture,
+                let found = provider.search(OPERATION, &charge.provider_key).await?;
+                // The operation's payment, if the provider made it for this charge's request (a
+                // key reused for another request made none).
+                let mine = |p: &PaymentRecord| {
+                    p.metadata.get(ACCOUNT).map(String::as_str) == Some(charge.account.id())
+                        && (p.amount, p.source, p.capture)
+                            == (charge.amount, charge.source, charge.capture)
                 };
-                (provider.find_call(&charge.provider_key, create).await?)
-                    .map(|id| Answer::Payment(id, Outcome::of(source, capture)))
+                (found.into_iter().find(mine)).map(|p| Answer::Payment(p.id, p.outcome))
             }
-            Status::Capturing => made(provider.capture(key, LAST_FENCE, payment).await)?
+            Status::Capturing => made(provider.capture(key, payment).await)?
                 .map(|()| Answer::Done(&[Event::Captured])),
-            Status::Canceling => made(provider.cancel(key, LAST_FENCE, payment).await)?
+            Status::Canceling => made(provider.cancel(key, payment).await)?
                 .map(|()| Answer::Done(&[Event::Canceled])),
-            Status::Refunding => {
-                made(provider.refund(key, LAST_FENCE, payment, amount).await)?.map(Answer::Refund)
-            }
+            Status::Refunding => made(provider.refund(key, payment, amount).await)?.map(Answer::Refund),
             _ => None,
         })
     }
@@ -412,10 +421,6 @@ fn outlived_its_key(charge: &Charge) -> bool {
     let usable = u64::try_from(usable.as_millis()).unwrap_or(u64::MAX);
     now_ms().saturating_sub(charge.call_started) >= usable
 }
-
-/// The fence of the reconciler's own calls: larger than any claim's, so that a handler's call
-/// held up or stalled past the reconciler's is refused as superseded.
-const LAST_FENCE: u64 = u64::MAX;
 
 /// A call's answer: made (`Some`), refused, so nothing was done (`None`), or not known yet.
 fn made<T>(answer: Result<T, ProviderError>) -> Result<Option<T>, ProviderError> {

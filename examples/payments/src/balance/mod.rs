@@ -7,7 +7,6 @@
 
 mod memory;
 mod postgres;
-mod redis;
 
 use std::fmt;
 use std::time::Duration;
@@ -16,11 +15,9 @@ use async_trait::async_trait;
 use axum::Json;
 use axum::extract::{Extension, State};
 use serde::Serialize;
-use tower_idempotency_redis::RedisStoreError;
 
 pub use memory::MemoryBalances;
 pub use postgres::PgBalances;
-pub use redis::{BALANCES_PREFIX, RedisBalances};
 
 use super::AppState;
 use super::auth::Account;
@@ -54,9 +51,6 @@ pub enum Applied {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BalanceError {
-    /// Redis failed: the script may have run, and applying again is safe.
-    #[error("the balance ledger is unavailable")]
-    Redis(#[from] RedisStoreError),
     /// PostgreSQL failed: nothing changed (the transaction rolled back).
     #[error("the balance ledger is unavailable")]
     Postgres(#[from] sqlx::Error),

@@ -1,7 +1,8 @@
-//! The charges in memory (one process): a map under one lock, every write all or nothing.
+//! The charges in memory (one process): a map under one lock, every write all or nothing, and
+//! its event added to the outbox under the same lock.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,15 +12,16 @@ use tokio::time::Instant;
 use super::{Change, Charge, EventOf, Ledger, NewCharge, Opened, millis, reopen};
 use crate::auth::Account;
 use crate::error::ApiError;
-use crate::events::{PaymentEvent, Publisher};
-use crate::provider::now_ms;
+use crate::consumer::MemoryOutbox;
+use crate::events::PaymentEvent;
+use crate::now_ms;
 use crate::state_machine::{Event, Status};
 
-/// The charges in memory; events go to `events` once a charge is written.
+/// The charges in memory; events go to `outbox` with the charge they report.
 #[derive(Debug)]
 pub struct MemoryLedger {
     charges: Mutex<Charges>,
-    events: Publisher,
+    outbox: Arc<MemoryOutbox>,
     /// How long a charge holds its operation: the provider's key window.
     window: Duration,
 }
@@ -34,10 +36,10 @@ struct Charges {
 
 impl MemoryLedger {
     /// An empty ledger whose charges hold their operation for `window`.
-    pub fn new(events: Publisher, window: Duration) -> Self {
+    pub fn new(outbox: Arc<MemoryOutbox>, window: Duration) -> Self {
         Self {
             charges: Mutex::default(),
-            events,
+            outbox,
             window,
         }
     }
@@ -46,8 +48,14 @@ impl MemoryLedger {
         self.charges.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Changes the account's charge `id`, all or nothing.
-    fn change(&self, account: &Account, id: &str, change: Change<'_>) -> Result<Charge, ApiError> {
+    /// Changes the account's charge `id`, all or nothing, and adds its event.
+    fn change(
+        &self,
+        account: &Account,
+        id: &str,
+        change: Change<'_>,
+        event: EventOf<'_>,
+    ) -> Result<Charge, ApiError> {
         let mut charges = self.lock();
         let charge = charges
             .by_id
@@ -58,12 +66,14 @@ impl MemoryLedger {
         change(&mut changed)?;
         changed.updated = now_ms();
         *charge = changed.clone();
+        self.publish(event(&changed));
         Ok(changed)
     }
 
-    async fn publish(&self, event: Option<PaymentEvent>) {
+    /// Adds `event` to the outbox: called under the charges' lock, with the write it reports.
+    fn publish(&self, event: Option<PaymentEvent>) {
         if let Some(event) = event {
-            self.events.publish(event).await;
+            self.outbox.push(event);
         }
     }
 }
@@ -132,7 +142,7 @@ impl Ledger for MemoryLedger {
         let recorded = {
             let mut charges = self.lock();
             // Under the one lock: the reconciler cannot remove it between the look and the write.
-            if let Some(stored) = charges.by_id.get_mut(&charge.id) {
+            let recorded = if let Some(stored) = charges.by_id.get_mut(&charge.id) {
                 if stored.status == Status::Authorizing {
                     stored.status = charge.status;
                     stored.payment.clone_from(&charge.payment);
@@ -158,9 +168,10 @@ impl Ledger for MemoryLedger {
                 charge.seq = charges.next_seq;
                 charges.by_id.insert(charge.id.clone(), charge.clone());
                 charge
-            }
+            };
+            self.publish(event(&recorded));
+            recorded
         };
-        self.publish(event(&recorded)).await;
         Ok(recorded)
     }
 
@@ -189,7 +200,7 @@ impl Ledger for MemoryLedger {
         id: &str,
         change: Change<'_>,
     ) -> Result<Charge, ApiError> {
-        self.change(account, id, change)
+        self.change(account, id, change, &|_| None)
     }
 
     async fn settle(
@@ -200,13 +211,7 @@ impl Ledger for MemoryLedger {
         change: Change<'_>,
         event: EventOf<'_>,
     ) -> Result<Charge, ApiError> {
-        let charge = self.change(account, id, change)?;
-        self.publish(event(&charge)).await;
-        Ok(charge)
-    }
-
-    async fn publish_again(&self, event: PaymentEvent) {
-        self.events.publish(event).await;
+        self.change(account, id, change, event)
     }
 
     async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError> {
@@ -236,8 +241,8 @@ impl Ledger for MemoryLedger {
                 }
                 _ => return Ok(false),
             }
+            self.publish(event);
         }
-        self.publish(event).await;
         Ok(true)
     }
 
@@ -267,8 +272,8 @@ impl Ledger for MemoryLedger {
                 return Ok(false);
             }
             charges.insert(&mut charge, self.window);
+            self.publish(event);
         }
-        self.publish(event).await;
         Ok(true)
     }
 }

@@ -9,7 +9,6 @@
 
 mod memory;
 mod postgres;
-mod redis;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,12 +20,12 @@ use serde::{Deserialize, Serialize};
 
 pub use memory::MemoryLedger;
 pub use postgres::PgLedger;
-pub use redis::{LEDGER_PREFIX, RedisLedger};
 
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::provider::{Source, now_ms};
+use super::now_ms;
+use super::provider::Source;
 use super::state_machine::{Event, Status, next};
 
 /// A change to a charge: refused (nothing written) with the error it returns.
@@ -86,11 +85,6 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         change: Change<'_>,
         event: EventOf<'_>,
     ) -> Result<Charge, ApiError>;
-
-    /// The event of a charge an earlier attempt settled, published again where events are
-    /// published after the charge is written (a process may have died between the two); in
-    /// PostgreSQL the outbox committed it with the charge.
-    async fn publish_again(&self, event: PaymentEvent);
 
     /// Up to `limit` charges in an `-ing` state unchanged for `after`, oldest first.
     async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError>;

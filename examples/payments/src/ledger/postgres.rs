@@ -10,7 +10,8 @@
 //!
 //! The final writes and their events go through the request's [`PgTx`], which commits with the
 //! idempotency record only while the claim is still the request's: a displaced run's whole
-//! transaction rolls back, so these rows need no fence.
+//! transaction rolls back, so these rows need no fence. (With the records in Redis, they commit
+//! on their own, guarded by the state they are written over.)
 
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use async_trait::async_trait;
 use axum::http::Extensions;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgPool, Row};
-use tower_idempotency_postgres::PgTx;
+use tower_idempotency_postgres::{PgTx, PgTxError};
 
 use super::{Change, Charge, EventOf, Ledger, NewCharge, Opened};
 use crate::auth::Account;
@@ -80,12 +81,40 @@ impl PgLedger {
     }
 }
 
-/// The request's transaction, where the layer put it.
-async fn request_tx(request: &Extensions) -> Result<PgTx, ApiError> {
-    PgTx::from_extensions(request).await.map_err(|err| {
-        tracing::warn!(error = %crate::report(&err), "no transaction for the request");
-        ApiError::storage_unavailable()
-    })
+/// Where a request's final write goes: the request's transaction, which commits with its
+/// idempotency record ([`PgTx`]), or, when the records are kept elsewhere (Redis), a transaction
+/// of the ledger's own, committed at once.
+enum Work {
+    Request(PgTx),
+    Own(sqlx::Transaction<'static, sqlx::Postgres>),
+}
+
+impl Work {
+    async fn begin(pool: &PgPool, request: &Extensions) -> Result<Self, ApiError> {
+        match PgTx::from_extensions(request).await {
+            Ok(tx) => Ok(Work::Request(tx)),
+            Err(PgTxError::NotClaimed) => Ok(Work::Own(pool.begin().await.map_err(unavailable)?)),
+            Err(err) => {
+                tracing::warn!(error = %crate::report(&err), "no transaction for the request");
+                Err(ApiError::storage_unavailable())
+            }
+        }
+    }
+
+    fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Work::Request(tx) => tx,
+            Work::Own(tx) => tx,
+        }
+    }
+
+    /// Commits a transaction of the ledger's own; the request's commits with its record.
+    async fn finish(self) -> Result<(), ApiError> {
+        match self {
+            Work::Request(_) => Ok(()),
+            Work::Own(tx) => tx.commit().await.map_err(unavailable),
+        }
+    }
 }
 
 /// Changes the account's charge `id` in the transaction of `conn`, row locked.
@@ -211,7 +240,8 @@ impl Ledger for PgLedger {
         charge: Charge,
         event: EventOf<'_>,
     ) -> Result<Charge, ApiError> {
-        let mut tx = request_tx(request).await?;
+        let mut work = Work::begin(&self.pool, request).await?;
+        let tx = work.conn();
         let updated = sqlx::query(&format!(
             "UPDATE charges SET status = $2, payment = $3, updated_at = statement_timestamp()
              WHERE id = $1 AND status = 'authorizing'
@@ -245,7 +275,8 @@ impl Ledger for PgLedger {
                 }
             }
         };
-        publish(&mut tx, event(&recorded)).await?;
+        publish(tx, event(&recorded)).await?;
+        work.finish().await?;
         Ok(recorded)
     }
 
@@ -296,13 +327,12 @@ impl Ledger for PgLedger {
         change_with: Change<'_>,
         event: EventOf<'_>,
     ) -> Result<Charge, ApiError> {
-        let mut tx = request_tx(request).await?;
-        let charge = change(&mut tx, account, id, change_with).await?;
-        publish(&mut tx, event(&charge)).await?;
+        let mut work = Work::begin(&self.pool, request).await?;
+        let charge = change(work.conn(), account, id, change_with).await?;
+        publish(work.conn(), event(&charge)).await?;
+        work.finish().await?;
         Ok(charge)
     }
-
-    async fn publish_again(&self, _event: PaymentEvent) {}
 
     async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError> {
         let rows = sqlx::query(&format!(

@@ -1,6 +1,6 @@
 -- The payments example's own tables, beside the idempotency layer's (PgStore::migrate creates
 -- `idempotency_records`, which also holds the ledger consumer's processed event ids). Created
--- at start-up when missing.
+-- at start-up when missing. The provider keeps its own state, in its own program.
 
 -- One row per charge. `status` follows the state machine (state_machine.rs); `authorizing` is
 -- committed before the provider is called, and the final state with the request's record.
@@ -47,32 +47,9 @@ CREATE TABLE IF NOT EXISTS charges (
     updated_at      timestamptz NOT NULL DEFAULT statement_timestamp()
 );
 
--- A database made before these columns: each charge holds its operation, as its provider_key.
--- Should two charges share one (as a run taken over after its lease ran out could leave), the
--- unique index below cannot be made and start-up stops, naming the pair: settle them by hand
--- (keep the charge the balance counts, set the other's operation to NULL), then start again.
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM information_schema.columns
-                   WHERE table_schema = current_schema() AND table_name = 'charges'
-                     AND column_name = 'operation') THEN
-        ALTER TABLE charges ADD COLUMN operation text;
-        UPDATE charges SET operation = provider_key;
-    END IF;
-END $$;
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_key text NOT NULL DEFAULT '';
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_amount bigint NOT NULL DEFAULT 0;
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS refunds text NOT NULL DEFAULT '[]';
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS reconciling boolean NOT NULL DEFAULT false;
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS capture_key text NOT NULL DEFAULT '';
-ALTER TABLE charges ADD COLUMN IF NOT EXISTS call_started bigint NOT NULL
-    DEFAULT (extract(epoch FROM now()) * 1000)::bigint;
-
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
 -- The last line of defence: one charge per operation, whatever ran twice in front of it.
 CREATE UNIQUE INDEX IF NOT EXISTS charges_operation ON charges (account, operation);
-DROP INDEX IF EXISTS charges_provider_key;
-DROP INDEX IF EXISTS charges_authorizing;
 CREATE INDEX IF NOT EXISTS charges_unsettled ON charges (updated_at)
     WHERE status IN ('authorizing', 'capturing', 'refunding', 'canceling');
 
@@ -92,33 +69,3 @@ CREATE TABLE IF NOT EXISTS payment_events (
     payload      text        NOT NULL,
     published_at timestamptz NOT NULL DEFAULT statement_timestamp()
 );
-
--- The simulated provider's idempotency keys (provider/keys/postgres.rs): they stand for an outside
--- service's own records, shared by every instance of the example.
-CREATE TABLE IF NOT EXISTS provider_keys (
-    key        text        PRIMARY KEY,
-    request    text        NOT NULL,
-    id         text        NOT NULL,
-    -- The largest fence a call with the key carried: a smaller one is refused. A u64, which
-    -- only numeric holds whole.
-    fence      numeric(20) NOT NULL DEFAULT 0,
-    expires_at timestamptz NOT NULL
-);
-ALTER TABLE provider_keys ADD COLUMN IF NOT EXISTS fence numeric(20) NOT NULL DEFAULT 0;
-CREATE INDEX IF NOT EXISTS provider_keys_expiry ON provider_keys (expires_at);
-
--- The simulated provider's payments, kept for good as a provider keeps them: what its payments
--- report lists (the reconciler reads it), and what bounds each payment's refunds. Written in the
--- transaction of the key's claim.
-CREATE TABLE IF NOT EXISTS provider_payments (
-    id         text        PRIMARY KEY,
-    key        text        NOT NULL,
-    amount     bigint      NOT NULL,
-    refunded   bigint      NOT NULL DEFAULT 0,
-    source     text        NOT NULL,
-    capture    boolean     NOT NULL,
-    outcome    text        NOT NULL,
-    reference  text        NOT NULL DEFAULT '',
-    created_at timestamptz NOT NULL
-);
-CREATE INDEX IF NOT EXISTS provider_payments_created ON provider_payments (created_at, id);

@@ -1,20 +1,21 @@
 //! The provider's HTTP API, what its client (`client.rs`) calls as a service calls a real
-//! provider's: an axum [`Router`] served in process (a `Router` is a tower `Service`, so no socket
-//! stands between the example and its provider).
+//! provider's: served by the provider's own program (`src/bin/provider.rs`), or in process (a
+//! `Router` is a tower `Service`, so no socket stands between the example and its provider).
 //!
 //! | request | answer |
 //! |---|---|
-//! | `POST /v1/payments` `{"source", "amount", "capture", "reference"}` | `{"id", "outcome"}` |
+//! | `POST /v1/payments` `{"source", "amount", "capture", "metadata"}` | `{"id", "outcome"}` |
 //! | `POST /v1/payments/{id}/capture`, `/cancel` | `{"id"}` |
 //! | `POST /v1/refunds` `{"payment", "amount"}` | `{"id"}` (the refund's) |
 //! | `GET /v1/payments?created_gte=&limit=` | `{"data": [payment, ...]}`, oldest first |
-//! | `GET /v1/calls/{key}?request=` | `{"id"}` of the call with that key and request |
+//! | `GET /v1/payments/search?field=&value=` | `{"data": [payment, ...]}` whose metadata has `value` under `field` |
 //!
-//! Every `POST` carries an `Idempotency-Key` and its caller's fence in `Idempotency-Fence` (a
-//! decimal `u64`; 0 without it). A refusal is `{"error": ...}`, a [`ProviderError`]: `503`
-//! `unavailable` (nothing happened), `422` `key_reused`, `412` `superseded`, `400`
-//! `amount_too_large`, `404` `no_such_payment` (or no such call). `500` `unknown` is no refusal:
-//! the provider failed midway, and the call may have taken effect.
+//! Every `POST` carries an `Idempotency-Key`, bound to its request for the provider's window. A
+//! refusal is `{"error": ...}`, a [`ProviderError`]: `503` `unavailable` (nothing happened), `422`
+//! `key_reused`, `400` `amount_too_large`, `404` `no_such_payment`. `500` `unknown` is no
+//! refusal: the provider failed midway, and the call may have taken effect.
+
+use std::collections::BTreeMap;
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -28,17 +29,15 @@ use super::{Outcome, PaymentRecord, Provider, ProviderError, Source};
 /// The header the provider deduplicates on.
 pub const KEY_HEADER: &str = "idempotency-key";
 
-/// The header of the caller's fence.
-pub const FENCE_HEADER: &str = "idempotency-fence";
-
 /// The body of `POST /v1/payments`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct NewPayment {
     pub source: Source,
     pub amount: i64,
     pub capture: bool,
-    /// The caller's own reference, kept with the payment (not part of what a key binds).
-    pub reference: String,
+    /// The caller's own key-value pairs, kept with the payment (not part of what a key binds).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// The body of `POST /v1/refunds`.
@@ -56,10 +55,11 @@ pub struct ListQuery {
     pub limit: usize,
 }
 
-/// The query of `GET /v1/calls/{key}`: the call as [`super::Request::describe`] writes it.
+/// The query of `GET /v1/payments/search`: a metadata field and its value.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct CallQuery {
-    pub request: String,
+pub struct SearchQuery {
+    pub field: String,
+    pub value: String,
 }
 
 /// What the API answers: an id, a payment's outcome, a page of payments.
@@ -85,7 +85,6 @@ impl IntoResponse for ProviderError {
             ProviderError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProviderError::Unknown => StatusCode::INTERNAL_SERVER_ERROR,
             ProviderError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            ProviderError::Superseded => StatusCode::PRECONDITION_FAILED,
             ProviderError::NoSuchPayment => StatusCode::NOT_FOUND,
             ProviderError::AmountTooLarge { .. } => StatusCode::BAD_REQUEST,
         };
@@ -100,13 +99,13 @@ pub fn router(provider: Provider) -> Router {
         .route("/v1/payments/{id}/capture", post(capture))
         .route("/v1/payments/{id}/cancel", post(cancel))
         .route("/v1/refunds", post(refund))
-        .route("/v1/calls/{key}", get(find_call))
+        .route("/v1/payments/search", get(search_payments))
         .with_state(provider)
 }
 
 type Answered = Result<Json<Answer>, Refused>;
 
-/// A refusal: the provider's, or `400` for a request without a key or with a bad fence.
+/// A refusal: the provider's, or `400` for a request without a key.
 struct Refused(Option<ProviderError>);
 
 impl From<ProviderError> for Refused {
@@ -124,14 +123,10 @@ impl IntoResponse for Refused {
     }
 }
 
-/// The request's key and fence.
-fn key_and_fence(headers: &HeaderMap) -> Result<(&str, u64), Refused> {
-    let text = |name| headers.get(name).and_then(|value| value.to_str().ok());
-    let fence = text(FENCE_HEADER).map_or(Some(0), |fence| fence.parse().ok());
-    match (text(KEY_HEADER).filter(|key| !key.is_empty()), fence) {
-        (Some(key), Some(fence)) => Ok((key, fence)),
-        _ => Err(Refused(None)),
-    }
+/// The request's idempotency key.
+fn key(headers: &HeaderMap) -> Result<&str, Refused> {
+    let key = headers.get(KEY_HEADER).and_then(|value| value.to_str().ok());
+    key.filter(|key| !key.is_empty()).ok_or(Refused(None))
 }
 
 fn id(id: String) -> Json<Answer> {
@@ -146,11 +141,9 @@ async fn create_payment(
     headers: HeaderMap,
     Json(new): Json<NewPayment>,
 ) -> Answered {
-    let (key, fence) = key_and_fence(&headers)?;
-    let (source, amount, capture) = (new.source, new.amount, new.capture);
-    let payment = provider
-        .create_payment(key, fence, source, amount, capture, &new.reference)
-        .await?;
+    let call = (new.source, new.amount, new.capture);
+    let payment = provider.create_payment(key(&headers)?, call, new.metadata);
+    let payment = payment.await?;
     Ok(Json(Answer {
         id: payment.id,
         outcome: Some(payment.outcome),
@@ -163,8 +156,7 @@ async fn capture(
     headers: HeaderMap,
     Path(pay): Path<String>,
 ) -> Answered {
-    let (key, fence) = key_and_fence(&headers)?;
-    provider.capture(key, fence, &pay).await?;
+    provider.capture(key(&headers)?, &pay).await?;
     Ok(id(pay))
 }
 
@@ -173,8 +165,7 @@ async fn cancel(
     headers: HeaderMap,
     Path(pay): Path<String>,
 ) -> Answered {
-    let (key, fence) = key_and_fence(&headers)?;
-    provider.cancel(key, fence, &pay).await?;
+    provider.cancel(key(&headers)?, &pay).await?;
     Ok(id(pay))
 }
 
@@ -183,28 +174,28 @@ async fn refund(
     headers: HeaderMap,
     Json(new): Json<NewRefund>,
 ) -> Answered {
-    let (key, fence) = key_and_fence(&headers)?;
-    let refund = provider.refund(key, fence, &new.payment, new.amount);
+    let refund = provider.refund(key(&headers)?, &new.payment, new.amount);
     Ok(id(refund.await?))
 }
 
 async fn list_payments(
     State(provider): State<Provider>,
     Query(query): Query<ListQuery>,
-) -> Answered {
-    let data = provider.payments_since(query.created_gte, query.limit);
-    let data = data.await?;
-    Ok(Json(Answer {
+) -> Json<Answer> {
+    let data = provider.payments_since(query.created_gte, query.limit).await;
+    Json(Answer {
         data,
         ..Answer::default()
-    }))
+    })
 }
 
-async fn find_call(
+async fn search_payments(
     State(provider): State<Provider>,
-    Path(key): Path<String>,
-    Query(query): Query<CallQuery>,
-) -> Answered {
-    let found = provider.find_call(&key, &query.request).await?;
-    Ok(id(found.ok_or(ProviderError::NoSuchPayment)?))
+    Query(query): Query<SearchQuery>,
+) -> Json<Answer> {
+    let data = provider.search(&query.field, &query.value).await;
+    Json(Answer {
+        data,
+        ..Answer::default()
+    })
 }

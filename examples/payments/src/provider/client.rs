@@ -1,16 +1,17 @@
 //! The example's client of its provider: every call goes over the provider's HTTP API
-//! (`api.rs`) through the crate's [`IdempotentRetryLayer`], with the key the handler derived as
-//! its `Idempotency-Key` and its claim's fence as `Idempotency-Fence`: every attempt, and every
-//! later request that derives the same key, names one operation, and the provider answers a
-//! repeat with the first reply. A `503` (the provider down) is retried before the charge gives
-//! up; a refusal is not.
+//! (`api.rs`), at `PROVIDER_URL` or served in process, through the crate's
+//! [`IdempotentRetryLayer`], with the key the handler derived as its `Idempotency-Key`: every
+//! attempt, and every later request that derives the same key, names one operation, and the
+//! provider answers a repeat with the first reply. A `503` (the provider down) or a connection
+//! refused is retried before the charge gives up; a refusal is not.
 //!
 //! A call whose outcome is not known is [`ProviderError::Unknown`], never
 //! [`ProviderError::Unavailable`]: no answer within the deadline, an unreadable one, the
-//! provider's `500`, and a final `503` after an attempt that went unanswered (the provider may
-//! still be making it). Only a `503` to every attempt says nothing happened.
+//! provider's `500`, a connection lost once the call was sent, and a final `503` after an attempt
+//! that went unanswered (the provider may still be making it). Only attempts that were each
+//! refused before the provider acted (a `503`, no connection) say nothing happened.
 
-use std::convert::Infallible;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,17 +20,20 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
-use axum::http::{Method, Request, StatusCode, header};
+use axum::body::Body;
+use axum::http::{Method, Request, Response, StatusCode, Uri, header};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
-use tower::{Layer, Service, ServiceExt};
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_idempotency_client::IdempotentRetryLayer;
 
-use super::api::{
-    Answer, CallQuery, FENCE_HEADER, KEY_HEADER, ListQuery, NewPayment, NewRefund, Refusal,
-};
-use super::{Payment, PaymentRecord, ProviderError, Request as Call, Source};
+use super::api::{Answer, KEY_HEADER, ListQuery, NewPayment, NewRefund, Refusal, SearchQuery};
+use super::{Payment, PaymentRecord, ProviderError, Source};
 
 /// The most times one call is sent: 3, so a provider down for a moment gets two more tries
 /// within the charge request, and one down for good costs a request three calls.
@@ -50,16 +54,59 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from
 /// The largest answer read: the provider's are a few dozen bytes.
 const ANSWER_LIMIT: usize = 64 * 1024;
 
+/// How one attempt reaches the provider.
+type Transport = BoxCloneSyncService<Request<Full<Bytes>>, Response<Body>, BoxError>;
+
 /// A client of the provider's API; clones share it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ProviderClient {
     retry: IdempotentRetryLayer,
-    api: Router,
+    api: Transport,
+}
+
+impl std::fmt::Debug for ProviderClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderClient")
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ProviderClient {
-    /// A client of the provider's API `api` ([`Provider::router`](super::Provider::router)).
+    /// A client of the provider's API served in process: `api`
+    /// ([`Provider::router`](super::Provider::router)).
     pub fn new(api: Router) -> Self {
+        let api = tower::service_fn(move |request: Request<Full<Bytes>>| {
+            let answer = api.clone().oneshot(request);
+            async move { Ok::<_, BoxError>(answer.await.unwrap_or_else(|never| match never {})) }
+        });
+        Self::over(BoxCloneSyncService::new(api))
+    }
+
+    /// A client of the provider's program at `base` (`PROVIDER_URL`, such as
+    /// `http://127.0.0.1:12111`), over HTTP/1.1.
+    pub fn http(base: &str) -> Result<Self, String> {
+        let base: Uri = base
+            .parse()
+            .map_err(|err| format!("PROVIDER_URL {base:?} is not a URL: {err}"))?;
+        if base.scheme_str() != Some("http") || base.authority().is_none() {
+            return Err(format!("PROVIDER_URL {base} must be an http:// URL with a host"));
+        }
+        let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let api = tower::service_fn(move |mut request: Request<Full<Bytes>>| {
+            let client = client.clone();
+            let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
+            let uri = format!("{}{path}", base.to_string().trim_end_matches('/'));
+            async move {
+                *request.uri_mut() = uri.parse()?;
+                let response = client.request(request).await?;
+                Ok::<_, BoxError>(response.map(Body::new))
+            }
+        });
+        Ok(Self::over(BoxCloneSyncService::new(api)))
+    }
+
+    fn over(api: Transport) -> Self {
         let retry = IdempotentRetryLayer::new()
             .max_attempts(ATTEMPTS)
             .attempt_timeout(ATTEMPT_TIMEOUT)
@@ -68,26 +115,22 @@ impl ProviderClient {
         Self { retry, api }
     }
 
-    /// `POST /v1/payments`: a payment of `amount` from `source`, authorized only or captured,
-    /// under the claim numbered `fence`; `reference` is kept with it.
+    /// `POST /v1/payments`: a payment of `amount` from `source`, authorized only or captured;
+    /// `metadata` is kept with it, and finds it again.
     pub async fn create_payment(
         &self,
         key: &str,
-        fence: u64,
-        source: Source,
-        amount: i64,
-        capture: bool,
-        reference: &str,
+        (source, amount, capture): (Source, i64, bool),
+        metadata: BTreeMap<String, String>,
     ) -> Result<Payment, ProviderError> {
-        let reference = reference.to_owned();
         let body = json(&NewPayment {
             source,
             amount,
             capture,
-            reference,
+            metadata,
         })?;
         let answer = self
-            .call(Method::POST, "/v1/payments", Some((key, fence)), body)
+            .call(Method::POST, "/v1/payments", Some(key), body)
             .await?;
         let outcome = answer
             .outcome
@@ -99,56 +142,41 @@ impl ProviderClient {
     }
 
     /// `POST /v1/payments/{id}/capture`.
-    pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+    pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let path = format!("/v1/payments/{payment}/capture");
-        self.call(Method::POST, &path, Some((key, fence)), Bytes::new())
+        self.call(Method::POST, &path, Some(key), Bytes::new())
             .await
             .map(drop)
     }
 
     /// `POST /v1/refunds`: the refund's id.
-    pub async fn refund(
-        &self,
-        key: &str,
-        fence: u64,
-        payment: &str,
-        amount: i64,
-    ) -> Result<String, ProviderError> {
+    pub async fn refund(&self, key: &str, payment: &str, amount: i64) -> Result<String, ProviderError> {
         let body = json(&NewRefund {
             payment: payment.to_owned(),
             amount,
         })?;
         let answer = self
-            .call(Method::POST, "/v1/refunds", Some((key, fence)), body)
+            .call(Method::POST, "/v1/refunds", Some(key), body)
             .await?;
         Ok(answer.id)
     }
 
     /// `POST /v1/payments/{id}/cancel`.
-    pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+    pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let path = format!("/v1/payments/{payment}/cancel");
-        self.call(Method::POST, &path, Some((key, fence)), Bytes::new())
+        self.call(Method::POST, &path, Some(key), Bytes::new())
             .await
             .map(drop)
     }
 
-    /// `GET /v1/calls/{key}`: the id a call with `key` answered for `call`, or `None` (no such
-    /// call reached the provider, or the key was another request's).
-    pub async fn find_call(
-        &self,
-        key: &str,
-        call: Call<'_>,
-    ) -> Result<Option<String>, ProviderError> {
-        let query = query_string(&CallQuery {
-            request: call.describe(),
+    /// `GET /v1/payments/search`: the payments whose metadata has `value` under `field`.
+    pub async fn search(&self, field: &str, value: &str) -> Result<Vec<PaymentRecord>, ProviderError> {
+        let query = query_string(&SearchQuery {
+            field: field.to_owned(),
+            value: value.to_owned(),
         })?;
-        let key: String = form_urlencoded::byte_serialize(key.as_bytes()).collect();
-        let path = format!("/v1/calls/{key}?{query}");
-        match self.call(Method::GET, &path, None, Bytes::new()).await {
-            Ok(answer) => Ok(Some(answer.id)),
-            Err(ProviderError::NoSuchPayment) => Ok(None),
-            Err(err) => Err(err),
-        }
+        let path = format!("/v1/payments/search?{query}");
+        Ok(self.call(Method::GET, &path, None, Bytes::new()).await?.data)
     }
 
     /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the epoch),
@@ -169,20 +197,18 @@ impl ProviderClient {
             .data)
     }
 
-    /// Sends one call through the retry layer, with a key and its fence if given, and a JSON
-    /// `body` unless empty: the answer, or the provider's refusal.
+    /// Sends one call through the retry layer, with a key if given, and a JSON `body` unless
+    /// empty: the answer, or the provider's refusal.
     async fn call(
         &self,
         method: Method,
         path: &str,
-        key: Option<(&str, u64)>,
+        key: Option<&str>,
         body: Bytes,
     ) -> Result<Answer, ProviderError> {
         let mut request = Request::builder().method(method).uri(path);
-        if let Some((key, fence)) = key {
-            request = request
-                .header(KEY_HEADER, key)
-                .header(FENCE_HEADER, fence.to_string());
+        if let Some(key) = key {
+            request = request.header(KEY_HEADER, key);
         }
         if !body.is_empty() {
             request = request.header(header::CONTENT_TYPE, "application/json");
@@ -194,8 +220,15 @@ impl ProviderClient {
             api: self.api.clone(),
             unknown: unknown.clone(),
         };
-        let response = (self.retry.layer(watched).oneshot(request).await)
-            .map_err(|err| unusable("calling the provider", &err))?;
+        let response = match self.retry.layer(watched).oneshot(request).await {
+            Ok(response) => response,
+            // Every attempt was refused before the provider acted: nothing happened.
+            Err(err) if !unknown.load(Ordering::SeqCst) => {
+                tracing::warn!(error = %crate::report(&err), "provider: unreachable");
+                return Err(ProviderError::Unavailable);
+            }
+            Err(err) => return Err(unusable("calling the provider", &err)),
+        };
         let status = response.status();
         let answer = Limited::new(response.into_body(), ANSWER_LIMIT)
             .collect()
@@ -223,35 +256,33 @@ impl ProviderClient {
 }
 
 /// The provider's API, noting whether any attempt of one call ended without a decided answer: cut
-/// off (its timeout, the deadline) before the answer came, or answered `500`.
+/// off (its timeout, the deadline) before the answer came, answered `500`, or failed once its
+/// connection was made (the call may have been sent).
 #[derive(Clone)]
 struct Watched {
-    api: Router,
+    api: Transport,
     unknown: Arc<AtomicBool>,
 }
 
-type Reply = axum::http::Response<axum::body::Body>;
-
 impl Service<Request<Full<Bytes>>> for Watched {
-    type Response = Reply;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Reply, Infallible>> + Send>>;
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, BoxError>> + Send>>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        // A Router is always ready.
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.api.poll_ready(cx)
     }
 
     fn call(&mut self, request: Request<Full<Bytes>>) -> Self::Future {
-        let attempt = self.api.clone().oneshot(request);
+        let attempt = self.api.call(request);
         let mut pending = Pending(Some(self.unknown.clone()));
         Box::pin(async move {
             let answer = attempt.await;
-            if answer
-                .as_ref()
-                .is_ok_and(|a| a.status() == StatusCode::INTERNAL_SERVER_ERROR)
-                && let Some(unknown) = pending.0.take()
-            {
+            let undecided = match &answer {
+                Ok(answer) => answer.status() == StatusCode::INTERNAL_SERVER_ERROR,
+                Err(err) => !refused_before_sending(&**err),
+            };
+            if undecided && let Some(unknown) = pending.0.take() {
                 unknown.store(true, Ordering::SeqCst);
             }
             // Answered: nothing to mark.
@@ -270,6 +301,12 @@ impl Drop for Pending {
             unknown.store(true, Ordering::SeqCst);
         }
     }
+}
+
+/// Whether a transport failure came before anything was sent: no connection could be made.
+fn refused_before_sending(err: &(dyn std::error::Error + 'static)) -> bool {
+    err.downcast_ref::<hyper_util::client::legacy::Error>()
+        .is_some_and(hyper_util::client::legacy::Error::is_connect)
 }
 
 fn json(body: &impl Serialize) -> Result<Bytes, ProviderError> {

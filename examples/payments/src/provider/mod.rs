@@ -1,29 +1,28 @@
-//! The simulated payment provider: payments, its idempotency keys (each bound to its request for
-//! [`WINDOW`]), its fences (the largest per key, a smaller one refused), its refund bound
-//! (`amount_too_large`) and its payments report; the keys in a [`KeyTable`] (`keys/`). The README
-//! says why each exists. The example calls it over HTTP (`api.rs`) through its client
-//! (`client.rs`), as it would call a real one. Each call runs in a task of its own, as on a
-//! provider's server: a caller that stops waiting does not stop it. Test tokens: `tok_visa` is
-//! approved, `tok_chargeDeclined` declined, `tok_pspUnavailable` finds the provider down.
+//! The simulated payment provider, shaped like a real one: payments, idempotency keys each bound
+//! to its request for [`WINDOW`], a refund bound (`amount_too_large`), payments listed by
+//! creation time and found by their metadata. Its state is in memory: it is a program of its own
+//! (`src/bin/provider.rs`, `PROVIDER_URL`), which every instance of the example calls over HTTP
+//! (`api.rs`) through its client (`client.rs`); without one, the example serves it in process.
+//! Each call runs in a task of its own, as on a provider's server: a caller that stops waiting
+//! does not stop it. Test tokens: `tok_visa` is approved, `tok_chargeDeclined` declined,
+//! `tok_pspUnavailable` finds the provider down.
 
 pub mod api;
 mod client;
-pub mod keys;
 
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
+use tokio::time::Instant;
 
 pub use client::ProviderClient;
-pub use keys::{KeyTable, KeyTableError, MemoryKeys, PgKeys, RedisKeys, Used, now_ms};
 
-/// How long the provider remembers a key: 24 hours.
+use super::now_ms;
+
+/// How long the provider remembers a key: 24 hours, as Stripe does.
 pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// How often the expired keys are swept where the key table does not drop them by itself.
-pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// A card token of the test mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -81,8 +80,6 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    const ALL: [Outcome; 3] = [Outcome::Authorized, Outcome::Captured, Outcome::Declined];
-
     /// What a new payment from `source` comes to: the simulated issuer decides from the token.
     pub fn of(source: Source, capture: bool) -> Self {
         match (source, capture) {
@@ -90,20 +87,6 @@ impl Outcome {
             (_, false) => Outcome::Authorized,
             (_, true) => Outcome::Captured,
         }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Authorized => "authorized",
-            Outcome::Captured => "captured",
-            Outcome::Declined => "declined",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|outcome| outcome.as_str() == text)
     }
 }
 
@@ -115,7 +98,8 @@ impl Outcome {
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ProviderError {
-    /// The provider said it was down, before doing anything: retry with the same key.
+    /// The provider said it was down, or could not be reached, before doing anything: retry
+    /// with the same key.
     #[error("the payment provider is unavailable")]
     Unavailable,
     /// No usable answer (a timeout, a connection lost after the call was sent, a failure
@@ -131,39 +115,23 @@ pub enum ProviderError {
     /// The key was used, within the window, for another request.
     #[error("the idempotency key was used for another request")]
     KeyReused,
-    /// A call with the key carried a larger fence: this one comes from a run taken over.
-    #[error("a later run of this operation called the provider: this run was superseded")]
-    Superseded,
 }
 
 /// A payment as the provider keeps it (for good, not for a key's window): what its report
-/// lists, and what bounds its refunds.
+/// lists, its search finds, and what bounds its refunds.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PaymentRecord {
     pub id: String,
-    /// The idempotency key it was made under.
-    pub key: String,
     pub amount: i64,
     /// How much of it was refunded.
     pub refunded: i64,
     pub source: Source,
     pub capture: bool,
     pub outcome: Outcome,
-    /// When it was made, in ms since the Unix epoch (stamped by the key table).
+    /// When it was made, in ms since the Unix epoch.
     pub created: u64,
-    /// The caller's own reference, kept as given.
-    pub reference: String,
-}
-
-/// What a call does besides answering, in the same atomic step as its key's claim.
-#[derive(Debug, Clone)]
-pub enum Effect {
-    /// Nothing but the key (a capture, a cancellation).
-    None,
-    /// A new payment is recorded.
-    Payment(PaymentRecord),
-    /// `amount` of `payment` is refunded, unless that is more than is left of it.
-    Refund { payment: String, amount: i64 },
+    /// The caller's own key-value pairs, kept as given and searchable.
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// One call, as its key is bound to it.
@@ -187,8 +155,8 @@ pub enum Request<'a> {
 }
 
 impl Request<'_> {
-    /// The operation and all its parameters, as the key table stores them.
-    pub fn describe(self) -> String {
+    /// The operation and all its parameters: what a key is bound to.
+    fn describe(self) -> String {
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = match self {
@@ -211,18 +179,60 @@ impl Request<'_> {
     }
 }
 
+/// What a call does besides answering, in the same step as its key's claim.
+enum Effect {
+    /// Nothing but the key (a capture, a cancellation).
+    None,
+    /// A new payment is recorded.
+    Payment(PaymentRecord),
+    /// `amount` of `payment` is refunded, unless that is more than is left of it.
+    Refund { payment: String, amount: i64 },
+}
+
 /// The simulated provider; clones share it.
 #[derive(Debug, Clone)]
 pub struct Provider {
-    keys: Arc<dyn KeyTable>,
+    book: Arc<Mutex<Book>>,
     /// How long each call takes (`PSP_LATENCY_MS`).
     latency: Duration,
+    window: Duration,
+}
+
+/// Keys and payments, under one lock: a key's check, its claim and its call's effect are one step.
+#[derive(Debug, Default)]
+struct Book {
+    /// Each key's request and answer (the payment's or refund's id), until its deadline.
+    keys: HashMap<String, (Instant, String, String)>,
+    /// Each key with its deadline, first used first: the order in which they expire.
+    order: VecDeque<(Instant, String)>,
+    payments: HashMap<String, PaymentRecord>,
+}
+
+impl Book {
+    fn forget_expired(&mut self, now: Instant) {
+        while let Some((deadline, _)) = self.order.front()
+            && *deadline <= now
+        {
+            let Some((deadline, key)) = self.order.pop_front() else {
+                break;
+            };
+            // The key may have been used again since, with a later deadline: keep that one.
+            if self.keys.get(&key).is_some_and(|(at, ..)| *at == deadline) {
+                self.keys.remove(&key);
+            }
+        }
+    }
 }
 
 impl Provider {
-    /// A provider whose keys and payments are in `keys`, taking `latency` to answer each call.
-    pub fn new(keys: Arc<dyn KeyTable>, latency: Duration) -> Self {
-        Self { keys, latency }
+    /// A provider with no payments, taking `latency` to answer each call, remembering each key
+    /// for `window`.
+    pub fn new(latency: Duration, window: Duration) -> Self {
+        Self {
+            book: Arc::default(),
+            latency,
+            window,
+        }
     }
 
     /// Its HTTP API.
@@ -230,18 +240,14 @@ impl Provider {
         api::router(self.clone())
     }
 
-    /// Creates a payment of `amount` from `source`, authorized only or also captured, under the
-    /// claim numbered `fence`; `reference` is kept with it, as given.
+    /// Creates a payment of `amount` from `source`, authorized only or also captured; `metadata`
+    /// is kept with it, as given.
     pub async fn create_payment(
         &self,
         key: &str,
-        fence: u64,
-        source: Source,
-        amount: i64,
-        capture: bool,
-        reference: &str,
+        (source, amount, capture): (Source, i64, bool),
+        metadata: BTreeMap<String, String>,
     ) -> Result<Payment, ProviderError> {
-        tracing::debug!(amount, ?source, capture, "provider: create payment");
         let request = Request::CreatePayment {
             source,
             amount,
@@ -250,97 +256,68 @@ impl Provider {
         let outcome = Outcome::of(source, capture);
         let record = PaymentRecord {
             id: crate::ledger::new_id("py"),
-            key: key.to_owned(),
             amount,
             refunded: 0,
             source,
             capture,
             outcome,
             created: 0,
-            reference: reference.to_owned(),
+            metadata,
         };
         let unavailable = source == Source::ProviderUnavailable;
         let (id, effect) = (record.id.clone(), Effect::Payment(record));
-        let id = self
-            .call(key, fence, request, unavailable, id, effect)
-            .await?;
+        let id = self.call(key, request, unavailable, id, effect).await?;
         Ok(Payment { id, outcome })
     }
 
     /// Captures an authorized payment.
-    pub async fn capture(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+    pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let request = Request::Capture { payment };
-        self.call(key, fence, request, false, payment.to_owned(), Effect::None)
-            .await
-            .map(drop)
+        (self.call(key, request, false, payment.to_owned(), Effect::None).await).map(drop)
     }
 
     /// Refunds `amount` of a captured payment; answers the refund's id.
-    pub async fn refund(
-        &self,
-        key: &str,
-        fence: u64,
-        payment: &str,
-        amount: i64,
-    ) -> Result<String, ProviderError> {
-        tracing::debug!(payment, amount, "provider: refund");
+    pub async fn refund(&self, key: &str, payment: &str, amount: i64) -> Result<String, ProviderError> {
         let effect = Effect::Refund {
             payment: payment.to_owned(),
             amount,
         };
         let request = Request::Refund { payment, amount };
         let id = crate::ledger::new_id("re");
-        self.call(key, fence, request, false, id, effect).await
+        self.call(key, request, false, id, effect).await
     }
 
     /// Releases an authorized payment.
-    pub async fn cancel(&self, key: &str, fence: u64, payment: &str) -> Result<(), ProviderError> {
+    pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let request = Request::Cancel { payment };
-        self.call(key, fence, request, false, payment.to_owned(), Effect::None)
-            .await
-            .map(drop)
-    }
-
-    /// The id a call with `key` answered for `request` (as [`Request::describe`] writes it),
-    /// within the window; `None` when there is none: no such call reached the provider, it
-    /// failed, or the key was used for another request. Changes nothing.
-    pub async fn find_call(
-        &self,
-        key: &str,
-        request: &str,
-    ) -> Result<Option<String>, ProviderError> {
-        self.wait().await;
-        let used = self.keys.get(key).await.map_err(table_unavailable)?;
-        Ok(used
-            .filter(|used| used.request == request)
-            .map(|used| used.id))
+        (self.call(key, request, false, payment.to_owned(), Effect::None).await).map(drop)
     }
 
     /// Up to `limit` payments made since `since` (ms since the Unix epoch), oldest first.
-    pub async fn payments_since(
-        &self,
-        since: u64,
-        limit: usize,
-    ) -> Result<Vec<PaymentRecord>, ProviderError> {
-        (self.keys.payments_since(since, limit).await).map_err(table_unavailable)
+    pub async fn payments_since(&self, since: u64, limit: usize) -> Vec<PaymentRecord> {
+        self.wait().await;
+        let mut listed: Vec<PaymentRecord> = (self.lock().payments.values())
+            .filter(|payment| payment.created >= since)
+            .cloned()
+            .collect();
+        listed.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        listed.truncate(limit);
+        listed
     }
 
-    /// Sweeps the expired keys every `every` until `stop`, where the key table does not drop
-    /// them by itself, so that it holds no more than a window's keys.
-    pub async fn sweep_keys_every(self, every: Duration, stop: CancellationToken) {
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(every) => {}
-            }
-            match self.keys.sweep().await {
-                Ok(0) => {}
-                Ok(swept) => tracing::debug!(swept, "provider: swept expired keys"),
-                Err(err) => {
-                    tracing::warn!(error = %crate::report(&err), "provider: cannot sweep expired keys");
-                }
-            }
-        }
+    /// The payments whose metadata has `value` under `field`, oldest first.
+    pub async fn search(&self, field: &str, value: &str) -> Vec<PaymentRecord> {
+        self.wait().await;
+        let mut found: Vec<PaymentRecord> = (self.lock().payments.values())
+            .filter(|payment| payment.metadata.get(field).is_some_and(|v| v == value))
+            .cloned()
+            .collect();
+        found.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        found
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The provider's latency, if any.
@@ -351,12 +328,11 @@ impl Provider {
     }
 
     /// One call, in a task of its own: the id answered before for a key used for the same
-    /// request, a refusal for a key used for another one or with a larger fence, or else
-    /// `effect` made once, answered `id`.
+    /// request, a refusal for a key used for another one, or else `effect` made once, answered
+    /// `id`.
     async fn call(
         &self,
         key: &str,
-        fence: u64,
         request: Request<'_>,
         unavailable: bool,
         id: String,
@@ -365,50 +341,41 @@ impl Provider {
         let (this, key, request) = (self.clone(), key.to_owned(), request.describe());
         let call = async move {
             this.wait().await;
-            // A provider that is down does nothing new, but still answers a key it knows.
-            let earlier = if unavailable {
-                let known = this.keys.get(&key).await.map_err(table_failed)?;
-                known.ok_or(ProviderError::Unavailable)?
-            } else {
-                let used = Used {
-                    request: request.clone(),
-                    id,
-                    fence,
-                };
-                match this
-                    .keys
-                    .insert(&key, &used, effect)
-                    .await
-                    .map_err(table_failed)??
-                {
-                    None => return Ok(used.id),
-                    Some(earlier) => earlier,
+            let now = Instant::now();
+            let mut book = this.lock();
+            book.forget_expired(now);
+            if let Some((_, used_for, answered)) = book.keys.get(&key) {
+                if *used_for != request {
+                    tracing::info!(used_for = %used_for, %request, "provider: a key reused for another request");
+                    return Err(ProviderError::KeyReused);
                 }
-            };
-            if earlier.request != request {
-                tracing::info!(used_for = %earlier.request, %request, "provider: a key reused for another request");
-                return Err(ProviderError::KeyReused);
+                return Ok(answered.clone());
             }
-            if fence < earlier.fence {
-                tracing::info!(fence, seen = earlier.fence, %request, "provider: a call from a superseded run");
-                return Err(ProviderError::Superseded);
+            // A provider that is down does nothing new, but still answers a key it knows.
+            if unavailable {
+                return Err(ProviderError::Unavailable);
             }
-            Ok(earlier.id)
+            match effect {
+                Effect::None => {}
+                Effect::Payment(mut payment) => {
+                    payment.created = now_ms();
+                    book.payments.insert(payment.id.clone(), payment);
+                }
+                Effect::Refund { payment, amount } => {
+                    let payment = (book.payments.get_mut(&payment)).ok_or(ProviderError::NoSuchPayment)?;
+                    let refundable = payment.amount - payment.refunded;
+                    if amount > refundable {
+                        return Err(ProviderError::AmountTooLarge { amount, refundable });
+                    }
+                    payment.refunded += amount;
+                }
+            }
+            let deadline = now + this.window;
+            book.keys.insert(key.clone(), (deadline, request, id.clone()));
+            book.order.push_back((deadline, key));
+            Ok(id)
         };
         // A call that panicked ended without an answer: its outcome is unknown.
         (tokio::spawn(call).await).unwrap_or(Err(ProviderError::Unknown))
     }
-}
-
-/// A key table that failed during a look-up: the provider cannot answer now.
-fn table_unavailable(err: KeyTableError) -> ProviderError {
-    tracing::warn!(error = %crate::report(&err), "provider: the key table failed");
-    ProviderError::Unavailable
-}
-
-/// A key table that failed during a call: its write may have happened (a commit whose answer was
-/// lost), so the outcome is unknown, and a retry with the same key finds out.
-fn table_failed(err: KeyTableError) -> ProviderError {
-    tracing::warn!(error = %crate::report(&err), "provider: the key table failed during a call");
-    ProviderError::Unknown
 }

@@ -1,5 +1,6 @@
 //! Test-only wrappers around the example's components: what a test counts, holds, hangs or
-//! fails, through the components' own traits, so that the production code has no hook for it.
+//! fails, through the components' own traits or the provider's HTTP edge, so that the production
+//! code has no hook for it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -19,10 +20,7 @@ use example_payments::auth::Account;
 use example_payments::balance::{Applied, Available, BalanceError, Balances};
 use example_payments::events::PaymentEvent;
 use example_payments::ledger::{Change, Charge, EventOf, Ledger, NewCharge, Opened};
-use example_payments::provider::{
-    Effect, KeyTable, KeyTableError, PaymentRecord, Provider, ProviderError, Used,
-};
-use example_payments::queue::{ConsumerConfig, Delivery, Queue, QueueConsumer, QueueError};
+use example_payments::provider::Provider;
 
 type ApiResult<T> = Result<T, example_payments::error::ApiError>;
 
@@ -56,7 +54,7 @@ impl Gate {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The provider.
+// The provider, probed at its HTTP edge as a proxy in front of a real provider would be.
 
 /// Where every provider call stops for good, as a process that dies there would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,39 +65,41 @@ pub enum Hang {
     AfterEffect,
 }
 
-/// The provider's key table, counting the calls that did something, and able to hold every call
-/// before its effect ([`ProbedKeys::stall`], as a locked table would) or hang it.
-#[derive(Debug)]
-pub struct ProbedKeys {
-    inner: Arc<dyn KeyTable>,
-    effects: AtomicUsize,
+/// In front of the provider's API: counts the calls that reach it and the keys it answered
+/// (its effects: a call repeated with the same key is not counted again), holds every call
+/// before the provider while a test holds it ([`ProviderProbe::stall`]), hangs calls for good,
+/// answers `503` (nothing done) while the provider is down, and loses the answers (a `500` once
+/// the provider acted) or the calls themselves (a `500`, the provider never reached).
+#[derive(Debug, Default)]
+pub struct ProviderProbe {
+    calls: AtomicUsize,
+    answered_keys: Mutex<HashSet<String>>,
     stall: Gate,
     hang: AtomicU8,
+    down: AtomicBool,
+    down_for: AtomicUsize,
+    losing: AtomicBool,
+    dropping: AtomicBool,
 }
 
-impl ProbedKeys {
-    pub fn new(inner: Arc<dyn KeyTable>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            effects: AtomicUsize::new(0),
-            stall: Gate::default(),
-            hang: AtomicU8::new(0),
-        })
+impl ProviderProbe {
+    /// How many calls reached the provider, repeated and refused ones included.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
     }
 
-    /// How many calls did something (moved or held money, or recorded a decline): a call
-    /// repeated with the same key is not counted again.
+    /// How many keys the provider answered with success: its effects.
     pub fn effects(&self) -> usize {
-        self.effects.load(Ordering::SeqCst)
+        lock(&self.answered_keys).len()
     }
 
-    /// Holds every call before its effect until the guard is dropped: a caller that gives up
+    /// Holds every call before the provider until the guard is dropped: a caller that gives up
     /// meanwhile does not stop it, and the held calls take effect once let go.
     pub async fn stall(&self) -> OwnedRwLockWriteGuard<()> {
         self.stall.shut().await
     }
 
-    /// How many calls [`ProbedKeys::stall`] holds now.
+    /// How many calls [`ProviderProbe::stall`] holds now.
     pub fn stalled(&self) -> usize {
         self.stall.waiting()
     }
@@ -113,66 +113,6 @@ impl ProbedKeys {
         self.hang.store(code, Ordering::SeqCst);
     }
 
-    async fn hang_at(&self, code: u8) {
-        if self.hang.load(Ordering::SeqCst) == code {
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
-#[async_trait]
-impl KeyTable for ProbedKeys {
-    async fn get(&self, key: &str) -> Result<Option<Used>, KeyTableError> {
-        self.inner.get(key).await
-    }
-
-    async fn insert(
-        &self,
-        key: &str,
-        used: &Used,
-        effect: Effect,
-    ) -> Result<Result<Option<Used>, ProviderError>, KeyTableError> {
-        self.hang_at(1).await;
-        self.stall.pass().await;
-        let inserted = self.inner.insert(key, used, effect).await;
-        if matches!(inserted, Ok(Ok(None))) {
-            self.effects.fetch_add(1, Ordering::SeqCst);
-            self.hang_at(2).await;
-        }
-        inserted
-    }
-
-    async fn payments_since(
-        &self,
-        since: u64,
-        limit: usize,
-    ) -> Result<Vec<PaymentRecord>, KeyTableError> {
-        self.inner.payments_since(since, limit).await
-    }
-
-    async fn sweep(&self) -> Result<u64, KeyTableError> {
-        self.inner.sweep().await
-    }
-}
-
-/// In front of the provider's API: counts every call that reaches it, answers `503` (nothing
-/// done) while the provider is down, and loses the answers (a `500` once the provider acted) or
-/// the calls themselves (a `500`, the provider never reached) while told to.
-#[derive(Debug, Default)]
-pub struct Outage {
-    calls: AtomicUsize,
-    down: AtomicBool,
-    down_for: AtomicUsize,
-    losing: AtomicBool,
-    dropping: AtomicBool,
-}
-
-impl Outage {
-    /// How many calls reached the provider, repeated and refused ones included.
-    pub fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-
     /// Makes every call fail as unavailable until switched off.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
@@ -183,14 +123,12 @@ impl Outage {
         self.down_for.store(calls, Ordering::SeqCst);
     }
 
-    /// Makes every call take effect and then fail as the provider's `500` (an answer lost on
-    /// its way: the outcome unknown to the caller) until switched off.
+    /// Makes every call take effect and then fail as the provider's `500` until switched off.
     pub fn set_losing_answers(&self, losing: bool) {
         self.losing.store(losing, Ordering::SeqCst);
     }
 
-    /// Makes every call fail as the provider's `500` without reaching it (a call lost on its
-    /// way: the outcome unknown to the caller, nothing done) until switched off.
+    /// Makes every call fail as the provider's `500` without reaching it until switched off.
     pub fn set_dropping_calls(&self, dropping: bool) {
         self.dropping.store(dropping, Ordering::SeqCst);
     }
@@ -201,25 +139,42 @@ impl Outage {
             .router()
             .layer(middleware::from_fn_with_state(self.clone(), probe))
     }
+
+    async fn hang_at(&self, code: u8) {
+        if self.hang.load(Ordering::SeqCst) == code {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
-async fn probe(State(outage): State<Arc<Outage>>, request: Request, next: Next) -> Response {
-    outage.calls.fetch_add(1, Ordering::SeqCst);
+async fn probe(State(probe): State<Arc<ProviderProbe>>, request: Request, next: Next) -> Response {
+    probe.calls.fetch_add(1, Ordering::SeqCst);
     let counted_down = || {
-        (outage.down_for)
+        (probe.down_for)
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok()
     };
-    if outage.down.load(Ordering::SeqCst) || counted_down() {
+    if probe.down.load(Ordering::SeqCst) || counted_down() {
         let body = Json(serde_json::json!({ "error": "unavailable" }));
         return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
     }
     let unknown = Json(serde_json::json!({ "error": "unknown" }));
-    if outage.dropping.load(Ordering::SeqCst) {
+    if probe.dropping.load(Ordering::SeqCst) {
         return (StatusCode::INTERNAL_SERVER_ERROR, unknown).into_response();
     }
+    let key = (request.headers().get("idempotency-key"))
+        .and_then(|key| key.to_str().ok())
+        .map(str::to_owned);
+    probe.hang_at(1).await;
+    probe.stall.pass().await;
     let answer = next.run(request).await;
-    if outage.losing.load(Ordering::SeqCst) {
+    if let Some(key) = key
+        && answer.status().is_success()
+    {
+        lock(&probe.answered_keys).insert(key);
+        probe.hang_at(2).await;
+    }
+    if probe.losing.load(Ordering::SeqCst) {
         return (StatusCode::INTERNAL_SERVER_ERROR, unknown).into_response();
     }
     answer
@@ -313,10 +268,6 @@ impl Ledger for GatedLedger {
         event: EventOf<'_>,
     ) -> ApiResult<Charge> {
         self.inner.settle(request, account, id, change, event).await
-    }
-
-    async fn publish_again(&self, event: PaymentEvent) {
-        self.inner.publish_again(event).await;
     }
 
     async fn unsettled(&self, after: Duration, limit: usize) -> ApiResult<Vec<Charge>> {
@@ -456,95 +407,4 @@ impl Balances for FaultyBalances {
 /// A transient failure, as an unreachable ledger's.
 fn injected() -> BalanceError {
     BalanceError::Postgres(sqlx::Error::PoolTimedOut)
-}
-
-// ---------------------------------------------------------------------------------------------
-// The queue.
-
-/// A queue that counts what is published, delivered and acked through it.
-#[derive(Debug)]
-pub struct CountingQueue {
-    inner: Arc<dyn Queue>,
-    counts: Arc<Mutex<QueueCounts>>,
-}
-
-#[derive(Debug, Default)]
-struct QueueCounts {
-    published: usize,
-    deliveries: HashMap<String, u64>,
-    acked: HashSet<String>,
-}
-
-impl CountingQueue {
-    pub fn new(inner: Arc<dyn Queue>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            counts: Arc::default(),
-        })
-    }
-
-    /// How many messages were published.
-    pub fn published(&self) -> usize {
-        lock(&self.counts).published
-    }
-
-    /// How many messages are not acknowledged yet: not delivered, or pending.
-    pub fn backlog(&self) -> usize {
-        let counts = lock(&self.counts);
-        counts.published - counts.acked.len()
-    }
-
-    /// How many times message `id` was delivered; `None` once it is acked (or never was).
-    pub fn delivery_count(&self, id: &str) -> Option<u64> {
-        let counts = lock(&self.counts);
-        let delivered = counts.deliveries.get(id).copied();
-        delivered.filter(|_| !counts.acked.contains(id))
-    }
-}
-
-#[async_trait]
-impl Queue for CountingQueue {
-    async fn publish(&self, payload: &str) -> Result<String, QueueError> {
-        let id = self.inner.publish(payload).await?;
-        lock(&self.counts).published += 1;
-        Ok(id)
-    }
-
-    async fn consumer(
-        &self,
-        name: &str,
-        config: ConsumerConfig,
-    ) -> Result<Box<dyn QueueConsumer>, QueueError> {
-        let inner = self.inner.consumer(name, config).await?;
-        let counts = self.counts.clone();
-        Ok(Box::new(CountingConsumer { inner, counts }))
-    }
-}
-
-#[derive(Debug)]
-struct CountingConsumer {
-    inner: Box<dyn QueueConsumer>,
-    counts: Arc<Mutex<QueueCounts>>,
-}
-
-#[async_trait]
-impl QueueConsumer for CountingConsumer {
-    async fn receive(&mut self) -> Result<Vec<Delivery>, QueueError> {
-        let batch = self.inner.receive().await?;
-        let mut counts = lock(&self.counts);
-        for delivery in &batch {
-            *counts.deliveries.entry(delivery.id.clone()).or_default() += 1;
-        }
-        Ok(batch)
-    }
-
-    async fn ack(&mut self, id: &str) -> Result<(), QueueError> {
-        self.inner.ack(id).await?;
-        lock(&self.counts).acked.insert(id.to_owned());
-        Ok(())
-    }
-
-    async fn close(self: Box<Self>) {
-        self.inner.close().await;
-    }
 }

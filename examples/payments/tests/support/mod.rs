@@ -9,7 +9,7 @@
 pub mod api;
 pub mod cut_proxy;
 pub mod harness;
-pub mod instance;
+// pub mod instance;
 pub mod instruments;
 pub mod process;
 pub mod stack;
@@ -18,12 +18,13 @@ use std::path::PathBuf;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
-/// The path of one of this package's binaries: `server` (the payments server) or `client`,
+/// The path of one of this package's binaries: `server` (the payments server), `client` or `provider`,
 /// which Cargo builds before it runs the tests.
 pub fn binary(name: &str) -> PathBuf {
     PathBuf::from(match name {
         "server" => env!("CARGO_BIN_EXE_example-payments"),
         "client" => env!("CARGO_BIN_EXE_client"),
+        "provider" => env!("CARGO_BIN_EXE_provider"),
         other => panic!("no binary named {other}"),
     })
 }
@@ -44,9 +45,13 @@ pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
     }
 }
 
-/// Polls `condition` every 5 ms until it holds, for up to [`instance::PATIENCE`].
+/// How long a test waits for what must happen soon: far above any step's normal time on a
+/// loaded 2-core machine.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// Polls `condition` every 5 ms until it holds, for up to [`PATIENCE`].
 pub async fn wait_until(what: &str, condition: impl Fn() -> bool) {
-    let deadline = Instant::now() + instance::PATIENCE;
+    let deadline = Instant::now() + PATIENCE;
     while !condition() {
         assert!(Instant::now() < deadline, "gave up waiting for {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
