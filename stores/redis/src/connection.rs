@@ -179,11 +179,6 @@ impl Cluster {
         }
     }
 
-    /// The client the connections are made from.
-    pub(super) fn client(&self) -> &ClusterClient {
-        &self.shared.client
-    }
-
     /// The lane to send on next: lane 0, or with `spread` the next lane in turn.
     pub(super) fn pick(&self, spread: bool) -> usize {
         if spread {

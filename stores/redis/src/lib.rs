@@ -36,7 +36,6 @@
 //!   Redis allows.
 //! - **Large records**: [`with_compression`](RedisStore::with_compression) stores completed
 //!   records LZ4-compressed, since Redis keeps every record in memory for the whole dedup window.
-//! - **Your own commands** share the store's connection: [`RedisStore::shared_connection`].
 //!
 //! What a store must do, and why, is the [protocol](tower_idempotency::protocol)'s §10. The
 //! crate's README has the measured latency and throughput of each set-up: one server, a replica,
@@ -70,9 +69,6 @@ mod connection;
 mod inspect;
 mod replication;
 mod scripts;
-mod shared;
-
-pub use shared::{RedisConnection, SharedConnection};
 
 // The README's examples, compiled as doc tests.
 #[cfg(doctest)]
