@@ -72,9 +72,10 @@ impl Server {
                 let _ = tx.send(line);
             }
         });
+        // `listening on http://...` (the server), `provider listening on http://...`.
         let banner = loop {
             match rx.recv_timeout(START_TIMEOUT) {
-                Ok(line) if line.starts_with("listening on ") => break line,
+                Ok(line) if line.contains("listening on http://") => break line,
                 Ok(_) => continue,
                 Err(_) => {
                     let _ = child.kill();
@@ -85,9 +86,8 @@ impl Server {
                 }
             }
         };
-        let addr = banner
-            .strip_prefix("listening on http://")
-            .and_then(|rest| rest.split_whitespace().next())
+        let addr = (banner.split_once("listening on http://"))
+            .and_then(|(_, rest)| rest.split_whitespace().next())
             .and_then(|addr| addr.parse().ok())
             .unwrap_or_else(|| panic!("no address in {banner:?}"));
         Server {
@@ -99,17 +99,9 @@ impl Server {
         }
     }
 
-    /// Waits until the example logs `needle` on stderr.
-    pub fn wait_for_log(&self, needle: &str) {
-        let deadline = Instant::now() + START_TIMEOUT;
-        while !self.stderr_text().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in the log:\n{}",
-                self.stderr_text()
-            );
-            thread::sleep(Duration::from_millis(10));
-        }
+    /// Its URL, as `PROVIDER_URL` or `SERVER` names it.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
     }
 
     pub fn stderr_text(&self) -> String {
@@ -166,13 +158,13 @@ pub fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
     command
         .env("ADDR", "127.0.0.1:0")
         .env_remove("REDIS_URL")
-        .env_remove("LEDGER_REDIS_URL")
         .env_remove("REDIS_CLUSTER_URLS")
         .env_remove("PSP_LATENCY_MS")
         .env_remove("IDEMPOTENCY_WAIT_MS")
         .env_remove("SHUTDOWN_TIMEOUT_MS")
         .env_remove("DATABASE_URL")
         .env_remove("RECONCILE_AFTER_MS")
+        .env_remove("PROVIDER_URL")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -197,20 +189,39 @@ pub fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
     run_example_to_exit("server", env)
 }
 
-/// Runs the example `name` to its exit (it is expected to fail at start-up).
+/// Runs the example `name` to its exit: a client, or a server expected to fail at start-up,
+/// which fails the test at once if it starts listening instead.
 pub fn run_example_to_exit(
     name: &'static str,
     env: &[(&str, &str)],
 ) -> (ExitStatus, String, String) {
     let mut child = spawn(name, env);
-    let stdout = collect(child.stdout.take().expect("piped stdout"));
     let stderr = collect(child.stderr.take().expect("piped stderr"));
-    let status = super::wait_within(&mut child, EXIT_TIMEOUT);
-    (
-        status,
-        stdout.join().unwrap_or_default(),
-        stderr.join().unwrap_or_default(),
-    )
+    let (tx, lines) = mpsc::channel();
+    let pipe = child.stdout.take().expect("piped stdout");
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + EXIT_TIMEOUT;
+    let mut stdout = String::new();
+    // Until stdout closes (the process exited) or the deadline, which `wait_within` enforces.
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        if line.contains("listening on http://") {
+            let _ = child.kill();
+            let _ = child.wait();
+            let stderr = stderr.join().unwrap_or_default();
+            panic!("{name} started instead of failing: {line}\nstderr:\n{stderr}");
+        }
+        stdout.push_str(&line);
+        stdout.push('\n');
+    }
+    let status = super::wait_within(
+        &mut child,
+        deadline.saturating_duration_since(Instant::now()),
+    );
+    (status, stdout, stderr.join().unwrap_or_default())
 }
 
 /// An HTTP/1.1 answer.
@@ -219,6 +230,17 @@ pub struct Answer {
     pub status: u16,
     pub head: String,
     pub body: String,
+}
+
+impl Answer {
+    /// The body as JSON; panics unless it is.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|err| panic!("{err}: {self:?}"))
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.head.contains("idempotent-replayed: true")
+    }
 }
 
 /// `first` created something (201), `retry` is its replay, byte for byte, and Redis holds the one
@@ -251,43 +273,6 @@ pub fn wait_for_balance(addr: SocketAddr, entry: &str) {
         assert!(Instant::now() < deadline, "no {entry} in {balance:?}");
         thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// Every key in `redis`, with what it holds as text (lossy UTF-8; values, fields, members,
-/// stream entries).
-pub fn redis_contents(redis: &RedisServer) -> Vec<(String, String)> {
-    pub fn text(value: &RespValue, out: &mut String) {
-        match value {
-            RespValue::Array(items) => items.iter().for_each(|item| text(item, out)),
-            other => {
-                let part = other
-                    .as_string()
-                    .or_else(|| other.as_integer().map(|n| n.to_string()))
-                    .unwrap_or_else(|| panic!("unexpected reply {other:?}"));
-                out.push_str(&part);
-                out.push(' ');
-            }
-        }
-    }
-    let mut contents = Vec::new();
-    for key in redis.keys() {
-        let kind = redis.command(&["TYPE", &key]).as_string();
-        let (read, range): (&str, &[&str]) = match kind.as_deref() {
-            Some("string") => ("GET", &[]),
-            Some("hash") => ("HGETALL", &[]),
-            Some("set") => ("SMEMBERS", &[]),
-            Some("zset") => ("ZRANGE", &["0", "-1", "WITHSCORES"]),
-            Some("list") => ("LRANGE", &["0", "-1"]),
-            Some("stream") => ("XRANGE", &["-", "+"]),
-            other => panic!("{key} is a {other:?}"),
-        };
-        let mut args = vec![read, key.as_str()];
-        args.extend(range);
-        let mut stored = String::new();
-        text(&redis.command(&args), &mut stored);
-        contents.push((key, stored));
-    }
-    contents
 }
 
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`), read to the end.
@@ -345,6 +330,25 @@ pub fn create_charge(addr: SocketAddr, key: &str) -> Answer {
         ],
         CHARGE,
     )
+}
+
+/// `POST path` as [`API_KEY`] under the idempotency key `key`, with a form `body`, as Stripe's
+/// SDKs send it.
+pub fn post_form(addr: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
+    let auth = format!("Bearer {API_KEY}");
+    let form = "application/x-www-form-urlencoded";
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Idempotency-Key", key),
+        ("Content-Type", form),
+    ];
+    request(addr, "POST", path, &headers, body)
+}
+
+/// `GET path` as [`API_KEY`].
+pub fn get(addr: SocketAddr, path: &str) -> Answer {
+    let auth = format!("Bearer {API_KEY}");
+    request(addr, "GET", path, &[("Authorization", &auth)], "")
 }
 
 /// Asserts that a run ended before it listened, with a non-zero exit, no panic and exactly one
