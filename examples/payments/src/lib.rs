@@ -42,11 +42,12 @@ use balance::Balances;
 use ledger::Ledger;
 use provider::ProviderClient;
 
-/// The largest request body the API reads: 64 KiB, above any charge whose text is plain ASCII (the
-/// longest description and Stripe's largest metadata are under 40 KB as a form); a larger one,
-/// such as the largest metadata written in non-Latin script and percent-encoded (up to 12 bytes a
-/// character), gets `413` from the idempotency layer and nothing runs.
-pub const REQUEST_LIMIT: usize = 64 * 1024;
+/// The largest request body the API reads: 128 KiB, above any charge whose text is ASCII sent as
+/// Stripe's SDKs send it (the longest description and Stripe's largest metadata are under 85 KB
+/// as a form even with every character percent-encoded, 3 bytes each); a larger one, such as the
+/// largest metadata written in non-Latin script and percent-encoded (up to 12 bytes a character),
+/// gets `413` from the idempotency layer and nothing runs.
+pub const REQUEST_LIMIT: usize = 128 * 1024;
 
 /// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every answer of
 /// the API fits (a charge echoes at most its request's description and metadata, at most 6 bytes
