@@ -113,6 +113,12 @@ impl ProviderProbe {
         self.hang.store(code, Ordering::SeqCst);
     }
 
+    /// Lets the calls from now on through again, as a provider restarted after a hang; those
+    /// hung already stay hung.
+    pub fn stop_hanging(&self) {
+        self.hang.store(0, Ordering::SeqCst);
+    }
+
     /// Makes every call fail as unavailable until switched off.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);

@@ -9,7 +9,6 @@
 pub mod api;
 pub mod cut_proxy;
 pub mod harness;
-// pub mod instance;
 pub mod instruments;
 pub mod process;
 pub mod stack;
