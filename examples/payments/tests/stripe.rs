@@ -10,6 +10,9 @@
 
 mod support;
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -20,6 +23,7 @@ use tower_idempotency_test::Faulty;
 use example_payments::app;
 use example_payments::provider::WINDOW;
 use support::api::{self, Reply};
+use support::process::Server;
 use support::stack::Parts;
 use support::wait_until;
 
@@ -217,4 +221,59 @@ async fn unavailable_answers_tell_the_sdk_to_retry() {
     store.fail(false);
     let back = send(&app, sdk_request(SDK_KEY, CREATE)).await;
     assert_eq!(back.status, StatusCode::CREATED, "{back:?}");
+}
+
+/// The official stripe-python, from PyPI into a virtual environment of this test's, runs
+/// `tests/sdk/stripe_python.py` against the server process: one charge for a retried key, the
+/// SDK's own `IdempotencyError`, `CardError` and `AuthenticationError`, a capture, the list.
+#[test]
+fn the_official_python_sdk_charges_once_and_raises_its_own_errors() {
+    let python = stripe_python();
+    let server = Server::start(&[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/stripe_python.py");
+    let ran = Command::new(&python)
+        .arg(script)
+        .env("API_BASE", server.url())
+        .output()
+        .expect("python runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&ran.stdout),
+        String::from_utf8_lossy(&ran.stderr),
+    );
+    assert!(
+        ran.status.success(),
+        "stripe-python failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("every check passed"), "{stdout}");
+    server.stop();
+}
+
+/// The virtual environment's python, stripe-python 16.1.0 installed in it.
+fn stripe_python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("stripe-python-16.1.0");
+    let python = venv.join("bin/python");
+    let run = |program: &Path, args: &[&str]| {
+        let status = Command::new(program).args(args).status();
+        assert!(
+            status.as_ref().is_ok_and(|s| s.success()),
+            "{} {args:?}: {status:?} (python3 with venv, and PyPI, are needed: .ci/run installs them)",
+            program.display()
+        );
+    };
+    if !python.exists() {
+        run(
+            Path::new("python3"),
+            &["-m", "venv", &venv.to_string_lossy()],
+        );
+    }
+    let installed = (Command::new(&python).args(["-c", "import stripe"]))
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !installed.is_ok_and(|s| s.success()) {
+        run(
+            &python,
+            &["-m", "pip", "install", "--quiet", "stripe==16.1.0"],
+        );
+    }
+    python
 }
