@@ -167,9 +167,10 @@ impl<St: Store> Shared<St> {
 
     /// Stores the result, then answers: after the write, so that a retry that follows the response
     /// finds it. A failed write answers at once and is retried on a task of its own. A completion
-    /// whose transaction did not commit took the handler's effects with it, and is not retried:
-    /// the client is told that nothing was done, and whether sending it again can help
-    /// ([`StoreError::Aborted`], a 503 to retry) or not ([`StoreError::Rejected`], a 422).
+    /// whose transaction did not commit took the handler's writes in it along, and is not
+    /// retried: the client is told so, and whether sending it again can help
+    /// ([`StoreError::Aborted`], a 503 to retry with the same key) or not
+    /// ([`StoreError::Rejected`], a 422).
     async fn complete<B>(
         self: &Arc<Self>,
         claimed: &Claimed,
@@ -195,10 +196,13 @@ impl<St: Store> Shared<St> {
             tracing::error!(
                 target: "tower_idempotency",
                 error = %ErrorChain(&**err),
-                "the handler's transaction did not commit with its record; answering that nothing was done"
+                "the handler's transaction did not commit with its record; answering that it rolled back"
             );
-            let detail = "the request's effects could not be committed with its idempotency record, so \
-                 nothing was done; retry with the same key";
+            // Only the writes in the transaction are known to be undone: a call the handler made
+            // to another service (a payment provider) may have happened, and its retry learns it.
+            let detail = "the request's writes could not be committed with its idempotency record \
+                 and were rolled back; anything it did outside that transaction may have happened: \
+                 retry with the same key to learn the outcome";
             let retry_after = Some(whole_seconds(self.config.retry_after));
             return self.problem_with(ProblemKind::StoreUnavailable, detail, retry_after);
         }

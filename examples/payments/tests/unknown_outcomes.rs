@@ -565,11 +565,9 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
 /// rolls back (the charge stays `authorizing`, no event), and the retry resumes the charge: the
 /// provider answers its key with the same payment, one charge, one credit.
 ///
-/// The held run's answer is the LAYER's, not the example's: the handler answered `201`, and the
-/// layer, its commit aborted, answers `503` `idempotency_store_unavailable`, whose text says
-/// "nothing was done" though the provider charged. That breaks the rule; it is the core crate's
-/// (`src/service/execute.rs`, `StoreError::Aborted`), reported, not changed here. What saves the
-/// client is `Stripe-Should-Retry: true`: its retry gets the charge.
+/// The held run's answer is the layer's: the handler answered `201`, and the layer, its commit
+/// aborted, answers `503` `idempotency_store_unavailable` to retry with the same key. It says the
+/// writes rolled back, never that nothing was done: the provider charged, and the retry learns it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_commit_lost_to_a_newer_claim_is_the_layers_503() {
     let mut h = Harness::postgres().await;
@@ -601,6 +599,9 @@ async fn postgres_a_commit_lost_to_a_newer_claim_is_the_layers_503() {
         "the layer's"
     );
     assert_eq!(held.header("stripe-should-retry"), Some("true"));
+    let message = held.error()["message"].as_str().expect("a message");
+    assert!(!message.contains("nothing was done"), "{message}");
+    assert!(message.contains("retry with the same key"), "{message}");
     the_charge(&h.router, 2700, "authorizing").await;
     assert_eq!(h.parts.backlog().await, 0, "its event rolled back with it");
 

@@ -120,8 +120,9 @@ impl PgStore {
                 Ok(Ok(true)) => return Ok(true),
                 Ok(Ok(false)) => {
                     return Err(StoreError::Aborted(
-                        "the claim was lost before the commit (its lease ran out and the key was \
-                         claimed again): the handler's writes were rolled back"
+                        "the claim was lost before the commit (the key was claimed again, after \
+                         its lease ran out or an operator forgot it): the handler's writes were \
+                         rolled back"
                             .into(),
                     ));
                 }
