@@ -29,8 +29,8 @@ use super::auth::Account;
 use super::error::{ApiError, quote};
 use super::events::PaymentEvent;
 use super::ledger::{Charge, ChargeJson, NewCharge, Opened};
-use super::params::{self, Form};
 use super::now_ms;
+use super::params::{self, Form};
 use super::provider::{Outcome, ProviderError, Source};
 use super::reconciler::metadata;
 use super::state_machine::{Event, Status};
@@ -587,7 +587,10 @@ async fn roll_back(
 /// of the request holds the charge): never "nothing was done", but the outcome to learn by
 /// retrying with the same key, which finds the charge the provider's answer settles.
 fn not_recorded(err: ApiError) -> ApiError {
-    tracing::warn!(?err, "the provider acted, and its answer could not be recorded");
+    tracing::warn!(
+        ?err,
+        "the provider acted, and its answer could not be recorded"
+    );
     ProviderError::Unknown.into()
 }
 

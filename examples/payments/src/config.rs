@@ -75,7 +75,11 @@ impl Backend {
         let outbox = Arc::new(MemoryOutbox::new(balances.clone()));
         let (name, records, shared_records) = match records {
             Some((store, name)) => (format!("memory, records in {name}"), store, true),
-            None => ("memory".to_owned(), BoxStore::new(MemoryStore::new()), false),
+            None => (
+                "memory".to_owned(),
+                BoxStore::new(MemoryStore::new()),
+                false,
+            ),
         };
         Self {
             name,
@@ -208,7 +212,11 @@ async fn redis_records() -> Result<Option<(BoxStore, &'static str)>, String> {
     let (var, store, name) = match (env_nonempty("REDIS_URL"), env_urls("REDIS_CLUSTER_URLS")) {
         (Some(_), Some(_)) => return Err("set REDIS_URL or REDIS_CLUSTER_URLS, not both".into()),
         (Some(url), None) => ("REDIS_URL", RedisStore::from_url(&url), "redis"),
-        (None, Some(urls)) => ("REDIS_CLUSTER_URLS", RedisStore::cluster(urls), "redis cluster"),
+        (None, Some(urls)) => (
+            "REDIS_CLUSTER_URLS",
+            RedisStore::cluster(urls),
+            "redis cluster",
+        ),
         (None, None) => return Ok(None),
     };
     let store = store.map_err(|err| format!("bad {var}: {}", report(&err)))?;

@@ -66,7 +66,11 @@ struct Reference {
 
 /// The metadata the example gives a charge's payment: its account and operation, by which the
 /// reconciler finds it, and the rest of the charge.
-pub fn metadata(account: &Account, operation: &str, request: &NewCharge) -> BTreeMap<String, String> {
+pub fn metadata(
+    account: &Account,
+    operation: &str,
+    request: &NewCharge,
+) -> BTreeMap<String, String> {
     let reference = Reference {
         currency: request.currency.clone(),
         description: request.description.clone(),
@@ -76,7 +80,10 @@ pub fn metadata(account: &Account, operation: &str, request: &NewCharge) -> BTre
         (ACCOUNT.to_owned(), account.id().to_owned()),
         (OPERATION.to_owned(), operation.to_owned()),
         // Strings and maps of strings always encode.
-        (CHARGE.to_owned(), serde_json::to_string(&reference).unwrap_or_default()),
+        (
+            CHARGE.to_owned(),
+            serde_json::to_string(&reference).unwrap_or_default(),
+        ),
     ])
 }
 
@@ -314,7 +321,9 @@ impl Reconciler {
                 .map(|()| Answer::Done(&[Event::Captured])),
             Status::Canceling => made(provider.cancel(key, payment).await)?
                 .map(|()| Answer::Done(&[Event::Canceled])),
-            Status::Refunding => made(provider.refund(key, payment, amount).await)?.map(Answer::Refund),
+            Status::Refunding => {
+                made(provider.refund(key, payment, amount).await)?.map(Answer::Refund)
+            }
             _ => None,
         })
     }

@@ -58,7 +58,9 @@ pub async fn hold(store: BoxStore, stop: CancellationToken) -> Result<JoinHandle
                          instance may hold it now: stop one of them"
                     ),
                 },
-                Err(err) => tracing::warn!(error = %crate::report(&err), "cannot renew the memory ledger's hold"),
+                Err(err) => {
+                    tracing::warn!(error = %crate::report(&err), "cannot renew the memory ledger's hold")
+                }
             }
         }
         let _ = store.release(&id, &token).await;

@@ -11,8 +11,8 @@ use tokio::time::Instant;
 
 use super::{Change, Charge, EventOf, Ledger, NewCharge, Opened, millis, reopen};
 use crate::auth::Account;
-use crate::error::ApiError;
 use crate::consumer::MemoryOutbox;
+use crate::error::ApiError;
 use crate::events::PaymentEvent;
 use crate::now_ms;
 use crate::state_machine::{Event, Status};

@@ -125,7 +125,9 @@ impl IntoResponse for Refused {
 
 /// The request's idempotency key.
 fn key(headers: &HeaderMap) -> Result<&str, Refused> {
-    let key = headers.get(KEY_HEADER).and_then(|value| value.to_str().ok());
+    let key = headers
+        .get(KEY_HEADER)
+        .and_then(|value| value.to_str().ok());
     key.filter(|key| !key.is_empty()).ok_or(Refused(None))
 }
 
@@ -182,7 +184,9 @@ async fn list_payments(
     State(provider): State<Provider>,
     Query(query): Query<ListQuery>,
 ) -> Json<Answer> {
-    let data = provider.payments_since(query.created_gte, query.limit).await;
+    let data = provider
+        .payments_since(query.created_gte, query.limit)
+        .await;
     Json(Answer {
         data,
         ..Answer::default()

@@ -90,7 +90,9 @@ impl ProviderClient {
             .parse()
             .map_err(|err| format!("PROVIDER_URL {base:?} is not a URL: {err}"))?;
         if base.scheme_str() != Some("http") || base.authority().is_none() {
-            return Err(format!("PROVIDER_URL {base} must be an http:// URL with a host"));
+            return Err(format!(
+                "PROVIDER_URL {base} must be an http:// URL with a host"
+            ));
         }
         let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
         let api = tower::service_fn(move |mut request: Request<Full<Bytes>>| {
@@ -150,7 +152,12 @@ impl ProviderClient {
     }
 
     /// `POST /v1/refunds`: the refund's id.
-    pub async fn refund(&self, key: &str, payment: &str, amount: i64) -> Result<String, ProviderError> {
+    pub async fn refund(
+        &self,
+        key: &str,
+        payment: &str,
+        amount: i64,
+    ) -> Result<String, ProviderError> {
         let body = json(&NewRefund {
             payment: payment.to_owned(),
             amount,
@@ -170,13 +177,20 @@ impl ProviderClient {
     }
 
     /// `GET /v1/payments/search`: the payments whose metadata has `value` under `field`.
-    pub async fn search(&self, field: &str, value: &str) -> Result<Vec<PaymentRecord>, ProviderError> {
+    pub async fn search(
+        &self,
+        field: &str,
+        value: &str,
+    ) -> Result<Vec<PaymentRecord>, ProviderError> {
         let query = query_string(&SearchQuery {
             field: field.to_owned(),
             value: value.to_owned(),
         })?;
         let path = format!("/v1/payments/search?{query}");
-        Ok(self.call(Method::GET, &path, None, Bytes::new()).await?.data)
+        Ok(self
+            .call(Method::GET, &path, None, Bytes::new())
+            .await?
+            .data)
     }
 
     /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the epoch),

@@ -273,11 +273,19 @@ impl Provider {
     /// Captures an authorized payment.
     pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let request = Request::Capture { payment };
-        (self.call(key, request, false, payment.to_owned(), Effect::None).await).map(drop)
+        (self
+            .call(key, request, false, payment.to_owned(), Effect::None)
+            .await)
+            .map(drop)
     }
 
     /// Refunds `amount` of a captured payment; answers the refund's id.
-    pub async fn refund(&self, key: &str, payment: &str, amount: i64) -> Result<String, ProviderError> {
+    pub async fn refund(
+        &self,
+        key: &str,
+        payment: &str,
+        amount: i64,
+    ) -> Result<String, ProviderError> {
         let effect = Effect::Refund {
             payment: payment.to_owned(),
             amount,
@@ -290,7 +298,10 @@ impl Provider {
     /// Releases an authorized payment.
     pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let request = Request::Cancel { payment };
-        (self.call(key, request, false, payment.to_owned(), Effect::None).await).map(drop)
+        (self
+            .call(key, request, false, payment.to_owned(), Effect::None)
+            .await)
+            .map(drop)
     }
 
     /// Up to `limit` payments made since `since` (ms since the Unix epoch), oldest first.
@@ -362,7 +373,8 @@ impl Provider {
                     book.payments.insert(payment.id.clone(), payment);
                 }
                 Effect::Refund { payment, amount } => {
-                    let payment = (book.payments.get_mut(&payment)).ok_or(ProviderError::NoSuchPayment)?;
+                    let payment =
+                        (book.payments.get_mut(&payment)).ok_or(ProviderError::NoSuchPayment)?;
                     let refundable = payment.amount - payment.refunded;
                     if amount > refundable {
                         return Err(ProviderError::AmountTooLarge { amount, refundable });
@@ -371,7 +383,8 @@ impl Provider {
                 }
             }
             let deadline = now + this.window;
-            book.keys.insert(key.clone(), (deadline, request, id.clone()));
+            book.keys
+                .insert(key.clone(), (deadline, request, id.clone()));
             book.order.push_back((deadline, key));
             Ok(id)
         };
