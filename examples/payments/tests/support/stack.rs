@@ -109,6 +109,20 @@ impl Parts {
         tokio::spawn(consumer::run(self.outbox.clone(), POLL, stop.clone()))
     }
 
+    /// Adds `event` to the outbox as a write of the ledger does: the same event added again is
+    /// an event handed out again.
+    pub async fn publish(&self, event: &example_payments::events::PaymentEvent) {
+        match (&self.memory_outbox, &self.store) {
+            (Some(outbox), _) => outbox.push(event.clone()),
+            (None, Some(store)) => {
+                let mut conn = store.pool().acquire().await.expect("a connection");
+                let inserted = example_payments::outbox::insert(&mut conn, event).await;
+                inserted.expect("the outbox");
+            }
+            (None, None) => panic!("no outbox"),
+        }
+    }
+
     /// How many events wait in the outbox.
     pub async fn backlog(&self) -> usize {
         match (&self.memory_outbox, &self.store) {
