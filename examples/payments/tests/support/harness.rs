@@ -45,8 +45,14 @@ pub enum Records {
 pub async fn new_database() -> (PgStore, String) {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let server = PostgresServer::shared();
-    let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst));
-    let mut admin = sqlx::PgConnection::connect(&server.url()).await.expect("postgres");
+    let name = format!(
+        "t{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    );
+    let mut admin = sqlx::PgConnection::connect(&server.url())
+        .await
+        .expect("postgres");
     sqlx::raw_sql(&format!("CREATE DATABASE {name}"))
         .execute(&mut admin)
         .await
@@ -139,7 +145,10 @@ impl Harness {
     /// Lets the layer's and the provider's dedup windows run out; the provider's must be short.
     pub async fn pass_the_windows(&mut self) {
         let window = self.window;
-        assert!(window <= Duration::from_secs(1), "{window:?}: shorten it first");
+        assert!(
+            window <= Duration::from_secs(1),
+            "{window:?}: shorten it first"
+        );
         self.lose_idempotency_records().await;
         tokio::time::sleep(window + Duration::from_millis(20)).await;
     }
@@ -177,7 +186,9 @@ impl Harness {
     /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
     pub async fn charge(&self, api_key: &str, body: Value) -> Value {
         let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
-        let reply = create_charge(&self.router, api_key, &key, &body).send().await;
+        let reply = create_charge(&self.router, api_key, &key, &body)
+            .send()
+            .await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
         reply.json
     }
@@ -199,7 +210,11 @@ impl Harness {
     }
 
     pub async fn charge_status(&self, api_key: &str, id: &str) -> Value {
-        let reply = self.get(&format!("/v1/charges/{id}")).auth(api_key).send().await;
+        let reply = self
+            .get(&format!("/v1/charges/{id}"))
+            .auth(api_key)
+            .send()
+            .await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         reply.json
     }
@@ -215,7 +230,10 @@ pub fn ids(list: &Value) -> Vec<&str> {
 }
 
 /// Runs each scenario, `async fn(&mut Harness)`, with the money in memory and in PostgreSQL.
-#[allow(unused_macros, reason = "test binaries that run no scenario on both ledgers")]
+#[allow(
+    unused_macros,
+    reason = "test binaries that run no scenario on both ledgers"
+)]
 macro_rules! on_both_ledgers {
     ($($scenario:ident),* $(,)?) => {
         mod memory {
@@ -238,5 +256,8 @@ macro_rules! on_both_ledgers {
     };
 }
 
-#[allow(unused_imports, reason = "test binaries that run no scenario on both ledgers")]
+#[allow(
+    unused_imports,
+    reason = "test binaries that run no scenario on both ledgers"
+)]
 pub(crate) use on_both_ledgers;
