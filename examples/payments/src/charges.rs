@@ -166,7 +166,7 @@ pub async fn create(
     // charge, which the newer run resumes (or the reconciler settles).
     still_held(claim.as_ref()).await?;
     let call = (request.source, request.amount, request.capture);
-    let metadata = metadata(&account, &provider_key, &request);
+    let metadata = metadata(&account, &provider_key);
     let created = state.provider.create_payment(&provider_key, call, metadata);
     let payment = match created.await {
         Ok(payment) => payment,
@@ -174,11 +174,10 @@ pub async fn create(
         // the payment, and the retry with the same key resumes it, or the reconciler settles it
         // from the provider's side.
         Err(err @ ProviderError::Unknown) => return Err(err.into()),
-        // The provider refused before doing anything: the charge was never made.
-        Err(err) => {
-            state.ledger.abandon(&charge).await;
-            return Err(err.into());
-        }
+        // The provider refused before doing anything: the charge was never made (unless the
+        // reconciler took it over meanwhile, and sends it again).
+        Err(err) if state.ledger.abandon(&charge).await => return Err(err.into()),
+        Err(_) => return Err(ProviderError::Unknown.into()),
     };
     charge.payment = payment.id;
     match payment.outcome {

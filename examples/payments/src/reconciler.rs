@@ -1,44 +1,35 @@
-//! The reconciler, beside every instance on every store (instances agree through the ledger: of
-//! two reconcilers, or a reconciler and a resumed request, exactly one moves a charge on).
+//! The reconciler, beside every instance (instances agree through the ledger: of two
+//! reconcilers, or a reconciler and a resumed request, exactly one moves a charge on).
 //!
-//! **Charges left in an `-ing` state.** A call whose outcome is unknown (a timeout, a connection
-//! lost after the call was sent, a crash) leaves its charge `authorizing`, `capturing`,
-//! `refunding` or `canceling`, never deleted. Every round the reconciler takes those unchanged
-//! for longer than `after` (far above the provider client's deadline: a live request's call has
-//! long ended) and settles it with the provider, as one settles an unknown outcome with Stripe. A
-//! create is found by its metadata (the operation's key); a capture, refund or cancellation is
-//! sent again under its key, so that the provider makes it once (now, or answering what it made
-//! before: a late run of it gets the same answer). Rolling it back instead would let a call held
-//! up at the provider land after, money moved under a charge that says otherwise:
+//! A call whose outcome is unknown (a timeout, a connection lost after the call was sent, a
+//! crash) leaves its charge `authorizing`, `capturing`, `refunding` or `canceling`. Every round
+//! the reconciler takes those unchanged for longer than `after` (far above the provider client's
+//! deadline: a live request's call has long ended), marks each as its own, and settles it as one
+//! settles an unknown outcome with Stripe: it drives the call again through the provider's API
+//! under the same key, which the provider makes once (now, or answering what it made before; a
+//! late run of the request gets the same answer). Rolling it back instead would let a call held up
+//! at the provider land after, money moved under a charge that says otherwise:
 //!
 //! - made: the charge moves to the state the answer says, with the event the request would have
 //!   published (the same id: the consumer applies it once), only if it is still as it was found;
-//! - refused (a refund beyond what is left, a key used for another request), or a create not
-//!   made so far: a new charge goes, one in the middle of a capture, refund or cancellation goes
-//!   back to where it was;
+//! - refused (a refund beyond what is left, a key used for another request): a new charge goes,
+//!   one in the middle of a capture, refund or cancellation goes back to where it was;
 //! - the provider unavailable, or its answer lost: the charge waits for the next round.
 //!
-//! **Payments no charge names.** "Not made so far" is not "never": a call held up at the
-//! provider can take effect after its charge went. So the reconciler also reads the provider's
-//! payments report from where its last round left off (less `after`, for late writes) and
-//! matches each payment to its operation (the account and key in its metadata): a payment
-//! whose operation has no charge gets its charge written from it, with its event, so that the
-//! money the provider moved is in the ledger and the balance. Adoption is refused when the
-//! operation has a charge, so there is never a second charge nor a second event for a payment.
-//! The provider remembers a key for 24 h: a charge must be reconciled within that.
+//! The provider remembers a key for 24 h. Past that (less an hour's margin), a call sent again
+//! could be made twice: a create is then found by its metadata (the account and operation the
+//! example gives every payment), and any other call is left for an operator, at ERROR.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::ledger::{Charge, Ledger, NewCharge};
+use super::ledger::{Charge, Ledger};
 use super::now_ms;
 use super::provider::{Outcome, PaymentRecord, ProviderClient, ProviderError, WINDOW};
 use super::state_machine::{Event, Status};
@@ -50,40 +41,14 @@ const BATCH: usize = 100;
 pub const OPERATION: &str = "operation";
 
 /// The metadata field of a payment that names its account.
-const ACCOUNT: &str = "account";
-
-/// The metadata field that holds the rest of a charge (JSON): enough to write the charge of a
-/// payment that no charge names.
-const CHARGE: &str = "charge";
-
-/// What a charge keeps that the provider's payment does not.
-#[derive(Debug, Serialize, Deserialize)]
-struct Reference {
-    currency: String,
-    description: Option<String>,
-    metadata: BTreeMap<String, String>,
-}
+pub const ACCOUNT: &str = "account";
 
 /// The metadata the example gives a charge's payment: its account and operation, by which the
-/// reconciler finds it, and the rest of the charge.
-pub fn metadata(
-    account: &Account,
-    operation: &str,
-    request: &NewCharge,
-) -> BTreeMap<String, String> {
-    let reference = Reference {
-        currency: request.currency.clone(),
-        description: request.description.clone(),
-        metadata: request.metadata.clone(),
-    };
+/// reconciler finds it once the provider has forgotten its key.
+pub fn metadata(account: &Account, operation: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (ACCOUNT.to_owned(), account.id().to_owned()),
         (OPERATION.to_owned(), operation.to_owned()),
-        // Strings and maps of strings always encode.
-        (
-            CHARGE.to_owned(),
-            serde_json::to_string(&reference).unwrap_or_default(),
-        ),
     ])
 }
 
@@ -97,8 +62,6 @@ pub struct Reconciled {
     pub removed: usize,
     /// Charges left for the next round (the provider unavailable, a retry on them meanwhile).
     pub left: usize,
-    /// Provider payments that no charge named, whose charge was written from them.
-    pub adopted: usize,
 }
 
 /// The reconciler of one instance (several may run: they agree through the ledger).
@@ -110,22 +73,18 @@ pub struct Reconciler {
     after: Duration,
     /// How often it looks.
     every: Duration,
-    /// Where the scan of the provider's payments goes on from (milliseconds since the epoch).
-    since: Arc<AtomicU64>,
 }
 
 impl Reconciler {
     /// A reconciler of `ledger`, asking `provider`, for charges unchanged in an `-ing` state for
     /// longer than `after`; it looks every quarter of `after` (at least every 50 ms, at most
-    /// every 30 s), and reads the provider's payments from a window ago on.
+    /// every 30 s).
     pub fn new(ledger: Arc<dyn Ledger>, provider: ProviderClient, after: Duration) -> Self {
-        let window_ms = u64::try_from(WINDOW.as_millis()).unwrap_or(u64::MAX);
         Self {
             ledger,
             provider,
             after,
             every: (after / 4).clamp(Duration::from_millis(50), Duration::from_secs(30)),
-            since: Arc::new(AtomicU64::new(now_ms().saturating_sub(window_ms))),
         }
     }
 
@@ -141,7 +100,6 @@ impl Reconciler {
                 Ok(Reconciled {
                     settled: 0,
                     removed: 0,
-                    adopted: 0,
                     ..
                 }) => {}
                 Ok(done) => tracing::info!(?done, "reconciled charges with the provider"),
@@ -152,8 +110,7 @@ impl Reconciler {
         }
     }
 
-    /// Settles the charges in an intermediate state for longer than `after`, and adopts the
-    /// provider's payments that no charge names, now.
+    /// Settles the charges in an intermediate state for longer than `after`, now.
     pub async fn round(&self) -> Result<Reconciled, ApiError> {
         let charges = self.ledger.unsettled(self.after, BATCH).await?;
         let mut done = Reconciled::default();
@@ -182,100 +139,15 @@ impl Reconciler {
             };
             done.left += usize::from(!changed);
         }
-        done.adopted = self.scan_payments().await?;
         Ok(done)
     }
 
-    /// Reads the provider's payments from where the last scan left off, and adopts each that no
-    /// charge names; returns how many.
-    async fn scan_payments(&self) -> Result<usize, ApiError> {
-        let after = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
-        let started = now_ms();
-        let mut from = self.since.load(Ordering::SeqCst);
-        let mut adopted = 0;
-        loop {
-            let payments = match self.provider.payments_since(from, BATCH).await {
-                Ok(payments) => payments,
-                Err(err) => {
-                    // Read again from the same point next round.
-                    tracing::debug!(%err, "the provider cannot list its payments now");
-                    return Ok(adopted);
-                }
-            };
-            for payment in &payments {
-                adopted += usize::from(self.match_payment(payment).await?);
-            }
-            // A full page: the next one, from its newest payment (a page of one millisecond's
-            // payments ends the round rather than read itself again).
-            match payments.last() {
-                Some(last) if payments.len() == BATCH && last.created > from => {
-                    from = last.created;
-                }
-                _ => break,
-            }
-        }
-        // Every page read: the next round reads again from `after` before this one began, so that
-        // a payment stamped before it committed (a write held up, another clock) is still listed.
-        self.since
-            .store(started.saturating_sub(after), Ordering::SeqCst);
-        Ok(adopted)
-    }
-
-    /// Writes the charge of `payment` unless its operation has one; says whether it did.
-    async fn match_payment(&self, payment: &PaymentRecord) -> Result<bool, ApiError> {
-        let field = |name: &str| payment.metadata.get(name);
-        let reference = field(CHARGE).and_then(|text| serde_json::from_str::<Reference>(text).ok());
-        let (Some(account), Some(operation), Some(reference)) =
-            (field(ACCOUNT), field(OPERATION), reference)
-        else {
-            tracing::error!(payment = %payment.id, "a provider payment without the example's metadata: reconcile it by hand");
-            return Ok(false);
-        };
-        let account = Account::from_id(account.clone());
-        if self.ledger.has_operation(&account, operation).await? {
-            return Ok(false);
-        }
-        let request = NewCharge {
-            amount: payment.amount,
-            currency: reference.currency,
-            source: payment.source,
-            capture: payment.capture,
-            description: reference.description,
-            metadata: reference.metadata,
-        };
-        let mut charge = Charge::new(account, &request, operation);
-        charge.payment.clone_from(&payment.id);
-        let moves: &[Event] = match payment.outcome {
-            Outcome::Declined => &[Event::Authorize, Event::Declined],
-            Outcome::Authorized => &[Event::Authorize, Event::Approved],
-            Outcome::Captured => &[
-                Event::Authorize,
-                Event::Approved,
-                Event::Capture,
-                Event::Captured,
-            ],
-        };
-        for step in moves {
-            charge.apply(*step)?;
-        }
-        let event = (payment.outcome != Outcome::Declined)
-            .then(|| PaymentEvent::succeeded(&charge, payment.outcome == Outcome::Captured));
-        let adopted = self.ledger.adopt(charge.clone(), event).await?;
-        if adopted {
-            tracing::warn!(charge = %charge.id, payment = %payment.id, "a provider payment no charge named: its charge is written from it");
-        }
-        Ok(adopted)
-    }
-
-    /// Marks a capture, refund or cancellation in flight as the reconciler's before its call is
-    /// sent again, unless the charge changed since it was listed (`None`): a run of the request
-    /// that then finds its own call refused leaves the charge to the reconciler instead of
-    /// rolling back a call the reconciler may make. A create needs no mark.
+    /// Marks a call in flight as the reconciler's before it is sent again, unless the charge
+    /// changed since it was listed (`None`): a run of the request that then finds its own call
+    /// refused leaves the charge to the reconciler instead of rolling back a call the reconciler
+    /// may make, and a retry answers the outcome unknown until the reconciler settles it.
     async fn take_over(&self, found: Charge) -> Result<Option<Charge>, ApiError> {
-        if found.status == Status::Authorizing {
-            return Ok(Some(found));
-        }
-        if outlived_its_key(&found) {
+        if outlived_its_key(&found) && found.status != Status::Authorizing {
             // The provider may have forgotten the call's key: sent again, a call it made would be
             // made twice, and one it refuses could be rolled back though it was made.
             tracing::error!(charge = %found.id, status = found.status.as_str(), "a call in flight past the provider's key window: settle it by hand from the provider's records");
@@ -299,13 +171,24 @@ impl Reconciler {
     }
 
     /// What the provider did with the call `charge` waits on, or does now with it: `None` when
-    /// it did nothing. A create is searched for by its operation; a capture, refund or
-    /// cancellation is sent again, under its key: the provider makes it once.
+    /// it refused. The call is sent again under its key: the provider makes it once. A create
+    /// whose key the provider may have forgotten is searched for by its metadata instead: not
+    /// found a day after it began, it was never made.
     async fn ask(&self, charge: &Charge) -> Result<Option<Answer>, ProviderError> {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
         let (key, amount) = (charge.call_key.as_str(), charge.call_amount);
+        let create = (charge.source, charge.amount, charge.capture);
         Ok(match charge.status {
+            Status::Authorizing if !outlived_its_key(charge) => {
+                let metadata = metadata(&charge.account, &charge.provider_key);
+                made(
+                    provider
+                        .create_payment(&charge.provider_key, create, metadata)
+                        .await,
+                )?
+                .map(|made| Answer::Payment(made.id, made.outcome))
+            }
             Status::Authorizing => {
                 let found = provider.search(OPERATION, &charge.provider_key).await?;
                 // The operation's payment, if the provider made it for this charge's request (a
@@ -387,14 +270,13 @@ impl Reconciler {
         Ok(settled)
     }
 
-    /// The provider has not seen the create `charge` waits on, or refused its capture, refund or
-    /// cancellation: a new charge is removed, one in the middle of a call goes back to where it
-    /// was; unless a retry resumed it meanwhile.
+    /// The provider refused the call `charge` waits on, or never made a create it forgot: a new
+    /// charge is removed, one in the middle of a call goes back to where it was.
     async fn undo(&self, found: Charge) -> Result<bool, ApiError> {
         if found.status == Status::Authorizing {
-            let removed = self.ledger.remove(&found, self.after).await?;
+            let removed = self.ledger.abandon(&found).await;
             if removed {
-                tracing::info!(charge = %found.id, "removed a charge the provider has not seen");
+                tracing::info!(charge = %found.id, "removed a charge the provider refused");
             }
             return Ok(removed);
         }
@@ -404,14 +286,9 @@ impl Reconciler {
         }
         charge.call_key.clear();
         charge.call_amount = 0;
-        // Marked as the reconciler's (just now, or in an earlier round): no run rolls it back or
-        // settles it from a refusal meanwhile, so it need not have stood still for `after`.
-        let unchanged_for = if found.reconciling {
-            Duration::ZERO
-        } else {
-            self.after
-        };
-        let undone = (self.ledger.swap(&found, &charge, None, unchanged_for)).await?;
+        // Marked as the reconciler's: no run rolls it back or settles it from a refusal meanwhile,
+        // so it need not have stood still for `after`.
+        let undone = (self.ledger.swap(&found, &charge, None, Duration::ZERO)).await?;
         if undone {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }

@@ -57,10 +57,10 @@ fn reconciler_past_the_probe(parts: &Parts) -> Reconciler {
     Reconciler::new(parts.ledger.clone(), client, Duration::ZERO)
 }
 
-/// What a round did: `[settled, removed, left, adopted]`.
-async fn round(reconciler: &Reconciler) -> [usize; 4] {
+/// What a round did: `[settled, removed, left]`.
+async fn round(reconciler: &Reconciler) -> [usize; 3] {
     let done = reconciler.round().await.expect("a round");
-    [done.settled, done.removed, done.left, done.adopted]
+    [done.settled, done.removed, done.left]
 }
 
 /// Alice's charges of `amount` (each scenario's amounts are its own).
@@ -292,15 +292,15 @@ async fn memory_charges_once_when_a_lease_is_taken_over_under_a_stalled_handler(
 
 on_both_ledgers!(
     a_run_lost_after_the_provider_acted_is_settled_by_the_reconciler,
-    a_run_lost_before_the_provider_acted_leaves_nothing_once_reconciled,
-    a_payment_made_after_its_charge_was_removed_is_adopted,
+    a_run_lost_before_the_provider_acted_is_made_once_by_the_reconciler,
+    a_create_held_at_the_provider_is_made_once_by_the_reconciler,
     a_provider_down_answers_503_and_keeps_nothing,
-    a_run_superseded_after_its_provider_call_answers_the_outcome_unknown,
+    a_run_whose_answer_cannot_be_written_answers_the_outcome_unknown,
 );
 
 /// The provider charged, then the run hung before it answered, and its client left: the charge
-/// stays `authorizing`, the reconciler finds the payment by the operation and settles it with its
-/// event; the client's late retry gets that charge.
+/// stays `authorizing`, the reconciler sends the create again under its key, gets the payment
+/// made and settles the charge with its event; the client's late retry gets that charge.
 async fn a_run_lost_after_the_provider_acted_is_settled_by_the_reconciler(h: &mut Harness) {
     let probe = h.parts.probe.clone();
     probe.hang(Hang::AfterEffect);
@@ -310,7 +310,7 @@ async fn a_run_lost_after_the_provider_acted_is_settled_by_the_reconciler(h: &mu
     the_charge(&h.router, 1300, "authorizing").await;
 
     let reconciler = reconciler_past_the_probe(&h.parts);
-    assert_eq!(round(&reconciler).await, [1, 0, 0, 0]);
+    assert_eq!(round(&reconciler).await, [1, 0, 0]);
     let settled = the_charge(&h.router, 1300, "captured").await;
     assert_eq!(payments_of(&h.parts, 1300).await, 1);
     assert_eq!(balance(&h.parts).await, 1300);
@@ -322,9 +322,10 @@ async fn a_run_lost_after_the_provider_acted_is_settled_by_the_reconciler(h: &mu
     assert_eq!((probe.effects(), balance(&h.parts).await), (1, 1300));
 }
 
-/// The run hung before the provider did anything: the reconciler finds no payment and removes
-/// the charge; the client's retry then charges once.
-async fn a_run_lost_before_the_provider_acted_leaves_nothing_once_reconciled(h: &mut Harness) {
+/// The run hung before the provider did anything, and its client left: the outcome is unknown
+/// to everyone but the provider, so the reconciler drives the create through under its key, as a
+/// completer does, and the provider makes it once; the client's late retry gets that charge.
+async fn a_run_lost_before_the_provider_acted_is_made_once_by_the_reconciler(h: &mut Harness) {
     let probe = h.parts.probe.clone();
     probe.hang(Hang::BeforeEffect);
     let lost = spawn(charge(&h.router, "lost-before", 900));
@@ -333,46 +334,35 @@ async fn a_run_lost_before_the_provider_acted_leaves_nothing_once_reconciled(h: 
     the_charge(&h.router, 900, "authorizing").await;
 
     let reconciler = reconciler_past_the_probe(&h.parts);
-    assert_eq!(round(&reconciler).await, [0, 1, 0, 0]);
-    assert!(charges_of(&h.router, 900).await.is_empty());
-    assert_eq!(payments_of(&h.parts, 900).await, 0);
-
-    probe.stop_hanging();
-    h.lose_idempotency_records().await;
-    let retry = charge(&h.router, "lost-before", 900).send().await;
-    assert_is(&retry, &the_charge(&h.router, 900, "captured").await);
+    assert_eq!(round(&reconciler).await, [1, 0, 0]);
+    let made = the_charge(&h.router, 900, "captured").await;
     assert_eq!(payments_of(&h.parts, 900).await, 1);
     assert_eq!(balance(&h.parts).await, 900);
-}
-
-/// The reconciler came while the provider still held the call: no payment yet, so the charge
-/// was removed. Then the payment landed, and the run hung before it could write it back. The
-/// reconciler's scan of the provider's payments finds it, no charge naming its operation, and
-/// writes its charge with its event, once; the client's late retry gets that charge.
-async fn a_payment_made_after_its_charge_was_removed_is_adopted(h: &mut Harness) {
-    let probe = h.parts.probe.clone();
-    let stall = probe.stall().await;
-    probe.hang(Hang::AfterEffect);
-    let lost = spawn(charge(&h.router, "adopted", 3100));
-    wait_until("the call, held", || probe.stalled() == 1).await;
-    let reconciler = reconciler_past_the_probe(&h.parts);
-    assert_eq!(round(&reconciler).await, [0, 1, 0, 0]);
-    assert!(charges_of(&h.router, 3100).await.is_empty());
-
-    drop(stall);
-    wait_until("the payment", || probe.effects() == 1).await;
-    lost.abort();
-    assert_eq!(round(&reconciler).await, [0, 0, 0, 1]);
-    let adopted = the_charge(&h.router, 3100, "captured").await;
-    assert_eq!(payments_of(&h.parts, 3100).await, 1);
-    assert_eq!(balance(&h.parts).await, 3100);
-    assert_eq!(round(&reconciler).await, [0, 0, 0, 0], "adopted once");
 
     probe.stop_hanging();
     h.lose_idempotency_records().await;
-    assert_is(&charge(&h.router, "adopted", 3100).send().await, &adopted);
+    assert_is(&charge(&h.router, "lost-before", 900).send().await, &made);
+    assert_eq!(payments_of(&h.parts, 900).await, 1);
+    assert_eq!(round(&reconciler).await, [0, 0, 0]);
+}
+
+/// The reconciler came while the provider still held the run's call: it sends the create again
+/// under the operation's key and the provider makes it. The held call then lands on the same
+/// key: no second payment, and the run answers the charge the reconciler settled.
+async fn a_create_held_at_the_provider_is_made_once_by_the_reconciler(h: &mut Harness) {
+    let probe = h.parts.probe.clone();
+    let stall = probe.stall().await;
+    let held = spawn(charge(&h.router, "held", 3100));
+    wait_until("the call, held", || probe.stalled() == 1).await;
+    let reconciler = reconciler_past_the_probe(&h.parts);
+    assert_eq!(round(&reconciler).await, [1, 0, 0]);
+    let settled = the_charge(&h.router, 3100, "captured").await;
+
+    drop(stall);
+    assert_is(&held.await.expect("an answer"), &settled);
     assert_eq!(payments_of(&h.parts, 3100).await, 1);
     assert_eq!(balance(&h.parts).await, 3100);
+    assert_eq!(round(&reconciler).await, [0, 0, 0]);
 }
 
 /// Every attempt refused before the provider did anything: `503`, nothing charged, no charge
@@ -404,31 +394,24 @@ async fn a_provider_down_answers_503_and_keeps_nothing(h: &mut Harness) {
     assert_eq!(balance(&h.parts).await, 1500);
 }
 
-/// The rule, on the example's side. A run held in its provider call past the reconciler's
-/// patience: its charge removed (no payment yet), its record forgotten, the retry opens the
-/// operation's charge anew and calls the provider under the same key. Both calls go through: one
-/// payment. The held run's answer can no longer be written (the operation has the retry's charge):
-/// it must not say "superseded, nothing was done" (`409`) nor "unavailable" (`503`), for the
-/// provider acted; it says the outcome is unknown, and its client's retry gets the charge.
-async fn a_run_superseded_after_its_provider_call_answers_the_outcome_unknown(h: &mut Harness) {
+/// Once the provider may have acted, no answer says that nothing happened: the provider charged
+/// and the ledger could not write its answer, so the run answers the outcome unknown (`504`), not
+/// "unavailable" (`503`); its retry resumes the charge, and the provider answers its key with the
+/// same payment.
+async fn a_run_whose_answer_cannot_be_written_answers_the_outcome_unknown(h: &mut Harness) {
     let probe = h.parts.probe.clone();
-    let stall = probe.stall().await;
-    let held = spawn(charge(&h.router, "superseded", 2200));
-    wait_until("the first call, held", || probe.stalled() == 1).await;
-    let reconciler = reconciler_past_the_probe(&h.parts);
-    assert_eq!(round(&reconciler).await, [0, 1, 0, 0]);
-    h.lose_idempotency_records().await;
-    let retry = spawn(charge(&h.router, "superseded", 2200));
-    wait_until("the retry's call, held", || probe.stalled() == 2).await;
-    drop(stall);
+    h.parts.ledger.fail_records(true);
+    charge(&h.router, "unwritten", 2200)
+        .send()
+        .await
+        .assert_outcome_unknown();
+    assert_eq!(probe.effects(), 1);
+    h.parts.ledger.fail_records(false);
 
-    let held = held.await.expect("an answer");
-    held.assert_outcome_unknown();
-    let charge_made = the_charge(&h.router, 2200, "captured").await;
-    assert_is(&retry.await.expect("an answer"), &charge_made);
+    let retry = charge(&h.router, "unwritten", 2200).send().await;
+    let made = the_charge(&h.router, 2200, "captured").await;
+    assert_is(&retry, &made);
     assert_eq!((probe.effects(), payments_of(&h.parts, 2200).await), (1, 1));
-    let again = charge(&h.router, "superseded", 2200).send().await;
-    assert_is(&again, &charge_made);
     assert_eq!(balance(&h.parts).await, 2200);
 }
 
@@ -543,7 +526,7 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
     assert_eq!(balance(&h.parts).await, 3000 + 500 + 600);
 
     let reconciler = h.parts.reconciler(Duration::ZERO);
-    assert_eq!(round(&reconciler).await, [5, 1, 1, 0]);
+    assert_eq!(round(&reconciler).await, [5, 1, 1]);
     for (id, (.., status, refunded)) in ids.iter().zip(&cases) {
         h.assert_refunded(id, status, *refunded).await;
     }
@@ -552,7 +535,7 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
     let now = 3000 + 500 + 600 + 1000 + 400 - 1200 - 100;
     assert_eq!(balance(&h.parts).await, now);
 
-    assert_eq!(round(&reconciler).await, [0, 0, 1, 0]);
+    assert_eq!(round(&reconciler).await, [0, 0, 1]);
     assert_eq!(balance(&h.parts).await, now);
 }
 

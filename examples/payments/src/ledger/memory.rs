@@ -122,15 +122,15 @@ impl Ledger for MemoryLedger {
         reopen(self, request, earlier).await
     }
 
-    async fn abandon(&self, charge: &Charge) {
+    async fn abandon(&self, charge: &Charge) -> bool {
         let mut charges = self.lock();
-        if charges
-            .by_id
-            .get(&charge.id)
-            .is_some_and(|c| c.status == Status::Authorizing)
-        {
+        let abandoned = (charges.by_id.get(&charge.id)).is_some_and(|c| {
+            c.status == Status::Authorizing && c.reconciling == charge.reconciling
+        });
+        if abandoned {
             charges.by_id.remove(&charge.id);
         }
+        abandoned
     }
 
     async fn record(
@@ -142,33 +142,15 @@ impl Ledger for MemoryLedger {
         let recorded = {
             let mut charges = self.lock();
             // Under the one lock: the reconciler cannot remove it between the look and the write.
-            let recorded = if let Some(stored) = charges.by_id.get_mut(&charge.id) {
-                if stored.status == Status::Authorizing {
-                    stored.status = charge.status;
-                    stored.payment.clone_from(&charge.payment);
-                    stored.updated = now_ms();
-                }
-                stored.clone()
-            } else {
-                // The reconciler removed it before this answer came: written again, unless its
-                // operation has another charge by now.
-                let key = (charge.account.id().to_owned(), charge.provider_key.clone());
-                if let Some((until, id)) = charges.operations.get(&key)
-                    && *until > Instant::now()
-                    && *id != charge.id
-                    && charges.by_id.contains_key(id)
-                {
-                    return Err(ApiError::superseded());
-                }
-                // It holds its operation again, as it did before it was removed.
-                let until = Instant::now() + self.window;
-                charges.operations.insert(key, (until, charge.id.clone()));
-                let mut charge = charge;
-                charges.next_seq += 1;
-                charge.seq = charges.next_seq;
-                charges.by_id.insert(charge.id.clone(), charge.clone());
-                charge
-            };
+            // Gone only if the provider refused its create: no answer to record.
+            let stored = (charges.by_id.get_mut(&charge.id))
+                .ok_or_else(|| ApiError::no_such_charge(&charge.id))?;
+            if stored.status == Status::Authorizing {
+                stored.status = charge.status;
+                stored.payment.clone_from(&charge.payment);
+                stored.updated = now_ms();
+            }
+            let recorded = stored.clone();
             self.publish(event(&recorded));
             recorded
         };
@@ -241,37 +223,6 @@ impl Ledger for MemoryLedger {
                 }
                 _ => return Ok(false),
             }
-            self.publish(event);
-        }
-        Ok(true)
-    }
-
-    async fn remove(&self, found: &Charge, _after: Duration) -> Result<bool, ApiError> {
-        let mut charges = self.lock();
-        if (charges.by_id.get(&found.id)).is_none_or(|now| now.updated != found.updated) {
-            return Ok(false);
-        }
-        Ok(charges.by_id.remove(&found.id).is_some())
-    }
-
-    async fn has_operation(&self, account: &Account, provider_key: &str) -> Result<bool, ApiError> {
-        Ok(self.lock().operation(account.id(), provider_key).is_some())
-    }
-
-    async fn adopt(
-        &self,
-        mut charge: Charge,
-        event: Option<PaymentEvent>,
-    ) -> Result<bool, ApiError> {
-        {
-            let mut charges = self.lock();
-            if charges
-                .operation(charge.account.id(), &charge.provider_key)
-                .is_some()
-            {
-                return Ok(false);
-            }
-            charges.insert(&mut charge, self.window);
             self.publish(event);
         }
         Ok(true)

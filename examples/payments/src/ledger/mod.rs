@@ -25,7 +25,7 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 use super::now_ms;
-use super::provider::Source;
+use super::provider::{ProviderError, Source};
 use super::state_machine::{Event, Status, next};
 
 /// A change to a charge: refused (nothing written) with the error it returns.
@@ -47,13 +47,14 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         request: &NewCharge,
     ) -> Result<Opened, ApiError>;
 
-    /// The provider refused the `authorizing` charge's call before doing anything: the charge
-    /// was never made, and goes. Never for a call whose outcome is unknown.
-    async fn abandon(&self, charge: &Charge);
+    /// The provider refused the `authorizing` charge's create call: the charge was never made,
+    /// and goes, unless the reconciler took it over meanwhile (`false`: its outcome is the
+    /// reconciler's to learn). Never for a call whose outcome is unknown.
+    async fn abandon(&self, charge: &Charge) -> bool;
 
     /// Writes the provider's answer for an `authorizing` charge (its status and payment), with
     /// its event, in the request's work (`request`: its extensions). A charge settled meanwhile
-    /// is kept and returned; one the reconciler removed meanwhile is written again.
+    /// is kept and returned.
     async fn record(
         &self,
         request: &Extensions,
@@ -99,17 +100,6 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         event: Option<PaymentEvent>,
         unchanged_for: Duration,
     ) -> Result<bool, ApiError>;
-
-    /// Removes `found`, whose create call the provider never saw, unless it changed since (in
-    /// PostgreSQL: within `after`); says whether it went.
-    async fn remove(&self, found: &Charge, after: Duration) -> Result<bool, ApiError>;
-
-    /// Whether the account's operation under `provider_key` has a charge.
-    async fn has_operation(&self, account: &Account, provider_key: &str) -> Result<bool, ApiError>;
-
-    /// Stores `charge`, made from a provider payment no charge named, with `event`, unless its
-    /// operation has a charge by now; says whether it went in.
-    async fn adopt(&self, charge: Charge, event: Option<PaymentEvent>) -> Result<bool, ApiError>;
 }
 
 /// What `POST /v1/charges` asks for, once validated.
@@ -197,7 +187,8 @@ impl Charge {
             payment: String::new(),
             call_key: String::new(),
             call_amount: 0,
-            call_started: 0,
+            // The create call begins now: the provider's key window counts from it.
+            call_started: now_ms(),
             refunds: Vec::new(),
             capture_key: String::new(),
             reconciling: false,
@@ -341,6 +332,10 @@ async fn reopen(
     }
     if earlier.status != Status::Authorizing {
         return Ok(Opened::Settled(earlier));
+    }
+    if earlier.reconciling {
+        // The reconciler sends its create again: the outcome is its to learn.
+        return Err(ProviderError::Unknown.into());
     }
     let resumed = ledger
         .update(&earlier.account, &earlier.id, &mut |_| Ok(()))

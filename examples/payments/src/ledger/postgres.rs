@@ -27,7 +27,7 @@ use crate::error::ApiError;
 use crate::events::PaymentEvent;
 use crate::outbox;
 use crate::pg::unavailable;
-use crate::provider::Source;
+use crate::provider::{ProviderError, Source};
 use crate::state_machine::{Event, Status};
 
 /// The columns [`read`] reads.
@@ -173,8 +173,9 @@ impl Ledger for PgLedger {
         provider_key: &str,
         request: &NewCharge,
     ) -> Result<Opened, ApiError> {
-        // A few times at most: the reconciler may remove the charge found between the read and
-        // the touch, and another run may insert the operation's charge between the read and ours.
+        // A few times at most: the charge found may be settled, taken over or abandoned between
+        // the read and the touch, and another run may insert the operation's charge between the
+        // read and ours.
         for _ in 0..3 {
             if let Some(earlier) = self.find(account, provider_key).await? {
                 if !earlier.is_for(request) {
@@ -183,10 +184,14 @@ impl Ledger for PgLedger {
                 if earlier.status != Status::Authorizing {
                     return Ok(Opened::Settled(earlier));
                 }
+                if earlier.reconciling {
+                    // The reconciler sends its create again: the outcome is its to learn.
+                    return Err(ProviderError::Unknown.into());
+                }
                 // Touched: the reconciler leaves a recent charge alone.
                 let touched = sqlx::query(
                     "UPDATE charges SET updated_at = statement_timestamp()
-                     WHERE id = $1 AND status = 'authorizing'",
+                     WHERE id = $1 AND status = 'authorizing' AND NOT reconciling",
                 )
                 .bind(&earlier.id)
                 .execute(&self.pool)
@@ -223,14 +228,21 @@ impl Ledger for PgLedger {
         Err(ApiError::storage_unavailable())
     }
 
-    async fn abandon(&self, charge: &Charge) {
-        let deleted = sqlx::query("DELETE FROM charges WHERE id = $1 AND status = 'authorizing'")
-            .bind(&charge.id)
-            .execute(&self.pool)
-            .await;
-        if let Err(err) = deleted {
-            // The reconciler finds it, and asks the provider.
-            tracing::warn!(charge = %charge.id, error = %crate::report(&err), "cannot remove a charge the provider did not make");
+    async fn abandon(&self, charge: &Charge) -> bool {
+        let deleted = sqlx::query(
+            "DELETE FROM charges WHERE id = $1 AND status = 'authorizing' AND reconciling = $2",
+        )
+        .bind(&charge.id)
+        .bind(charge.reconciling)
+        .execute(&self.pool)
+        .await;
+        match deleted {
+            Ok(deleted) => deleted.rows_affected() == 1,
+            Err(err) => {
+                // The reconciler finds it, and asks the provider.
+                tracing::warn!(charge = %charge.id, error = %crate::report(&err), "cannot remove a charge the provider did not make");
+                true
+            }
         }
     }
 
@@ -255,24 +267,16 @@ impl Ledger for PgLedger {
         .map_err(unavailable)?;
         let recorded = match updated {
             Some(row) => read(&row).map_err(unavailable)?,
-            // Settled by the reconciler meanwhile: that is the charge. Or removed by it, the
-            // answer having come after it looked: written again.
+            // Settled by the reconciler meanwhile: that is the charge. (Gone only if the provider
+            // refused its create: no answer to record.)
             None => {
-                let settled = sqlx::query(&format!(
-                    "SELECT {COLUMNS} FROM charges WHERE id = $1 FOR UPDATE"
-                ))
-                .bind(&charge.id)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(unavailable)?;
-                match settled {
-                    Some(row) => read(&row).map_err(unavailable)?,
-                    None => match insert(&mut *tx, &charge).await.map_err(unavailable)? {
-                        Some(seq) => Charge { seq, ..charge },
-                        // A new charge of the operation went in meanwhile: its own run records it.
-                        None => return Err(ApiError::superseded()),
-                    },
-                }
+                let settled = sqlx::query(&format!("SELECT {COLUMNS} FROM charges WHERE id = $1"))
+                    .bind(&charge.id)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(unavailable)?
+                    .ok_or_else(|| ApiError::no_such_charge(&charge.id))?;
+                read(&settled).map_err(unavailable)?
             }
         };
         publish(tx, event(&recorded)).await?;
@@ -387,39 +391,6 @@ impl Ledger for PgLedger {
         .map_err(unavailable)?;
         if updated.rows_affected() == 0 {
             // A resumed request got there first.
-            return Ok(false);
-        }
-        publish(&mut tx, event).await?;
-        tx.commit().await.map_err(unavailable)?;
-        Ok(true)
-    }
-
-    async fn remove(&self, found: &Charge, after: Duration) -> Result<bool, ApiError> {
-        let deleted = sqlx::query(&format!(
-            "DELETE FROM charges WHERE id = $1 AND status = $2 AND call_key = $3 AND updated_at < {}",
-            ago(4)
-        ))
-        .bind(&found.id)
-        .bind(found.status.as_str())
-        .bind(&found.call_key)
-        .bind(ms(after))
-        .execute(&self.pool)
-        .await
-        .map_err(unavailable)?;
-        Ok(deleted.rows_affected() == 1)
-    }
-
-    async fn has_operation(&self, account: &Account, provider_key: &str) -> Result<bool, ApiError> {
-        Ok(self.find(account, provider_key).await?.is_some())
-    }
-
-    async fn adopt(&self, charge: Charge, event: Option<PaymentEvent>) -> Result<bool, ApiError> {
-        let mut tx = self.pool.begin().await.map_err(unavailable)?;
-        if insert(&mut *tx, &charge)
-            .await
-            .map_err(unavailable)?
-            .is_none()
-        {
             return Ok(false);
         }
         publish(&mut tx, event).await?;

@@ -195,6 +195,8 @@ async fn probe(State(probe): State<Arc<ProviderProbe>>, request: Request, next: 
 pub struct GatedLedger {
     inner: Arc<dyn Ledger>,
     pub opens: Gate,
+    /// Whether writes of the provider's answer fail, as a database that went away would.
+    failing_records: AtomicBool,
     /// The update to hold (after how many more pass), and its gate.
     held_update: Mutex<Option<(usize, Arc<Gate>)>>,
 }
@@ -204,8 +206,14 @@ impl GatedLedger {
         Arc::new(Self {
             inner,
             opens: Gate::default(),
+            failing_records: AtomicBool::new(false),
             held_update: Mutex::default(),
         })
+    }
+
+    /// Makes every write of a provider's answer fail until switched off.
+    pub fn fail_records(&self, failing: bool) {
+        self.failing_records.store(failing, Ordering::SeqCst);
     }
 
     /// Lets the next `pass` updates through, then holds the one after at `gate`.
@@ -226,8 +234,8 @@ impl Ledger for GatedLedger {
         self.inner.open(account, provider_key, request).await
     }
 
-    async fn abandon(&self, charge: &Charge) {
-        self.inner.abandon(charge).await;
+    async fn abandon(&self, charge: &Charge) -> bool {
+        self.inner.abandon(charge).await
     }
 
     async fn record(
@@ -236,6 +244,9 @@ impl Ledger for GatedLedger {
         charge: Charge,
         event: EventOf<'_>,
     ) -> ApiResult<Charge> {
+        if self.failing_records.load(Ordering::SeqCst) {
+            return Err(example_payments::error::ApiError::storage_unavailable());
+        }
         self.inner.record(request, charge, event).await
     }
 
@@ -288,18 +299,6 @@ impl Ledger for GatedLedger {
         unchanged_for: Duration,
     ) -> ApiResult<bool> {
         self.inner.swap(found, settled, event, unchanged_for).await
-    }
-
-    async fn remove(&self, found: &Charge, after: Duration) -> ApiResult<bool> {
-        self.inner.remove(found, after).await
-    }
-
-    async fn has_operation(&self, account: &Account, provider_key: &str) -> ApiResult<bool> {
-        self.inner.has_operation(account, provider_key).await
-    }
-
-    async fn adopt(&self, charge: Charge, event: Option<PaymentEvent>) -> ApiResult<bool> {
-        self.inner.adopt(charge, event).await
     }
 }
 
