@@ -492,11 +492,12 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
     let mut ids = Vec::new();
     for (body, status, key, amount, made, ..) in &cases {
         let id = h.charge(ALICE, body.clone()).await["id"].clone();
-        let payment: String = sqlx::query_scalar("SELECT payment FROM charges WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_one(&pool)
-            .await
-            .expect("the charge");
+        let payment: String =
+            sqlx::query_scalar("SELECT charge::jsonb ->> 'payment' FROM charges WHERE id = $1")
+                .bind(id.as_str())
+                .fetch_one(&pool)
+                .await
+                .expect("the charge");
         let done = match (*made, *status) {
             (false, _) => Ok(()),
             (_, "capturing") => provider.capture(key, &payment).await,
@@ -510,7 +511,9 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
             0
         };
         sqlx::query(
-            "UPDATE charges SET status = $2, call_key = $3, call_amount = $4, call_started = $5
+            "UPDATE charges SET status = $2, charge = (charge::jsonb || jsonb_build_object(
+                 'status', $2::text, 'call_key', $3::text, 'call_amount', $4::int8,
+                 'call_started', $5::int8))::text
              WHERE id = $1",
         )
         .bind(id.as_str())

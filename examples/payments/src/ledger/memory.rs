@@ -9,13 +9,13 @@ use async_trait::async_trait;
 use axum::http::Extensions;
 use tokio::time::Instant;
 
-use super::{Change, Charge, EventOf, Ledger, NewCharge, Opened, millis, reopen};
+use super::{Change, Charge, EventOf, Ledger, millis};
 use crate::auth::Account;
 use crate::consumer::MemoryOutbox;
 use crate::error::ApiError;
 use crate::events::PaymentEvent;
 use crate::now_ms;
-use crate::state_machine::{Event, Status};
+use crate::state_machine::Status;
 
 /// The charges in memory; events go to `outbox` with the charge they report.
 #[derive(Debug)]
@@ -87,39 +87,32 @@ impl Charges {
             .then(|| self.by_id.get(id))
             .flatten()
     }
-
-    /// Stores `charge` as its operation's, for `window`, with the next `seq`.
-    fn insert(&mut self, charge: &mut Charge, window: Duration) {
-        let operation = (charge.account.id().to_owned(), charge.provider_key.clone());
-        self.operations
-            .insert(operation, (Instant::now() + window, charge.id.clone()));
-        self.next_seq += 1;
-        charge.seq = self.next_seq;
-        self.by_id.insert(charge.id.clone(), charge.clone());
-    }
 }
 
 #[async_trait]
 impl Ledger for MemoryLedger {
-    async fn open(
+    async fn find(
         &self,
         account: &Account,
         provider_key: &str,
-        request: &NewCharge,
-    ) -> Result<Opened, ApiError> {
-        let mut charge = Charge::new(account.clone(), request, provider_key);
-        charge.apply(Event::Authorize)?;
-        let earlier = {
-            let mut charges = self.lock();
-            match charges.operation(account.id(), provider_key) {
-                Some(earlier) => earlier.clone(),
-                None => {
-                    charges.insert(&mut charge, self.window);
-                    return Ok(Opened::Authorizing(charge));
-                }
-            }
-        };
-        reopen(self, request, earlier).await
+    ) -> Result<Option<Charge>, ApiError> {
+        Ok(self.lock().operation(account.id(), provider_key).cloned())
+    }
+
+    async fn insert(&self, mut charge: Charge) -> Result<Option<Charge>, ApiError> {
+        let mut charges = self.lock();
+        if charges
+            .operation(charge.account.id(), &charge.provider_key)
+            .is_some()
+        {
+            return Ok(None);
+        }
+        let operation = (charge.account.id().to_owned(), charge.provider_key.clone());
+        (charges.operations).insert(operation, (Instant::now() + self.window, charge.id.clone()));
+        charges.next_seq += 1;
+        charge.seq = charges.next_seq;
+        charges.by_id.insert(charge.id.clone(), charge.clone());
+        Ok(Some(charge))
     }
 
     async fn abandon(&self, charge: &Charge) -> bool {
@@ -131,30 +124,6 @@ impl Ledger for MemoryLedger {
             charges.by_id.remove(&charge.id);
         }
         abandoned
-    }
-
-    async fn record(
-        &self,
-        _request: &Extensions,
-        charge: Charge,
-        event: EventOf<'_>,
-    ) -> Result<Charge, ApiError> {
-        let recorded = {
-            let mut charges = self.lock();
-            // Under the one lock: the reconciler cannot remove it between the look and the write.
-            // Gone only if the provider refused its create: no answer to record.
-            let stored = (charges.by_id.get_mut(&charge.id))
-                .ok_or_else(|| ApiError::no_such_charge(&charge.id))?;
-            if stored.status == Status::Authorizing {
-                stored.status = charge.status;
-                stored.payment.clone_from(&charge.payment);
-                stored.updated = now_ms();
-            }
-            let recorded = stored.clone();
-            self.publish(event(&recorded));
-            recorded
-        };
-        Ok(recorded)
     }
 
     async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
@@ -174,15 +143,6 @@ impl Ledger for MemoryLedger {
             .collect();
         list.sort_by_key(|charge| std::cmp::Reverse(charge.seq));
         Ok(list)
-    }
-
-    async fn update(
-        &self,
-        account: &Account,
-        id: &str,
-        change: Change<'_>,
-    ) -> Result<Charge, ApiError> {
-        self.change(account, id, change, &|_| None)
     }
 
     async fn settle(

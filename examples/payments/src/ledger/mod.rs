@@ -5,7 +5,7 @@
 //! [`Ledger::update`]), so that an unknown outcome leaves the charge where its retry or the
 //! reconciler finds it; the answer and its event are written after it ([`Ledger::record`],
 //! [`Ledger::settle`]). One charge per operation (the account and the provider key of its create
-//! call) is each store's own constraint, held for the provider's window.
+//! call) is each store's own constraint ([`Ledger::insert`]), held for the provider's window.
 
 mod memory;
 mod postgres;
@@ -37,30 +37,20 @@ pub type EventOf<'a> = &'a (dyn Fn(&Charge) -> Option<PaymentEvent> + Sync);
 /// Every account's charges.
 #[async_trait]
 pub trait Ledger: fmt::Debug + Send + Sync {
-    /// A charge for `request` under the provider's key `provider_key`, stored `authorizing`
-    /// before the provider is called. An earlier attempt's charge is resumed, or answered once
-    /// settled; one made for another request is refused (`idempotency_key_reused`).
-    async fn open(
-        &self,
-        account: &Account,
-        provider_key: &str,
-        request: &NewCharge,
-    ) -> Result<Opened, ApiError>;
+    /// The charge that holds the account's operation under `provider_key`, within the
+    /// provider's window.
+    async fn find(&self, account: &Account, provider_key: &str)
+    -> Result<Option<Charge>, ApiError>;
+
+    /// Stores the new `charge` as its operation's, with its `seq`; `None` when the operation has
+    /// a charge within the window (nothing stored): the one constraint that keeps one charge per
+    /// operation, whatever ran twice in front of it.
+    async fn insert(&self, charge: Charge) -> Result<Option<Charge>, ApiError>;
 
     /// The provider refused the `authorizing` charge's create call: the charge was never made,
     /// and goes, unless the reconciler took it over meanwhile (`false`: its outcome is the
     /// reconciler's to learn). Never for a call whose outcome is unknown.
     async fn abandon(&self, charge: &Charge) -> bool;
-
-    /// Writes the provider's answer for an `authorizing` charge (its status and payment), with
-    /// its event, in the request's work (`request`: its extensions). A charge settled meanwhile
-    /// is kept and returned.
-    async fn record(
-        &self,
-        request: &Extensions,
-        charge: Charge,
-        event: EventOf<'_>,
-    ) -> Result<Charge, ApiError>;
 
     /// The account's charge `id`; another account's is not found either.
     async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError>;
@@ -68,16 +58,9 @@ pub trait Ledger: fmt::Debug + Send + Sync {
     /// The account's charges, newest first.
     async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError>;
 
-    /// Changes the account's charge `id`, all or nothing, committed at once.
-    async fn update(
-        &self,
-        account: &Account,
-        id: &str,
-        change: Change<'_>,
-    ) -> Result<Charge, ApiError>;
-
-    /// Changes the account's charge `id` with the provider's answer, and its event, in the
-    /// request's work, as [`Ledger::record`].
+    /// Changes the account's charge `id`, with its event, all or nothing, in the request's work
+    /// (`request`: its extensions; in PostgreSQL, the transaction that commits with its
+    /// idempotency record), or at once for a request without one.
     async fn settle(
         &self,
         request: &Extensions,
@@ -100,6 +83,81 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         event: Option<PaymentEvent>,
         unchanged_for: Duration,
     ) -> Result<bool, ApiError>;
+
+    /// Changes the account's charge `id`, all or nothing, committed at once.
+    async fn update(
+        &self,
+        account: &Account,
+        id: &str,
+        change: Change<'_>,
+    ) -> Result<Charge, ApiError> {
+        (self.settle(&Extensions::new(), account, id, change, &|_| None)).await
+    }
+
+    /// A charge for `request` under the provider's key `provider_key`, stored `authorizing`
+    /// before the provider is called. An earlier attempt's charge is resumed (touched, so that
+    /// the reconciler leaves it alone while this attempt runs), or answered once settled; one
+    /// made for another request is refused (`idempotency_key_reused`), and one the reconciler
+    /// took over is its to settle (`504`).
+    async fn open(
+        &self,
+        account: &Account,
+        provider_key: &str,
+        request: &NewCharge,
+    ) -> Result<Opened, ApiError> {
+        // A few times at most: the charge found may go (abandoned) before it is touched, and
+        // another run may store the operation's charge between the look and the insert.
+        for _ in 0..3 {
+            let Some(earlier) = self.find(account, provider_key).await? else {
+                let mut charge = Charge::new(account.clone(), request, provider_key);
+                charge.apply(Event::Authorize)?;
+                match self.insert(charge).await? {
+                    Some(charge) => return Ok(Opened::Authorizing(charge)),
+                    None => continue,
+                }
+            };
+            if !earlier.is_for(request) {
+                return Err(ApiError::idempotency_key_reused());
+            }
+            if earlier.status != Status::Authorizing {
+                return Ok(Opened::Settled(earlier));
+            }
+            if earlier.reconciling {
+                // The reconciler sends its create again: the outcome is its to learn.
+                return Err(ProviderError::Unknown.into());
+            }
+            let Ok(resumed) = self.update(account, &earlier.id, &mut |_| Ok(())).await else {
+                continue;
+            };
+            return Ok(match resumed.status {
+                Status::Authorizing => Opened::Authorizing(resumed),
+                _ => Opened::Settled(resumed),
+            });
+        }
+        tracing::warn!("the charge's operation changed hands too often; giving up for now");
+        Err(ApiError::storage_unavailable())
+    }
+
+    /// Writes the provider's answer for an `authorizing` charge (its status and payment), with
+    /// its event, in the request's work, as [`Ledger::settle`]. A charge settled meanwhile (by
+    /// the reconciler, from the same answer) is kept and returned.
+    async fn record(
+        &self,
+        request: &Extensions,
+        charge: Charge,
+        event: EventOf<'_>,
+    ) -> Result<Charge, ApiError> {
+        let answer = &mut |c: &mut Charge| {
+            if c.status == Status::Authorizing {
+                c.status = charge.status;
+                c.payment.clone_from(&charge.payment);
+                c.reconciling = false;
+            }
+            Ok(())
+        };
+        let recorded = self.settle(request, &charge.account, &charge.id, answer, event);
+        recorded.await
+    }
 }
 
 /// What `POST /v1/charges` asks for, once validated.
@@ -317,34 +375,6 @@ pub fn new_id(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}_{:016x}", RandomState::new().hash_one(n))
-}
-
-/// What an open finds when the operation already has `earlier`: a refusal when it was made for
-/// another request, the answer once settled, else the charge resumed (touched, so that the
-/// reconciler leaves it alone while this attempt runs).
-async fn reopen(
-    ledger: &dyn Ledger,
-    request: &NewCharge,
-    earlier: Charge,
-) -> Result<Opened, ApiError> {
-    if !earlier.is_for(request) {
-        return Err(ApiError::idempotency_key_reused());
-    }
-    if earlier.status != Status::Authorizing {
-        return Ok(Opened::Settled(earlier));
-    }
-    if earlier.reconciling {
-        // The reconciler sends its create again: the outcome is its to learn.
-        return Err(ProviderError::Unknown.into());
-    }
-    let resumed = ledger
-        .update(&earlier.account, &earlier.id, &mut |_| Ok(()))
-        .await?;
-    if resumed.status != Status::Authorizing {
-        return Ok(Opened::Settled(resumed));
-    }
-    tracing::info!(charge = %resumed.id, "resuming a charge an earlier attempt left authorizing");
-    Ok(Opened::Authorizing(resumed))
 }
 
 /// A duration in milliseconds, saturated.

@@ -32,7 +32,7 @@ use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_idempotency_client::IdempotentRetryLayer;
 
-use super::api::{Answer, KEY_HEADER, ListQuery, NewPayment, NewRefund, Refusal, SearchQuery};
+use super::api::{Answer, KEY_HEADER, NewPayment, NewRefund, Refusal, SearchQuery};
 use super::{Payment, PaymentRecord, ProviderError, Source};
 
 /// The most times one call is sent: 3, so a provider down for a moment gets two more tries
@@ -187,24 +187,6 @@ impl ProviderClient {
             value: value.to_owned(),
         })?;
         let path = format!("/v1/payments/search?{query}");
-        Ok(self
-            .call(Method::GET, &path, None, Bytes::new())
-            .await?
-            .data)
-    }
-
-    /// `GET /v1/payments`: up to `limit` payments made since `since` (ms since the epoch),
-    /// oldest first: the provider's payments report.
-    pub async fn payments_since(
-        &self,
-        since: u64,
-        limit: usize,
-    ) -> Result<Vec<PaymentRecord>, ProviderError> {
-        let query = query_string(&ListQuery {
-            created_gte: since,
-            limit,
-        })?;
-        let path = format!("/v1/payments?{query}");
         Ok(self
             .call(Method::GET, &path, None, Bytes::new())
             .await?

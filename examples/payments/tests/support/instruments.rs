@@ -224,6 +224,14 @@ impl GatedLedger {
 
 #[async_trait]
 impl Ledger for GatedLedger {
+    async fn find(&self, account: &Account, provider_key: &str) -> ApiResult<Option<Charge>> {
+        self.inner.find(account, provider_key).await
+    }
+
+    async fn insert(&self, charge: Charge) -> ApiResult<Option<Charge>> {
+        self.inner.insert(charge).await
+    }
+
     async fn open(
         &self,
         account: &Account,
