@@ -189,6 +189,11 @@ pub async fn create(
             charge.apply(Event::Capture)?;
             charge.apply(Event::Captured)?;
         }
+        Outcome::Canceled => {
+            charge.apply(Event::Approved)?;
+            charge.apply(Event::Cancel)?;
+            charge.apply(Event::Canceled)?;
+        }
     }
     // A repeated run gets the same reply from the provider and finds the same charge: the same
     // event, id and content.

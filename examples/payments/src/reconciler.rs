@@ -223,6 +223,7 @@ impl Reconciler {
                     Outcome::Declined => &[Event::Declined],
                     Outcome::Authorized => &[Event::Approved],
                     Outcome::Captured => &[Event::Approved, Event::Capture, Event::Captured],
+                    Outcome::Canceled => &[Event::Approved, Event::Cancel, Event::Canceled],
                 }
             }
             Answer::Done(moves) => {

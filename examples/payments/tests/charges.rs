@@ -560,9 +560,9 @@ async fn metrics_are_served_in_prometheus_text() {
 // ---------------------------------------------------------------------------------------------
 // The provider on its own.
 
-/// A payment of `amount` from the card that pays, captured, under `key`.
+/// A payment of `amount` from the card that pays, authorized only, under `key`.
 async fn pay(provider: &Provider, key: &str, amount: i64) -> Result<Payment, ProviderError> {
-    let call = (Source::Visa, amount, true);
+    let call = (Source::Visa, amount, false);
     provider.create_payment(key, call, BTreeMap::new()).await
 }
 
@@ -627,11 +627,13 @@ async fn the_providers_key_is_bound_to_its_request_for_its_window() {
 
 /// The provider refunds at most what is left of a payment, whatever key a refund comes under
 /// (refused, nothing done); a refund it made is answered again under its key even once nothing is
-/// left; a refund of a payment it never made is refused.
+/// left; a refund of a payment it never made, or has not captured, is refused.
 #[tokio::test]
 async fn the_provider_refunds_at_most_what_is_left() {
     let provider = Provider::new(Duration::ZERO, WINDOW);
     let paid = pay(&provider, "pay", 1000).await.expect("a payment");
+    let held = provider.refund("r0", &paid.id, 1).await.map(drop);
+    provider.capture("c", &paid.id).await.expect("a capture");
     let mut answers = Vec::new();
     for (key, amount) in [("r1", 700), ("r2", 700), ("r3", 300), ("r4", 1)] {
         answers.push(provider.refund(key, &paid.id, amount).await.map(drop));
@@ -639,6 +641,7 @@ async fn the_provider_refunds_at_most_what_is_left() {
     let too_large = |amount, refundable| Err(ProviderError::AmountTooLarge { amount, refundable });
     let expected = [Ok(()), too_large(700, 300), Ok(()), too_large(1, 0)];
     assert_eq!(answers, expected);
+    assert_eq!(held, too_large(1, 0), "nothing taken before the capture");
     let resent = provider.refund("r1", &paid.id, 700).await;
     assert!(resent.is_ok(), "a resend gets its first answer");
     let none = provider.refund("r5", "py_none", 1).await;
@@ -648,7 +651,7 @@ async fn the_provider_refunds_at_most_what_is_left() {
 
 /// The provider finds payments by the value of a metadata field, and lists them by creation time,
 /// from a time on and up to a limit, oldest first: how the reconciler finds a create whose outcome
-/// it does not know, and a payment no charge names.
+/// it does not know, and a payment no charge names. A released payment is listed as canceled.
 #[tokio::test]
 async fn the_provider_finds_payments_by_metadata_and_lists_them_by_creation() {
     let provider = Provider::new(Duration::ZERO, WINDOW);
@@ -669,8 +672,10 @@ async fn the_provider_finds_payments_by_metadata_and_lists_them_by_creation() {
     assert!(provider.search("operation", "op-c").await.is_empty());
     assert!(provider.search("account", "op-a").await.is_empty());
 
+    provider.cancel("c", &made[1]).await.expect("released");
     let all = provider.payments_since(0, 100).await;
     let second = all[1].created;
+    assert_eq!(all[1].outcome, Outcome::Canceled);
     assert_eq!(ids(all), made);
     assert_eq!(ids(provider.payments_since(0, 2).await), made[..2]);
     assert_eq!(ids(provider.payments_since(second, 100).await), made[1..]);

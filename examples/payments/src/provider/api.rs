@@ -1,6 +1,6 @@
-//! The provider's HTTP API, what its client (`client.rs`) calls as a service calls a real
-//! provider's: served by the provider's own program (`src/bin/provider.rs`), or in process (a
-//! `Router` is a tower `Service`, so no socket stands between the example and its provider).
+//! The provider's HTTP API, which its client (`client.rs`) calls as a service calls a real
+//! provider's: served by its own program (`src/bin/provider.rs`), or in process (a `Router` is a
+//! tower `Service`: no socket between the example and its provider).
 //!
 //! | request | answer |
 //! |---|---|
@@ -10,21 +10,22 @@
 //! | `GET /v1/payments?created_gte=&limit=` | `{"data": [payment, ...]}`, oldest first |
 //! | `GET /v1/payments/search?field=&value=` | `{"data": [payment, ...]}` whose metadata has `value` under `field` |
 //!
-//! Every `POST` carries an `Idempotency-Key`, bound to its request for the provider's window. A
-//! refusal is `{"error": ...}`, a [`ProviderError`]: `503` `unavailable` (nothing happened), `422`
-//! `key_reused`, `400` `amount_too_large`, `404` `no_such_payment`. `500` `unknown` is no
-//! refusal: the provider failed midway, and the call may have taken effect.
+//! Every `POST` carries an `Idempotency-Key` (`400` without one), bound to its request for the
+//! provider's window. A refusal, `{"error": ...}`, a [`ProviderError`], means nothing happened:
+//! `503` `unavailable`, `422` `key_reused`, `400` `amount_too_large`, `404` `no_such_payment`.
+//! `500` `unknown` is no refusal: the provider failed midway, and the call may have taken effect.
 
 use std::collections::BTreeMap;
 
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
-use super::{Outcome, PaymentRecord, Provider, ProviderError, Source};
+use super::{Payment, PaymentRecord, Provider, ProviderError, Source};
 
 /// The header the provider deduplicates on.
 pub const KEY_HEADER: &str = "idempotency-key";
@@ -62,14 +63,15 @@ pub struct SearchQuery {
     pub value: String,
 }
 
-/// What the API answers: an id, a payment's outcome, a page of payments.
-#[derive(Debug, Default, Serialize, Deserialize)]
-pub struct Answer {
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+/// The answer to a capture, a cancellation (the payment's id) or a refund (the refund's).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Id {
     pub id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<Outcome>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+}
+
+/// The answer to a listing or a search.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Page {
     pub data: Vec<PaymentRecord>,
 }
 
@@ -103,103 +105,59 @@ pub fn router(provider: Provider) -> Router {
         .with_state(provider)
 }
 
-type Answered = Result<Json<Answer>, Refused>;
+/// A `POST`'s provider and idempotency key: `400` without a key.
+struct Keyed(Provider, String);
 
-/// A refusal: the provider's, or `400` for a request without a key.
-struct Refused(Option<ProviderError>);
+impl FromRequestParts<Provider> for Keyed {
+    type Rejection = StatusCode;
 
-impl From<ProviderError> for Refused {
-    fn from(err: ProviderError) -> Self {
-        Refused(Some(err))
+    async fn from_request_parts(
+        parts: &mut Parts,
+        provider: &Provider,
+    ) -> Result<Self, StatusCode> {
+        let key = parts.headers.get(KEY_HEADER).and_then(|v| v.to_str().ok());
+        let key = key
+            .filter(|key| !key.is_empty())
+            .ok_or(StatusCode::BAD_REQUEST)?;
+        Ok(Keyed(provider.clone(), key.to_owned()))
     }
 }
 
-impl IntoResponse for Refused {
-    fn into_response(self) -> Response {
-        match self.0 {
-            Some(err) => err.into_response(),
-            None => StatusCode::BAD_REQUEST.into_response(),
-        }
-    }
-}
-
-/// The request's idempotency key.
-fn key(headers: &HeaderMap) -> Result<&str, Refused> {
-    let key = headers
-        .get(KEY_HEADER)
-        .and_then(|value| value.to_str().ok());
-    key.filter(|key| !key.is_empty()).ok_or(Refused(None))
-}
-
-fn id(id: String) -> Json<Answer> {
-    Json(Answer {
-        id,
-        ..Answer::default()
-    })
-}
+type Answered<T> = Result<Json<T>, ProviderError>;
 
 async fn create_payment(
-    State(provider): State<Provider>,
-    headers: HeaderMap,
+    Keyed(provider, key): Keyed,
     Json(new): Json<NewPayment>,
-) -> Answered {
+) -> Answered<Payment> {
     let call = (new.source, new.amount, new.capture);
-    let payment = provider.create_payment(key(&headers)?, call, new.metadata);
-    let payment = payment.await?;
-    Ok(Json(Answer {
-        id: payment.id,
-        outcome: Some(payment.outcome),
-        data: Vec::new(),
-    }))
+    let payment = provider.create_payment(&key, call, new.metadata).await?;
+    Ok(Json(payment))
 }
 
-async fn capture(
-    State(provider): State<Provider>,
-    headers: HeaderMap,
-    Path(pay): Path<String>,
-) -> Answered {
-    provider.capture(key(&headers)?, &pay).await?;
-    Ok(id(pay))
+async fn capture(Keyed(provider, key): Keyed, Path(id): Path<String>) -> Answered<Id> {
+    provider.capture(&key, &id).await?;
+    Ok(Json(Id { id }))
 }
 
-async fn cancel(
-    State(provider): State<Provider>,
-    headers: HeaderMap,
-    Path(pay): Path<String>,
-) -> Answered {
-    provider.cancel(key(&headers)?, &pay).await?;
-    Ok(id(pay))
+async fn cancel(Keyed(provider, key): Keyed, Path(id): Path<String>) -> Answered<Id> {
+    provider.cancel(&key, &id).await?;
+    Ok(Json(Id { id }))
 }
 
-async fn refund(
-    State(provider): State<Provider>,
-    headers: HeaderMap,
-    Json(new): Json<NewRefund>,
-) -> Answered {
-    let refund = provider.refund(key(&headers)?, &new.payment, new.amount);
-    Ok(id(refund.await?))
+async fn refund(Keyed(provider, key): Keyed, Json(new): Json<NewRefund>) -> Answered<Id> {
+    let id = provider.refund(&key, &new.payment, new.amount).await?;
+    Ok(Json(Id { id }))
 }
 
-async fn list_payments(
-    State(provider): State<Provider>,
-    Query(query): Query<ListQuery>,
-) -> Json<Answer> {
-    let data = provider
-        .payments_since(query.created_gte, query.limit)
-        .await;
-    Json(Answer {
-        data,
-        ..Answer::default()
-    })
+async fn list_payments(State(provider): State<Provider>, Query(q): Query<ListQuery>) -> Json<Page> {
+    let data = provider.payments_since(q.created_gte, q.limit).await;
+    Json(Page { data })
 }
 
 async fn search_payments(
     State(provider): State<Provider>,
-    Query(query): Query<SearchQuery>,
-) -> Json<Answer> {
-    let data = provider.search(&query.field, &query.value).await;
-    Json(Answer {
-        data,
-        ..Answer::default()
-    })
+    Query(q): Query<SearchQuery>,
+) -> Json<Page> {
+    let data = provider.search(&q.field, &q.value).await;
+    Json(Page { data })
 }

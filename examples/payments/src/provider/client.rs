@@ -1,22 +1,18 @@
-//! The example's client of its provider: every call goes over the provider's HTTP API
-//! (`api.rs`), at `PROVIDER_URL` or served in process, through the crate's
-//! [`IdempotentRetryLayer`], with the key the handler derived as its `Idempotency-Key`: every
-//! attempt, and every later request that derives the same key, names one operation, and the
-//! provider answers a repeat with the first reply. A `503` (the provider down) or a connection
-//! refused is retried before the charge gives up; a refusal is not.
+//! The example's client of its provider: every call goes over the provider's HTTP API (`api.rs`),
+//! at `PROVIDER_URL` or served in process, through the crate's [`IdempotentRetryLayer`], with the
+//! key the handler derived as its `Idempotency-Key`, so every attempt, and every later request
+//! that derives the same key, names one operation and gets the first answer. A `503` (the provider
+//! down) or a refused connection is retried before the charge gives up; a refusal is not.
 //!
 //! A call whose outcome is not known is [`ProviderError::Unknown`], never
-//! [`ProviderError::Unavailable`]: no answer within the deadline, an unreadable one, the
-//! provider's `500`, a connection lost once the call was sent, and a final `503` after an attempt
-//! that went unanswered (the provider may still be making it). Only attempts that were each
-//! refused before the provider acted (a `503`, no connection) say nothing happened.
+//! [`ProviderError::Unavailable`], which tells the charge's client that nothing happened: no
+//! answer within the deadline, an unreadable one, a `500`, a connection lost once the call was
+//! sent, or a last `503` after an attempt that went unanswered (the provider may still be making
+//! it). Only when every attempt was refused before the provider acted did nothing happen.
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -28,11 +24,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceExt};
 use tower_idempotency_client::IdempotentRetryLayer;
 
-use super::api::{Answer, KEY_HEADER, NewPayment, NewRefund, Refusal, SearchQuery};
+use super::api::{Id, KEY_HEADER, NewPayment, NewRefund, Page, Refusal, SearchQuery};
 use super::{Payment, PaymentRecord, ProviderError, Source};
 
 /// The most times one call is sent: 3, so a provider down for a moment gets two more tries
@@ -54,32 +51,22 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from
 /// The largest answer read: the provider's are a few dozen bytes.
 const ANSWER_LIMIT: usize = 64 * 1024;
 
-/// How one attempt reaches the provider.
-type Transport = BoxCloneSyncService<Request<Full<Bytes>>, Response<Body>, BoxError>;
+/// One attempt, and how it reaches the provider.
+type Attempt = Request<Full<Bytes>>;
+type Transport = BoxCloneSyncService<Attempt, Response<Body>, BoxError>;
 
 /// A client of the provider's API; clones share it.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ProviderClient {
     retry: IdempotentRetryLayer,
     api: Transport,
-}
-
-impl std::fmt::Debug for ProviderClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderClient")
-            .field("retry", &self.retry)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ProviderClient {
     /// A client of the provider's API served in process: `api`
     /// ([`Provider::router`](super::Provider::router)).
     pub fn new(api: Router) -> Self {
-        let api = tower::service_fn(move |request: Request<Full<Bytes>>| {
-            let answer = api.clone().oneshot(request);
-            async move { Ok::<_, BoxError>(answer.await.unwrap_or_else(|never| match never {})) }
-        });
+        let api = ServiceExt::<Attempt>::map_err(api, |never| match never {});
         Self::over(BoxCloneSyncService::new(api))
     }
 
@@ -95,7 +82,7 @@ impl ProviderClient {
             ));
         }
         let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-        let api = tower::service_fn(move |mut request: Request<Full<Bytes>>| {
+        let api = tower::service_fn(move |mut request: Attempt| {
             let client = client.clone();
             let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
             let uri = format!("{}{path}", base.to_string().trim_end_matches('/'));
@@ -131,24 +118,15 @@ impl ProviderClient {
             capture,
             metadata,
         })?;
-        let answer = self
-            .call(Method::POST, "/v1/payments", Some(key), body)
-            .await?;
-        let outcome = answer
-            .outcome
-            .ok_or_else(|| unusable("reading the answer", &Missing))?;
-        Ok(Payment {
-            id: answer.id,
-            outcome,
-        })
+        self.call(Method::POST, "/v1/payments", Some(key), body)
+            .await
     }
 
     /// `POST /v1/payments/{id}/capture`.
     pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let path = format!("/v1/payments/{payment}/capture");
-        self.call(Method::POST, &path, Some(key), Bytes::new())
-            .await
-            .map(drop)
+        let answer = self.call::<Id>(Method::POST, &path, Some(key), Bytes::new());
+        answer.await.map(drop)
     }
 
     /// `POST /v1/refunds`: the refund's id.
@@ -162,18 +140,15 @@ impl ProviderClient {
             payment: payment.to_owned(),
             amount,
         })?;
-        let answer = self
-            .call(Method::POST, "/v1/refunds", Some(key), body)
-            .await?;
-        Ok(answer.id)
+        let answer = self.call::<Id>(Method::POST, "/v1/refunds", Some(key), body);
+        answer.await.map(|refund| refund.id)
     }
 
     /// `POST /v1/payments/{id}/cancel`.
     pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
         let path = format!("/v1/payments/{payment}/cancel");
-        self.call(Method::POST, &path, Some(key), Bytes::new())
-            .await
-            .map(drop)
+        let answer = self.call::<Id>(Method::POST, &path, Some(key), Bytes::new());
+        answer.await.map(drop)
     }
 
     /// `GET /v1/payments/search`: the payments whose metadata has `value` under `field`.
@@ -182,26 +157,26 @@ impl ProviderClient {
         field: &str,
         value: &str,
     ) -> Result<Vec<PaymentRecord>, ProviderError> {
-        let query = query_string(&SearchQuery {
+        let query = SearchQuery {
             field: field.to_owned(),
             value: value.to_owned(),
-        })?;
+        };
+        let query = serde_urlencoded::to_string(&query)
+            .map_err(|err| unusable("encoding the call", &err))?;
         let path = format!("/v1/payments/search?{query}");
-        Ok(self
-            .call(Method::GET, &path, None, Bytes::new())
-            .await?
-            .data)
+        let answer = self.call::<Page>(Method::GET, &path, None, Bytes::new());
+        answer.await.map(|page| page.data)
     }
 
     /// Sends one call through the retry layer, with a key if given, and a JSON `body` unless
     /// empty: the answer, or the provider's refusal.
-    async fn call(
+    async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
         key: Option<&str>,
         body: Bytes,
-    ) -> Result<Answer, ProviderError> {
+    ) -> Result<T, ProviderError> {
         let mut request = Request::builder().method(method).uri(path);
         if let Some(key) = key {
             request = request.header(KEY_HEADER, key);
@@ -212,10 +187,7 @@ impl ProviderClient {
         let request =
             (request.body(Full::new(body))).map_err(|err| unusable("building the call", &err))?;
         let unknown = Arc::new(AtomicBool::new(false));
-        let watched = Watched {
-            api: self.api.clone(),
-            unknown: unknown.clone(),
-        };
+        let watched = watched(self.api.clone(), unknown.clone());
         let response = match self.retry.layer(watched).oneshot(request).await {
             Ok(response) => response,
             // Every attempt was refused before the provider acted: nothing happened.
@@ -226,12 +198,8 @@ impl ProviderClient {
             Err(err) => return Err(unusable("calling the provider", &err)),
         };
         let status = response.status();
-        let answer = Limited::new(response.into_body(), ANSWER_LIMIT)
-            .collect()
-            .await;
-        let answer = answer
-            .map_err(|err| unusable("reading the answer", &*err))?
-            .to_bytes();
+        let answer = (Limited::new(response.into_body(), ANSWER_LIMIT).collect()).await;
+        let answer = (answer.map_err(|err| unusable("reading the answer", &*err))?).to_bytes();
         if status.is_success() {
             return serde_json::from_slice(&answer)
                 .map_err(|err| unusable("reading the answer", &err));
@@ -251,44 +219,30 @@ impl ProviderClient {
     }
 }
 
-/// The provider's API, noting whether any attempt of one call ended without a decided answer: cut
-/// off (its timeout, the deadline) before the answer came, answered `500`, or failed once its
-/// connection was made (the call may have been sent).
-#[derive(Clone)]
-struct Watched {
+/// The provider's API, setting `unknown` when an attempt of one call ends without a decided
+/// answer: cut off (its timeout, the deadline) before the answer came, answered `500`, or failed
+/// once its connection was made (the call may have been sent).
+fn watched(
     api: Transport,
     unknown: Arc<AtomicBool>,
-}
-
-impl Service<Request<Full<Bytes>>> for Watched {
-    type Response = Response<Body>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.api.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<Full<Bytes>>) -> Self::Future {
-        let attempt = self.api.call(request);
-        let mut pending = Pending(Some(self.unknown.clone()));
-        Box::pin(async move {
-            let answer = attempt.await;
-            let undecided = match &answer {
-                Ok(answer) => answer.status() == StatusCode::INTERNAL_SERVER_ERROR,
-                Err(err) => !refused_before_sending(&**err),
+) -> impl Service<Attempt, Response = Response<Body>, Error = BoxError, Future: Send> + Clone {
+    tower::service_fn(move |request: Attempt| {
+        let (api, mut pending) = (api.clone(), Pending(Some(unknown.clone())));
+        async move {
+            let answer = api.oneshot(request).await;
+            let decided = match &answer {
+                Ok(answer) => answer.status() != StatusCode::INTERNAL_SERVER_ERROR,
+                Err(err) => refused_before_sending(&**err),
             };
-            if undecided && let Some(unknown) = pending.0.take() {
-                unknown.store(true, Ordering::SeqCst);
+            if decided {
+                pending.0.take();
             }
-            // Answered: nothing to mark.
-            drop(pending.0.take());
             answer
-        })
-    }
+        }
+    })
 }
 
-/// Marks its call's outcome unknown when dropped before its answer came.
+/// Marks its call's outcome unknown when dropped still armed: before a decided answer came.
 struct Pending(Option<Arc<AtomicBool>>);
 
 impl Drop for Pending {
@@ -309,16 +263,6 @@ fn json(body: &impl Serialize) -> Result<Bytes, ProviderError> {
     let encoded = serde_json::to_vec(body).map_err(|err| unusable("encoding the call", &err))?;
     Ok(Bytes::from(encoded))
 }
-
-/// `query` as a URL's query string.
-fn query_string(query: &impl Serialize) -> Result<String, ProviderError> {
-    serde_urlencoded::to_string(query).map_err(|err| unusable("encoding the call", &err))
-}
-
-/// An answer without the part it must have.
-#[derive(Debug, thiserror::Error)]
-#[error("the answer lacks a field")]
-struct Missing;
 
 /// The call failed on this side, or ended without a usable answer: what happened is unknown (a
 /// retry with the same key finds out).

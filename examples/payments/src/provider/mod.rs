@@ -1,74 +1,54 @@
-//! The simulated payment provider, shaped like a real one: payments, idempotency keys each bound
-//! to its request for [`WINDOW`], a refund bound (`amount_too_large`), payments listed by
-//! creation time and found by their metadata. Its state is in memory: it is a program of its own
-//! (`src/bin/provider.rs`, `PROVIDER_URL`), which every instance of the example calls over HTTP
-//! (`api.rs`) through its client (`client.rs`); without one, the example serves it in process.
-//! Each call runs in a task of its own, as on a provider's server: a caller that stops waiting
-//! does not stop it. Test tokens: `tok_visa` is approved, `tok_chargeDeclined` declined,
-//! `tok_pspUnavailable` finds the provider down.
+//! The simulated payment provider, shaped like a real one: payments, idempotency keys bound to
+//! their request for [`WINDOW`], refunds bounded by what a captured payment took, payments listed
+//! by creation and found by metadata. In memory, it is a program of its own (`src/bin/provider.rs`,
+//! `PROVIDER_URL`) that every instance calls over HTTP (`api.rs`, `client.rs`), or else served in
+//! process. Each call runs in a task of its own: a caller that stops waiting does not stop it.
 
 pub mod api;
 mod client;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 pub use client::ProviderClient;
 
-use super::now_ms;
+use crate::{ledger::new_id, now_ms};
 
 /// How long the provider remembers a key: 24 hours, as Stripe does.
 pub const WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// A card token of the test mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// A card token of the test mode: `tok_visa` is approved, `tok_chargeDeclined` declined by the
+/// issuer, `tok_pspUnavailable` finds the provider down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Source {
-    /// Approved.
     #[serde(rename = "tok_visa")]
     Visa,
-    /// Declined by the issuer.
     #[serde(rename = "tok_chargeDeclined")]
     ChargeDeclined,
-    /// The provider is down for this call.
     #[serde(rename = "tok_pspUnavailable")]
     ProviderUnavailable,
 }
 
 impl Source {
-    const ALL: [Source; 3] = [
-        Source::Visa,
-        Source::ChargeDeclined,
-        Source::ProviderUnavailable,
-    ];
-
     /// The test token's source, or `None` for a token the provider does not know.
     pub fn parse(token: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|source| source.token() == token)
-    }
-
-    /// The test token.
-    pub fn token(self) -> &'static str {
-        match self {
-            Source::Visa => "tok_visa",
-            Source::ChargeDeclined => "tok_chargeDeclined",
-            Source::ProviderUnavailable => "tok_pspUnavailable",
-        }
+        Self::deserialize(serde_json::Value::from(token)).ok()
     }
 }
 
 /// A new payment, as the provider answers it; a repeated call with the same key gets the same.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Payment {
     pub id: String,
     pub outcome: Outcome,
 }
 
-/// What the provider did with a new payment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Where a payment is: a create answers one of the first three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// The money is held, not yet taken.
@@ -77,36 +57,23 @@ pub enum Outcome {
     Captured,
     /// The issuer declined the card: a decided outcome.
     Declined,
-}
-
-impl Outcome {
-    /// What a new payment from `source` comes to: the simulated issuer decides from the token.
-    pub fn of(source: Source, capture: bool) -> Self {
-        match (source, capture) {
-            (Source::ChargeDeclined, _) => Outcome::Declined,
-            (_, false) => Outcome::Authorized,
-            (_, true) => Outcome::Captured,
-        }
-    }
+    /// The hold was released: nothing taken.
+    Canceled,
 }
 
 /// A call that did not get the provider's answer. Every refusal means nothing happened;
 /// [`ProviderError::Unknown`] alone means the call may have taken effect.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum ProviderError {
-    /// The provider said it was down, or could not be reached, before doing anything: retry
-    /// with the same key.
+    /// Down, or unreachable, before doing anything: retry with the same key.
     #[error("the payment provider is unavailable")]
     Unavailable,
-    /// No usable answer (a timeout, a connection lost after the call was sent, a failure
-    /// midway): whether it took effect is not known; a call with the same key finds out.
+    /// No usable answer: the call may have taken effect, and the same key finds out.
     #[error("the payment provider's answer was lost: the outcome is unknown")]
     Unknown,
-    /// A refund of more than what is left of its payment (Stripe's `amount_too_large`).
+    /// A refund of more than its payment has left (nothing until captured): `amount_too_large`.
     #[error("a refund of {amount} is more than the {refundable} left of the payment")]
     AmountTooLarge { amount: i64, refundable: i64 },
     /// A refund of a payment the provider never made.
@@ -117,9 +84,8 @@ pub enum ProviderError {
     KeyReused,
 }
 
-/// A payment as the provider keeps it (for good, not for a key's window): what its report
-/// lists, its search finds, and what bounds its refunds.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// A payment as the provider keeps it, for good: what it lists, finds and bounds refunds by.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PaymentRecord {
     pub id: String,
     pub amount: i64,
@@ -134,59 +100,13 @@ pub struct PaymentRecord {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// One call, as its key is bound to it.
-#[derive(Debug, Clone, Copy)]
-pub enum Request<'a> {
-    CreatePayment {
-        source: Source,
-        amount: i64,
-        capture: bool,
-    },
-    Capture {
-        payment: &'a str,
-    },
-    Refund {
-        payment: &'a str,
-        amount: i64,
-    },
-    Cancel {
-        payment: &'a str,
-    },
-}
-
-impl Request<'_> {
-    /// The operation and all its parameters: what a key is bound to.
-    fn describe(self) -> String {
-        let mut text = String::new();
-        // Writing to a String cannot fail.
-        let _ = match self {
-            Request::CreatePayment {
-                source,
-                amount,
-                capture,
-            } => write!(
-                text,
-                "create_payment source={} amount={amount} capture={capture}",
-                source.token()
-            ),
-            Request::Capture { payment } => write!(text, "capture payment={payment}"),
-            Request::Refund { payment, amount } => {
-                write!(text, "refund payment={payment} amount={amount}")
-            }
-            Request::Cancel { payment } => write!(text, "cancel payment={payment}"),
-        };
-        text
-    }
-}
-
-/// What a call does besides answering, in the same step as its key's claim.
-enum Effect {
-    /// Nothing but the key (a capture, a cancellation).
-    None,
-    /// A new payment is recorded.
-    Payment(PaymentRecord),
-    /// `amount` of `payment` is refunded, unless that is more than is left of it.
-    Refund { payment: String, amount: i64 },
+/// One call: the operation and every parameter, what its key is bound to (a create's metadata is
+/// not). A capture and a cancellation each move an authorized payment to their outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Request {
+    Create(Source, i64, bool),
+    Settle(String, Outcome),
+    Refund(String, i64),
 }
 
 /// The simulated provider; clones share it.
@@ -198,29 +118,81 @@ pub struct Provider {
     window: Duration,
 }
 
-/// Keys and payments, under one lock: a key's check, its claim and its call's effect are one step.
+/// Keys and payments under one lock, so that a call's key check and its effect are one step.
 #[derive(Debug, Default)]
 struct Book {
     /// Each key's request and answer (the payment's or refund's id), until its deadline.
-    keys: HashMap<String, (Instant, String, String)>,
-    /// Each key with its deadline, first used first: the order in which they expire.
+    keys: HashMap<String, (Instant, Request, String)>,
+    /// Each key with its deadline, in the order they expire.
     order: VecDeque<(Instant, String)>,
     payments: HashMap<String, PaymentRecord>,
 }
 
 impl Book {
     fn forget_expired(&mut self, now: Instant) {
-        while let Some((deadline, _)) = self.order.front()
-            && *deadline <= now
-        {
-            let Some((deadline, key)) = self.order.pop_front() else {
-                break;
-            };
+        while (self.order.front()).is_some_and(|(deadline, _)| *deadline <= now) {
             // The key may have been used again since, with a later deadline: keep that one.
-            if self.keys.get(&key).is_some_and(|(at, ..)| *at == deadline) {
+            if let Some((deadline, key)) = self.order.pop_front()
+                && self.keys.get(&key).is_some_and(|(at, ..)| *at == deadline)
+            {
                 self.keys.remove(&key);
             }
         }
+    }
+
+    /// Makes `request`'s effect: the id it answers, or a refusal (nothing done).
+    fn make(
+        &mut self,
+        request: &Request,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<String, ProviderError> {
+        match *request {
+            Request::Create(Source::ProviderUnavailable, ..) => Err(ProviderError::Unavailable),
+            Request::Create(source, amount, capture) => {
+                let (id, outcome) = (new_id("py"), outcome(source, capture));
+                let record = PaymentRecord {
+                    id: id.clone(),
+                    amount,
+                    refunded: 0,
+                    source,
+                    capture,
+                    outcome,
+                    created: now_ms(),
+                    metadata,
+                };
+                self.payments.insert(id.clone(), record);
+                Ok(id)
+            }
+            Request::Settle(ref payment, to) => {
+                let record = self.payments.get_mut(payment);
+                if let Some(record) = record.filter(|r| r.outcome == Outcome::Authorized) {
+                    record.outcome = to;
+                }
+                Ok(payment.clone())
+            }
+            Request::Refund(ref payment, amount) => {
+                let payment =
+                    (self.payments.get_mut(payment)).ok_or(ProviderError::NoSuchPayment)?;
+                // Only a captured payment took money to give back.
+                let left = payment.amount - payment.refunded;
+                let captured = payment.outcome == Outcome::Captured;
+                let refundable = if captured { left } else { 0 };
+                if amount > refundable {
+                    return Err(ProviderError::AmountTooLarge { amount, refundable });
+                }
+                payment.refunded += amount;
+                Ok(new_id("re"))
+            }
+        }
+    }
+}
+
+/// What a new payment from `source` comes to: the simulated issuer decides from the token.
+fn outcome(source: Source, capture: bool) -> Outcome {
+    match (source, capture) {
+        (Source::ChargeDeclined, _) => Outcome::Declined,
+        (_, false) => Outcome::Authorized,
+        (_, true) => Outcome::Captured,
     }
 }
 
@@ -240,43 +212,24 @@ impl Provider {
         api::router(self.clone())
     }
 
-    /// Creates a payment of `amount` from `source`, authorized only or also captured; `metadata`
-    /// is kept with it, as given.
+    /// Creates a payment of `amount` from `source`, authorized only or also captured, with
+    /// `metadata` kept as given.
     pub async fn create_payment(
         &self,
         key: &str,
         (source, amount, capture): (Source, i64, bool),
         metadata: BTreeMap<String, String>,
     ) -> Result<Payment, ProviderError> {
-        let request = Request::CreatePayment {
-            source,
-            amount,
-            capture,
-        };
-        let outcome = Outcome::of(source, capture);
-        let record = PaymentRecord {
-            id: crate::ledger::new_id("py"),
-            amount,
-            refunded: 0,
-            source,
-            capture,
-            outcome,
-            created: 0,
-            metadata,
-        };
-        let unavailable = source == Source::ProviderUnavailable;
-        let (id, effect) = (record.id.clone(), Effect::Payment(record));
-        let id = self.call(key, request, unavailable, id, effect).await?;
+        let id = (self.call(key, Request::Create(source, amount, capture), metadata)).await?;
+        // What the create did, even when answered again after a capture or a cancellation.
+        let outcome = outcome(source, capture);
         Ok(Payment { id, outcome })
     }
 
     /// Captures an authorized payment.
     pub async fn capture(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
-        let request = Request::Capture { payment };
-        (self
-            .call(key, request, false, payment.to_owned(), Effect::None)
-            .await)
-            .map(drop)
+        let request = Request::Settle(payment.to_owned(), Outcome::Captured);
+        self.call(key, request, BTreeMap::new()).await.map(drop)
     }
 
     /// Refunds `amount` of a captured payment; answers the refund's id.
@@ -286,43 +239,33 @@ impl Provider {
         payment: &str,
         amount: i64,
     ) -> Result<String, ProviderError> {
-        let effect = Effect::Refund {
-            payment: payment.to_owned(),
-            amount,
-        };
-        let request = Request::Refund { payment, amount };
-        let id = crate::ledger::new_id("re");
-        self.call(key, request, false, id, effect).await
+        let request = Request::Refund(payment.to_owned(), amount);
+        self.call(key, request, BTreeMap::new()).await
     }
 
     /// Releases an authorized payment.
     pub async fn cancel(&self, key: &str, payment: &str) -> Result<(), ProviderError> {
-        let request = Request::Cancel { payment };
-        (self
-            .call(key, request, false, payment.to_owned(), Effect::None)
-            .await)
-            .map(drop)
+        let request = Request::Settle(payment.to_owned(), Outcome::Canceled);
+        self.call(key, request, BTreeMap::new()).await.map(drop)
     }
 
     /// Up to `limit` payments made since `since` (ms since the Unix epoch), oldest first.
     pub async fn payments_since(&self, since: u64, limit: usize) -> Vec<PaymentRecord> {
-        self.wait().await;
-        let mut listed: Vec<PaymentRecord> = (self.lock().payments.values())
-            .filter(|payment| payment.created >= since)
-            .cloned()
-            .collect();
-        listed.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        let mut listed = self.find(|payment| payment.created >= since).await;
         listed.truncate(limit);
         listed
     }
 
     /// The payments whose metadata has `value` under `field`, oldest first.
     pub async fn search(&self, field: &str, value: &str) -> Vec<PaymentRecord> {
+        self.find(|p| p.metadata.get(field).is_some_and(|v| v == value))
+            .await
+    }
+
+    async fn find(&self, keep: impl Fn(&PaymentRecord) -> bool) -> Vec<PaymentRecord> {
         self.wait().await;
-        let mut found: Vec<PaymentRecord> = (self.lock().payments.values())
-            .filter(|payment| payment.metadata.get(field).is_some_and(|v| v == value))
-            .cloned()
-            .collect();
+        let mut found: Vec<_> = self.lock().payments.values().cloned().collect();
+        found.retain(keep);
         found.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
         found
     }
@@ -338,18 +281,15 @@ impl Provider {
         }
     }
 
-    /// One call, in a task of its own: the id answered before for a key used for the same
-    /// request, a refusal for a key used for another one, or else `effect` made once, answered
-    /// `id`.
+    /// One call, in a task of its own: the first answer again for a key used for the same
+    /// request, a refusal for a key used for another, or else the effect made once.
     async fn call(
         &self,
         key: &str,
-        request: Request<'_>,
-        unavailable: bool,
-        id: String,
-        effect: Effect,
+        request: Request,
+        metadata: BTreeMap<String, String>,
     ) -> Result<String, ProviderError> {
-        let (this, key, request) = (self.clone(), key.to_owned(), request.describe());
+        let (this, key) = (self.clone(), key.to_owned());
         let call = async move {
             this.wait().await;
             let now = Instant::now();
@@ -357,35 +297,17 @@ impl Provider {
             book.forget_expired(now);
             if let Some((_, used_for, answered)) = book.keys.get(&key) {
                 if *used_for != request {
-                    tracing::info!(used_for = %used_for, %request, "provider: a key reused for another request");
+                    tracing::info!(?used_for, ?request, "provider: a key reused");
                     return Err(ProviderError::KeyReused);
                 }
                 return Ok(answered.clone());
             }
-            // A provider that is down does nothing new, but still answers a key it knows.
-            if unavailable {
-                return Err(ProviderError::Unavailable);
-            }
-            match effect {
-                Effect::None => {}
-                Effect::Payment(mut payment) => {
-                    payment.created = now_ms();
-                    book.payments.insert(payment.id.clone(), payment);
-                }
-                Effect::Refund { payment, amount } => {
-                    let payment =
-                        (book.payments.get_mut(&payment)).ok_or(ProviderError::NoSuchPayment)?;
-                    let refundable = payment.amount - payment.refunded;
-                    if amount > refundable {
-                        return Err(ProviderError::AmountTooLarge { amount, refundable });
-                    }
-                    payment.refunded += amount;
-                }
-            }
+            // A refusal binds no key: a provider that is down does nothing new, but still
+            // answers a key it knows.
+            let id = book.make(&request, metadata)?;
             let deadline = now + this.window;
-            book.keys
-                .insert(key.clone(), (deadline, request, id.clone()));
-            book.order.push_back((deadline, key));
+            book.order.push_back((deadline, key.clone()));
+            book.keys.insert(key, (deadline, request, id.clone()));
             Ok(id)
         };
         // A call that panicked ended without an answer: its outcome is unknown.
