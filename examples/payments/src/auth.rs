@@ -1,11 +1,8 @@
-//! Authentication: `Authorization: Bearer <api key>`, outside the idempotency layer.
-//!
-//! The middleware puts the caller's [`Account`] in the request's extensions; the idempotency
-//! layer's scope function reads it there, so two accounts never share an idempotency key.
-//!
-//! The API key is a credential: it stops here. Everything past this module (the handlers, the
-//! layer's scope, the charges, the events, every Redis key and record) sees only the account's
-//! opaque id, so a credential never lands in a store, a log line or a key name.
+//! Authentication: `Authorization: Bearer <api key>`, outside the idempotency layer. The middleware
+//! puts the caller's [`Account`] in the request, where the layer's scope reads it, so two accounts
+//! never share an idempotency key. The API key stops here: past this module (handlers, scope,
+//! charges, events, records, Redis keys) only the account's opaque id is seen, so a credential
+//! never lands in a store, a log line or a key name.
 
 use axum::extract::Request;
 use axum::http::HeaderMap;
@@ -24,9 +21,9 @@ use super::error::ApiError;
 pub struct Account(String);
 
 impl Account {
-    /// The account of `api_key`: `acct_` and 128 bits of a blake3 hash of the key, in a context
-    /// of its own. The same key always gives the same id, so balances outlive a restart and every
-    /// instance agrees; the id does not give the key back.
+    /// The account of `api_key`: `acct_` and 128 bits of its blake3 hash (a context of its own).
+    /// The same key always gives the same id, so balances outlive a restart and every instance
+    /// agrees; the id does not give the key back.
     pub fn for_api_key(api_key: &str) -> Self {
         let mut hasher = blake3::Hasher::new_derive_key("tower-idempotency example account id v1");
         hasher.update(api_key.as_bytes());

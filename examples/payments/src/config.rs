@@ -20,10 +20,12 @@
 
 use std::error::Error;
 use std::future::Future;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ScopeQuota};
@@ -37,76 +39,46 @@ use super::provider::{self, Provider, ProviderClient};
 use super::reconciler::Reconciler;
 use super::{AppState, app, http_server, pg, prometheus, single_process};
 
-/// The default of `SHUTDOWN_TIMEOUT_MS`.
-const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The default of `IDEMPOTENCY_QUOTA_BYTES`: 32 MiB at once, then about 400 bytes a second, tens
-/// of thousands of charges in a burst; one account writing records as fast as it can is answered
-/// `429` past it, and the others keep their room (PROTOCOL.md §3.4).
+/// `IDEMPOTENCY_QUOTA_BYTES`' default: a 32 MiB burst (tens of thousands of charges), then about
+/// 400 bytes a second; past it, `429` for that account alone (PROTOCOL.md §3.4).
 const QUOTA_BYTES: u64 = 64 << 20;
 
-/// The default of `RECONCILE_AFTER_MS`: four lease lengths of the idempotency layer (30 s each),
-/// far above any provider call.
-const RECONCILE_AFTER: Duration = Duration::from_secs(120);
-
-/// How often the ledger consumer looks at an empty outbox.
-const OUTBOX_POLL: Duration = Duration::from_millis(200);
-
-/// The development key that seals records when `IDEMPOTENCY_SEAL_KEYS` is unset: fixed, so that
-/// a second instance and a restarted one still open the records. Public: never for production.
+/// Seals the records when `IDEMPOTENCY_SEAL_KEYS` is unset: fixed, so a second instance and a
+/// restarted one still open them. Public: never for production.
 const DEV_SEAL_KEY: (&str, [u8; 32]) = ("dev-insecure", *b"tower-idempotency development!!!");
 
-/// Where the money lives, and where the records do.
+/// Where the money lives, and the records unless Redis holds them.
 struct Backend {
-    /// What the banner says: `memory`, `postgres`, and where the records are when elsewhere.
-    name: String,
+    name: &'static str,
     records: BoxStore,
     ledger: Arc<dyn Ledger>,
     balances: Arc<dyn Balances>,
     outbox: Arc<dyn Outbox>,
-    /// Whether the records are in a store other processes share.
-    shared_records: bool,
 }
 
 impl Backend {
-    /// The money in memory, the records in `records` (memory, unless a Redis variable says).
-    fn memory(records: Option<(BoxStore, &str)>) -> Self {
+    fn memory() -> Self {
         let balances: Arc<dyn Balances> = Arc::new(MemoryBalances::default());
         let outbox = Arc::new(MemoryOutbox::new(balances.clone()));
-        let (name, records, shared_records) = match records {
-            Some((store, name)) => (format!("memory, records in {name}"), store, true),
-            None => (
-                "memory".to_owned(),
-                BoxStore::new(MemoryStore::new()),
-                false,
-            ),
-        };
         Self {
-            name,
-            records,
+            name: "memory",
+            records: BoxStore::new(MemoryStore::new()),
             ledger: Arc::new(MemoryLedger::new(outbox.clone(), provider::WINDOW)),
             balances,
             outbox,
-            shared_records,
         }
     }
 
-    /// The money in the PostgreSQL at `url`, the records there too unless `records` says.
-    async fn postgres(url: &str, records: Option<(BoxStore, &str)>) -> Result<Self, String> {
+    async fn postgres(url: &str) -> Result<Self, String> {
         let store = pg::connect(url).await?;
         let pool = store.pool().clone();
         let balances = PgBalances::new(store.clone());
-        let (name, records) = match records {
-            Some((records, name)) => (format!("postgres, records in {name}"), records),
-            None => ("postgres".to_owned(), BoxStore::new(store)),
-        };
         Ok(Self {
-            name,
-            records,
+            name: "postgres",
+            records: BoxStore::new(store),
             ledger: Arc::new(PgLedger::new(pool.clone(), provider::WINDOW)),
             balances: Arc::new(balances.clone()),
             outbox: Arc::new(PgOutbox::new(pool, balances)),
-            shared_records: true,
         })
     }
 }
@@ -115,32 +87,38 @@ impl Backend {
 pub async fn run() -> Result<(), Box<dyn Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let latency = env_millis("PSP_LATENCY_MS")?.unwrap_or_default();
-    let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(SHUTDOWN_TIMEOUT);
-    let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(RECONCILE_AFTER);
+    let shutdown_timeout = env_millis("SHUTDOWN_TIMEOUT_MS")?.unwrap_or(Duration::from_secs(20));
+    // Four of the layer's 30 s leases, far above any provider call.
+    let reconcile_after = env_millis("RECONCILE_AFTER_MS")?.unwrap_or(Duration::from_secs(120));
     let metrics = prometheus::install()?;
-    let records = redis_records().await?;
-    let backend = match env_nonempty("DATABASE_URL") {
-        Some(url) => Backend::postgres(&url, records).await?,
-        None => Backend::memory(records),
+    let redis = redis_records().await?;
+    let database = env_nonempty("DATABASE_URL");
+    let memory_beside_redis = redis.is_some() && database.is_none();
+    let backend = match database {
+        Some(url) => Backend::postgres(&url).await?,
+        None => Backend::memory(),
+    };
+    let (records, name) = match redis {
+        Some((store, redis)) => (store, format!("{}, records in {redis}", backend.name)),
+        None => (backend.records, backend.name.to_owned()),
     };
     let provider = match env_nonempty("PROVIDER_URL") {
         Some(url) => ProviderClient::http(&url)?,
         None => ProviderClient::new(Provider::new(latency, provider::WINDOW).router()),
     };
     let stop = CancellationToken::new();
-    let hold = match (backend.shared_records, env_nonempty("DATABASE_URL")) {
-        (true, None) => Some(single_process::hold(backend.records.clone(), stop.clone()).await?),
-        _ => None,
+    let hold = if memory_beside_redis {
+        Some(single_process::hold(records.clone(), stop.clone()).await?)
+    } else {
+        None
     };
 
-    // Every stored response is sealed: readers of the store see no charge, writers cannot forge
-    // or move one.
-    let store = BoxStore::new(SealedStore::new(backend.records, seal_keys()?));
-    let mut idempotency = IdempotencyLayer::new(store);
-    // One account cannot fill the store for the others: each has its quota of record bytes.
-    let quota = env_bytes("IDEMPOTENCY_QUOTA_BYTES", QUOTA_BYTES)?;
-    idempotency = idempotency.scope_quota(ScopeQuota::new(quota));
-    // A duplicate of a charge still running waits for it and gets its replay, not a 409.
+    // Sealed: readers of the store see no charge, writers cannot forge or move one.
+    let store = BoxStore::new(SealedStore::new(records, seal_keys()?));
+    // Each account's quota of record bytes: one cannot fill the store for the others.
+    let quota = env_parse("IDEMPOTENCY_QUOTA_BYTES", "a number of bytes")?.unwrap_or(QUOTA_BYTES);
+    let mut idempotency = IdempotencyLayer::new(store).scope_quota(ScopeQuota::new(quota));
+    // A duplicate of a running charge waits for its replay instead of a 409.
     if let Some(bound) = env_millis("IDEMPOTENCY_WAIT_MS")? {
         idempotency = idempotency.wait_for_in_flight(bound);
     }
@@ -148,23 +126,16 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
     let listener = TcpListener::bind(&addr)
         .await
         .map_err(|err| format!("cannot listen on {addr}: {err}"))?;
-    let signal = shutdown_signal()?;
-    tokio::spawn({
-        let stop = stop.clone();
-        async move {
-            signal.await;
-            stop.cancel();
-        }
+    let (signal, on_signal) = (shutdown_signal()?, stop.clone());
+    tokio::spawn(async move {
+        signal.await;
+        on_signal.cancel();
     });
 
     let reconciler = Reconciler::new(backend.ledger.clone(), provider.clone(), reconcile_after);
-    let workers = tokio::spawn({
-        let consumer = consumer::run(backend.outbox, OUTBOX_POLL, stop.clone());
-        let reconciler = reconciler.run(stop.clone());
-        async move {
-            tokio::join!(consumer, reconciler);
-        }
-    });
+    let consumer = consumer::run(backend.outbox, Duration::from_millis(200), stop.clone());
+    let reconciler = reconciler.run(stop.clone());
+    let workers = tokio::spawn(async move { tokio::join!(consumer, reconciler) });
     let state = AppState {
         ledger: backend.ledger,
         balances: backend.balances,
@@ -172,25 +143,17 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         metrics: Some(metrics),
     };
 
-    println!(
-        "listening on http://{} (store: {})",
-        listener.local_addr()?,
-        backend.name
-    );
-    let shutdown_deadline = async {
+    let local = listener.local_addr()?;
+    println!("listening on http://{local} (store: {name})");
+    let deadline = async {
         stop.cancelled().await;
-        tokio::time::Instant::now() + shutdown_timeout
+        Instant::now() + shutdown_timeout
     };
     let app = app(state, idempotency);
-    let ((), shutdown_deadline) = tokio::join!(
-        http_server::serve(listener, app, stop.clone(), shutdown_timeout),
-        shutdown_deadline,
-    );
+    let serve = http_server::serve(listener, app, stop.clone(), shutdown_timeout);
+    let ((), deadline) = tokio::join!(serve, deadline);
     // Handlers whose client went away run on, detached; let them finish and store their result.
-    if tokio::time::timeout_at(shutdown_deadline, drained.wait())
-        .await
-        .is_err()
-    {
+    if timeout_at(deadline, drained.wait()).await.is_err() {
         tracing::warn!(
             ?shutdown_timeout,
             "gave up waiting for detached requests; their claims' leases will run out"
@@ -224,8 +187,8 @@ async fn redis_records() -> Result<Option<(BoxStore, &'static str)>, String> {
     Ok(Some((BoxStore::new(store), name)))
 }
 
-/// The keys that seal the idempotency records: `IDEMPOTENCY_SEAL_KEYS`, or the development key,
-/// with a warning. To rotate, put a new key first and drop the old one a dedup window later.
+/// The keys that seal the records: `IDEMPOTENCY_SEAL_KEYS`, or the development key, with a
+/// warning. To rotate, put a new key first and drop the old one a dedup window later.
 fn seal_keys() -> Result<SealKeys, Box<dyn Error>> {
     let Some(list) = env_nonempty("IDEMPOTENCY_SEAL_KEYS") else {
         let (id, key) = DEV_SEAL_KEY;
@@ -242,23 +205,17 @@ fn seal_keys() -> Result<SealKeys, Box<dyn Error>> {
     Ok(keys)
 }
 
-/// The environment variable `name`, a number of bytes, or `default` when it is unset.
-fn env_bytes(name: &str, default: u64) -> Result<u64, String> {
-    match std::env::var(name) {
-        Ok(bytes) => {
-            (bytes.parse()).map_err(|_| format!("{name} must be a number of bytes, not {bytes:?}"))
-        }
-        Err(_) => Ok(default),
-    }
+/// The environment variable `name`, parsed, or `None` when unset; an error says it must be `what`.
+fn env_parse<T: FromStr>(name: &str, what: &str) -> Result<Option<T>, String> {
+    let Ok(value) = std::env::var(name) else {
+        return Ok(None);
+    };
+    (value.parse().map(Some)).map_err(|_| format!("{name} must be {what}, not {value:?}"))
 }
 
 /// The environment variable `name`, a number of milliseconds, unless it is unset.
 pub fn env_millis(name: &str) -> Result<Option<Duration>, String> {
-    match std::env::var(name) {
-        Ok(ms) => (ms.parse().map(|ms| Some(Duration::from_millis(ms))))
-            .map_err(|_| format!("{name} must be a number of milliseconds, not {ms:?}")),
-        Err(_) => Ok(None),
-    }
+    Ok(env_parse(name, "a number of milliseconds")?.map(Duration::from_millis))
 }
 
 /// The environment variable `name`, unless it is unset or empty.
@@ -281,20 +238,15 @@ fn env_urls(name: &str) -> Option<Vec<String>> {
 /// listens, so that an early signal is not lost.
 pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
     #[cfg(unix)]
-    {
+    let (mut terminate, mut interrupt) = {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut terminate = signal(SignalKind::terminate())?;
-        let mut interrupt = signal(SignalKind::interrupt())?;
-        Ok(async move {
-            tokio::select! {
-                _ = terminate.recv() => {}
-                _ = interrupt.recv() => {}
-            }
-            tracing::info!("shutting down: finishing the requests in flight");
-        })
-    }
-    #[cfg(not(unix))]
-    Ok(async {
+        let terminate = signal(SignalKind::terminate())?;
+        (terminate, signal(SignalKind::interrupt())?)
+    };
+    Ok(async move {
+        #[cfg(unix)]
+        tokio::select! { _ = terminate.recv() => {} _ = interrupt.recv() => {} }
+        #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
         tracing::info!("shutting down: finishing the requests in flight");
     })
@@ -303,15 +255,12 @@ pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
 /// An error and its sources, on one line.
 pub fn report(err: &dyn Error) -> String {
     let mut line = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
+    for cause in std::iter::successors(err.source(), |&cause| cause.source()) {
+        let cause = cause.to_string();
         // Some errors repeat their source in their own message.
-        if !line.contains(&cause_text) {
-            line.push_str(": ");
-            line.push_str(&cause_text);
+        if !line.contains(&cause) {
+            line = format!("{line}: {cause}");
         }
-        source = cause.source();
     }
     line
 }

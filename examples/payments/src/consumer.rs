@@ -1,9 +1,8 @@
-//! The ledger consumer: every event applied to its account's balance once, from an outbox that
-//! hands each event out at least once. The outbox is written with the charge (one lock in
-//! memory, the charge's transaction in PostgreSQL: `outbox.rs`), and [`Balances`] records the
-//! event id with the balance change in one atomic step, so an event handed out again (a consumer
-//! that died between the change and taking the event off, an event published again by a retry or
-//! the reconciler) changes nothing.
+//! The ledger consumer: each event applied to its balance once, from an outbox written with the
+//! charge (under one lock in memory, in its transaction in PostgreSQL: `outbox.rs`) that hands it
+//! out at least once. [`Balances`] records the event id with the balance change in one atomic step,
+//! so an event handed out again (its consumer died before taking it off, a retry or the reconciler
+//! published it again) changes nothing.
 //!
 //! | the event | what happens | taken off the outbox? |
 //! |---|---|---|

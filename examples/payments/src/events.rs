@@ -1,11 +1,8 @@
-//! The events the API publishes (every charge that succeeds, every capture, every refund).
-//!
-//! An event's id is derived from the effect it reports as the provider knows it (the payment or
-//! refund id, and the type): whatever publishes it for one payment (a handler that ran again, the
-//! reconciler) publishes the same id, and the ledger consumer applies it once.
-//!
-//! They leave through the outbox, written with the charge they report (`consumer.rs`,
-//! `outbox.rs`).
+//! The events the API publishes: every charge that succeeds, every capture, every refund. An
+//! event's id comes from the effect it reports as the provider knows it (the payment or refund id,
+//! and the type), so whatever publishes it again (a handler run again, the reconciler) publishes
+//! the same id, and the ledger consumer applies it once. They leave through the outbox, written
+//! with the charge they report (`consumer.rs`, `outbox.rs`).
 
 use serde::{Deserialize, Serialize};
 
@@ -44,41 +41,35 @@ pub struct PaymentEvent {
 }
 
 impl PaymentEvent {
-    /// `charge.succeeded` for a charge the provider approved: captured, or authorized only. Its
-    /// id is the provider payment's.
+    /// `charge.succeeded` for a charge the provider approved, captured or authorized only.
     pub fn succeeded(charge: &Charge, captured: bool) -> Self {
-        Self::about(
-            charge,
-            EventType::Succeeded,
-            &charge.payment,
-            charge.amount,
-            captured,
-        )
+        Self::about(charge, EventType::Succeeded, &charge.payment, captured)
     }
 
-    /// `charge.captured` for an authorized charge that was captured. Its id is the provider
-    /// payment's.
+    /// `charge.captured` for an authorized charge that was captured.
     pub fn captured(charge: &Charge) -> Self {
-        Self::about(
-            charge,
-            EventType::Captured,
-            &charge.payment,
-            charge.amount,
-            true,
-        )
+        Self::about(charge, EventType::Captured, &charge.payment, true)
     }
 
     /// `charge.refunded` for the refund `refund_id` (the provider's id) of `amount`.
     pub fn refunded(charge: &Charge, refund_id: &str, amount: i64) -> Self {
-        Self::about(charge, EventType::Refunded, refund_id, amount, true)
+        let event = Self::about(charge, EventType::Refunded, refund_id, true);
+        Self { amount, ..event }
     }
 
-    fn about(charge: &Charge, kind: EventType, object: &str, amount: i64, captured: bool) -> Self {
+    /// The event about `object`, the provider's payment or refund, whose id it derives:
+    /// `evt_succeeded_py_...`, `evt_captured_py_...`, `evt_refunded_re_...`.
+    fn about(charge: &Charge, kind: EventType, object: &str, captured: bool) -> Self {
+        let what = match kind {
+            EventType::Succeeded => "succeeded",
+            EventType::Captured => "captured",
+            EventType::Refunded => "refunded",
+        };
         Self {
-            id: event_id(kind, object),
+            id: format!("evt_{what}_{object}"),
             kind,
             account: charge.account.id().to_owned(),
-            amount,
+            amount: charge.amount,
             currency: charge.currency.clone(),
             charge: charge.id.clone(),
             captured,
@@ -86,11 +77,10 @@ impl PaymentEvent {
     }
 
     /// What the event does to the account's available balance: `(currency, change)`, or `None`.
-    ///
-    /// Only captured money is available: `charge.succeeded` adds the amount when the charge was
-    /// captured at once and nothing when it was authorized only (its `charge.captured` adds it
-    /// later); `charge.refunded` subtracts the refund. (An amount is positive, and
-    /// [`Balances::apply`](super::balance::Balances::apply) refuses any other, so the negation is exact.)
+    /// Only captured money is available: a `charge.succeeded` authorized only adds nothing (its
+    /// `charge.captured` adds it later); `charge.refunded` subtracts the refund. (An amount is
+    /// positive, and [`Balances::apply`](super::balance::Balances::apply) refuses any other, so
+    /// the negation is exact.)
     pub fn balance_change(&self) -> Option<(&str, i64)> {
         match self.kind {
             EventType::Succeeded if !self.captured => None,
@@ -103,14 +93,4 @@ impl PaymentEvent {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
-}
-
-/// `evt_<what>_<object id>`: `evt_succeeded_py_...`, `evt_captured_py_...`, `evt_refunded_re_...`.
-fn event_id(kind: EventType, object: &str) -> String {
-    let what = match kind {
-        EventType::Succeeded => "succeeded",
-        EventType::Captured => "captured",
-        EventType::Refunded => "refunded",
-    };
-    format!("evt_{what}_{object}")
 }

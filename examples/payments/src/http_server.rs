@@ -1,18 +1,12 @@
-//! Serving the API over HTTP/1.1 so that no client can hold the server open.
-//!
-//! `axum::serve` sets no read timeout: a client that sends part of a request, then nothing, keeps
-//! its connection forever, and a graceful shutdown waits for it forever. Here:
-//!
-//! - the request head (request line and headers) must arrive within [`HEADER_READ_TIMEOUT`]
-//!   (hyper's `header_read_timeout`), else the connection is closed;
-//! - the whole request body must arrive within [`BODY_READ_TIMEOUT`] of its head (tower-http's
-//!   `RequestBodyDeadlineLayer`: one deadline, which a body trickling a byte at a time cannot
-//!   push back); a late body fails its request (400 from the idempotency layer);
-//! - at shutdown, the server stops accepting and the open connections get a grace period to
-//!   finish their requests; those still open after it are closed.
-//!
-//! HTTP/1.1 only: the header read timeout is an HTTP/1 setting, and `hyper_util`'s auto-detection
-//! of HTTP/2 reads a connection's first bytes with no timeout at all.
+//! Serving the API over HTTP/1.1 so that no client can hold the server open: `axum::serve` sets no
+//! read timeout, so a client that sends part of a request, then nothing, would keep its connection
+//! and a graceful shutdown waiting forever. Here the request head must arrive within
+//! [`HEADER_READ_TIMEOUT`] (hyper's, else the connection is closed), and the whole body within
+//! [`BODY_READ_TIMEOUT`] of it (tower-http's `RequestBodyDeadlineLayer`: one deadline, which a body
+//! trickling a byte at a time cannot push back; a late body fails its request, 400 from the layer).
+//! At shutdown, open connections get a grace period to finish their requests, then are closed.
+//! HTTP/1.1 only: the header timeout is an HTTP/1 setting, and `hyper_util`'s detection of HTTP/2
+//! reads a connection's first bytes with no timeout at all.
 
 use std::time::Duration;
 
@@ -70,10 +64,8 @@ pub async fn serve(listener: TcpListener, app: Router, stop: CancellationToken, 
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let drained = tokio::time::timeout(grace, graceful.shutdown()).await;
+    if drained.is_err() {
         tracing::warn!(
             ?grace,
             "closing the connections still open after the grace period"

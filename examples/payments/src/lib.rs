@@ -1,13 +1,9 @@
 //! A payments API made safe to retry with `tower-idempotency`: charges as a state machine, a
 //! provider (a program of its own) called with keys derived from the client's, events through an
-//! outbox and an idempotent consumer, a reconciler for unknown outcomes. Its money lives in
-//! PostgreSQL, for any number of instances, or in memory, for one process; the layer's records in
-//! PostgreSQL, Redis (or a Redis Cluster) or memory. `README.md` opens with a map of each idea and
-//! the file where it lives.
-//!
-//! The ledger, the balances and the outbox are each a trait with two implementations, memory
-//! and PostgreSQL ([`ledger::Ledger`], [`balance::Balances`], [`consumer::Outbox`]), chosen once
-//! at start-up (`config.rs`); [`app`] is the API over them, which tests drive with `oneshot`.
+//! outbox and an idempotent consumer, a reconciler for unknown outcomes. The money ([`ledger`],
+//! [`balance`], [`consumer::Outbox`]) lives in PostgreSQL, for any number of instances, or in
+//! memory, for one process; the layer's records in PostgreSQL, Redis (or a Cluster) or memory,
+//! chosen at start-up (`config.rs`). [`app`] is the API; `README.md` maps where each idea lives.
 
 pub mod auth;
 pub mod balance;
@@ -42,26 +38,21 @@ use balance::Balances;
 use ledger::Ledger;
 use provider::ProviderClient;
 
-/// The largest request body the API reads: 128 KiB, above any charge whose text is ASCII sent as
-/// Stripe's SDKs send it (the longest description and Stripe's largest metadata are under 85 KB
-/// as a form even with every character percent-encoded, 3 bytes each); a larger one, such as the
-/// largest metadata written in non-Latin script and percent-encoded (up to 12 bytes a character),
-/// gets `413` from the idempotency layer and nothing runs.
+/// The largest request body the API reads: 128 KiB, above any ASCII charge as Stripe's SDKs send
+/// it (the longest description and largest metadata are under 85 KB as a form, every character
+/// percent-encoded); a larger one (the largest metadata in a non-Latin script, up to 12 bytes a
+/// character) gets `413` from the layer and nothing runs.
 pub const REQUEST_LIMIT: usize = 128 * 1024;
 
-/// The largest response the idempotency layer stores, and so can replay: 1 MiB. Every answer of
-/// the API fits (a charge echoes at most its request's description and metadata, at most 6 bytes
-/// for each of its bytes once escaped in JSON; an error quotes at most 200 bytes), so a client
-/// that lost one can always get it back.
+/// The largest response the layer stores, and so can replay: 1 MiB. Every answer fits (a charge
+/// echoes its request's text, at most 6 bytes a byte in JSON; an error quotes at most 200 bytes),
+/// so a client that lost one can always get it back.
 pub const RESPONSE_LIMIT: usize = 1024 * 1024;
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-        })
+    let since = std::time::UNIX_EPOCH.elapsed().unwrap_or_default();
+    u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// What the handlers share.
@@ -77,9 +68,8 @@ pub struct AppState {
     pub metrics: Option<PrometheusHandle>,
 }
 
-/// The API. `idempotency` is scoped to the authenticated account here and given the API's body
-/// limits; keep its [`shutdown_handle`](IdempotencyLayer::shutdown_handle) to drain its work at
-/// shutdown.
+/// The API; `idempotency` is scoped to the account here and given the body limits. Keep its
+/// [`shutdown_handle`](IdempotencyLayer::shutdown_handle) to drain its work at shutdown.
 pub fn app(state: AppState, idempotency: IdempotencyLayer<BoxStore>) -> Router {
     let idempotency = idempotency
         .request_body_limit(REQUEST_LIMIT)

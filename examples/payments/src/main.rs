@@ -1,5 +1,4 @@
-//! The payments server: `cargo run -p example-payments` (the library's documentation says what
-//! it does and which environment variables choose its stores).
+//! The payments server: `cargo run -p example-payments` (`config.rs` lists its settings).
 
 use std::io::IsTerminal;
 

@@ -1,20 +1,13 @@
-//! The outbox in PostgreSQL: the at-least-once queue a PostgreSQL team already has, rather than
-//! a broker beside it (a second system whose write could not join the charge's transaction).
+//! The outbox in PostgreSQL: the at-least-once queue a PostgreSQL team already has, rather than a
+//! broker whose write could not join the charge's transaction. A handler inserts its event
+//! ([`insert`]) in the request's transaction, so it commits with the change it reports and the
+//! request's idempotency record, or none does: no event is lost, none reports a rolled-back change.
 //!
-//! A handler inserts its event into `payment_events` in the request's transaction
-//! ([`insert`]), so the event commits with the change it reports and with the request's
-//! idempotency record, or none of them does: no event is lost between the database and a queue,
-//! and none is sent for a change that rolled back.
-//!
-//! The ledger consumer (`consumer.rs`, over [`PgOutbox`]) takes the oldest event with
-//! `SELECT ... FOR UPDATE SKIP LOCKED` in a transaction, applies it to its balance in that
-//! transaction ([`PgBalances::apply_in`]: the event id recorded as processed, then the balance
-//! changed), deletes it and commits. Consumers on several instances each take another event
-//! (`SKIP LOCKED`); a consumer that dies mid-event leaves nothing behind (its transaction rolls
-//! back, its lock goes), and the next one takes the event at once. An event published twice (the
-//! same id in two rows) is applied once: the second finds its id processed.
-//!
-//! What it does with each event is the consumer's table (`consumer.rs`).
+//! The consumer (`consumer.rs`, over [`PgOutbox`]) takes the oldest event `FOR UPDATE SKIP LOCKED`,
+//! applies it in that transaction ([`PgBalances::apply_in`]: its id recorded as processed, then the
+//! balance changed), deletes it and commits. Consumers on several instances take different events;
+//! one that dies mid-event leaves nothing behind (its transaction rolls back), and the next takes
+//! the event at once. An event published twice is applied once: the second finds its id processed.
 
 use async_trait::async_trait;
 use sqlx::{PgConnection, PgPool, Row};
@@ -40,12 +33,6 @@ pub struct PgOutbox {
     balances: PgBalances,
 }
 
-impl PgOutbox {
-    pub fn new(pool: PgPool, balances: PgBalances) -> Self {
-        Self { pool, balances }
-    }
-}
-
 #[async_trait]
 impl Outbox for PgOutbox {
     async fn next(&self) -> Result<Option<Handled>, OutboxError> {
@@ -54,6 +41,10 @@ impl Outbox for PgOutbox {
 }
 
 impl PgOutbox {
+    pub fn new(pool: PgPool, balances: PgBalances) -> Self {
+        Self { pool, balances }
+    }
+
     /// Takes the oldest event no other consumer holds, applies it and deletes it, in one
     /// transaction; `None` when there is none.
     async fn take(&self) -> Result<Option<Handled>, sqlx::Error> {

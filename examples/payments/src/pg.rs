@@ -21,19 +21,13 @@ const MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// EXISTS` alone can fail when two run at once).
 const MIGRATION_LOCK: i64 = 0x7061_796d_656e_7473; // "payments"
 
-/// Connects to the database at `url` (`DATABASE_URL`) and creates what is missing of the schema;
-/// returns the idempotency store, whose pool the example's tables share. Errors name
-/// `DATABASE_URL`, on one line.
+/// Connects to `DATABASE_URL` and creates what is missing of the schema; returns the idempotency
+/// store, whose pool the example's tables share. Errors name `DATABASE_URL`, on one line.
 pub async fn connect(url: &str) -> Result<PgStore, String> {
-    let unusable = |err: &dyn std::error::Error| {
-        format!(
-            "cannot use PostgreSQL at DATABASE_URL: {}",
-            super::report(err)
-        )
-    };
+    let unusable = |why: String| format!("cannot use PostgreSQL at DATABASE_URL: {why}");
     let store = PgStore::connect(url)
         .map_err(|err| format!("bad DATABASE_URL: {}", super::report(&err)))?;
-    store.migrate().await.map_err(|err| unusable(&err))?;
+    (store.migrate().await).map_err(|err| unusable(super::report(&err)))?;
     let schema = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n{SCHEMA}");
     let create = async {
         let mut conn = store.pool().acquire().await?;
@@ -42,17 +36,17 @@ pub async fn connect(url: &str) -> Result<PgStore, String> {
     match tokio::time::timeout(MIGRATE_TIMEOUT, create).await {
         Ok(Ok(_)) => Ok(store),
         Ok(Err(sqlx::Error::Database(err))) if err.code().as_deref() == Some(UNIQUE_VIOLATION) => {
-            Err(format!(
-                "cannot use PostgreSQL at DATABASE_URL: the charges table has two charges for one \
-                 operation, so one charge per operation cannot be enforced ({}); keep the one the \
-                 balance counts, set the other's operation to NULL, and start again",
+            Err(unusable(format!(
+                "the charges table has two charges for one operation, so one charge per operation \
+                 cannot be enforced ({}); keep the one the balance counts, set the other's \
+                 operation to NULL, and start again",
                 err.message()
-            ))
+            )))
         }
-        Ok(Err(err)) => Err(unusable(&err)),
-        Err(_) => Err(format!(
-            "cannot use PostgreSQL at DATABASE_URL: creating the schema took over {MIGRATE_TIMEOUT:?}"
-        )),
+        Ok(Err(err)) => Err(unusable(super::report(&err))),
+        Err(_) => Err(unusable(format!(
+            "creating the schema took over {MIGRATE_TIMEOUT:?}"
+        ))),
     }
 }
 

@@ -1,10 +1,7 @@
-//! `GET /metrics`: the idempotency layer's metrics (and any others the process records) in
-//! Prometheus' text format, rendered on each request by `metrics-exporter-prometheus` (no listener
+//! `GET /metrics`: the layer's metrics (`idempotency_requests_total{outcome}`,
+//! `idempotency_store_call_duration_seconds{operation,result}`, a histogram with the buckets below)
+//! and any others, in Prometheus' text format, rendered per request (the exporter has no listener
 //! of its own: the API's server serves them).
-//!
-//! The layer records `idempotency_requests_total{outcome}` and
-//! `idempotency_store_call_duration_seconds{operation,result}` (see the crate's documentation);
-//! the latencies are exported as a histogram with the buckets below.
 
 use std::time::Duration;
 
@@ -28,19 +25,16 @@ const UPKEEP: Duration = Duration::from_secs(5);
 
 /// A Prometheus recorder, not yet installed, and the handle that renders what it records.
 pub fn recorder() -> (PrometheusRecorder, PrometheusHandle) {
+    let metric = Matcher::Full("idempotency_store_call_duration_seconds".into());
     let recorder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full("idempotency_store_call_duration_seconds".into()),
-            STORE_CALL_BUCKETS,
-        )
+        .set_buckets_for_metric(metric, STORE_CALL_BUCKETS)
         .expect("the buckets are not empty")
         .build_recorder();
     let handle = recorder.handle();
     (recorder, handle)
 }
 
-/// Installs a Prometheus recorder for the whole process, and its upkeep; returns the handle that
-/// renders it.
+/// Installs a Prometheus recorder for the whole process, and its upkeep; returns its handle.
 pub fn install() -> Result<PrometheusHandle, String> {
     let (recorder, handle) = recorder();
     metrics::set_global_recorder(recorder)
@@ -58,12 +52,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
 
 /// `GET /metrics`: 404 when the app was built without a recorder.
 pub async fn show(State(state): State<AppState>) -> Response {
-    match &state.metrics {
-        Some(handle) => (
-            [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-            handle.render(),
-        )
-            .into_response(),
-        None => StatusCode::NOT_FOUND.into_response(),
-    }
+    let Some(handle) = &state.metrics else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let content_type = [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")];
+    (content_type, handle.render()).into_response()
 }

@@ -12,17 +12,13 @@ use tower_idempotency::{BoxStore, Claim, Fingerprint, RecordId, Store};
 /// How long the hold outlives a process that stopped without letting it go.
 pub const LEASE: Duration = Duration::from_secs(10);
 
-/// The record every memory-ledger instance on one store claims.
-fn hold_id() -> RecordId {
-    RecordId::new(b"example-payments", "memory-ledger")
-}
-
 /// Holds the store's one memory-ledger lease until `stop`, then lets it go; refuses, with what to
 /// do, when another instance holds it.
 pub async fn hold(store: BoxStore, stop: CancellationToken) -> Result<JoinHandle<()>, String> {
-    let id = hold_id();
+    // The record every memory-ledger instance on one store claims.
+    let id = RecordId::new(b"example-payments", "memory-ledger");
     let fingerprint = Fingerprint::from_bytes([0; 32]);
-    let token = match store.claim(&id, &fingerprint, LEASE).await {
+    let mut token = match store.claim(&id, &fingerprint, LEASE).await {
         Ok(Claim::Claimed(token)) => token,
         Ok(Claim::Existing(_)) => {
             return Err(format!(
@@ -34,14 +30,11 @@ pub async fn hold(store: BoxStore, stop: CancellationToken) -> Result<JoinHandle
             ));
         }
         Err(err) => {
-            return Err(format!(
-                "cannot use the idempotency store: {}",
-                crate::report(&err)
-            ));
+            let why = crate::report(&err);
+            return Err(format!("cannot use the idempotency store: {why}"));
         }
     };
     Ok(tokio::spawn(async move {
-        let mut token = token;
         loop {
             tokio::select! {
                 () = stop.cancelled() => break,

@@ -31,23 +31,17 @@ impl Balances for MemoryBalances {
         let now = Instant::now();
         let mut books = self.books.lock().unwrap_or_else(PoisonError::into_inner);
         let book = books.entry(event.account.clone()).or_default();
-        while let Some((at, _)) = book.order.front()
-            && now.duration_since(*at) >= RETENTION
-        {
-            if let Some((_, id)) = book.order.pop_front() {
-                book.applied.remove(&id);
-            }
+        let expired = |(at, _): &mut (Instant, String)| now.duration_since(*at) >= RETENTION;
+        while let Some((_, id)) = book.order.pop_front_if(expired) {
+            book.applied.remove(&id);
         }
         if book.applied.contains(&event.id) {
             return Ok(Applied::Already);
         }
         if let Some((currency, change)) = event.balance_change() {
-            let balance = book.available.entry(currency.to_owned()).or_default();
-            *balance = balance
-                .checked_add(change)
-                .ok_or_else(|| BalanceError::Overflow {
-                    currency: currency.to_owned(),
-                })?;
+            let currency = currency.to_owned();
+            let balance = book.available.entry(currency.clone()).or_default();
+            *balance = (balance.checked_add(change)).ok_or(BalanceError::Overflow { currency })?;
         }
         book.applied.insert(event.id.clone());
         book.order.push_back((now, event.id.clone()));

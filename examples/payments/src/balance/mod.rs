@@ -1,9 +1,7 @@
-//! Every account's available balance per currency: the [`Balances`] trait, one implementation per
-//! backend. [`Balances::apply`] is idempotent on its own: the balance change and the record "event
-//! `evt_...` was applied" are one atomic step, so an event applied twice changes the balance once.
-//! A balance changes with checked arithmetic: an event that would overflow it, or whose amount is
-//! not positive, changes nothing, is not recorded, and is refused for good. An applied event id is
-//! remembered for [`RETENTION`] (7 days); the balances never expire.
+//! Every account's available balance per currency, a [`Balances`] per backend. Its `apply` is
+//! idempotent: the balance change and the record that event `evt_...` was applied are one atomic
+//! step. An event that would overflow the balance (checked arithmetic), or whose amount is not
+//! positive, changes nothing and is refused for good. Applied ids are kept for [`RETENTION`].
 
 mod memory;
 mod postgres;
@@ -24,14 +22,13 @@ use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
 
-/// How long an applied event id is remembered.
+/// How long an applied event id is remembered (the balances never expire).
 pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
 /// The balances.
 #[async_trait]
 pub trait Balances: fmt::Debug + Send + Sync {
-    /// Applies `event` to its account's balance unless it was applied before, in one atomic
-    /// step.
+    /// Applies `event` to its account's balance unless it was applied before, atomically.
     async fn apply(&self, event: &PaymentEvent) -> Result<Applied, BalanceError>;
 
     /// The account's balance per currency, sorted by currency.
@@ -94,8 +91,7 @@ pub struct BalanceJson {
     available: Vec<Available>,
 }
 
-/// `GET /v1/balance`: the account's available balance per currency; 503 when the ledger is
-/// unreachable.
+/// `GET /v1/balance`: the account's available balance per currency; 503 when it is unreachable.
 pub async fn show(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
@@ -104,8 +100,6 @@ pub async fn show(
         tracing::warn!(error = %super::report(&err), "cannot read the balance");
         ApiError::ledger_unavailable()
     })?;
-    Ok(Json(BalanceJson {
-        object: "balance",
-        available,
-    }))
+    let object = "balance";
+    Ok(Json(BalanceJson { object, available }))
 }

@@ -4,7 +4,7 @@
 //! that takes the event off the outbox ([`PgBalances::apply_in`]).
 
 use async_trait::async_trait;
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 use tower_idempotency_postgres::PgStore;
 
 use super::{Applied, Available, BalanceError, Balances, RETENTION, check_amount};
@@ -33,10 +33,8 @@ impl PgBalances {
         event: &PaymentEvent,
     ) -> Result<Applied, BalanceError> {
         check_amount(event)?;
-        if !(self.store)
-            .mark_processed(conn, SCOPE, &event.id, RETENTION)
-            .await?
-        {
+        let new = (self.store.mark_processed(conn, SCOPE, &event.id, RETENTION)).await?;
+        if !new {
             return Ok(Applied::Already);
         }
         let Some((currency, change)) = event.balance_change() else {
@@ -54,9 +52,8 @@ impl PgBalances {
         match changed {
             Ok(_) => Ok(Applied::New),
             Err(sqlx::Error::Database(err)) if err.code().as_deref() == Some(OUT_OF_RANGE) => {
-                Err(BalanceError::Overflow {
-                    currency: currency.to_owned(),
-                })
+                let currency = currency.to_owned();
+                Err(BalanceError::Overflow { currency })
             }
             Err(err) => Err(err.into()),
         }
@@ -73,18 +70,12 @@ impl Balances for PgBalances {
     }
 
     async fn get(&self, account: &str) -> Result<Vec<Available>, BalanceError> {
-        let rows = sqlx::query(
-            "SELECT amount, currency FROM balances WHERE account = $1 ORDER BY currency",
-        )
-        .bind(account)
-        .fetch_all(self.store.pool())
-        .await?;
-        let read = |row: &sqlx::postgres::PgRow| -> Result<Available, sqlx::Error> {
-            Ok(Available {
-                amount: row.try_get(0)?,
-                currency: row.try_get(1)?,
-            })
-        };
-        Ok(rows.iter().map(read).collect::<Result<_, _>>()?)
+        let sql = "SELECT amount, currency FROM balances WHERE account = $1 ORDER BY currency";
+        let rows: Vec<(i64, String)> = sqlx::query_as(sql)
+            .bind(account)
+            .fetch_all(self.store.pool())
+            .await?;
+        let available = |(amount, currency)| Available { amount, currency };
+        Ok(rows.into_iter().map(available).collect())
     }
 }

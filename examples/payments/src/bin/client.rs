@@ -9,13 +9,12 @@
 //! # charge ch_2ce06b3e55f8f917, after 2 attempts, replayed: true
 //! ```
 //!
-//! Both attempts carry the same key and body, so the server ran the charge once and answered the
-//! retry with the stored response. The layer's retries end when a response's head arrives; when
-//! the body is cut off after it, the example sends the same request again, with the same key,
-//! until it has the whole answer or its deadline passes (`DEADLINE_MS`, default 10000, for the
-//! whole charge). An error names the key, to look the charge up or send it again by hand.
-//! `SERVER` names the server (default `http://127.0.0.1:3000`), `API_KEY` the account (default
-//! `sk_test_alice`). `RUST_LOG=tower_idempotency=info` shows the layer's retry events.
+//! Both attempts carry the same key and body, so the server charged once and replayed its answer.
+//! The layer's retries end when a response's head arrives; a body cut off after it is sent again,
+//! same key, until the whole answer is in or the deadline passes. An error names the key, to look
+//! the charge up or send it again by hand. `SERVER` (default `http://127.0.0.1:3000`), `API_KEY`
+//! (`sk_test_alice`), `DEADLINE_MS` for the whole charge (10000); `RUST_LOG=tower_idempotency=info`
+//! shows the layer's retries.
 
 use std::error::Error;
 use std::future::Future;
@@ -33,7 +32,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::{Instant, timeout_at};
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 use tower_idempotency_client::{Attempts, IdempotentRetryLayer};
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -91,21 +90,18 @@ async fn main() -> Result<(), BoxError> {
         client: Client::builder(TokioExecutor::new()).build_http(),
         attempts: Arc::default(),
     };
-    let client = ServiceBuilder::new()
-        .layer(IdempotentRetryLayer::new())
-        .service(link);
+    let client = IdempotentRetryLayer::new().layer(link);
 
     // The charge is named here, not by the layer: a send after a cut-off answer must carry the
     // same key, and an error must name it.
     let key = uuid::Uuid::new_v4().to_string();
+    let form = "amount=2500&currency=eur&source=tok_visa";
     let charge = || {
         Request::post(format!("{}/v1/charges", server.trim_end_matches('/')))
             .header(header::AUTHORIZATION, format!("Bearer {api_key}"))
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
             .header("idempotency-key", &key)
-            .body(Full::<Bytes>::from(
-                "amount=2500&currency=eur&source=tok_visa",
-            ))
+            .body(Full::<Bytes>::from(form))
     };
     let (mut attempts, mut pause) = (0, Duration::from_millis(100));
     let (status, replayed, body) = loop {
