@@ -1,24 +1,22 @@
-//! The reconciler, beside every instance (instances agree through the ledger: of two
-//! reconcilers, or a reconciler and a resumed request, exactly one moves a charge on).
+//! The reconciler, beside every instance (they agree through the ledger: of two reconcilers, or
+//! a reconciler and a resumed request, one moves a charge on).
 //!
-//! A call whose outcome is unknown (a timeout, a connection lost after the call was sent, a
-//! crash) leaves its charge `authorizing`, `capturing`, `refunding` or `canceling`. Every round
-//! the reconciler takes those unchanged for longer than `after` (far above the provider client's
-//! deadline: a live request's call has long ended), marks each as its own, and settles it as one
-//! settles an unknown outcome with Stripe: it drives the call again through the provider's API
-//! under the same key, which the provider makes once (now, or answering what it made before; a
-//! late run of the request gets the same answer). Rolling it back instead would let a call held up
-//! at the provider land after, money moved under a charge that says otherwise:
+//! A call whose outcome is unknown (a timeout, a lost connection, a crash) leaves its charge in an
+//! `-ing` state. Each round the reconciler takes those unchanged for longer than `after` (far
+//! above the client's deadline: no live request's call is still running), marks each as its own
+//! and drives the call again through the provider's API under the same key, as one settles an
+//! unknown outcome with Stripe: the provider makes it once (now, or by answering what it made).
+//! It does not roll back: a call held up at the provider could land after, money moved under a
+//! charge that says otherwise.
 //!
-//! - made: the charge moves to the state the answer says, with the event the request would have
-//!   published (the same id: the consumer applies it once), only if it is still as it was found;
-//! - refused (a refund beyond what is left, a key used for another request): a new charge goes,
-//!   one in the middle of a capture, refund or cancellation goes back to where it was;
+//! - made: the charge moves to the answer, with the event the request would have published (the
+//!   same id: the consumer applies it once), if it is still as it was found;
+//! - refused (a refund beyond what is left, a key reused): a new charge goes, one mid-call goes
+//!   back to where it was;
 //! - the provider unavailable, or its answer lost: the charge waits for the next round.
 //!
-//! The provider remembers a key for 24 h. Past that (less an hour's margin), a call sent again
-//! could be made twice: a create is then found by its metadata (the account and operation the
-//! example gives every payment), and any other call is left for an operator, at ERROR.
+//! Past the provider's key window, less a margin, a call sent again could be made twice: a create
+//! is then found by its metadata, any other call is left for an operator, at ERROR.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,22 +27,20 @@ use tokio_util::sync::CancellationToken;
 use super::auth::Account;
 use super::error::ApiError;
 use super::events::PaymentEvent;
-use super::ledger::{Charge, Ledger};
+use super::ledger::{Charge, Ledger, millis};
 use super::now_ms;
 use super::provider::{Outcome, PaymentRecord, ProviderClient, ProviderError, WINDOW};
 use super::state_machine::{Event, Status};
 
-/// Charges, and provider payments, looked at per round.
+/// Charges looked at per round.
 const BATCH: usize = 100;
 
-/// The metadata field of a payment that names its operation: the provider key of its create call.
+/// The metadata fields of a payment that name its operation (its create's key) and account.
 pub const OPERATION: &str = "operation";
-
-/// The metadata field of a payment that names its account.
 pub const ACCOUNT: &str = "account";
 
-/// The metadata the example gives a charge's payment: its account and operation, by which the
-/// reconciler finds it once the provider has forgotten its key.
+/// The metadata the example gives a charge's payment, by which the reconciler finds it once the
+/// provider has forgotten its key.
 pub fn metadata(account: &Account, operation: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (ACCOUNT.to_owned(), account.id().to_owned()),
@@ -57,8 +53,7 @@ pub fn metadata(account: &Account, operation: &str) -> BTreeMap<String, String> 
 pub struct Reconciled {
     /// Charges moved to the provider's answer.
     pub settled: usize,
-    /// Charges the provider knew nothing of: removed when new, rolled back to the state before
-    /// the call otherwise.
+    /// Charges whose call the provider did not make: removed when new, rolled back otherwise.
     pub removed: usize,
     /// Charges left for the next round (the provider unavailable, a retry on them meanwhile).
     pub left: usize,
@@ -76,9 +71,8 @@ pub struct Reconciler {
 }
 
 impl Reconciler {
-    /// A reconciler of `ledger`, asking `provider`, for charges unchanged in an `-ing` state for
-    /// longer than `after`; it looks every quarter of `after` (at least every 50 ms, at most
-    /// every 30 s).
+    /// A reconciler of `ledger` and `provider` for charges left in an `-ing` state for `after`; it
+    /// looks every quarter of `after` (at least every 50 ms, at most every 30 s).
     pub fn new(ledger: Arc<dyn Ledger>, provider: ProviderClient, after: Duration) -> Self {
         Self {
             ledger,
@@ -97,15 +91,9 @@ impl Reconciler {
                 () = tokio::time::sleep(self.every) => {}
             }
             match self.round().await {
-                Ok(Reconciled {
-                    settled: 0,
-                    removed: 0,
-                    ..
-                }) => {}
+                Ok(done) if done.settled + done.removed == 0 => {}
                 Ok(done) => tracing::info!(?done, "reconciled charges with the provider"),
-                Err(err) => {
-                    tracing::warn!(?err, "reconciling failed; trying again next round");
-                }
+                Err(err) => tracing::warn!(?err, "reconciling failed; trying again next round"),
             }
         }
     }
@@ -120,39 +108,28 @@ impl Reconciler {
                 done.left += 1;
                 continue;
             };
-            let found = self.ask(&charge).await;
-            let changed = match found {
-                Ok(Some(answer)) => {
-                    let settled = self.settle(charge, answer).await?;
-                    done.settled += usize::from(settled);
-                    settled
-                }
-                Ok(None) => {
-                    let removed = self.undo(charge).await?;
-                    done.removed += usize::from(removed);
-                    removed
-                }
+            match self.ask(&charge).await {
+                Ok(Some(answer)) if self.settle(&charge, &answer).await? => done.settled += 1,
+                Ok(None) if self.undo(&charge).await? => done.removed += 1,
+                Ok(_) => done.left += 1,
                 Err(err) => {
                     tracing::debug!(charge = %charge.id, %err, "the provider cannot tell yet");
-                    false
+                    done.left += 1;
                 }
-            };
-            done.left += usize::from(!changed);
+            }
         }
         Ok(done)
     }
 
-    /// Marks a call in flight as the reconciler's before it is sent again, unless the charge
-    /// changed since it was listed (`None`): a run of the request that then finds its own call
-    /// refused leaves the charge to the reconciler instead of rolling back a call the reconciler
-    /// may make, and a retry answers the outcome unknown until the reconciler settles it.
+    /// Marks the call in flight as the reconciler's before sending it again, unless the charge
+    /// changed since it was listed (`None`): a run of the request whose own call is refused then
+    /// leaves the charge to it, not rolling back a call it may make, and a retry answers `504`.
     async fn take_over(&self, found: Charge) -> Result<Option<Charge>, ApiError> {
         if outlived_its_key(&found) && found.status != Status::Authorizing {
-            // The provider may have forgotten the call's key: sent again, a call it made would be
-            // made twice, and one it refuses could be rolled back though it was made.
+            // The provider may have forgotten the key: sent again, a call made would be made twice,
+            // and one refused could be rolled back though it was made.
             tracing::error!(charge = %found.id, status = found.status.as_str(), "a call in flight past the provider's key window: settle it by hand from the provider's records");
-            // Touched, so that it goes to the back of the list and such charges never fill a
-            // round's batch; it is reported again a round length later.
+            // Touched, to the back of the list, so such charges never fill a round's batch.
             let _ = self.ledger.swap(&found, &found, None, self.after).await?;
             return Ok(None);
         }
@@ -170,10 +147,9 @@ impl Reconciler {
         Ok((now.reconciling && same_call).then_some(now))
     }
 
-    /// What the provider did with the call `charge` waits on, or does now with it: `None` when
-    /// it refused. The call is sent again under its key: the provider makes it once. A create
-    /// whose key the provider may have forgotten is searched for by its metadata instead: not
-    /// found a day after it began, it was never made.
+    /// What the provider did, or does now, with the call `charge` waits on, sent again under its
+    /// key; `None` when refused. A create whose key may be forgotten is searched for by its
+    /// metadata instead: not found a day after it began, it was never made.
     async fn ask(&self, charge: &Charge) -> Result<Option<Answer>, ProviderError> {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
@@ -182,17 +158,12 @@ impl Reconciler {
         Ok(match charge.status {
             Status::Authorizing if !outlived_its_key(charge) => {
                 let metadata = metadata(&charge.account, &charge.provider_key);
-                made(
-                    provider
-                        .create_payment(&charge.provider_key, create, metadata)
-                        .await,
-                )?
-                .map(|made| Answer::Payment(made.id, made.outcome))
+                let created = provider.create_payment(&charge.provider_key, create, metadata);
+                made(created.await)?.map(|made| Answer::Payment(made.id, made.outcome))
             }
             Status::Authorizing => {
                 let found = provider.search(OPERATION, &charge.provider_key).await?;
-                // The operation's payment, if the provider made it for this charge's request (a
-                // key reused for another request made none).
+                // Made for this charge's request (a key reused for another request made none).
                 let mine = |p: &PaymentRecord| {
                     p.metadata.get(ACCOUNT).map(String::as_str) == Some(charge.account.id())
                         && (p.amount, p.source, p.capture)
@@ -200,10 +171,12 @@ impl Reconciler {
                 };
                 (found.into_iter().find(mine)).map(|p| Answer::Payment(p.id, p.outcome))
             }
-            Status::Capturing => made(provider.capture(key, payment).await)?
-                .map(|()| Answer::Done(&[Event::Captured])),
-            Status::Canceling => made(provider.cancel(key, payment).await)?
-                .map(|()| Answer::Done(&[Event::Canceled])),
+            Status::Capturing => {
+                made(provider.capture(key, payment).await)?.map(|()| Answer::Done(Event::Captured))
+            }
+            Status::Canceling => {
+                made(provider.cancel(key, payment).await)?.map(|()| Answer::Done(Event::Canceled))
+            }
             Status::Refunding => {
                 made(provider.refund(key, payment, amount).await)?.map(Answer::Refund)
             }
@@ -211,71 +184,49 @@ impl Reconciler {
         })
     }
 
-    /// Moves `charge` to the provider's `answer`, with its event, if it is still where it was
-    /// found.
-    async fn settle(&self, found: Charge, answer: Answer) -> Result<bool, ApiError> {
+    /// Moves `found` to the provider's `answer`, with its event, if it is still as it was found.
+    async fn settle(&self, found: &Charge, answer: &Answer) -> Result<bool, ApiError> {
         let mut charge = found.clone();
-        let mut event = None;
-        let moves: &[Event] = match &answer {
+        let event = match answer {
             Answer::Payment(payment, outcome) => {
                 charge.payment.clone_from(payment);
-                match outcome {
+                let moves: &[Event] = match outcome {
                     Outcome::Declined => &[Event::Declined],
                     Outcome::Authorized => &[Event::Approved],
                     Outcome::Captured => &[Event::Approved, Event::Capture, Event::Captured],
                     Outcome::Canceled => &[Event::Approved, Event::Cancel, Event::Canceled],
-                }
+                };
+                let (made, captured) =
+                    (*outcome != Outcome::Declined, *outcome == Outcome::Captured);
+                (moves.iter().try_for_each(|step| charge.apply(*step)))
+                    .map(|()| made.then(|| PaymentEvent::succeeded(&charge, captured)))
             }
-            Answer::Done(moves) => {
-                if found.status == Status::Capturing {
+            Answer::Done(step) => {
+                let captured = *step == Event::Captured;
+                if captured {
                     charge.capture_key.clone_from(&found.call_key);
                 }
-                moves
+                (charge.apply(*step)).map(|()| captured.then(|| PaymentEvent::captured(&charge)))
             }
             Answer::Refund(refund) => {
-                let (key, amount) = (charge.call_key.clone(), charge.call_amount);
-                if charge.record_refund(&key, refund, amount).is_err() {
-                    return Ok(false);
-                }
-                &[]
+                let (key, amount) = (&found.call_key, found.call_amount);
+                (charge.record_refund(key, refund, amount))
+                    .map(|()| Some(PaymentEvent::refunded(&charge, refund, amount)))
             }
         };
-        for step in moves {
-            if charge.apply(*step).is_err() {
-                return Ok(false);
-            }
-        }
-        match &answer {
-            Answer::Payment(_, Outcome::Declined) => {}
-            Answer::Payment(_, outcome) => {
-                event = Some(PaymentEvent::succeeded(
-                    &charge,
-                    *outcome == Outcome::Captured,
-                ));
-            }
-            Answer::Done(_) if charge.status == Status::Captured => {
-                event = Some(PaymentEvent::captured(&charge));
-            }
-            Answer::Done(_) => {}
-            Answer::Refund(refund) => {
-                event = Some(PaymentEvent::refunded(&charge, refund, charge.call_amount));
-            }
-        }
-        let settled = self
-            .ledger
-            .swap(&found, &charge, event, Duration::ZERO)
-            .await?;
+        let Ok(event) = event else { return Ok(false) };
+        let settled = (self.ledger.swap(found, &charge, event, Duration::ZERO)).await?;
         if settled {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), status = charge.status.as_str(), "reconciled a charge from the provider's answer");
         }
         Ok(settled)
     }
 
-    /// The provider refused the call `charge` waits on, or never made a create it forgot: a new
+    /// The provider refused the call `found` waits on, or never made a create it forgot: a new
     /// charge is removed, one in the middle of a call goes back to where it was.
-    async fn undo(&self, found: Charge) -> Result<bool, ApiError> {
+    async fn undo(&self, found: &Charge) -> Result<bool, ApiError> {
         if found.status == Status::Authorizing {
-            let removed = self.ledger.abandon(&found).await;
+            let removed = self.ledger.abandon(found).await;
             if removed {
                 tracing::info!(charge = %found.id, "removed a charge the provider refused");
             }
@@ -287,9 +238,8 @@ impl Reconciler {
         }
         charge.call_key.clear();
         charge.call_amount = 0;
-        // Marked as the reconciler's: no run rolls it back or settles it from a refusal meanwhile,
-        // so it need not have stood still for `after`.
-        let undone = (self.ledger.swap(&found, &charge, None, Duration::ZERO)).await?;
+        // Marked as the reconciler's, no run rolls it back meanwhile: it need not stand still.
+        let undone = (self.ledger.swap(found, &charge, None, Duration::ZERO)).await?;
         if undone {
             tracing::info!(charge = %charge.id, from = found.status.as_str(), to = charge.status.as_str(), "rolled back a call the provider has not seen");
         }
@@ -297,27 +247,21 @@ impl Reconciler {
     }
 }
 
-/// How long before the provider forgets a call's key the reconciler stops sending the call again:
-/// an hour, for the clocks of the provider and this process to differ and the call to take its
-/// time.
+/// How long before the provider forgets a call's key the reconciler stops sending it again: an
+/// hour, for the provider's clock and this process's to differ and the call to take its time.
 const KEY_MARGIN: Duration = Duration::from_secs(60 * 60);
 
 /// Whether the call `charge` waits on began too long ago to be sent again under its key.
 fn outlived_its_key(charge: &Charge) -> bool {
-    let usable = WINDOW.saturating_sub(KEY_MARGIN);
-    let usable = u64::try_from(usable.as_millis()).unwrap_or(u64::MAX);
-    now_ms().saturating_sub(charge.call_started) >= usable
+    now_ms().saturating_sub(charge.call_started) >= millis(WINDOW.saturating_sub(KEY_MARGIN))
 }
 
 /// A call's answer: made (`Some`), refused, so nothing was done (`None`), or not known yet.
 fn made<T>(answer: Result<T, ProviderError>) -> Result<Option<T>, ProviderError> {
+    use ProviderError as E;
     match answer {
         Ok(made) => Ok(Some(made)),
-        Err(
-            ProviderError::AmountTooLarge { .. }
-            | ProviderError::NoSuchPayment
-            | ProviderError::KeyReused,
-        ) => Ok(None),
+        Err(E::AmountTooLarge { .. } | E::NoSuchPayment | E::KeyReused) => Ok(None),
         Err(err) => Err(err),
     }
 }
@@ -326,8 +270,8 @@ fn made<T>(answer: Result<T, ProviderError>) -> Result<Option<T>, ProviderError>
 enum Answer {
     /// A payment was made: its id and outcome.
     Payment(String, Outcome),
-    /// The capture or cancellation was made: the charge's moves.
-    Done(&'static [Event]),
+    /// The capture or cancellation was made: the charge's move.
+    Done(Event),
     /// The refund was made: its id.
     Refund(String),
 }

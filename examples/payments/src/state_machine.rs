@@ -8,11 +8,9 @@
 //!                    refunding ─refunded───────────▶ refunded
 //! ```
 //!
-//! The `-ing` states are held while the payment provider is called: a second request on the same
-//! charge (with another idempotency key) finds the charge busy and gets `invalid_state` instead of
-//! a second provider call. When the provider does nothing (it is unavailable, or it knows the key
-//! from another request), `provider_did_nothing` rolls the charge back to the state it came from,
-//! so the client's retry can run again.
+//! An `-ing` state is held during the provider call: another request on the charge gets
+//! `invalid_state`, not a second call. When the provider did nothing (unavailable, or the key is
+//! another request's), `provider_did_nothing` rolls the charge back, so a retry can run again.
 
 /// Where a charge is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -46,26 +44,7 @@ impl Status {
             Status::Failed => "failed",
         }
     }
-
-    /// The status [`Status::as_str`] wrote, read back (from a database row).
-    pub fn parse(text: &str) -> Option<Self> {
-        STATUSES.into_iter().find(|status| status.as_str() == text)
-    }
 }
-
-/// Every status.
-pub const STATUSES: [Status; 10] = [
-    Status::Created,
-    Status::Authorizing,
-    Status::Authorized,
-    Status::Capturing,
-    Status::Captured,
-    Status::Refunding,
-    Status::Refunded,
-    Status::Canceling,
-    Status::Canceled,
-    Status::Failed,
-];
 
 /// What happens to a charge: a client's request or the provider's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use axum::http::Extensions;
 use tokio::time::Instant;
 
-use super::{Change, Charge, EventOf, Ledger, millis};
+use super::{Change, Charge, EventOf, Ledger, Result, millis};
 use crate::auth::Account;
 use crate::consumer::MemoryOutbox;
 use crate::error::ApiError;
@@ -47,35 +47,6 @@ impl MemoryLedger {
     fn lock(&self) -> MutexGuard<'_, Charges> {
         self.charges.lock().unwrap_or_else(PoisonError::into_inner)
     }
-
-    /// Changes the account's charge `id`, all or nothing, and adds its event.
-    fn change(
-        &self,
-        account: &Account,
-        id: &str,
-        change: Change<'_>,
-        event: EventOf<'_>,
-    ) -> Result<Charge, ApiError> {
-        let mut charges = self.lock();
-        let charge = charges
-            .by_id
-            .get_mut(id)
-            .filter(|charge| &charge.account == account)
-            .ok_or_else(|| ApiError::no_such_charge(id))?;
-        let mut changed = charge.clone();
-        change(&mut changed)?;
-        changed.updated = now_ms();
-        *charge = changed.clone();
-        self.publish(event(&changed));
-        Ok(changed)
-    }
-
-    /// Adds `event` to the outbox: called under the charges' lock, with the write it reports.
-    fn publish(&self, event: Option<PaymentEvent>) {
-        if let Some(event) = event {
-            self.outbox.push(event);
-        }
-    }
 }
 
 impl Charges {
@@ -91,15 +62,11 @@ impl Charges {
 
 #[async_trait]
 impl Ledger for MemoryLedger {
-    async fn find(
-        &self,
-        account: &Account,
-        provider_key: &str,
-    ) -> Result<Option<Charge>, ApiError> {
+    async fn find(&self, account: &Account, provider_key: &str) -> Result<Option<Charge>> {
         Ok(self.lock().operation(account.id(), provider_key).cloned())
     }
 
-    async fn insert(&self, mut charge: Charge) -> Result<Option<Charge>, ApiError> {
+    async fn insert(&self, mut charge: Charge) -> Result<Option<Charge>> {
         let mut charges = self.lock();
         if charges
             .operation(charge.account.id(), &charge.provider_key)
@@ -126,17 +93,14 @@ impl Ledger for MemoryLedger {
         abandoned
     }
 
-    async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
-        let charges = self.lock();
-        charges
-            .by_id
-            .get(id)
+    async fn get(&self, account: &Account, id: &str) -> Result<Charge> {
+        (self.lock().by_id.get(id))
             .filter(|charge| &charge.account == account)
             .cloned()
             .ok_or_else(|| ApiError::no_such_charge(id))
     }
 
-    async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError> {
+    async fn list(&self, account: &Account) -> Result<Vec<Charge>> {
         let mut list: Vec<Charge> = (self.lock().by_id.values())
             .filter(|charge| &charge.account == account)
             .cloned()
@@ -152,11 +116,22 @@ impl Ledger for MemoryLedger {
         id: &str,
         change: Change<'_>,
         event: EventOf<'_>,
-    ) -> Result<Charge, ApiError> {
-        self.change(account, id, change, event)
+    ) -> Result<Charge> {
+        let mut charges = self.lock();
+        let charge = (charges.by_id.get_mut(id))
+            .filter(|charge| &charge.account == account)
+            .ok_or_else(|| ApiError::no_such_charge(id))?;
+        let mut changed = charge.clone();
+        change(&mut changed)?;
+        changed.updated = now_ms();
+        *charge = changed.clone();
+        if let Some(event) = event(&changed) {
+            self.outbox.push(event);
+        }
+        Ok(changed)
     }
 
-    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError> {
+    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>> {
         let before = now_ms().saturating_sub(millis(after));
         let mut found: Vec<Charge> = (self.lock().by_id.values())
             .filter(|c| c.is_busy() && c.updated <= before)
@@ -173,17 +148,17 @@ impl Ledger for MemoryLedger {
         settled: &Charge,
         event: Option<PaymentEvent>,
         _unchanged_for: Duration,
-    ) -> Result<bool, ApiError> {
-        {
-            let mut charges = self.lock();
-            match charges.by_id.get_mut(&found.id) {
-                Some(now) if now.updated == found.updated => {
-                    *now = settled.clone();
-                    now.updated = now_ms();
-                }
-                _ => return Ok(false),
-            }
-            self.publish(event);
+    ) -> Result<bool> {
+        let mut charges = self.lock();
+        let Some(now) =
+            (charges.by_id.get_mut(&found.id)).filter(|now| now.updated == found.updated)
+        else {
+            return Ok(false);
+        };
+        *now = settled.clone();
+        now.updated = now_ms();
+        if let Some(event) = event {
+            self.outbox.push(event);
         }
         Ok(true)
     }

@@ -1,18 +1,14 @@
-//! The ledger of charges: the [`Ledger`] trait, one implementation per backend.
-//!
-//! A charge changes state only through [`Charge::apply`], the state machine, and no lock is held
-//! across a provider call: the `-ing` state is committed before the call ([`Ledger::open`],
-//! [`Ledger::update`]), so that an unknown outcome leaves the charge where its retry or the
-//! reconciler finds it; the answer and its event are written after it ([`Ledger::record`],
-//! [`Ledger::settle`]). One charge per operation (the account and the provider key of its create
-//! call) is each store's own constraint ([`Ledger::insert`]), held for the provider's window.
+//! The ledger of charges: the [`Ledger`] trait, one implementation per backend. A charge moves
+//! only through [`Charge::apply`]. No lock is held across a provider call: the `-ing` state is
+//! committed before it, so an unknown outcome leaves the charge where a retry or the reconciler
+//! finds it.
 
 mod memory;
 mod postgres;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use axum::http::Extensions;
@@ -28,8 +24,11 @@ use super::now_ms;
 use super::provider::{ProviderError, Source};
 use super::state_machine::{Event, Status, next};
 
+/// What the ledger answers.
+type Result<T, E = ApiError> = std::result::Result<T, E>;
+
 /// A change to a charge: refused (nothing written) with the error it returns.
-pub type Change<'a> = &'a mut (dyn FnMut(&mut Charge) -> Result<(), ApiError> + Send);
+pub type Change<'a> = &'a mut (dyn FnMut(&mut Charge) -> Result<()> + Send);
 
 /// The event a write publishes, from the charge as written.
 pub type EventOf<'a> = &'a (dyn Fn(&Charge) -> Option<PaymentEvent> + Sync);
@@ -37,30 +36,25 @@ pub type EventOf<'a> = &'a (dyn Fn(&Charge) -> Option<PaymentEvent> + Sync);
 /// Every account's charges.
 #[async_trait]
 pub trait Ledger: fmt::Debug + Send + Sync {
-    /// The charge that holds the account's operation under `provider_key`, within the
-    /// provider's window.
-    async fn find(&self, account: &Account, provider_key: &str)
-    -> Result<Option<Charge>, ApiError>;
+    /// The charge holding the account's operation `provider_key`, within the provider's window.
+    async fn find(&self, account: &Account, provider_key: &str) -> Result<Option<Charge>>;
 
-    /// Stores the new `charge` as its operation's, with its `seq`; `None` when the operation has
-    /// a charge within the window (nothing stored): the one constraint that keeps one charge per
-    /// operation, whatever ran twice in front of it.
-    async fn insert(&self, charge: Charge) -> Result<Option<Charge>, ApiError>;
+    /// Stores the new `charge` with its `seq`, or nothing (`None`) while its operation has one
+    /// within the window: the last line of defence, one charge per operation whatever ran twice.
+    async fn insert(&self, charge: Charge) -> Result<Option<Charge>>;
 
-    /// The provider refused the `authorizing` charge's create call: the charge was never made,
-    /// and goes, unless the reconciler took it over meanwhile (`false`: its outcome is the
-    /// reconciler's to learn). Never for a call whose outcome is unknown.
+    /// Removes an `authorizing` charge whose create the provider refused, unless the reconciler
+    /// took it over meanwhile (`false`). Never for a call whose outcome is unknown.
     async fn abandon(&self, charge: &Charge) -> bool;
 
     /// The account's charge `id`; another account's is not found either.
-    async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError>;
+    async fn get(&self, account: &Account, id: &str) -> Result<Charge>;
 
     /// The account's charges, newest first.
-    async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError>;
+    async fn list(&self, account: &Account) -> Result<Vec<Charge>>;
 
-    /// Changes the account's charge `id`, with its event, all or nothing, in the request's work
-    /// (`request`: its extensions; in PostgreSQL, the transaction that commits with its
-    /// idempotency record), or at once for a request without one.
+    /// Changes the account's charge `id`, with its event, all or nothing, in `request`'s work (in
+    /// PostgreSQL, the transaction that commits with its idempotency record) or at once.
     async fn settle(
         &self,
         request: &Extensions,
@@ -68,45 +62,36 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         id: &str,
         change: Change<'_>,
         event: EventOf<'_>,
-    ) -> Result<Charge, ApiError>;
+    ) -> Result<Charge>;
 
     /// Up to `limit` charges in an `-ing` state unchanged for `after`, oldest first.
-    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError>;
+    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>>;
 
-    /// Moves `found` to `settled`, with `event`, unless the charge changed since it was found
-    /// (in PostgreSQL: left its state or call, or changed within `unchanged_for`); says whether
-    /// it did.
+    /// Moves `found` to `settled`, with `event`, unless it changed since (in PostgreSQL: left
+    /// its state or call, or changed within `unchanged_for`); says whether it did.
     async fn swap(
         &self,
         found: &Charge,
         settled: &Charge,
         event: Option<PaymentEvent>,
         unchanged_for: Duration,
-    ) -> Result<bool, ApiError>;
+    ) -> Result<bool>;
 
     /// Changes the account's charge `id`, all or nothing, committed at once.
-    async fn update(
-        &self,
-        account: &Account,
-        id: &str,
-        change: Change<'_>,
-    ) -> Result<Charge, ApiError> {
+    async fn update(&self, account: &Account, id: &str, change: Change<'_>) -> Result<Charge> {
         (self.settle(&Extensions::new(), account, id, change, &|_| None)).await
     }
 
-    /// A charge for `request` under the provider's key `provider_key`, stored `authorizing`
-    /// before the provider is called. An earlier attempt's charge is resumed (touched, so that
-    /// the reconciler leaves it alone while this attempt runs), or answered once settled; one
-    /// made for another request is refused (`idempotency_key_reused`), and one the reconciler
-    /// took over is its to settle (`504`).
+    /// A charge for `request` under `provider_key`, committed `authorizing` before the call. An
+    /// earlier attempt's is resumed (touched: the reconciler leaves it alone) or, settled,
+    /// answered; another request's is `idempotency_key_reused`; the reconciler's is `504`.
     async fn open(
         &self,
         account: &Account,
         provider_key: &str,
         request: &NewCharge,
-    ) -> Result<Opened, ApiError> {
-        // A few times at most: the charge found may go (abandoned) before it is touched, and
-        // another run may store the operation's charge between the look and the insert.
+    ) -> Result<Opened> {
+        // A charge found may be abandoned before it is touched, or one inserted after the look.
         for _ in 0..3 {
             let Some(earlier) = self.find(account, provider_key).await? else {
                 let mut charge = Charge::new(account.clone(), request, provider_key);
@@ -138,15 +123,14 @@ pub trait Ledger: fmt::Debug + Send + Sync {
         Err(ApiError::storage_unavailable())
     }
 
-    /// Writes the provider's answer for an `authorizing` charge (its status and payment), with
-    /// its event, in the request's work, as [`Ledger::settle`]. A charge settled meanwhile (by
-    /// the reconciler, from the same answer) is kept and returned.
+    /// Writes the provider's answer (status, payment) over an `authorizing` charge, with its
+    /// event, as [`Ledger::settle`]. One settled meanwhile (by the reconciler) is kept as it is.
     async fn record(
         &self,
         request: &Extensions,
         charge: Charge,
         event: EventOf<'_>,
-    ) -> Result<Charge, ApiError> {
+    ) -> Result<Charge> {
         let answer = &mut |c: &mut Charge| {
             if c.status == Status::Authorizing {
                 c.status = charge.status;
@@ -155,8 +139,7 @@ pub trait Ledger: fmt::Debug + Send + Sync {
             }
             Ok(())
         };
-        let recorded = self.settle(request, &charge.account, &charge.id, answer, event);
-        recorded.await
+        (self.settle(request, &charge.account, &charge.id, answer, event)).await
     }
 }
 
@@ -192,43 +175,31 @@ pub struct Charge {
     pub provider_key: String,
     /// The provider's payment id.
     pub payment: String,
-    /// The provider's key of the last capture, refund or cancellation call (empty before one):
-    /// held while the charge is in that call's `-ing` state, so that a retry of the same request
-    /// resumes it and the reconciler can ask the provider what became of it.
+    /// The key of the capture, refund or cancellation in flight, kept through its `-ing` state:
+    /// a retry resumes the call, the reconciler sends it again.
     pub call_key: String,
     /// That call's amount, for a refund.
     pub call_amount: i64,
-    /// When that call began, in ms since the epoch: the provider remembers its key for its
-    /// window from then, and the reconciler sends it again only within it. (A charge written
-    /// before this was kept counts from when it is read.)
-    #[serde(default = "now_ms")]
+    /// When that call began (ms since the epoch): the provider's key window counts from it.
     pub call_started: u64,
-    /// The refunds made, each under its provider key: a retry of one, after other calls moved
-    /// the charge on, is answered from here, and never counted again.
-    #[serde(default)]
+    /// The refunds made, by key: a retry after later calls is answered here, never counted twice.
     pub refunds: Vec<Refund>,
-    /// The provider's key of the capture made (empty before one): a retry of it, after other
-    /// calls moved the charge on, gets the charge.
-    #[serde(default)]
+    /// The key of the capture made: a retry of it after later calls gets the charge.
     pub capture_key: String,
-    /// The reconciler took the call in flight over (it sends it again under its key): a run of
-    /// the request whose own call is refused leaves the charge to it, as its call may be made.
-    #[serde(default)]
+    /// The reconciler took the call in flight over: a run whose own call is refused leaves the
+    /// charge to it, as the reconciler's call may be made.
     pub reconciling: bool,
     /// Orders the charges (several may share a `created` second).
     pub seq: u64,
-    /// When it last changed, in ms since the epoch (PostgreSQL keeps `updated_at`): what a
-    /// compare-and-set compares, and the reconciler leaves a recent charge alone.
-    #[serde(default)]
+    /// When it last changed (ms since the epoch; in PostgreSQL, `updated_at` counts): what a
+    /// compare-and-set compares; the reconciler leaves a recent charge alone.
     pub updated: u64,
 }
 
 impl Charge {
-    /// A new charge for `request`, `created`, with a fresh id.
+    /// A new charge for `request`, `created`, with a fresh id; its create call begins now.
     pub fn new(account: Account, request: &NewCharge, provider_key: &str) -> Self {
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |since| since.as_secs());
+        let now = now_ms();
         Self {
             id: new_id("ch"),
             account,
@@ -240,22 +211,21 @@ impl Charge {
             metadata: request.metadata.clone(),
             status: Status::Created,
             amount_refunded: 0,
-            created,
+            created: now / 1000,
             provider_key: provider_key.to_owned(),
             payment: String::new(),
             call_key: String::new(),
             call_amount: 0,
-            // The create call begins now: the provider's key window counts from it.
-            call_started: now_ms(),
+            call_started: now,
             refunds: Vec::new(),
             capture_key: String::new(),
             reconciling: false,
             seq: 0,
-            updated: now_ms(),
+            updated: now,
         }
     }
 
-    /// Whether the charge waits on a provider call: in one of the `-ing` states.
+    /// Whether the charge waits on a provider call (an `-ing` state).
     pub fn is_busy(&self) -> bool {
         matches!(
             self.status,
@@ -274,7 +244,7 @@ impl Charge {
     }
 
     /// Moves the charge along `event`, or refuses with `invalid_state` (nothing changes).
-    pub fn apply(&mut self, event: Event) -> Result<(), ApiError> {
+    pub fn apply(&mut self, event: Event) -> Result<()> {
         self.status = next(self.status, event)
             .ok_or_else(|| ApiError::invalid_state(self.status, event.operation()))?;
         // The reconciler's mark is on the call in flight: it ends with it.
@@ -284,9 +254,9 @@ impl Charge {
         Ok(())
     }
 
-    /// Records the refund `id` of the call under `call_key`, `amount` of the charge, and moves
-    /// the charge out of `refunding`: fully refunded, or captured with the rest left.
-    pub fn record_refund(&mut self, call_key: &str, id: &str, amount: i64) -> Result<(), ApiError> {
+    /// Records the refund `id` of `amount` under `call_key`, and moves the charge out of
+    /// `refunding`: refunded, or captured with the rest left.
+    pub fn record_refund(&mut self, call_key: &str, id: &str, amount: i64) -> Result<()> {
         self.amount_refunded += amount;
         self.refunds.push(Refund {
             call_key: call_key.to_owned(),
@@ -302,9 +272,7 @@ impl Charge {
 
     /// The refund made under the provider key `call_key`, if one was.
     pub fn refund_under(&self, call_key: &str) -> Option<&Refund> {
-        self.refunds
-            .iter()
-            .find(|refund| refund.call_key == call_key)
+        self.refunds.iter().find(|r| r.call_key == call_key)
     }
 
     /// What is left to refund.
@@ -314,6 +282,8 @@ impl Charge {
 
     /// The charge as the API shows it.
     pub fn to_json(&self) -> ChargeJson {
+        let captured =
+            [Status::Captured, Status::Refunding, Status::Refunded].contains(&self.status);
         ChargeJson {
             id: self.id.clone(),
             object: "charge",
@@ -321,11 +291,8 @@ impl Charge {
             currency: self.currency.clone(),
             description: self.description.clone(),
             metadata: self.metadata.clone(),
-            status: self.status.as_str(),
-            captured: matches!(
-                self.status,
-                Status::Captured | Status::Refunding | Status::Refunded
-            ),
+            status: self.status,
+            captured,
             amount_refunded: self.amount_refunded,
             created: self.created,
         }
@@ -351,7 +318,7 @@ pub struct ChargeJson {
     currency: String,
     description: Option<String>,
     metadata: BTreeMap<String, String>,
-    status: &'static str,
+    status: Status,
     captured: bool,
     amount_refunded: i64,
     created: u64,
@@ -360,11 +327,9 @@ pub struct ChargeJson {
 /// What [`Ledger::open`] found for a new charge's key.
 #[derive(Debug)]
 pub enum Opened {
-    /// The charge is `authorizing`: call the provider. A new one, or one an earlier attempt left
-    /// there.
+    /// `authorizing`, new or an earlier attempt's: call the provider.
     Authorizing(Charge),
-    /// An earlier attempt's charge, settled since (by that attempt, whose idempotency record was
-    /// lost, or by the reconciler): the answer.
+    /// An earlier attempt's, settled (its record lost, or by the reconciler): the answer.
     Settled(Charge),
 }
 
@@ -378,6 +343,6 @@ pub fn new_id(prefix: &str) -> String {
 }
 
 /// A duration in milliseconds, saturated.
-fn millis(duration: Duration) -> u64 {
+pub(crate) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }

@@ -1,29 +1,26 @@
 //! The charges in PostgreSQL's `charges` table (`pg/schema.sql`): what a query looks for in
-//! columns of their own (the account, the operation, the status, when it changed), the rest of
-//! the charge as JSON beside them.
+//! columns (account, operation, status, when it changed), the charge itself as JSON.
 //!
-//! A new charge's `authorizing` row is committed before the provider is called; its retry finds
-//! it by the operation and resumes it. One charge per operation is the `UNIQUE (account,
-//! operation)` index: two runs of one request that both found nothing both insert, one row goes
-//! in (`ON CONFLICT DO NOTHING`), and the other run finds and resumes it. After the provider's
-//! window the old row gives its operation up (`operation` set to NULL, which the index does not
-//! count) before the new row goes in. Every change locks its row (`FOR UPDATE`) and goes through
-//! the state machine, so of a resumed request and the reconciler exactly one moves it on.
+//! One charge per operation is the `UNIQUE (account, operation)` index, the last line of defence:
+//! of two runs that both found nothing, one row goes in (`ON CONFLICT DO NOTHING`), the other
+//! resumes it. Past the provider's window the old row gives its operation up (NULL, which the
+//! index does not count). Every change locks its row (`FOR UPDATE`) and goes through the state
+//! machine: of a resumed request and the reconciler, one moves it on.
 //!
-//! The final writes and their events go through the request's [`PgTx`], which commits with the
-//! idempotency record only while the claim is still the request's: a displaced run's whole
-//! transaction rolls back, so these rows need no fence. (With the records in Redis, they commit
-//! on their own, guarded by the state they are written over.)
+//! A request's final write and event commit in its [`PgTx`] with its idempotency record, or not
+//! at all once another run took the claim: these rows need no fence. (With the records in Redis,
+//! they commit alone, guarded by the state they are written over.)
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use axum::http::Extensions;
-use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::Query;
+use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tower_idempotency_postgres::{PgTx, PgTxError};
 
-use super::{Change, Charge, EventOf, Ledger};
+use super::{Change, Charge, EventOf, Ledger, Result, millis};
 use crate::auth::Account;
 use crate::error::ApiError;
 use crate::events::PaymentEvent;
@@ -36,7 +33,7 @@ fn ago(n: u8) -> String {
 }
 
 fn ms(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(millis(duration)).unwrap_or(i64::MAX)
 }
 
 /// The charges in PostgreSQL.
@@ -53,27 +50,22 @@ impl PgLedger {
         Self { pool, window }
     }
 
-    /// The charges `sql` selects (`SELECT charge, seq FROM charges ...`), bound to `binds`.
-    async fn select(&self, sql: &str, binds: &[&str]) -> Result<Vec<Charge>, ApiError> {
-        let mut query = sqlx::query(sql);
-        for bind in binds {
-            query = query.bind(*bind);
-        }
+    /// The charges `query` (`SELECT charge, seq FROM charges ...`) finds.
+    async fn select(&self, query: Query<'_, Postgres, PgArguments>) -> Result<Vec<Charge>> {
         let rows = query.fetch_all(&self.pool).await.map_err(unavailable)?;
         rows.iter().map(read).collect()
     }
 }
 
-/// Where a request's final write goes: the request's transaction, which commits with its
-/// idempotency record ([`PgTx`]), or, when the records are kept elsewhere (Redis), a transaction
-/// of the ledger's own, committed at once.
+/// Where a request's final write goes: its [`PgTx`], or, with the records elsewhere (Redis), a
+/// transaction of the ledger's own, committed at once.
 enum Work {
     Request(PgTx),
     Own(sqlx::Transaction<'static, sqlx::Postgres>),
 }
 
 impl Work {
-    async fn begin(pool: &PgPool, request: &Extensions) -> Result<Self, ApiError> {
+    async fn begin(pool: &PgPool, request: &Extensions) -> Result<Self> {
         match PgTx::from_extensions(request).await {
             Ok(tx) => Ok(Work::Request(tx)),
             Err(PgTxError::NotClaimed) => Ok(Work::Own(pool.begin().await.map_err(unavailable)?)),
@@ -92,7 +84,7 @@ impl Work {
     }
 
     /// Commits a transaction of the ledger's own; the request's commits with its record.
-    async fn finish(self) -> Result<(), ApiError> {
+    async fn finish(self) -> Result<()> {
         match self {
             Work::Request(_) => Ok(()),
             Work::Own(tx) => tx.commit().await.map_err(unavailable),
@@ -100,12 +92,8 @@ impl Work {
     }
 }
 
-/// Writes `charge` over its row, with its event, in the transaction of `conn`.
-async fn write(
-    conn: &mut PgConnection,
-    charge: &Charge,
-    event: Option<PaymentEvent>,
-) -> Result<(), ApiError> {
+/// Writes `charge` over its row, with its event, in the transaction `tx`.
+async fn write(tx: &mut PgConnection, charge: &Charge, event: Option<PaymentEvent>) -> Result<()> {
     sqlx::query(
         "UPDATE charges SET status = $2, charge = $3, updated_at = statement_timestamp()
          WHERE id = $1",
@@ -113,36 +101,28 @@ async fn write(
     .bind(&charge.id)
     .bind(charge.status.as_str())
     .bind(json(charge)?)
-    .execute(&mut *conn)
+    .execute(&mut *tx)
     .await
     .map_err(unavailable)?;
     if let Some(event) = event {
-        outbox::insert(conn, &event).await.map_err(unavailable)?;
+        outbox::insert(tx, &event).await.map_err(unavailable)?;
     }
     Ok(())
 }
 
 #[async_trait]
 impl Ledger for PgLedger {
-    async fn find(
-        &self,
-        account: &Account,
-        provider_key: &str,
-    ) -> Result<Option<Charge>, ApiError> {
+    async fn find(&self, account: &Account, provider_key: &str) -> Result<Option<Charge>> {
         let sql = format!(
             "SELECT charge, seq FROM charges
              WHERE account = $1 AND operation = $2 AND opened_at > {}",
             ago(3)
         );
-        let row = (sqlx::query(&sql).bind(account.id()).bind(provider_key))
-            .bind(ms(self.window))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        row.as_ref().map(read).transpose()
+        let query = sqlx::query(&sql).bind(account.id()).bind(provider_key);
+        Ok(self.select(query.bind(ms(self.window))).await?.pop())
     }
 
-    async fn insert(&self, mut charge: Charge) -> Result<Option<Charge>, ApiError> {
+    async fn insert(&self, mut charge: Charge) -> Result<Option<Charge>> {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let release = format!(
             "UPDATE charges SET operation = NULL
@@ -195,18 +175,17 @@ impl Ledger for PgLedger {
         }
     }
 
-    async fn get(&self, account: &Account, id: &str) -> Result<Charge, ApiError> {
+    async fn get(&self, account: &Account, id: &str) -> Result<Charge> {
         let sql = "SELECT charge, seq FROM charges WHERE id = $1 AND account = $2";
-        let found = self.select(sql, &[id, account.id()]).await?;
-        found
-            .into_iter()
-            .next()
-            .ok_or_else(|| ApiError::no_such_charge(id))
+        let mut found = self
+            .select(sqlx::query(sql).bind(id).bind(account.id()))
+            .await?;
+        found.pop().ok_or_else(|| ApiError::no_such_charge(id))
     }
 
-    async fn list(&self, account: &Account) -> Result<Vec<Charge>, ApiError> {
+    async fn list(&self, account: &Account) -> Result<Vec<Charge>> {
         let sql = "SELECT charge, seq FROM charges WHERE account = $1 ORDER BY seq DESC";
-        self.select(sql, &[account.id()]).await
+        self.select(sqlx::query(sql).bind(account.id())).await
     }
 
     async fn settle(
@@ -216,38 +195,31 @@ impl Ledger for PgLedger {
         id: &str,
         change: Change<'_>,
         event: EventOf<'_>,
-    ) -> Result<Charge, ApiError> {
+    ) -> Result<Charge> {
         let mut work = Work::begin(&self.pool, request).await?;
-        let row = sqlx::query(
-            "SELECT charge, seq FROM charges WHERE id = $1 AND account = $2 FOR UPDATE",
-        )
-        .bind(id)
-        .bind(account.id())
-        .fetch_optional(work.conn())
-        .await
-        .map_err(unavailable)?
-        .ok_or_else(|| ApiError::no_such_charge(id))?;
-        let mut charge = read(&row)?;
+        let sql = "SELECT charge, seq FROM charges WHERE id = $1 AND account = $2 FOR UPDATE";
+        let row = (sqlx::query(sql).bind(id).bind(account.id()))
+            .fetch_optional(work.conn())
+            .await
+            .map_err(unavailable)?;
+        let mut charge = read(&row.ok_or_else(|| ApiError::no_such_charge(id))?)?;
         change(&mut charge)?;
         write(work.conn(), &charge, event(&charge)).await?;
         work.finish().await?;
         Ok(charge)
     }
 
-    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>, ApiError> {
-        let rows = sqlx::query(&format!(
+    async fn unsettled(&self, after: Duration, limit: usize) -> Result<Vec<Charge>> {
+        let sql = format!(
             "SELECT charge, seq FROM charges
              WHERE status IN ('authorizing', 'capturing', 'refunding', 'canceling')
                AND updated_at < {}
              ORDER BY updated_at LIMIT $2",
             ago(1)
-        ))
-        .bind(ms(after))
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(unavailable)?;
-        rows.iter().map(read).collect()
+        );
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.select(sqlx::query(&sql).bind(ms(after)).bind(limit))
+            .await
     }
 
     async fn swap(
@@ -256,7 +228,7 @@ impl Ledger for PgLedger {
         settled: &Charge,
         event: Option<PaymentEvent>,
         unchanged_for: Duration,
-    ) -> Result<bool, ApiError> {
+    ) -> Result<bool> {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let unchanged = sqlx::query(&format!(
             "SELECT FROM charges
@@ -283,7 +255,7 @@ impl Ledger for PgLedger {
 }
 
 /// A charge as its row's `charge` column holds it.
-fn json(charge: &Charge) -> Result<String, ApiError> {
+fn json(charge: &Charge) -> Result<String> {
     serde_json::to_string(charge).map_err(|err| {
         tracing::error!(%err, "cannot encode a charge");
         ApiError::storage_unavailable()
@@ -291,7 +263,7 @@ fn json(charge: &Charge) -> Result<String, ApiError> {
 }
 
 /// A charge from a row of `charge, seq`.
-fn read(row: &PgRow) -> Result<Charge, ApiError> {
+fn read(row: &PgRow) -> Result<Charge> {
     let charge: String = row.try_get("charge").map_err(unavailable)?;
     let mut charge: Charge = serde_json::from_str(&charge).map_err(|err| {
         tracing::error!(%err, "a charge that does not decode");
