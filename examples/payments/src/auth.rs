@@ -31,11 +31,6 @@ impl Account {
         Self(format!("acct_{}", &hex[..32]))
     }
 
-    /// The account whose id is `id`, as [`Account::id`] gave it (read back from a database).
-    pub fn from_id(id: String) -> Self {
-        Self(id)
-    }
-
     /// The account's id.
     pub fn id(&self) -> &str {
         &self.0

@@ -113,8 +113,9 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<ChargeJson>), ApiError> {
     let request = parse_create(&headers, &body)?;
     let provider_key = provider_key(&key, &account);
-    let mut charge = match state.ledger.open(&account, &provider_key, &request).await? {
-        Opened::Authorizing(charge) => charge,
+    let (mut charge, resumed) = match state.ledger.open(&account, &provider_key, &request).await? {
+        Opened::Authorizing(charge) => (charge, false),
+        Opened::Resumed(charge) => (charge, true),
         // An earlier attempt with this key settled it (its record lost), or the reconciler did.
         Opened::Settled(charge) if charge.status == Status::Failed => {
             return Err(ApiError::card_declined(&charge.id));
@@ -131,6 +132,9 @@ pub async fn create(
         // The provider may have made the payment: the charge stays `authorizing`, for the retry
         // with the same key to resume, or the reconciler to settle from the provider's side.
         Err(err @ ProviderError::Unknown) => return Err(err.into()),
+        // Down for a resumed call: the earlier attempt's call may still land (the reconciler
+        // settles it).
+        Err(ProviderError::Unavailable) if resumed => return Err(ProviderError::Unknown.into()),
         // Refused: the charge was never made (unless the reconciler took it over, and resends).
         Err(err) if state.ledger.abandon(&charge).await => return Err(err.into()),
         Err(_) => return Err(ProviderError::Unknown.into()),
@@ -242,7 +246,8 @@ async fn move_along(
     begin: Event,
 ) -> Result<Json<ChargeJson>, ApiError> {
     let call_key = provider_key(&key, &account);
-    let start = &mut |c: &mut Charge| begin_call(c, begin, &call_key);
+    let mut resumed = false;
+    let start = &mut |c: &mut Charge| begin_call(c, begin, &call_key).map(|r| resumed = r);
     let charge = state.ledger.update(&account, &id, start).await?;
     if call_made(&charge, begin, &call_key) {
         // Made already, and settled (by an earlier run, or the reconciler): the answer.
@@ -254,7 +259,8 @@ async fn move_along(
         Event::Capture => (provider.capture(&call_key, payment).await, Event::Captured),
         _ => (provider.cancel(&call_key, payment).await, Event::Canceled),
     };
-    roll_back_if_refused(called, &state, &account, &id, begin, &call_key).await?;
+    let call = (begin, call_key.as_str(), resumed);
+    roll_back_if_refused(called, &state, &account, &id, call).await?;
     let end_call = &mut |c: &mut Charge| {
         // Unless another run of the same request settled the call already.
         if !waits_on(c, begin, &call_key) {
@@ -265,7 +271,8 @@ async fn move_along(
         }
         c.apply(end)
     };
-    let event = |c: &Charge| (end == Event::Captured).then(|| PaymentEvent::captured(c));
+    // The event of this request's capture, once settled (by this run or the reconciler).
+    let event = |c: &Charge| (c.capture_key == call_key).then(|| PaymentEvent::captured(c));
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, end_call, &event)
         .await
@@ -273,21 +280,21 @@ async fn move_along(
     Ok(Json(charge.to_json()))
 }
 
-/// Moves `charge` along `event` into the `-ing` state of a call with `call_key`, unless an earlier
-/// run of this request began or made it: the provider answers it again (or refuses the key).
-fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<(), ApiError> {
-    if charge.call_key == call_key {
-        return resumable(charge, event);
-    }
+/// Moves `charge` along `event` into the `-ing` state of a call with `call_key`; `true` when an
+/// earlier run of this request began it (the provider answers it again). A call made is answered
+/// as it is; a key whose call was another operation's is refused.
+fn begin_call(charge: &mut Charge, event: Event, call_key: &str) -> Result<bool, ApiError> {
     if call_made(charge, event, call_key) {
-        // Made, and later calls moved the charge on: answered as it is.
-        return Ok(());
+        return Ok(false);
+    }
+    if charge.call_key == call_key {
+        return resumable(charge, event).map(|()| true);
     }
     charge.apply(event)?;
     charge.call_key = call_key.to_owned();
     charge.call_started = now_ms();
     charge.call_amount = 0;
-    Ok(())
+    Ok(false)
 }
 
 /// Whether `charge` still waits on this request's `operation` call. Once settled (by another run,
@@ -317,11 +324,12 @@ fn calling(operation: Event) -> Status {
     }
 }
 
-/// A request whose key made the charge's last call, for `operation`: resumed, unless that call is
-/// another operation's still in flight (the client's key sent again for another operation, once
-/// the layer let it go after a `5xx`), which this request must neither resume nor undo.
+/// A request whose key made the charge's last call, not settled as `operation`'s: resumed while
+/// the charge waits on it, else refused. The call was another operation's (the client's key sent
+/// again for another operation, once the layer let it go), which this request must neither
+/// resume nor undo, nor take as its own.
 fn resumable(charge: &Charge, operation: Event) -> Result<(), ApiError> {
-    if charge.is_busy() && charge.status != calling(operation) {
+    if charge.status != calling(operation) {
         return Err(ApiError::idempotency_key_reused());
     }
     if charge.reconciling {
@@ -344,7 +352,7 @@ pub async fn refund(
         false => parse_body(&headers, &body, from_form)?,
     };
     let call_key = provider_key(&key, &account);
-    let (mut amount, mut made) = (0, None);
+    let (mut amount, mut made, mut resumed) = (0, None, false);
     let begin = &mut |c: &mut Charge| {
         // The key names one refund: another amount under it is another request.
         let other_amount = |earlier: i64| input.amount.is_some_and(|asked| asked != earlier);
@@ -357,11 +365,11 @@ pub async fn refund(
             return Ok(());
         }
         if c.call_key == call_key {
-            // Begun (or made) by an earlier run: the provider answers again, or refuses the key.
-            if c.status == Status::Refunding && other_amount(c.call_amount) {
+            // Begun by an earlier run: the provider answers it again.
+            if other_amount(c.call_amount) {
                 return Err(ApiError::idempotency_key_reused());
             }
-            amount = c.call_amount;
+            (amount, resumed) = (c.call_amount, true);
             return resumable(c, Event::Refund);
         }
         amount = input.amount.unwrap_or(c.refundable());
@@ -385,13 +393,17 @@ pub async fn refund(
     still_held(extensions.get()).await?;
     let payment = &charge.payment;
     let called = state.provider.refund(&call_key, payment, amount).await;
-    let refund_id =
-        roll_back_if_refused(called, &state, &account, &id, Event::Refund, &call_key).await?;
+    let call = (Event::Refund, call_key.as_str(), resumed);
+    let refund_id = roll_back_if_refused(called, &state, &account, &id, call).await?;
     let settle = &mut |c: &mut Charge| match waits_on(c, Event::Refund, &call_key) {
         true => c.record_refund(&call_key, &refund_id, amount),
         false => Ok(()),
     };
-    let event = |c: &Charge| Some(PaymentEvent::refunded(c, &refund_id, amount));
+    // The event of this request's refund, once settled (by this run or the reconciler).
+    let event = |c: &Charge| {
+        let settled = c.refund_under(&call_key).is_some_and(|r| r.id == refund_id);
+        settled.then(|| PaymentEvent::refunded(c, &refund_id, amount))
+    };
     let charge = (state.ledger)
         .settle(&extensions, &account, &id, settle, &event)
         .await
@@ -414,18 +426,19 @@ fn refunded(id: String, amount: i64, charge: String) -> (StatusCode, Json<Refund
 
 /// The provider's answer, or its refusal (unavailable, the key another request's, a refund beyond
 /// the payment) once the charge is back where it was before the call: only a refusal says nothing
-/// happened (a 503 is not stored: a retry runs again). An unknown outcome, or a charge the
-/// reconciler or a later run holds, is left as it is: the retry, or the reconciler, learns it.
+/// happened (a 503 is not stored: a retry runs again). An unknown outcome, a charge the reconciler
+/// or a later run holds, or a resumed call the provider was down for (the earlier run's call may
+/// still land) is left as it is: the retry, or the reconciler, learns it.
 async fn roll_back_if_refused<T>(
     called: Result<T, ProviderError>,
     state: &AppState,
     account: &Account,
     id: &str,
-    operation: Event,
-    call_key: &str,
+    (operation, call_key, resumed): (Event, &str, bool),
 ) -> Result<T, ApiError> {
     let refusal = match called {
         Ok(answer) => return Ok(answer),
+        Err(ProviderError::Unavailable) if resumed => return Err(ProviderError::Unknown.into()),
         Err(err @ ProviderError::Unknown) => return Err(err.into()),
         Err(refusal) => refusal,
     };

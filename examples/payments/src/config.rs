@@ -107,8 +107,10 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         None => ProviderClient::new(Provider::new(latency, provider::WINDOW).router()),
     };
     let stop = CancellationToken::new();
+    // Let go only once this process is done with its money, not when asked to stop.
+    let exited = CancellationToken::new();
     let hold = if memory_beside_redis {
-        Some(single_process::hold(records.clone(), stop.clone()).await?)
+        Some(single_process::hold(records.clone(), exited.clone()).await?)
     } else {
         None
     };
@@ -162,6 +164,7 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
     if let Err(err) = workers.await {
         tracing::error!(%err, "the ledger consumer failed");
     }
+    exited.cancel();
     if let Some(hold) = hold {
         let _ = hold.await;
     }

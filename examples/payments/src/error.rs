@@ -153,7 +153,7 @@ impl ApiError {
         Self::unavailable("ledger_unavailable", message)
     }
 
-    /// 503: the charges' store failed; a retry with the same key undoes or resumes the request.
+    /// 503: the charges' store failed; a retry with the same key resumes the request.
     pub fn storage_unavailable() -> Self {
         let message = "the charges are unavailable; retry with the same Idempotency-Key";
         Self::unavailable("storage_unavailable", message)
@@ -171,8 +171,8 @@ impl From<ProviderError> for ApiError {
         match err {
             ProviderError::Unavailable => Self::unavailable(
                 "provider_unavailable",
-                "the payment provider is unavailable; nothing was charged, retry with the same \
-                 Idempotency-Key",
+                "the payment provider is unavailable and did nothing (nothing was charged or \
+                 refunded): retry with the same Idempotency-Key",
             ),
             // The charge is kept; the retry with its key, or the reconciler, learns the outcome.
             ProviderError::Unknown => Self::new(
@@ -189,6 +189,10 @@ impl From<ProviderError> for ApiError {
             ProviderError::NoSuchPayment => {
                 let text = "the provider has no such payment";
                 Self::new(StatusCode::BAD_REQUEST, INVALID, "resource_missing", text)
+            }
+            ProviderError::UnexpectedState => {
+                let text = "the provider's payment cannot be captured or canceled in its state";
+                Self::new(StatusCode::BAD_REQUEST, INVALID, "unexpected_state", text)
             }
         }
     }

@@ -11,8 +11,8 @@ use super::error::ApiError;
 /// The example's own tables: `CREATE TABLE IF NOT EXISTS`, run at start-up.
 const SCHEMA: &str = include_str!("pg/schema.sql");
 
-/// SQLSTATE `unique_violation`.
-const UNIQUE_VIOLATION: &str = "23505";
+/// SQLSTATE `undefined_column`.
+const UNDEFINED_COLUMN: &str = "42703";
 
 /// The bound on creating the schema.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -31,15 +31,19 @@ pub async fn connect(url: &str) -> Result<PgStore, String> {
     let schema = format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK});\n{SCHEMA}");
     let create = async {
         let mut conn = store.pool().acquire().await?;
-        sqlx::raw_sql(&schema).execute(&mut *conn).await
+        sqlx::raw_sql(&schema).execute(&mut *conn).await?;
+        // A table left by an earlier shape of the example is not made again: refused now, not at
+        // the first charge.
+        sqlx::query("SELECT charge, call_key, reconciling FROM charges LIMIT 0")
+            .execute(&mut *conn)
+            .await
     };
     match tokio::time::timeout(MIGRATE_TIMEOUT, create).await {
         Ok(Ok(_)) => Ok(store),
-        Ok(Err(sqlx::Error::Database(err))) if err.code().as_deref() == Some(UNIQUE_VIOLATION) => {
+        Ok(Err(sqlx::Error::Database(err))) if err.code().as_deref() == Some(UNDEFINED_COLUMN) => {
             Err(unusable(format!(
-                "the charges table has two charges for one operation, so one charge per operation \
-                 cannot be enforced ({}); keep the one the balance counts, set the other's \
-                 operation to NULL, and start again",
+                "its charges table was made by an earlier version of this example ({}): drop \
+                 the example's tables (charges, balances, payment_events) or use another database",
                 err.message()
             )))
         }

@@ -103,22 +103,41 @@ impl Reconciler {
         let charges = self.ledger.unsettled(self.after, BATCH).await?;
         let mut done = Reconciled::default();
         for charge in charges {
-            let Some(charge) = self.take_over(charge).await? else {
-                // Changed since it was listed: a run of its request is on it.
-                done.left += 1;
-                continue;
-            };
-            match self.ask(&charge).await {
-                Ok(Some(answer)) if self.settle(&charge, &answer).await? => done.settled += 1,
-                Ok(None) if self.undo(&charge).await? => done.removed += 1,
-                Ok(_) => done.left += 1,
-                Err(err) => {
-                    tracing::debug!(charge = %charge.id, %err, "the provider cannot tell yet");
+            // One charge the ledger fails on leaves the others to be settled.
+            match self.reconcile(charge).await {
+                Ok(Some(true)) => done.settled += 1,
+                Ok(Some(false)) => done.removed += 1,
+                Ok(None) => done.left += 1,
+                Err((id, err)) => {
+                    tracing::warn!(charge = %id, ?err, "cannot reconcile a charge; trying again next round");
                     done.left += 1;
                 }
             }
         }
         Ok(done)
+    }
+
+    /// Settles one charge: `Some(true)` settled, `Some(false)` removed or rolled back, `None`
+    /// left for the next round.
+    async fn reconcile(&self, charge: Charge) -> Result<Option<bool>, (String, ApiError)> {
+        let id = charge.id.clone();
+        let failed = |err| (id.clone(), err);
+        let Some(charge) = self.take_over(charge).await.map_err(failed)? else {
+            // Changed since it was listed: a run of its request is on it.
+            return Ok(None);
+        };
+        Ok(match self.ask(&charge).await {
+            Ok(Some(answer)) => self
+                .settle(&charge, &answer)
+                .await
+                .map_err(failed)?
+                .then_some(true),
+            Ok(None) => self.undo(&charge).await.map_err(failed)?.then_some(false),
+            Err(err) => {
+                tracing::debug!(charge = %charge.id, %err, "the provider cannot tell yet");
+                None
+            }
+        })
     }
 
     /// Marks the call in flight as the reconciler's before sending it again, unless the charge
@@ -149,7 +168,7 @@ impl Reconciler {
 
     /// What the provider did, or does now, with the call `charge` waits on, sent again under its
     /// key; `None` when refused. A create whose key may be forgotten is searched for by its
-    /// metadata instead: not found a day after it began, it was never made.
+    /// metadata instead: not found 23 hours after it began, it was never made.
     async fn ask(&self, charge: &Charge) -> Result<Option<Answer>, ProviderError> {
         let provider = &self.provider;
         let payment = charge.payment.as_str();
@@ -261,7 +280,9 @@ fn made<T>(answer: Result<T, ProviderError>) -> Result<Option<T>, ProviderError>
     use ProviderError as E;
     match answer {
         Ok(made) => Ok(Some(made)),
-        Err(E::AmountTooLarge { .. } | E::NoSuchPayment | E::KeyReused) => Ok(None),
+        Err(E::AmountTooLarge { .. } | E::NoSuchPayment | E::KeyReused | E::UnexpectedState) => {
+            Ok(None)
+        }
         Err(err) => Err(err),
     }
 }

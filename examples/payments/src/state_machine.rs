@@ -9,8 +9,9 @@
 //! ```
 //!
 //! An `-ing` state is held during the provider call: another request on the charge gets
-//! `invalid_state`, not a second call. When the provider did nothing (unavailable, or the key is
-//! another request's), `provider_did_nothing` rolls the charge back, so a retry can run again.
+//! `invalid_state`, not a second call. When the provider refused a capture, refund or
+//! cancellation (unavailable, or the key another request's), `provider_did_nothing` rolls the
+//! charge back, so a retry can run again; a refused create's charge is removed instead.
 
 /// Where a charge is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -85,7 +86,6 @@ pub const TRANSITIONS: &[(Status, Event, Status)] = {
         (S::Created, E::Authorize, S::Authorizing),
         (S::Authorizing, E::Approved, S::Authorized),
         (S::Authorizing, E::Declined, S::Failed),
-        (S::Authorizing, E::ProviderDidNothing, S::Created),
         (S::Authorized, E::Capture, S::Capturing),
         (S::Capturing, E::Captured, S::Captured),
         (S::Capturing, E::ProviderDidNothing, S::Authorized),

@@ -1,9 +1,6 @@
-//! Charges, captures, refunds and cancellations made once through the API, driven in process with
-//! `oneshot` on both ledgers (memory, and a database of its own on PostgreSQL), the provider's
-//! calls and effects counted at its HTTP edge: replays and refusals, accounts kept apart, keys the
-//! layer forgot within and after the provider's window, each money defect found before (kept as a
-//! regression test), two instances on one database, the metrics. Then the simulated provider on
-//! its own: its keys, its refund bound, its search and its report.
+//! Charges, captures, refunds and cancellations made once through the API on both ledgers, the
+//! provider's calls counted at its HTTP edge: replays, refusals, keys the layer forgot, each money
+//! defect found before, two instances on one database, the metrics; then the provider on its own.
 
 mod support;
 
@@ -149,10 +146,8 @@ async fn a_decline_is_402_and_replayed(h: &mut Harness) {
     assert_fields(&charge, &json!({ "status": "failed", "captured": false }));
 }
 
-/// The provider unavailable: 503 and nothing recorded, which the layer does not store, so that
-/// the retry with the same key runs again. A charge (each request's call tried three times by the
-/// client layer), and a capture rolled back to `authorized`, which its retry makes once the
-/// provider is back.
+/// The provider unavailable: 503, nothing recorded or stored, and the retry runs again (a charge,
+/// a capture rolled back); but a resumed call it was down for may still land: 504.
 async fn provider_unavailable_is_503_and_a_retry_runs_again(h: &mut Harness) {
     let body = json!({ "amount": 700, "currency": "usd", "source": "tok_pspUnavailable" });
     for _ in 0..2 {
@@ -174,6 +169,21 @@ async fn provider_unavailable_is_503_and_a_retry_runs_again(h: &mut Harness) {
     assert_eq!(retry.json["status"], "captured");
     // The authorization, three calls in the outage, the capture.
     assert_eq!(h.provider_counts(), (11, 2));
+
+    // A capture whose answer was lost, then resumed while the provider is down: its first call
+    // may still land, so `504`, not "nothing was done", and the reconciler makes it once.
+    let id = h.authorized(ALICE, 1100).await;
+    h.send_losing_the_answer(act(h, &id, "capture", "capture-4"))
+        .await;
+    h.parts.probe.set_down(true);
+    act(h, &id, "capture", "capture-4")
+        .send()
+        .await
+        .assert_outcome_unknown();
+    assert_eq!(status(h, &id).await, "capturing", "not rolled back");
+    h.parts.probe.set_down(false);
+    h.reconcile_now().await;
+    assert_eq!(status(h, &id).await, "captured");
 }
 
 /// Two accounts with one key get a charge each; each lists its own, newest first; another
@@ -291,7 +301,8 @@ async fn a_key_the_layer_forgot_still_names_its_request(h: &mut Harness) {
     assert_eq!(h.provider_counts(), (1, 1), "answered by the ledger");
     assert_eq!(listed(h, ALICE).await, [first]);
 
-    // A capture's key, sent again for a refund, then for a charge: the provider refuses both.
+    // A capture's key, sent again for a refund (the ledger refuses it), then for a charge (the
+    // provider does).
     let id = h.authorized(ALICE, 1000).await;
     expect(act(h, &id, "capture", "op-4").send().await, 200);
     h.lose_idempotency_records().await;
@@ -300,7 +311,7 @@ async fn a_key_the_layer_forgot_still_names_its_request(h: &mut Harness) {
     h.lose_idempotency_records().await;
     assert_reused(&create(h, "op-4", &visa(1000)).send().await);
     assert_eq!(listed(h, ALICE).await.len(), 2);
-    assert_eq!(h.provider_counts(), (5, 3), "two calls refused");
+    assert_eq!(h.provider_counts(), (4, 3), "one call refused");
 }
 
 /// Once the layer's and the provider's windows ran out, a key is new again: a charge's key and a
@@ -320,6 +331,19 @@ async fn a_key_is_new_again_after_the_providers_window(h: &mut Harness) {
     }
     h.assert_refunded(&first, "refunded", 900).await;
     assert_eq!(listed(h, ALICE).await.len(), 3);
+
+    // A cancellation's key sent again, past both windows, to capture: refused, nothing captured.
+    let held = h.authorized(ALICE, 400).await;
+    expect(act(h, &held, "cancel", "again-3").send().await, 200);
+    h.pass_the_windows().await;
+    let events = h.parts.backlog().await;
+    assert_reused(&act(h, &held, "capture", "again-3").send().await);
+    assert_eq!(status(h, &held).await, "canceled");
+    assert_eq!(
+        h.parts.backlog().await,
+        events,
+        "no event for a capture never made"
+    );
 }
 
 /// A refund whose answer was lost, which the reconciler then learned was made, another refund,
@@ -435,11 +459,9 @@ async fn a_capture_held_up_at_the_provider_is_made_once_by_the_reconciler(h: &mu
     assert_eq!(h.charge_status(ALICE, &id).await, capture.json);
 }
 
-/// A refund whose call was lost on its way (`504`, never seen by the provider), which the
-/// reconciler takes over and sends again, while the client's retry finds the provider down: the
-/// retry leaves the charge to the reconciler (the outcome unknown, not rolled back with "nothing
-/// was done", and no call of its own), and the refund the reconciler makes ends in the ledger as
-/// at the provider.
+/// A refund lost on its way, which the reconciler takes over while the client's retry finds the
+/// provider down: the retry leaves it to the reconciler (`504`, no rollback, no call of its own),
+/// and the refund the reconciler makes ends in the ledger as at the provider.
 async fn a_call_the_reconciler_took_over_is_not_rolled_back_by_a_retry(h: &mut Harness) {
     let id = id(&h.charge(ALICE, visa(1000)).await);
     h.parts.probe.set_dropping_calls(true);

@@ -66,10 +66,8 @@ fn visa_with(field: &str, value: Value) -> String {
     body.to_string()
 }
 
-/// Every parameter of a charge is checked, in a form as in JSON: a parameter the API does not
-/// know (or misspelt: `captur` is not `capture` left out) is refused as Stripe refuses it, and an
-/// amount, currency, source, description or metadata out of its bounds is named. Each refusal is
-/// `no-store`, so all of them go under one key, each answered for itself, and the corrected
+/// Every parameter is checked, in a form as in JSON: an unknown or misspelt one is refused, one
+/// out of its bounds named. Each refusal is `no-store`, so all go under one key and the corrected
 /// request then runs under it; a misspelt refund amount refunds nothing.
 #[tokio::test]
 async fn parameters_are_checked_in_forms_and_json() {
@@ -141,11 +139,9 @@ async fn parameters_are_checked_in_forms_and_json() {
     assert_eq!(h.provider_counts(), (1, 1), "the charge's call alone");
 }
 
-/// The largest valid charge as stripe-python sends it, a form: every bound at its maximum, every
-/// character one the form percent-encodes (`%01`, 3 bytes, the most an ASCII character takes, and
-/// whose answer in JSON, `\u0001`, is the longest). Padded to exactly `REQUEST_LIMIT`, it is
-/// charged, its answer fits `RESPONSE_LIMIT` and its retry is replayed byte for byte; one byte
-/// more is `413` and runs nothing.
+/// The largest valid charge as stripe-python sends it: every bound at its maximum, every character
+/// `%01` (the longest an ASCII character takes, as a form and as JSON). At exactly `REQUEST_LIMIT`
+/// it is charged and replayed byte for byte; one byte more is `413` and runs nothing.
 #[tokio::test]
 async fn the_largest_valid_charge_fits_the_limits_and_replays_byte_for_byte() {
     let h = Harness::memory();

@@ -1,14 +1,8 @@
-//! Unknown outcomes: a charge whose provider call may or may not have been made (a lease taken over
-//! under a stalled handler, a run that never came back from the provider, a provider slow or down)
-//! ends as one charge, one provider payment and one credit, whoever settles it: the retry with the
-//! same key, or the reconciler. And no answer says that nothing happened once the provider may have
-//! acted. On PostgreSQL first, and in memory where the path is the same.
-//!
-//! A run that "never comes back" hangs in its provider call ([`Hang`]) and its client leaves: the
-//! layer carries the run on detached, each of its attempts hangs in turn and it answers nobody, as
-//! a process stuck there would. Its claim is forgotten (`lose_idempotency_records`, as its lease
-//! would run out) before the client's late retry. The reconciler that settles it calls the
-//! provider directly ([`reconciler_past_the_probe`]), as another instance's would.
+//! Unknown outcomes (a lease taken over under a stalled handler, a run that never came back from
+//! the provider, a provider slow or down) end as one charge, one payment and one credit, whoever
+//! settles them, and no answer says that nothing happened once the provider may have acted. A run
+//! that never comes back hangs in its provider call ([`Hang`]) as a stuck process would; the
+//! reconciler calls the provider past the probe ([`reconciler_past_the_probe`]).
 
 mod support;
 
@@ -18,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::http::StatusCode;
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tower_idempotency::{BoxStore, ClaimToken, IdempotencyLayer, MemoryStore, RecordId, Store};
 use tower_idempotency::{StoreError, forward_store};
@@ -464,12 +458,20 @@ async fn an_unanswered_attempt_then_a_provider_down_is_504_not_503() {
 // ---------------------------------------------------------------------------------------------
 // (4) The reconciler over every intermediate state, on PostgreSQL.
 
-/// Each charge left in the middle of a call as a crash leaves it, by what the provider did under
-/// the call's key: a capture, a cancellation and a refund it made are settled with the events the
-/// requests would have published; a capture and a refund it never saw are made now, once, under
-/// their keys; a refund it refuses (more than is left) is rolled back; a call begun longer ago than
-/// the provider's window less an hour is left alone (sent again, the provider may have forgotten
-/// its key). A second round has nothing else to do, and the balance counts each change once.
+/// A charge whose text its row's JSON escapes (a NUL), its answer lost: the reconciler settles it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_charge_with_a_nul_is_reconciled() {
+    let h = Harness::postgres().await;
+    let body = json!({ "amount": 1700, "currency": "eur", "source": "tok_visa", "description": "a\u{0}b" });
+    h.send_losing_the_answer(create_charge(&h.router, ALICE, "nul", &body))
+        .await;
+    assert_eq!(round(&h.parts.reconciler(Duration::ZERO)).await, [1, 0, 0]);
+    the_charge(&h.router, 1700, "captured").await;
+}
+
+/// Each charge left mid-call as a crash leaves it: calls the provider made are settled with their
+/// events, calls it never saw are made now, once, a refund it refuses is rolled back, and a call
+/// older than the key window less an hour is left alone. A second round does nothing more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_the_reconciler_settles_every_intermediate_state() {
     let h = Harness::postgres().await;
@@ -511,7 +513,7 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
             0
         };
         sqlx::query(
-            "UPDATE charges SET status = $2, charge = (charge::jsonb || jsonb_build_object(
+            "UPDATE charges SET status = $2, call_key = $3, charge = (charge::jsonb || jsonb_build_object(
                  'status', $2::text, 'call_key', $3::text, 'call_amount', $4::int8,
                  'call_started', $5::int8))::text
              WHERE id = $1",
@@ -545,15 +547,9 @@ async fn postgres_the_reconciler_settles_every_intermediate_state() {
 // ---------------------------------------------------------------------------------------------
 // (5) The layer's part of the rule, on PostgreSQL.
 
-/// A run whose claim is taken after its provider call, before its commit: the provider charged,
-/// the run's record was forgotten and the retry claimed the key, then the run wrote the answer in
-/// its `PgTx`, whose commit carries a record the claim no longer allows. The whole transaction
-/// rolls back (the charge stays `authorizing`, no event), and the retry resumes the charge: the
-/// provider answers its key with the same payment, one charge, one credit.
-///
-/// The held run's answer is the layer's: the handler answered `201`, and the layer, its commit
-/// aborted, answers `503` `idempotency_store_unavailable` to retry with the same key. It says the
-/// writes rolled back, never that nothing was done: the provider charged, and the retry learns it.
+/// A run whose claim is taken after its provider call, before its `PgTx` commits: its transaction
+/// rolls back (the charge `authorizing`, no event), and the layer answers `503` to retry with the
+/// same key, saying the writes rolled back, never that nothing was done; the retry gets the charge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_commit_lost_to_a_newer_claim_is_the_layers_503() {
     let mut h = Harness::postgres().await;

@@ -43,8 +43,9 @@ pub trait Ledger: fmt::Debug + Send + Sync {
     /// within the window: the last line of defence, one charge per operation whatever ran twice.
     async fn insert(&self, charge: Charge) -> Result<Option<Charge>>;
 
-    /// Removes an `authorizing` charge whose create the provider refused, unless the reconciler
-    /// took it over meanwhile (`false`). Never for a call whose outcome is unknown.
+    /// Removes an `authorizing` charge whose create the provider refused; `false` when it is kept
+    /// (the reconciler took it over meanwhile, or the ledger failed: the reconciler settles it).
+    /// Never for a call whose outcome is unknown.
     async fn abandon(&self, charge: &Charge) -> bool;
 
     /// The account's charge `id`; another account's is not found either.
@@ -111,13 +112,24 @@ pub trait Ledger: fmt::Debug + Send + Sync {
                 // The reconciler sends its create again: the outcome is its to learn.
                 return Err(ProviderError::Unknown.into());
             }
-            let Ok(resumed) = self.update(account, &earlier.id, &mut |_| Ok(())).await else {
-                continue;
-            };
-            return Ok(match resumed.status {
-                Status::Authorizing => Opened::Authorizing(resumed),
-                _ => Opened::Settled(resumed),
-            });
+            // Touched, so that the reconciler leaves it alone while this attempt runs, unless it
+            // marked it meanwhile.
+            let mut marked = false;
+            let touched = (self.update(account, &earlier.id, &mut |c| {
+                marked = c.reconciling;
+                match marked {
+                    true => Err(ProviderError::Unknown.into()),
+                    false => Ok(()),
+                }
+            }))
+            .await;
+            match touched {
+                Ok(c) if c.status == Status::Authorizing => return Ok(Opened::Resumed(c)),
+                Ok(settled) => return Ok(Opened::Settled(settled)),
+                Err(err) if marked => return Err(err),
+                // Gone meanwhile (abandoned), or the ledger failed: looked at again.
+                Err(_) => continue,
+            }
         }
         tracing::warn!("the charge's operation changed hands too often; giving up for now");
         Err(ApiError::storage_unavailable())
@@ -327,8 +339,11 @@ pub struct ChargeJson {
 /// What [`Ledger::open`] found for a new charge's key.
 #[derive(Debug)]
 pub enum Opened {
-    /// `authorizing`, new or an earlier attempt's: call the provider.
+    /// New, `authorizing`: call the provider.
     Authorizing(Charge),
+    /// An earlier attempt's, still `authorizing`: call the provider again under its key. Its
+    /// refusal says nothing of the earlier attempt's call, which may still land.
+    Resumed(Charge),
     /// An earlier attempt's, settled (its record lost, or by the reconciler): the answer.
     Settled(Charge),
 }

@@ -95,12 +95,15 @@ impl Work {
 /// Writes `charge` over its row, with its event, in the transaction `tx`.
 async fn write(tx: &mut PgConnection, charge: &Charge, event: Option<PaymentEvent>) -> Result<()> {
     sqlx::query(
-        "UPDATE charges SET status = $2, charge = $3, updated_at = statement_timestamp()
+        "UPDATE charges SET status = $2, charge = $3, call_key = $4, reconciling = $5,
+                            updated_at = statement_timestamp()
          WHERE id = $1",
     )
     .bind(&charge.id)
     .bind(charge.status.as_str())
     .bind(json(charge)?)
+    .bind(&charge.call_key)
+    .bind(charge.reconciling)
     .execute(&mut *tx)
     .await
     .map_err(unavailable)?;
@@ -159,7 +162,7 @@ impl Ledger for PgLedger {
     async fn abandon(&self, charge: &Charge) -> bool {
         let deleted = sqlx::query(
             "DELETE FROM charges WHERE id = $1 AND status = 'authorizing'
-                                   AND (charge::jsonb ->> 'reconciling')::boolean = $2",
+                                   AND reconciling = $2",
         )
         .bind(&charge.id)
         .bind(charge.reconciling)
@@ -168,9 +171,10 @@ impl Ledger for PgLedger {
         match deleted {
             Ok(deleted) => deleted.rows_affected() == 1,
             Err(err) => {
-                // The reconciler finds it, and asks the provider.
+                // Kept: the reconciler finds it and asks the provider, whose answer may differ
+                // by then (the refusal was transient), so nothing is said of it to the client.
                 tracing::warn!(charge = %charge.id, error = %crate::report(&err), "cannot remove a charge the provider did not make");
-                true
+                false
             }
         }
     }
@@ -232,7 +236,7 @@ impl Ledger for PgLedger {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let unchanged = sqlx::query(&format!(
             "SELECT FROM charges
-             WHERE id = $1 AND status = $2 AND charge::jsonb ->> 'call_key' = $3
+             WHERE id = $1 AND status = $2 AND call_key = $3
                AND updated_at <= {}
              FOR UPDATE",
             ago(4)

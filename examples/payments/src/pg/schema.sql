@@ -7,18 +7,22 @@
 -- `authorizing` is committed before the provider is called, and the final state with the
 -- request's record.
 CREATE TABLE IF NOT EXISTS charges (
-    id         text        PRIMARY KEY,
-    account    text        NOT NULL,
+    id          text        PRIMARY KEY,
+    account     text        NOT NULL,
     -- The operation the charge holds: the provider key of its create call, while within the
     -- provider's window (a retry finds its charge by it); NULL once given up to a new charge of
     -- the same key after the window. UNIQUE with the account (below): one charge per operation.
-    operation  text,
-    status     text        NOT NULL,
-    charge     text        NOT NULL,
-    seq        bigserial,
-    opened_at  timestamptz NOT NULL DEFAULT statement_timestamp(),
+    operation   text,
+    status      text        NOT NULL,
+    -- The charge's call in flight and the reconciler's mark, as in `charge`: what the
+    -- reconciler's compare-and-set and an abandoned create look at.
+    call_key    text        NOT NULL DEFAULT '',
+    reconciling boolean     NOT NULL DEFAULT false,
+    charge      text        NOT NULL,
+    seq         bigserial,
+    opened_at   timestamptz NOT NULL DEFAULT statement_timestamp(),
     -- The last change: the reconciler settles charges in an intermediate state since long ago.
-    updated_at timestamptz NOT NULL DEFAULT statement_timestamp()
+    updated_at  timestamptz NOT NULL DEFAULT statement_timestamp()
 );
 
 CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);

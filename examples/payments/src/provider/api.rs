@@ -12,7 +12,8 @@
 //!
 //! Every `POST` carries an `Idempotency-Key` (`400` without one), bound to its request for the
 //! provider's window. A refusal, `{"error": ...}`, a [`ProviderError`], means nothing happened:
-//! `503` `unavailable`, `422` `key_reused`, `400` `amount_too_large`, `404` `no_such_payment`.
+//! `503` `unavailable`, `422` `key_reused`, `400` `amount_too_large` or `unexpected_state` (a
+//! capture or cancellation of a payment not authorized), `404` `no_such_payment`.
 //! `500` `unknown` is no refusal: the provider failed midway, and the call may have taken effect.
 
 use std::collections::BTreeMap;
@@ -88,7 +89,9 @@ impl IntoResponse for ProviderError {
             ProviderError::Unknown => StatusCode::INTERNAL_SERVER_ERROR,
             ProviderError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProviderError::NoSuchPayment => StatusCode::NOT_FOUND,
-            ProviderError::AmountTooLarge { .. } => StatusCode::BAD_REQUEST,
+            ProviderError::AmountTooLarge { .. } | ProviderError::UnexpectedState => {
+                StatusCode::BAD_REQUEST
+            }
         };
         (status, Json(Refusal { error: self })).into_response()
     }

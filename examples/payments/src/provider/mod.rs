@@ -76,9 +76,13 @@ pub enum ProviderError {
     /// A refund of more than its payment has left (nothing until captured): `amount_too_large`.
     #[error("a refund of {amount} is more than the {refundable} left of the payment")]
     AmountTooLarge { amount: i64, refundable: i64 },
-    /// A refund of a payment the provider never made.
+    /// A call on a payment the provider never made.
     #[error("no such payment")]
     NoSuchPayment,
+    /// A capture or cancellation of a payment that is not authorized (captured, canceled,
+    /// declined already): Stripe's `payment_intent_unexpected_state`.
+    #[error("the payment cannot be captured or canceled in its state")]
+    UnexpectedState,
     /// The key was used, within the window, for another request.
     #[error("the idempotency key was used for another request")]
     KeyReused,
@@ -165,9 +169,11 @@ impl Book {
             }
             Request::Settle(ref payment, to) => {
                 let record = self.payments.get_mut(payment);
-                if let Some(record) = record.filter(|r| r.outcome == Outcome::Authorized) {
-                    record.outcome = to;
+                let record = record.ok_or(ProviderError::NoSuchPayment)?;
+                if record.outcome != Outcome::Authorized {
+                    return Err(ProviderError::UnexpectedState);
                 }
+                record.outcome = to;
                 Ok(payment.clone())
             }
             Request::Refund(ref payment, amount) => {

@@ -65,11 +65,8 @@ pub enum Hang {
     AfterEffect,
 }
 
-/// In front of the provider's API: counts the calls that reach it and the keys it answered
-/// (its effects: a call repeated with the same key is not counted again), holds every call
-/// before the provider while a test holds it ([`ProviderProbe::stall`]), hangs calls for good,
-/// answers `503` (nothing done) while the provider is down, and loses the answers (a `500` once
-/// the provider acted) or the calls themselves (a `500`, the provider never reached).
+/// In front of the provider's API: counts the calls and the keys answered (its effects), holds
+/// or hangs calls, answers `503` while the provider is down, and loses answers or calls (`500`).
 #[derive(Debug, Default)]
 pub struct ProviderProbe {
     calls: AtomicUsize,
@@ -93,8 +90,8 @@ impl ProviderProbe {
         lock(&self.answered_keys).len()
     }
 
-    /// Holds every call before the provider until the guard is dropped: a caller that gives up
-    /// meanwhile does not stop it, and the held calls take effect once let go.
+    /// Holds every call before the provider until the guard is dropped; a held call whose caller
+    /// gave up meanwhile (its attempt timed out) never reaches the provider.
     pub async fn stall(&self) -> OwnedRwLockWriteGuard<()> {
         self.stall.shut().await
     }

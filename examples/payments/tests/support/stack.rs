@@ -14,7 +14,7 @@ use example_payments::consumer::{self, Counts, MemoryOutbox, Outbox};
 use example_payments::ledger::{MemoryLedger, PgLedger};
 use example_payments::outbox::PgOutbox;
 use example_payments::provider::{Provider, ProviderClient};
-use example_payments::reconciler::{Reconciled, Reconciler};
+use example_payments::reconciler::Reconciler;
 
 use super::instruments::{FaultyBalances, GatedLedger, ProviderProbe};
 
@@ -94,14 +94,6 @@ impl Parts {
     /// A reconciler of charges unchanged for `after`.
     pub fn reconciler(&self, after: Duration) -> Reconciler {
         Reconciler::new(self.ledger.clone(), self.client(), after)
-    }
-
-    /// One reconciler round over every charge still in an intermediate state.
-    pub async fn reconcile(&self) -> Reconciled {
-        self.reconciler(Duration::ZERO)
-            .round()
-            .await
-            .expect("a reconciler round")
     }
 
     /// The ledger consumer of the outbox, running until `stop`.
