@@ -165,8 +165,24 @@
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] and [`HeldClaim`] extractors.
 //! - `metrics` (default): counters and store latencies through the `metrics` facade (above).
-//! - `seal`: [`seal::SealedStore`], records encrypted and authenticated at rest.
-//! - `grpc`: gRPC mode for tonic services ([`IdempotencyLayer::grpc`], the [`grpc`] module).
+// A feature's items are linked where it is on, named where it is off, so that the docs build
+// without warnings with any set of features.
+#![cfg_attr(
+    feature = "seal",
+    doc = "- `seal`: [`seal::SealedStore`], records encrypted and authenticated at rest."
+)]
+#![cfg_attr(
+    not(feature = "seal"),
+    doc = "- `seal`: `seal::SealedStore`, records encrypted and authenticated at rest."
+)]
+#![cfg_attr(
+    feature = "grpc",
+    doc = "- `grpc`: gRPC mode for tonic services ([`IdempotencyLayer::grpc`], the [`grpc`] module)."
+)]
+#![cfg_attr(
+    not(feature = "grpc"),
+    doc = "- `grpc`: gRPC mode for tonic services (`IdempotencyLayer::grpc`, the `grpc` module)."
+)]
 //!   Brings tonic (without its transport) and prost.
 //! - `opentelemetry`: with [`IdempotencyLayer::trace_origin`], a request without a `traceparent`
 //!   keeps its span's OpenTelemetry context as its record's origin, and a replay's span gets a

@@ -76,7 +76,7 @@ impl From<Bytes> for Scope {
 ///   (`about:blank`);
 /// - a `Response<Bytes>`: sent as it is;
 /// - with the `axum` feature, anything that implements axum's `IntoResponse`
-///   ([`Rejection::new`]): an API's own error type, `(StatusCode, Json(...))`, a `Response` of
+///   (`Rejection::new`): an API's own error type, `(StatusCode, Json(...))`, a `Response` of
 ///   any body, and so on. The layer reads its body before it answers (a body that fails is sent
 ///   empty, and logged).
 ///

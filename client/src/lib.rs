@@ -105,9 +105,25 @@
 //! say how long it waits, which the deadline and `Retry-After` need to know.
 //!
 //! # gRPC
-//! With the `grpc` feature, [`IdempotentRetryLayer::grpc`] makes the same layer for a tonic
+// The feature's items are linked where it is on, named where it is off, so that the docs build
+// without warnings with any set of features.
+#![cfg_attr(
+    feature = "grpc",
+    doc = "With the `grpc` feature, [`IdempotentRetryLayer::grpc`] makes the same layer for a tonic"
+)]
+#![cfg_attr(
+    not(feature = "grpc"),
+    doc = "With the `grpc` feature, `IdempotentRetryLayer::grpc` makes the same layer for a tonic"
+)]
 //! transport (`Channel`): the named unary methods retried with one `idempotency-key`, judged by
-//! their `grpc-status` and the `RetryInfo` the server sends (the [`grpc`] module).
+#![cfg_attr(
+    feature = "grpc",
+    doc = "their `grpc-status` and the `RetryInfo` the server sends (the [`grpc`] module)."
+)]
+#![cfg_attr(
+    not(feature = "grpc"),
+    doc = "their `grpc-status` and the `RetryInfo` the server sends (the `grpc` module)."
+)]
 //!
 //! # Bodies
 //! The request body is read into memory before the first attempt (up to

@@ -118,8 +118,7 @@ impl InFlightView {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CompletedView {
     /// The record as the store keeps it: its response in clear, sealed (read through a
-    /// [`SealedStore`](crate::seal::SealedStore) with its keys to see it opened), or none (a
-    /// tombstone).
+    /// `SealedStore` with its keys to see it opened), or none (a tombstone).
     pub completed: Completed,
     /// The fence of the claim that completed it, where the store keeps it once completed
     /// (`MemoryStore` and `PgStore` do; `RedisStore` keeps only the record's bytes, §10.9).

@@ -86,9 +86,9 @@ pub enum StoreError {
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The key holds a record whose response cannot be trusted: sealed, and it does not open
     /// (changed, moved from another key, sealed under a retired key), or in clear where sealed
-    /// records are required (a [`SealedStore`](crate::seal::SealedStore), feature `seal`). Not a
-    /// failure of the store: the layer answers `500 record-unreadable`, fail-open or not, and
-    /// neither replays the record nor runs the request.
+    /// records are required (a `SealedStore`, feature `seal`). Not a failure of the store: the
+    /// layer answers `500 record-unreadable`, fail-open or not, and neither replays the record
+    /// nor runs the request.
     #[error("the record under the key cannot be opened")]
     Unreadable(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The store does not implement `operation` ([`Store::inspect`] or [`Store::forget`]): the
@@ -218,8 +218,8 @@ pub trait Store: Send + Sync + 'static {
     /// none (never claimed, released, forgotten, or past its expiry), else the record with its
     /// fence and the end of its lease or window on the store's clock (`docs/PROTOCOL.md` §10.9).
     /// A completed record comes back as the store keeps it (a sealed response stays sealed
-    /// unless a [`SealedStore`](crate::seal::SealedStore) opens it). The
-    /// [`operator`](crate::operator) module reads a key through it.
+    /// unless a `SealedStore` opens it). The [`operator`](crate::operator) module reads a key
+    /// through it.
     ///
     /// The default answers [`StoreError::Unsupported`], so that a store written before it keeps
     /// compiling; every store of the workspace implements it, and the contract suite checks it.
