@@ -38,11 +38,12 @@ impl SealKey {
     /// The key `key` under the id `id`.
     ///
     /// # Errors
-    /// [`SealKeyError::InvalidId`] when `id` is empty, longer than 64 bytes, or not visible
-    /// ASCII without `:` and `,`.
+    /// [`SealKeyError::InvalidId`] when `id` is empty, longer than 64 bytes, not visible ASCII
+    /// without `:` and `,`, or a key itself (32 bytes in base64): an id is written in clear in
+    /// every record it seals, and shown in logs. The error never quotes the id.
     pub fn new(id: &str, key: [u8; 32]) -> Result<Self, SealKeyError> {
-        if !is_key_id(id) {
-            return Err(SealKeyError::InvalidId(id.to_owned()));
+        if !is_key_id(id) || is_key_text(id) {
+            return Err(SealKeyError::InvalidId);
         }
         Ok(Self {
             id: id.into(),
@@ -92,15 +93,19 @@ impl SealKeys {
     /// The set `keys`, the first of which seals.
     ///
     /// # Errors
-    /// [`SealKeyError::Empty`] without a key, [`SealKeyError::DuplicateId`] when two share an id.
+    /// [`SealKeyError::Empty`] without a key, [`SealKeyError::DuplicateId`] when two share an id
+    /// (named by their positions, from 1).
     pub fn new(keys: impl IntoIterator<Item = SealKey>) -> Result<Self, SealKeyError> {
         let keys: Arc<[SealKey]> = keys.into_iter().collect();
         if keys.is_empty() {
             return Err(SealKeyError::Empty);
         }
         for (n, key) in keys.iter().enumerate() {
-            if keys[..n].iter().any(|earlier| earlier.id == key.id) {
-                return Err(SealKeyError::DuplicateId(key.id.to_string()));
+            if let Some(earlier) = keys[..n].iter().position(|earlier| earlier.id == key.id) {
+                return Err(SealKeyError::DuplicateId {
+                    entry: n + 1,
+                    earlier: earlier + 1,
+                });
             }
         }
         Ok(Self { keys })
@@ -110,24 +115,28 @@ impl SealKeys {
     /// `openssl rand -base64 32` prints it); the first seals. Spaces around entries are ignored.
     ///
     /// # Errors
-    /// A [`SealKeyError`] naming the entry (by position and id, never by its key) that is not
-    /// `id:key`, has an invalid id, or a key that is not 32 bytes of base64.
+    /// A [`SealKeyError`] naming the entry by its position and saying what is wrong with it:
+    /// not `id:key`, written the wrong way round (`key:id`), an invalid id, a key that is not
+    /// base64 or not 32 bytes, an id used twice; or [`SealKeyError::Empty`] for a blank list. It
+    /// never quotes the list, so that no key is printed wherever it is reported, however the list
+    /// was written.
+    ///
+    /// ```
+    /// use tower_idempotency::seal::{SealKeyError, SealKeys};
+    ///
+    /// let key = "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=";
+    /// let err = SealKeys::parse(&format!("new:{key},{key}:old")).unwrap_err();
+    /// assert_eq!(err, SealKeyError::Reversed { entry: 2 });
+    /// assert!(!err.to_string().contains("AQEB"));
+    /// ```
     pub fn parse(list: &str) -> Result<Self, SealKeyError> {
+        if list.trim().is_empty() {
+            return Err(SealKeyError::Empty);
+        }
         let keys = list
             .split(',')
-            .map(str::trim)
             .enumerate()
-            .map(|(n, entry)| {
-                let (id, key) = entry
-                    .split_once(':')
-                    .ok_or(SealKeyError::Malformed { entry: n + 1 })?;
-                let key = base64::engine::general_purpose::STANDARD
-                    .decode(key.trim())
-                    .ok()
-                    .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
-                    .ok_or_else(|| SealKeyError::InvalidKey(id.trim().to_owned()))?;
-                SealKey::new(id.trim(), key)
-            });
+            .map(|(n, entry)| parse_entry(n + 1, entry));
         Self::new(keys.collect::<Result<Vec<_>, _>>()?)
     }
 
@@ -243,6 +252,32 @@ impl SealKeys {
     }
 }
 
+/// The entry at `entry` (from 1) of a key list: `id:key`. Its errors name the entry by position
+/// alone: either half may be a key (written `key:id`, or a key pasted without its id).
+fn parse_entry(entry: usize, text: &str) -> Result<SealKey, SealKeyError> {
+    let (id, key) = (text.split_once(':')).ok_or(SealKeyError::Malformed { entry })?;
+    let (id, key) = (id.trim(), key.trim());
+    if is_key_text(id) {
+        return Err(SealKeyError::Reversed { entry });
+    }
+    if !is_key_id(id) {
+        return Err(SealKeyError::InvalidEntryId { entry });
+    }
+    let bytes = (base64::engine::general_purpose::STANDARD.decode(key))
+        .map_err(|_| SealKeyError::NotBase64 { entry })?;
+    let len = bytes.len();
+    let key = <[u8; 32]>::try_from(bytes).map_err(|_| SealKeyError::WrongLength { entry, len })?;
+    SealKey::new(id, key).map_err(|_| SealKeyError::InvalidEntryId { entry })
+}
+
+/// Whether `text` reads as a key: 32 bytes in base64, standard or URL-safe, padded or not.
+fn is_key_text(text: &str) -> bool {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
+        .iter()
+        .any(|engine| engine.decode(text).is_ok_and(|bytes| bytes.len() == 32))
+}
+
 /// What a seal authenticates beside its plaintext: the record's clear header (version, kind,
 /// fingerprint, key id) and its id, a hash of the scope and the key, so that a sealed response
 /// opens under no other key, scope or fingerprint.
@@ -263,28 +298,69 @@ impl fmt::Debug for SealKeys {
     }
 }
 
-/// A set of sealing keys could not be made.
+/// A set of sealing keys could not be made. It says which entry is wrong, by its position from 1,
+/// and how, and never quotes an id or a key: a list written the wrong way round (`key:id`) has a
+/// key where its id belongs, and an error is printed and logged where a key must not be.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SealKeyError {
-    /// No key was given.
+    /// No key was given (an empty list, or an empty set).
     #[error("no sealing key was given")]
     Empty,
-    /// A key id is empty, longer than 64 bytes, or not visible ASCII without `:` and `,`.
-    #[error("sealing key id {0:?} is not 1 to 64 visible ASCII characters without ':' or ','")]
-    InvalidId(String),
-    /// Two keys share an id.
-    #[error("two sealing keys have the id {0:?}")]
-    DuplicateId(String),
-    /// An entry of a key list is not `id:key`.
-    #[error("entry {entry} of the sealing key list is not `id:base64key`")]
+    /// The id given to [`SealKey::new`] is empty, longer than 64 bytes, not visible ASCII
+    /// without `:` and `,`, or a key itself (32 bytes in base64).
+    #[error(
+        "a sealing key id must be 1 to 64 visible ASCII characters without ':' or ',', and not a \
+         key"
+    )]
+    InvalidId,
+    /// Two keys share an id: the key at `entry` has the id of the one at `earlier`.
+    #[error("sealing keys {earlier} and {entry} have the same id")]
+    DuplicateId {
+        /// The position of the second key with the id, from 1.
+        entry: usize,
+        /// The position of the first, from 1.
+        earlier: usize,
+    },
+    /// An entry of a key list is not `id:key`: it has no `:` (empty, or a key without its id).
+    #[error("entry {entry} of the sealing key list is not `id:base64key`: it has no ':'")]
     Malformed {
         /// The entry's position, from 1.
         entry: usize,
     },
-    /// The key of the entry with this id is not 32 bytes in standard base64.
-    #[error("the sealing key {0:?} is not 32 bytes in standard base64")]
-    InvalidKey(String),
+    /// An entry of a key list has a key (32 bytes in base64) where its id belongs: written
+    /// `key:id`.
+    #[error(
+        "entry {entry} of the sealing key list has a key where its id belongs (written `key:id`?); \
+         write `id:base64key`"
+    )]
+    Reversed {
+        /// The entry's position, from 1.
+        entry: usize,
+    },
+    /// An entry's id is empty, longer than 64 bytes, or not visible ASCII without `:` and `,`.
+    #[error(
+        "the id of entry {entry} of the sealing key list is not 1 to 64 visible ASCII characters \
+         without ':' or ','"
+    )]
+    InvalidEntryId {
+        /// The entry's position, from 1.
+        entry: usize,
+    },
+    /// An entry's key is not standard base64.
+    #[error("the key of entry {entry} of the sealing key list is not standard base64")]
+    NotBase64 {
+        /// The entry's position, from 1.
+        entry: usize,
+    },
+    /// An entry's key is base64, of another length than 32 bytes.
+    #[error("the key of entry {entry} of the sealing key list is {len} bytes, not 32")]
+    WrongLength {
+        /// The entry's position, from 1.
+        entry: usize,
+        /// The length of the decoded key, in bytes.
+        len: usize,
+    },
 }
 
 /// Why a sealed response did not open. It never holds the response or a key.
@@ -308,26 +384,142 @@ pub enum OpenError {
 mod tests {
     use super::*;
 
+    /// Two keys of 32 bytes in standard base64, the first with a `+` and a `/` (which URL-safe
+    /// base64 writes `-` and `_`).
+    const KEY: &str = "X+zrZv/IbzjZUnhsbWlsecLbwjndTpG0ZynXOif7V+k=";
+    const OTHER: &str = "Vm0weGQxSXhiRmRWV0doVVYwZDRWRll3WkRSV01WbDM=";
+
+    /// Every run of 4 characters of `secret` that shows in `text`.
+    fn quoted<'a>(secret: &'a str, text: &str) -> Vec<&'a str> {
+        (0..=secret.len().saturating_sub(4))
+            .map(|i| &secret[i..i + 4])
+            .filter(|run| text.contains(run))
+            .collect()
+    }
+
     #[test]
-    fn bad_key_lists_are_errors_that_never_show_a_key() {
-        let key = "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=";
+    fn bad_key_lists_name_the_entry_and_never_quote_it() {
+        let short = "c2hvcnQ="; // "short", 5 bytes
         let cases = [
-            ("", SealKeyError::Malformed { entry: 1 }),
-            ("no-colon", SealKeyError::Malformed { entry: 1 }),
-            ("k1:c2hvcnQ=", SealKeyError::InvalidKey("k1".into())),
-            ("k1:not base64!", SealKeyError::InvalidKey("k1".into())),
-            (&*format!(":{key}"), SealKeyError::InvalidId(String::new())),
+            // Empty.
+            (String::new(), SealKeyError::Empty, vec![]),
+            (" , ".into(), SealKeyError::Malformed { entry: 1 }, vec![]),
             (
-                &*format!("k1:{key},k1:{key}"),
-                SealKeyError::DuplicateId("k1".into()),
+                format!("k1:{KEY},"),
+                SealKeyError::Malformed { entry: 2 },
+                vec![KEY],
+            ),
+            // Missing colon: a key pasted without its id.
+            (
+                format!("k1:{OTHER},{KEY}"),
+                SealKeyError::Malformed { entry: 2 },
+                vec![KEY, OTHER],
+            ),
+            // Written the wrong way round, padded or not, standard or URL-safe.
+            (
+                format!("k1:{OTHER},{KEY}:k2"),
+                SealKeyError::Reversed { entry: 2 },
+                vec![KEY, OTHER],
+            ),
+            (
+                format!("{}:k1", KEY.trim_end_matches('=')),
+                SealKeyError::Reversed { entry: 1 },
+                vec![KEY],
+            ),
+            (
+                format!("{}:k1", KEY.replace('+', "-").replace('/', "_")),
+                SealKeyError::Reversed { entry: 1 },
+                vec![KEY],
+            ),
+            // Both halves keys.
+            (
+                format!("{KEY}:{OTHER}"),
+                SealKeyError::Reversed { entry: 1 },
+                vec![KEY, OTHER],
+            ),
+            // Bad base64: a key with a character dropped, or with spaces in it.
+            (
+                format!("k1:{}", &KEY[1..]),
+                SealKeyError::NotBase64 { entry: 1 },
+                vec![KEY],
+            ),
+            (
+                format!("k1:{} {}", &KEY[..20], &KEY[20..]),
+                SealKeyError::NotBase64 { entry: 1 },
+                vec![KEY],
+            ),
+            // Wrong length.
+            (
+                format!("k1:{short}"),
+                SealKeyError::WrongLength { entry: 1, len: 5 },
+                vec![short],
+            ),
+            (
+                format!("k1:{OTHER},k2:{KEY}{KEY}"),
+                SealKeyError::NotBase64 { entry: 2 },
+                vec![KEY, OTHER],
+            ),
+            (
+                format!("k1:{KEY}AAAA"),
+                SealKeyError::NotBase64 { entry: 1 },
+                vec![KEY],
+            ),
+            (
+                format!("k1:{}", &OTHER[..40]),
+                SealKeyError::WrongLength { entry: 1, len: 30 },
+                vec![OTHER],
+            ),
+            // Invalid id.
+            (
+                format!(":{KEY}"),
+                SealKeyError::InvalidEntryId { entry: 1 },
+                vec![KEY],
+            ),
+            (
+                format!("k 1:{KEY}"),
+                SealKeyError::InvalidEntryId { entry: 1 },
+                vec![KEY],
+            ),
+            // Duplicate ids.
+            (
+                format!("k1:{KEY},k2:{OTHER},k1:{OTHER}"),
+                SealKeyError::DuplicateId {
+                    entry: 3,
+                    earlier: 1,
+                },
+                vec![KEY, OTHER],
             ),
         ];
-        for (list, want) in cases {
-            let err = SealKeys::parse(list).err();
-            assert_eq!(err.as_ref(), Some(&want), "{list:?}");
-            assert!(!err.unwrap().to_string().contains("AQEB"), "{list:?}");
+        for (list, want, secrets) in cases {
+            let err = SealKeys::parse(&list).expect_err(&list);
+            assert_eq!(err, want, "{list:?}");
+            for text in [err.to_string(), format!("{err:?}")] {
+                for secret in &secrets {
+                    assert_eq!(quoted(secret, &text), [""; 0], "{list:?}: {text}");
+                }
+                // Nor is the list quoted, whatever it holds.
+                for id in ["k1", "k2"] {
+                    assert!(!text.contains(id), "{list:?}: {text}");
+                }
+            }
         }
-        let keys = SealKeys::parse(&format!(" new:{key} , old:{key}")).expect("a list");
+    }
+
+    #[test]
+    fn an_id_that_is_a_key_is_refused_without_quoting_it() {
+        let key_like = KEY.trim_end_matches('=');
+        let err = SealKey::new(key_like, [7; 32]).expect_err("a key as an id");
+        assert_eq!(err, SealKeyError::InvalidId);
+        for text in [err.to_string(), format!("{err:?}")] {
+            assert_eq!(quoted(KEY, &text), [""; 0], "{text}");
+        }
+        let err = SealKey::new("has:colon", [7; 32]).expect_err("a colon");
+        assert!(!err.to_string().contains("has:colon"));
+    }
+
+    #[test]
+    fn key_lists_parse() {
+        let keys = SealKeys::parse(&format!(" new:{KEY} , old : {OTHER} ")).expect("a list");
         assert_eq!(keys.ids().collect::<Vec<_>>(), ["new", "old"]);
         // Debug shows the ids, never a key's bytes.
         assert_eq!(format!("{keys:?}"), r#"["new", "old"]"#);
@@ -335,5 +527,9 @@ mod tests {
             format!("{:?}", keys.sealing()),
             r#"SealKey { id: "new", .. }"#
         );
+        // An id of 64 characters is not a key, nor is one that decodes to other than 32 bytes.
+        let long = "a".repeat(64);
+        assert!(SealKeys::parse(&format!("{long}:{KEY}")).is_ok());
+        assert!(SealKeys::parse(&format!("{}:{KEY}", &OTHER[..40])).is_ok());
     }
 }
