@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::meter::{self, BREAKER_STATES};
 use crate::report::ErrorChain;
-use crate::store::{Claim, StoreError};
+use crate::store::StoreError;
 
 /// When the layer stops calling a failing store, and for how long
 /// ([`IdempotencyLayer::circuit_breaker`](crate::IdempotencyLayer::circuit_breaker), PROTOCOL
@@ -404,8 +404,9 @@ impl fmt::Debug for Breaker {
 }
 
 impl Ticket<'_> {
-    /// Tells the breaker what the store answered the claim.
-    pub(crate) fn answered(mut self, claim: &Result<Claim, StoreError>) {
+    /// Tells the breaker what the store answered the claim (or, past a scope's quota, the read
+    /// that stands for it).
+    pub(crate) fn answered<T>(mut self, claim: &Result<T, StoreError>) {
         self.answered = true;
         let answer = claim.as_ref().map(|_| ());
         self.breaker.answer(&self, answer, Instant::now());
@@ -423,6 +424,7 @@ impl Drop for Ticket<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::Claim;
     use tokio::time::advance;
 
     fn away() -> Result<Claim, StoreError> {

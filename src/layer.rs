@@ -462,9 +462,10 @@ impl<St> IdempotencyLayer<St> {
 
     /// Bounds the bytes of records each scope (each tenant: [`scope`](Self::scope)) writes
     /// through this layer, so that one tenant writing as fast as it can cannot fill a store that
-    /// every tenant shares: past its quota, a scope's requests get `429` `quota-exceeded` with a
-    /// `Retry-After` of seconds (when its budget has room again), before their body is read or
-    /// their key claimed, and the other scopes are untouched. [`ScopeQuota`] says what it bounds
+    /// every tenant shares: past its quota, a scope's requests that would write a record get `429`
+    /// `quota-exceeded` with a `Retry-After` of seconds (when its budget has room again), without
+    /// a claim, while its replays, `409`s and `422`s are answered as ever (from a read of the
+    /// key), and the other scopes are untouched. [`ScopeQuota`] says what it bounds
     /// and how to size it. The budgets live in this process: every service the layer builds
     /// shares them, and each instance of the application has its own. Default: none.
     ///

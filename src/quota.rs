@@ -20,11 +20,14 @@ pub(crate) const CLAIM_COST: u64 = 256;
 ///
 /// Each scope has a budget of `bytes / 2` that refills at `bytes / 2` per dedup window. A claim
 /// spends [256 bytes](ScopeQuota::new); a stored response spends its size (body, headers and
-/// trailers). A request whose scope has less than a claim's cost left gets `429`
-/// `quota-exceeded`, with a `Retry-After` of the time the budget takes to refill that much
-/// (seconds, not the dedup window), before anything is read or claimed. Over any dedup window a
-/// scope so writes at most `bytes` through one instance, plus the responses of the requests it had
-/// running when its budget ran out; with `n` instances, at most `n` times that in the store.
+/// trailers). It bounds new writes only: a request whose scope has less than a claim's cost left
+/// is answered from its key's record, read without a claim (a replay, a `409` while it runs, a
+/// `422` for another request: nothing written, nothing spent); only one whose key has no record,
+/// so that its claim would write one, gets `429` `quota-exceeded`, with a `Retry-After` of the
+/// time the budget takes to refill that much (seconds, not the dedup window). Over any dedup
+/// window a scope so writes at most `bytes` through one instance, plus the responses of the
+/// requests it had running when its budget ran out; with `n` instances, at most `n` times that in
+/// the store.
 /// Size the store for the tenants you have: `tenants × instances × bytes` never fills it.
 ///
 /// A scope's steady rate is `bytes / 2` per dedup window: `ScopeQuota::new(512 << 20)` with the

@@ -4,7 +4,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use futures_util::FutureExt;
 use http::{Request, Response};
@@ -23,7 +23,7 @@ use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{InFlight, Record, RecordId};
 use crate::report::{ErrorChain, panic_message};
-use crate::store::{Claim, Store, StoreError};
+use crate::store::{Claim, Inspected, Store, StoreError};
 
 impl<St: Store> Shared<St> {
     /// Buffers and fingerprints a request with a key, claims the key, and answers from the record
@@ -58,10 +58,16 @@ impl<St: Store> Shared<St> {
                     return self.problem(ProblemKind::BodyUnreadable, detail);
                 }
             };
+            // A scope past its quota may still be answered from its key's record (§3.4).
+            let past_quota = self.past_quota(&id);
             // The breaker, when the layer has one, decides before anything is fingerprinted.
             let ticket = match config.breaker.as_deref().map(|b| b.admit(Instant::now())) {
                 None => None,
                 Some(Admission::Pass(ticket)) => Some(ticket),
+                // Past its quota, a request is never run unprotected: it would count for nothing.
+                Some(Admission::Refuse(_)) if let Some(wait) = past_quota => {
+                    return self.quota_exceeded(wait);
+                }
                 Some(Admission::Refuse(_)) if config.fail_open => {
                     parts.extensions.insert(key);
                     let request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -76,6 +82,11 @@ impl<St: Store> Shared<St> {
                 .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
                 .flatten()
                 .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
+            if let Some(wait) = past_quota {
+                // Boxed: rare, and its read's state would otherwise be carried in every
+                // request's future.
+                return Box::pin(self.answer_past_quota(&id, &fingerprint, wait, ticket)).await;
+            }
             let claim = self.claim_or_wait(&id, &fingerprint, ticket).await;
             // Only a request that reaches the handler is put back together: a replay, a 409 or a
             // 422 answers without it.
@@ -158,6 +169,37 @@ impl<St: Store> Shared<St> {
                 }
             }
         }
+    }
+
+    /// Answers a request whose scope is past its quota (§3.4) from its key's record, read without
+    /// a claim: a replay, a `409` in flight or a `422` writes nothing, so it is answered as under
+    /// the quota (at once: it does not wait for a request in flight), and spends nothing. A key
+    /// without a live record is refused `429` (`wait` is the budget's refill time): its claim
+    /// would write one. So is a key the store cannot say anything of (it failed, or it does not
+    /// implement [`Store::inspect`]): refused as a new key, never run unprotected.
+    async fn answer_past_quota<B>(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+        ticket: Option<Ticket<'_>>,
+    ) -> Response<ResponseBody<B>> {
+        let read = self.store.inspect(id).await;
+        if let Some(ticket) = ticket {
+            ticket.answered(&read);
+        }
+        let record = match read {
+            Ok(Some(Inspected::Completed(view))) => Record::Completed(view.completed),
+            Ok(Some(Inspected::InFlight(view))) => Record::InFlight(InFlight {
+                fingerprint: view.fingerprint,
+                // The store's clock against this one's, as an operator reads it (§10.9).
+                lease_remaining: (view.lease_ends.duration_since(SystemTime::now()))
+                    .unwrap_or_default(),
+            }),
+            Err(StoreError::Unreadable(err)) => return self.record_unreadable(&*err),
+            Ok(None) | Err(_) => return self.quota_exceeded(wait),
+        };
+        self.answer_existing(record, fingerprint)
     }
 
     /// Warns of a claim-time store failure, once per interval: it repeats with every request for

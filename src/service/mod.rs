@@ -242,18 +242,6 @@ where
                 .shared
                 .reject(ProblemKind::BodyTooLarge, too_large(config));
         }
-        if let Some(quotas) = &config.quota
-            && let Err(wait) = quotas.admit(id.scope_tag(), config.dedup_window, Instant::now())
-        {
-            let _entered = span.enter();
-            let detail = "this account has stored its quota of requests for now; retry after the \
-                 time given, with the same key";
-            let retry_after = Some(whole_seconds(wait));
-            let response =
-                self.shared
-                    .problem_with(ProblemKind::QuotaExceeded, detail, retry_after);
-            return ResponseFuture::ready(response);
-        }
         let shared = self.shared.clone();
         // Boxed where it is made, then instrumented: the large future is not moved again.
         let protect: Covered<ResBody> = Box::pin(shared.protect(inner, parts, body, key, id));
@@ -352,6 +340,23 @@ impl<St: Store> Shared<St> {
             None => problem::respond(&problem, &*self.config.render),
         };
         (response.map(ResponseBody::full), kind.outcome())
+    }
+
+    /// How long `id`'s scope must wait until it may write a record, when it is past its quota
+    /// (§3.4); `None` when it may write now, or the layer has no quota.
+    pub(super) fn past_quota(&self, id: &RecordId) -> Option<Duration> {
+        let quotas = self.config.quota.as_deref()?;
+        let window = self.config.dedup_window;
+        quotas.admit(id.scope_tag(), window, Instant::now()).err()
+    }
+
+    /// The `429` of a request whose claim would write a record past its scope's quota: `wait` is
+    /// the time the budget takes to refill to a claim.
+    pub(super) fn quota_exceeded<B>(&self, wait: Duration) -> Response<ResponseBody<B>> {
+        let detail = "this account has stored its quota of requests for now; retry after the time \
+             given, with the same key";
+        let retry_after = Some(whole_seconds(wait));
+        self.problem_with(ProblemKind::QuotaExceeded, detail, retry_after)
     }
 
     /// Counts `bytes` written for `id`'s scope against its quota, when the layer has one.

@@ -1261,6 +1261,87 @@ async fn a_quota_keeps_one_tenant_from_filling_the_store_for_the_others() {
         .await;
 }
 
+/// A tenant past its quota is refused only what would write a record: its replay (byte for byte),
+/// its `409` for a key in flight and its `422` are answered as under the quota, from a read of
+/// the key, with no claim and no budget spent; a new key is `429`. PROTOCOL.md §3.4.
+#[tokio::test(start_paused = true)]
+async fn past_its_quota_a_tenant_still_gets_its_replays_409s_and_422s() {
+    let store = store();
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = gated_handler(started.clone(), gate.clone(), "charged");
+    // A burst of 512 bytes: two claims, the second leaving nothing for its response.
+    let layer = IdempotencyLayer::new(store.clone())
+        .scope(tower_idempotency_test::account_scope)
+        .scope_quota(ScopeQuota::new(1024));
+    let svc = service(layer, handler.clone());
+    let request = |key: &str| tower_idempotency_test::account_post("acct_1", key);
+    let other_body = |key: &str| {
+        keyed(Method::POST, "/", key)
+            .header("x-account", "acct_1")
+            .body(Body::from("another charge"))
+            .expect("a request")
+    };
+
+    let running = spawn_send(&svc, request("running"));
+    started.notified().await;
+    let done = send(&svc, request("done")).await;
+    assert_eq!(done.outcome, Some(Outcome::Executed), "{done:?}");
+    let refused = send(&svc, request("new")).await;
+    refused.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
+    let wait = refused
+        .header(RETRY_AFTER)
+        .expect("a Retry-After")
+        .to_owned();
+    let claims = store.calls().claim;
+
+    // The replay of the completed record, byte for byte.
+    let replay = send(&svc, request("done")).await;
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
+    assert_eq!(
+        replay.header("idempotent-replayed"),
+        Some("true"),
+        "{replay:?}"
+    );
+    assert_eq!(
+        (replay.status, replay.header_list(), &replay.body),
+        (done.status, done.header_list(), &done.body)
+    );
+    // The key in flight: 409, with the time left on its lease at most.
+    let in_flight = send(&svc, request("running")).await;
+    assert!(in_flight.assert_in_flight() >= 1);
+    // Either key with another request: 422.
+    for key in ["done", "running"] {
+        let mismatch = send(&svc, other_body(key)).await;
+        mismatch.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+    }
+    // A new key still is refused, and its wait is what it was: nothing above spent the budget.
+    let again = send(&svc, request("new")).await;
+    again.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(again.header(RETRY_AFTER), Some(&*wait));
+    assert_eq!(store.calls().claim, claims, "read, never claimed");
+    assert_eq!(handler.calls(), 2);
+
+    // The key that was in flight completes (its response spent, past the budget), and replays.
+    gate.notify_one();
+    let ran = running.await.unwrap();
+    assert_eq!(ran.outcome, Some(Outcome::Executed), "{ran:?}");
+    let replay = send(&svc, request("running")).await;
+    assert_eq!(
+        (replay.outcome, &replay.body),
+        (Some(Outcome::Replayed), &ran.body)
+    );
+    // Once the wait has passed, the budget holds a claim again.
+    let refused = send(&svc, request("new")).await;
+    let wait: u64 = refused
+        .header(RETRY_AFTER)
+        .expect("a Retry-After")
+        .parse()
+        .unwrap();
+    tokio::time::advance(Duration::from_secs(wait)).await;
+    let later = send(&svc, request("new")).await;
+    assert_eq!(later.outcome, Some(Outcome::Executed), "{later:?}");
+}
+
 /// A completion that failed while the request was answered is tried again on a task of its own:
 /// first after 100 ms, never at once, then after pauses that double (200 ms, 400 ms, ...), until
 /// it lands. PROTOCOL.md §9.5.
