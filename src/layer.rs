@@ -330,8 +330,12 @@ impl<St> IdempotencyLayer<St> {
     /// States on every stored response, first and replayed, when its key's record expires: the
     /// header `name`, in `format`. The moment is the completion's time plus the
     /// [`dedup_window`](Self::dedup_window), rounded down to the second, and is stored with the
-    /// response, so every replay repeats it; the record is kept at least until then. Responses
-    /// that leave no record (not stored, failed) and the layer's own problems carry no header.
+    /// response, so every replay repeats it; the record is kept at least until then. A `409`
+    /// while the key's first request is in flight states now plus the window: the earliest its
+    /// record can expire, as it completes no earlier than now (not the claim's lease end: a lease
+    /// runs out only when its owner stopped without completing, and then no record is kept).
+    /// Responses that leave no record (not stored, failed) and the layer's other problems carry
+    /// no header.
     ///
     /// Default: off. Turn it on when clients should know how long they may retry with a key (a
     /// queue that redelivers after hours, a client that retries a day later): past the moment,

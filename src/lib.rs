@@ -242,7 +242,7 @@ pub use held_claim::HeldClaim;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
-pub use problem::ProblemKind;
+pub use problem::{IDEMPOTENCY_PROBLEM, ProblemKind};
 pub use quota::ScopeQuota;
 pub use record::{
     ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,

@@ -3,7 +3,8 @@
 //! ([`IdempotencyLayer::render_problems`](crate::IdempotencyLayer::render_problems)).
 //!
 //! Each kind has a stable `type` URI (this page, with the kind's anchor), a `title`, a `detail`,
-//! the `status`, and `Cache-Control: no-store`; every such response carries its [`ProblemKind`]
+//! the `status`, `Cache-Control: no-store`, and the anchor in the [`IDEMPOTENCY_PROBLEM`] header
+//! (`Idempotency-Problem: in-flight`); every such response carries its [`ProblemKind`]
 //! (and its [`Outcome`](crate::Outcome)) in its extensions, whatever renders it. Statuses are the
 //! IETF draft's by default and can be changed with
 //! [`IdempotencyLayer::problem_status`](crate::IdempotencyLayer::problem_status).
@@ -63,6 +64,17 @@ use std::borrow::Cow;
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+
+/// The header in which the layer names the kind of each problem it answers with over HTTP: the
+/// anchor of the kind's `type` URI (`in-flight`, `not-replayable`, ...), whatever renders the
+/// body, so that a client tells the kinds apart without reading it. A `409` is `in-flight` (ask
+/// again) or `not-replayable` (asking again cannot help: the operation ran once and its response
+/// is not kept), and only this header or the body's `type` says which.
+///
+/// ```
+/// assert_eq!(tower_idempotency::IDEMPOTENCY_PROBLEM, "idempotency-problem");
+/// ```
+pub const IDEMPOTENCY_PROBLEM: HeaderName = HeaderName::from_static("idempotency-problem");
 
 macro_rules! type_uri {
     ($anchor:literal) => {
@@ -164,6 +176,13 @@ impl ProblemKind {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
         }
+    }
+
+    /// The anchor of [`type_uri`](Self::type_uri): the kind's name in the
+    /// [`IDEMPOTENCY_PROBLEM`] header.
+    pub(crate) fn anchor(self) -> &'static str {
+        let uri = self.type_uri();
+        &uri[uri.rfind('#').map_or(0, |at| at + 1)..]
     }
 
     /// The stable `type` URI of this kind.
@@ -278,7 +297,8 @@ impl Problem {
 /// the headers that go with it, per problem.
 ///
 /// The layer sets the rest, whatever the renderer does: the status ([`Problem::status`]),
-/// `Cache-Control: no-store`, the `Retry-After` of [`Problem::retry_after`], and the
+/// `Cache-Control: no-store`, the [`IDEMPOTENCY_PROBLEM`] header, the `Retry-After` of
+/// [`Problem::retry_after`], and the
 /// [`ProblemKind`] and [`Outcome`](crate::Outcome) in the response's extensions. The default is
 /// [`ProblemJson`], RFC 9457 `application/problem+json`.
 ///
@@ -360,8 +380,8 @@ impl RenderedProblem {
         }
     }
 
-    /// Adds a header value (after those of the same name). `Cache-Control` and `Retry-After` are
-    /// the layer's: it replaces them.
+    /// Adds a header value (after those of the same name). `Cache-Control`, `Retry-After` and
+    /// [`IDEMPOTENCY_PROBLEM`] are the layer's: it replaces them.
     pub fn header(mut self, name: HeaderName, value: HeaderValue) -> Self {
         self.headers.append(name, value);
         self
@@ -470,6 +490,10 @@ pub(crate) fn respond(problem: &Problem, renderer: &dyn RenderProblem) -> Respon
     *response.headers_mut() = headers;
     let headers = response.headers_mut();
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        IDEMPOTENCY_PROBLEM,
+        HeaderValue::from_static(problem.kind.anchor()),
+    );
     match problem.retry_after {
         Some(seconds) => headers.insert(RETRY_AFTER, HeaderValue::from(seconds)),
         None => headers.remove(RETRY_AFTER),
@@ -563,7 +587,8 @@ mod tests {
         assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
         assert_eq!(response.headers()[RETRY_AFTER], "1");
-        assert_eq!(response.headers().len(), 3);
+        assert_eq!(response.headers()[IDEMPOTENCY_PROBLEM], "in-flight");
+        assert_eq!(response.headers().len(), 4);
         assert_eq!(
             response.extensions().get::<ProblemKind>(),
             Some(&ProblemKind::InFlight)
@@ -580,11 +605,23 @@ mod tests {
     }
 
     #[test]
+    fn the_problem_header_names_each_kind_by_its_anchor() {
+        for kind in ProblemKind::ALL {
+            let problem = Problem::new(kind, kind.default_status(), "d");
+            let response = respond(&problem, &ProblemJson);
+            let named = response.headers()[IDEMPOTENCY_PROBLEM].to_str().unwrap();
+            assert!(!named.is_empty() && !named.contains('#'), "{kind:?}");
+            assert_eq!(kind.type_uri(), format!("{}{named}", type_uri!("")));
+        }
+    }
+
+    #[test]
     fn the_layer_owns_cache_control_and_retry_after() {
         let render = |_: &Problem| {
             RenderedProblem::new(HeaderValue::from_static("text/plain"), "x")
                 .header(CACHE_CONTROL, HeaderValue::from_static("max-age=60"))
                 .header(RETRY_AFTER, HeaderValue::from_static("600"))
+                .header(IDEMPOTENCY_PROBLEM, HeaderValue::from_static("in-flight"))
                 .header(
                     HeaderName::from_static("x-extra"),
                     HeaderValue::from_static("kept"),
@@ -595,6 +632,8 @@ mod tests {
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
         assert!(!response.headers().contains_key(RETRY_AFTER));
+        let named = response.headers().get_all(IDEMPOTENCY_PROBLEM);
+        assert_eq!(named.iter().collect::<Vec<_>>(), ["mismatch"]);
         assert_eq!(response.headers()["x-extra"], "kept");
         let in_flight = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, "d")
             .with_retry_after(Some(2));

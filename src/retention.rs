@@ -5,7 +5,9 @@
 //! response carries it and every replay repeats the same moment: no store has to keep or return
 //! a record's expiry. The moment is the completion's wall-clock time plus the dedup window,
 //! rounded down to the second; the store counts the window from its write, a moment later, so the
-//! record is kept at least until the stated time.
+//! record is kept at least until the stated time. A `409` while the key's run is in flight states
+//! now plus the window: that run completes no earlier than now, so its record is kept at least
+//! until then.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -5,6 +5,7 @@ use std::error::Error as StdError;
 use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Method, Response, StatusCode, header};
+use tower_idempotency::IDEMPOTENCY_PROBLEM;
 
 use super::BoxError;
 
@@ -95,6 +96,21 @@ pub(crate) fn retryable_status(status: StatusCode) -> Option<Reason> {
     }
 }
 
+/// The kind's name in the server layer's `Idempotency-Problem` header: the anchor of
+/// `ProblemKind::NotReplayable`'s `type` URI.
+const NOT_REPLAYABLE: &str = "not-replayable";
+
+/// Whether the answer is the server layer's `not-replayable` (whatever its status, by default a
+/// `409`): the key's operation ran once and its response is not kept, so no retry can get it. The
+/// layer names the kind in a header; its `409` in flight, or another server's `409`, is retried.
+pub(crate) fn not_replayable(headers: &HeaderMap) -> bool {
+    (headers.get_all(IDEMPOTENCY_PROBLEM).iter()).any(|value| {
+        value
+            .as_bytes()
+            .eq_ignore_ascii_case(NOT_REPLAYABLE.as_bytes())
+    })
+}
+
 /// Methods that are idempotent by definition (RFC 9110 §9.2.2): retried with or without a key.
 pub(crate) fn idempotent_by_definition(method: &Method) -> bool {
     matches!(
@@ -160,6 +176,23 @@ mod tests {
             let status = StatusCode::from_u16(code).unwrap();
             assert_eq!(retryable_status(status), None, "{code}");
         }
+    }
+
+    #[test]
+    fn not_replayable_is_told_from_the_other_409s() {
+        use tower_idempotency::ProblemKind;
+        let anchor = ProblemKind::NotReplayable.type_uri().rsplit('#').next();
+        assert_eq!(anchor, Some(NOT_REPLAYABLE), "the layer's name for it");
+        let with = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(IDEMPOTENCY_PROBLEM, HeaderValue::from_static(value));
+            not_replayable(&headers)
+        };
+        assert!(with("not-replayable"));
+        assert!(with("Not-Replayable"));
+        assert!(!with("in-flight"));
+        assert!(!with("not-replayable-yet"));
+        assert!(!not_replayable(&HeaderMap::new()), "a bare 409");
     }
 
     #[test]

@@ -46,8 +46,9 @@ pub enum Error {
         /// The time from the call to the end.
         elapsed: Duration,
     },
-    /// A retry was due, but it would have been sent at or after the moment the server said it
-    /// forgets the key (its retention header, less the layer's margin): the server would not
+    /// A retry was due, but it would have been sent at or after the moment the server forgets the
+    /// key, less the layer's margin: the moment its retention header stated, or the call plus the
+    /// configured [`retention`](crate::IdempotentRetryLayer::retention). The server would not
     /// recognise the key and would run the operation again, so no retry was sent. The operation
     /// may have run once (the last answer was a retryable one): look its result up before
     /// sending it again.
@@ -60,9 +61,25 @@ pub enum Error {
     RetentionPassed {
         /// The operation's key.
         key: HeaderValue,
-        /// The moment the server stated.
+        /// The moment the server stated, or the call plus the configured retention (on this
+        /// process's wall clock).
         expires: SystemTime,
         /// The attempts made.
+        attempts: u32,
+    },
+    /// The server answered that the operation ran once and its response is not kept (the server
+    /// layer's `not-replayable`, a `409` named so in its `Idempotency-Problem` header): the
+    /// response was too large to store, or failed while it was produced. No retry can get it, and
+    /// none was sent. Look the operation's result up; a new key would run it again.
+    #[error(
+        "the request with key {} ran once on the server, and its response is not kept, so a \
+         retry cannot get it ({attempts} attempt(s) made): look the operation's result up",
+        String::from_utf8_lossy(key.as_bytes())
+    )]
+    NotReplayable {
+        /// The operation's key.
+        key: HeaderValue,
+        /// The attempts made, the one answered `not-replayable` included.
         attempts: u32,
     },
     /// The inner service failed on the last attempt (or was not ready for the first).
@@ -83,7 +100,8 @@ impl Error {
             Error::BodyTooLarge { .. } | Error::Body(_) => 0,
             Error::TimedOut { attempts, .. }
             | Error::Transport { attempts, .. }
-            | Error::RetentionPassed { attempts, .. } => *attempts,
+            | Error::RetentionPassed { attempts, .. }
+            | Error::NotReplayable { attempts, .. } => *attempts,
         }
     }
 }

@@ -24,7 +24,7 @@ use tower_service::Service;
 use super::BoxError;
 use super::error::Error;
 use super::info::Attempts;
-use super::policy::{AttemptPolicy, RetentionPassed};
+use super::policy::{AttemptPolicy, NotReplayable, RetentionPassed};
 use tower_idempotency::IDEMPOTENT_REPLAYED;
 
 /// What the future reports when the operation ends, and the bounds it runs within.
@@ -176,6 +176,13 @@ impl Operation {
                     }),
                 }
             }
+            Ok(Err(err)) if err.is::<NotReplayable>() => match self.key.clone() {
+                Some(key) => Err(Error::NotReplayable { key, attempts }),
+                None => Err(Error::Transport {
+                    attempts,
+                    source: err,
+                }),
+            },
             Ok(Err(source)) => Err(Error::Transport { attempts, source }),
             // The overall deadline, during an attempt.
             Err(_) => Err(timed_out()),

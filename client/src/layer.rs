@@ -49,6 +49,8 @@ pub(crate) struct Config {
     pub(crate) retention_header: HeaderName,
     /// How long before that moment the retries stop.
     pub(crate) retention_margin: Duration,
+    /// How long the server keeps a key, as its documentation says, counted from the call.
+    pub(crate) retention: Option<Duration>,
 }
 
 impl Default for Config {
@@ -67,6 +69,7 @@ impl Default for Config {
             budget: None,
             retention_header: tower_idempotency::IDEMPOTENCY_KEY_EXPIRES,
             retention_margin: Duration::from_secs(10),
+            retention: None,
         }
     }
 }
@@ -196,6 +199,31 @@ impl IdempotentRetryLayer {
         self.config.retention_margin = margin;
         self
     }
+
+    /// How long the server keeps a key, as its documentation states it (the server layer's
+    /// `dedup_window`, 24 hours by default), for a server that states no moment in its responses
+    /// (or before any response stated one). Counted from the call, which comes before the
+    /// operation completes and the server's window starts, on this process's clock: no retry of a
+    /// keyed request is sent at or after the call plus `kept`, less the
+    /// [`retention_margin`](Self::retention_margin), and the call ends with
+    /// [`Error::RetentionPassed`](super::Error::RetentionPassed) instead. A moment stated by the
+    /// server bounds the retries too; the earlier bound ends them. Only a
+    /// [`deadline`](Self::deadline) longer than `kept` less the margin can reach it. Default: none.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency_client::IdempotentRetryLayer;
+    ///
+    /// // A queue worker that retries for hours, against an API that keeps keys for a day.
+    /// let layer = IdempotentRetryLayer::new()
+    ///     .deadline(Duration::from_secs(36 * 3600))
+    ///     .retention(Duration::from_secs(24 * 3600));
+    /// # let _ = layer;
+    /// ```
+    pub fn retention(mut self, kept: Duration) -> Self {
+        self.config.retention = Some(kept);
+        self
+    }
 }
 
 impl<S> Layer<S> for IdempotentRetryLayer {
@@ -225,6 +253,7 @@ impl fmt::Debug for Config {
             .field("budget", &self.budget.is_some())
             .field("retention_header", &self.retention_header)
             .field("retention_margin", &self.retention_margin)
+            .field("retention", &self.retention)
             .finish()
     }
 }

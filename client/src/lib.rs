@@ -75,6 +75,7 @@
 //! | the inner service failed: connection refused, reset, cut off before the response | yes | it may not have happened; if it did, the key makes the retry a replay |
 //! | the attempt's timeout ran out | yes | done, not done or still running: the retry finds out |
 //! | `409` | yes | the key's first request is still running; wait and get its answer |
+//! | `409` named `not-replayable` (`Idempotency-Problem`) | no: [`Error::NotReplayable`] | the operation ran once and its response is not kept; every retry gets the same answer |
 //! | `429`, `503` | yes, after `Retry-After` if given | the server asked to come back later |
 //! | `502`, `504` | yes | a gateway lost the upstream's answer, or never got one |
 //! | other `5xx`, except `501` and `505` | yes | a failure the server did not store: a retry runs again |
@@ -86,7 +87,10 @@
 //! After a wait: the server's `Retry-After` when it gave one (seconds or an HTTP date), otherwise
 //! exponential backoff with full jitter. Attempts stop at [`IdempotentRetryLayer::max_attempts`],
 //! at the [`IdempotentRetryLayer::deadline`] (no wait is started that would end past it), or when
-//! an optional [`IdempotentRetryLayer::budget`] is spent. The last answer is returned as it is:
+//! an optional [`IdempotentRetryLayer::budget`] is spent, and before the server would forget the
+//! key (the moment its retention header states, on any answer of this layer's server with the
+//! header on, its first `409` included, or [`IdempotentRetryLayer::retention`]: then
+//! [`Error::RetentionPassed`]). The last answer is returned as it is:
 //! a `503` after the last attempt is a `503` response, not an error. A failure of the last attempt
 //! is an [`Error`] that counts the attempts.
 //!

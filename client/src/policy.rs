@@ -18,7 +18,7 @@ use tower::retry::Policy;
 use tower::util::rng::HasherRng;
 
 use super::BoxError;
-use super::classify::{Retryable, classify};
+use super::classify::{Retryable, classify, not_replayable};
 use super::layer::Config;
 
 /// The retry state of one operation.
@@ -34,6 +34,9 @@ pub(crate) struct AttemptPolicy {
     keyed: bool,
     /// The earliest moment a response stated for the key's record to expire.
     expires: Option<SystemTime>,
+    /// The call's start plus the configured retention: the key's record is kept at least until
+    /// then, since the operation completes after the call started.
+    kept_until: Option<Instant>,
     /// Seeded per operation, so that operations started together draw different waits.
     rng: HasherRng,
 }
@@ -42,10 +45,14 @@ impl AttemptPolicy {
     pub(crate) fn new(
         config: Arc<Config>,
         attempts: Arc<AtomicU32>,
+        started: Instant,
         deadline: Instant,
         retryable: bool,
         keyed: bool,
     ) -> Self {
+        let kept_until = (config.retention)
+            .filter(|_| keyed)
+            .and_then(|kept| started.checked_add(kept));
         Self {
             config,
             attempts,
@@ -53,6 +60,7 @@ impl AttemptPolicy {
             retryable,
             keyed,
             expires: None,
+            kept_until,
             rng: HasherRng::new(),
         }
     }
@@ -85,20 +93,15 @@ impl AttemptPolicy {
         }
         // The server forgets the key at `expires`: a retry at or after it (less the margin for
         // the clocks' difference) would run the operation again.
-        if let Some(expires) = self.expires {
-            let last = expires
-                .checked_sub(self.config.retention_margin)
-                .unwrap_or(SystemTime::UNIX_EPOCH);
-            if SystemTime::now() + delay >= last {
-                tracing::warn!(
-                    target: "tower_idempotency_client",
-                    attempt,
-                    reason,
-                    delay_ms = delay.as_millis() as u64,
-                    "retry: the server would have forgotten the key"
-                );
-                return Decision::RetentionPassed(expires);
-            }
+        if let Some(expires) = self.retention_passed(delay) {
+            tracing::warn!(
+                target: "tower_idempotency_client",
+                attempt,
+                reason,
+                delay_ms = delay.as_millis() as u64,
+                "retry: the server would have forgotten the key"
+            );
+            return Decision::RetentionPassed(expires);
         }
         if let Some(budget) = &self.config.budget
             && !budget.withdraw()
@@ -115,6 +118,25 @@ impl AttemptPolicy {
             "retry"
         );
         Decision::Retry(delay)
+    }
+
+    /// The moment the server forgets the key, if a retry after `delay` would reach it at or
+    /// after that moment less the margin: the moment a response stated (the server's clock), or
+    /// the call's start plus the configured retention (this process's monotonic clock).
+    fn retention_passed(&self, delay: Duration) -> Option<SystemTime> {
+        let margin = self.config.retention_margin;
+        if let Some(expires) = self.expires {
+            let last = expires
+                .checked_sub(margin)
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            if SystemTime::now() + delay >= last {
+                return Some(expires);
+            }
+        }
+        let kept_until = self.kept_until?;
+        let now = Instant::now();
+        let last = kept_until.checked_sub(margin).unwrap_or(now);
+        (now + delay >= last).then(|| SystemTime::now() + kept_until.saturating_duration_since(now))
     }
 
     /// Notes the retention moment a response states, keeping the earliest.
@@ -138,6 +160,19 @@ enum Decision {
     RetentionPassed(SystemTime),
 }
 
+/// The attempt's result when the server answered `not-replayable`: the response future turns it
+/// into [`Error::NotReplayable`](super::Error::NotReplayable).
+#[derive(Debug)]
+pub(crate) struct NotReplayable;
+
+impl fmt::Display for NotReplayable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the operation ran once and its response is not kept")
+    }
+}
+
+impl std::error::Error for NotReplayable {}
+
 /// The attempt's result when a retry would come after the key's record expires: the response
 /// future turns it into [`Error::RetentionPassed`](super::Error::RetentionPassed).
 #[derive(Debug)]
@@ -159,11 +194,23 @@ impl<ResBody> Policy<Request<Full<Bytes>>, Response<ResBody>, BoxError> for Atte
         _request: &mut Request<Full<Bytes>>,
         result: &mut Result<Response<ResBody>, BoxError>,
     ) -> Option<Sleep> {
+        let attempt = self.attempts.load(Ordering::SeqCst);
         if let Ok(response) = result {
             self.note_retention(response.headers());
+            // Not retried, and not an answer to return as one: the operation ran, and no retry
+            // can get its response.
+            if self.keyed && not_replayable(response.headers()) {
+                tracing::warn!(
+                    target: "tower_idempotency_client",
+                    attempt,
+                    reason = "not_replayable",
+                    "retry: not retrying, the operation ran once and its response is not kept"
+                );
+                *result = Err(Box::new(NotReplayable));
+                return None;
+            }
         }
         let outcome = classify(result)?;
-        let attempt = self.attempts.load(Ordering::SeqCst);
         match self.decide(attempt, outcome) {
             Decision::Retry(delay) => {
                 self.attempts.fetch_add(1, Ordering::SeqCst);

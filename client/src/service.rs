@@ -118,8 +118,14 @@ where
             .unwrap_or_else(|| started + FAR_FUTURE);
         let attempts = Arc::new(AtomicU32::new(1));
         let keyed = key.is_some();
-        let policy =
-            AttemptPolicy::new(config.clone(), attempts.clone(), deadline, retryable, keyed);
+        let policy = AttemptPolicy::new(
+            config.clone(),
+            attempts.clone(),
+            started,
+            deadline,
+            retryable,
+            keyed,
+        );
         // The readied service goes to this call; a clone stays for the next one.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);

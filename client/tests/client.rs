@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
@@ -11,9 +12,11 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::{Full, StreamBody};
 use support::{
-    Fault, Link, always, attempts, charge, charges, layer, server, text, unavailable_once,
+    Fault, Link, always, attempts, charge, charges, layer, server, server_with, text,
+    unavailable_once,
 };
 use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_client::{Error, IdempotentRetryLayer};
 
 #[tokio::test(start_paused = true)]
@@ -128,6 +131,71 @@ async fn a_key_reused_for_another_request_is_not_retried() {
     assert_eq!(attempts(&reused).count(), 1);
     assert_eq!(link.sent().len(), 2, "one attempt each");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A charge under the caller's own `key`, as a job sends it each time it runs.
+fn keyed(key: &'static str) -> Request<Full<Bytes>> {
+    let mut request = charge("amount=100");
+    (request.headers_mut()).insert("idempotency-key", HeaderValue::from_static(key));
+    request
+}
+
+/// The key's operation ran once and left a tombstone (its answer was over the server's response
+/// limit): the server's `409 not-replayable` ends the next call at its first attempt, with an
+/// error that says so, instead of retries that cannot change it. PROTOCOL.md §14.3.
+#[tokio::test(start_paused = true)]
+async fn a_not_replayable_answer_ends_the_call_after_one_attempt() {
+    let big = Arc::new(|n, _: &Bytes| {
+        let body = format!("ch_{n} {}", "x".repeat(64));
+        http::Response::builder()
+            .status(StatusCode::CREATED)
+            .body(axum::body::Body::from(body))
+            .unwrap()
+    });
+    let limited = IdempotencyLayer::new(MemoryStore::new()).response_body_limit(16);
+    let (server, runs) = server_with(limited, Duration::ZERO, big);
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new().layer(layer()).service(link.clone());
+    let first = client.clone().oneshot(keyed("order-7")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED, "delivered, not stored");
+
+    let err = client.oneshot(keyed("order-7")).await.unwrap_err();
+
+    assert!(
+        matches!(&err, Error::NotReplayable { key, attempts: 1 } if key == "order-7"),
+        "{err:?}"
+    );
+    assert_eq!(err.attempts(), 1);
+    assert_eq!(link.sent().len(), 2, "one attempt each");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the operation ran once");
+    let message = err.to_string();
+    assert!(
+        message.contains("ran once") && message.contains("not kept"),
+        "{message}"
+    );
+}
+
+/// The other `409`, with the same key while its first request still runs, is retried as the
+/// server asks until the replay: only `not-replayable` ends a call.
+#[tokio::test(start_paused = true)]
+async fn a_409_in_flight_is_still_retried_then_replayed() {
+    let (server, runs) = server(Duration::from_millis(2500), charges());
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(layer().max_attempts(5))
+        .service(link.clone());
+    let first = tokio::spawn(client.clone().oneshot(keyed("order-8")));
+    tokio::task::yield_now().await;
+
+    let second = client.oneshot(keyed("order-8")).await.unwrap();
+
+    assert_eq!(second.status(), StatusCode::CREATED);
+    let attempts = attempts(&second);
+    assert_eq!((attempts.count(), attempts.replayed()), (4, true));
+    assert_eq!(text(second).await, "ch_1");
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(text(first).await, "ch_1");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
 }
 
 #[tokio::test(start_paused = true)]

@@ -270,3 +270,71 @@ async fn retries_before_the_moment_less_the_margin_are_sent() {
     assert!(matches!(err, Error::RetentionPassed { .. }), "{err:?}");
     assert_eq!((link.sent().len(), runs.load(Ordering::SeqCst)), (1, 1));
 }
+
+/// A server that states its retention: its `409` while the key's first request runs says the key
+/// is kept at least a dedup window (10 s here) from now. With the default margin of 10 s, the
+/// retry the `409` asks for would come too late: the call ends there, after the timed-out attempt
+/// and the `409`, and the operation ran once. PROTOCOL.md §8.7, §14.4.
+#[tokio::test(start_paused = true)]
+async fn a_409_in_flight_states_the_retention_that_bounds_the_retries() {
+    use tower_idempotency::{IDEMPOTENCY_KEY_EXPIRES, IdempotencyLayer, MemoryStore};
+    let stating = IdempotencyLayer::new(MemoryStore::new())
+        .dedup_window(Duration::from_secs(10))
+        .retention_header(
+            IDEMPOTENCY_KEY_EXPIRES,
+            tower_idempotency::RetentionFormat::HttpDate,
+        );
+    let (server, runs) = support::server_with(stating, Duration::from_secs(5), charges());
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(layer().attempt_timeout(Duration::from_secs(1)))
+        .service(link.clone());
+    let before = std::time::SystemTime::now();
+
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+
+    let Error::RetentionPassed {
+        key,
+        expires,
+        attempts,
+    } = err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(attempts, 2, "the timed-out attempt, then the 409");
+    assert_eq!(Some(key), link.sent()[1].key.clone());
+    let kept = expires.duration_since(before).unwrap();
+    assert!(
+        kept > Duration::from_secs(8) && kept <= Duration::from_secs(11),
+        "{kept:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A server that states nothing, and a client told how long it keeps keys: the retries end
+/// before the call plus that time, less the margin.
+#[tokio::test(start_paused = true)]
+async fn a_configured_retention_bounds_the_retries() {
+    let (server, runs) = server(Duration::from_secs(3600), charges());
+    let link = Link::new(server, []);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(1))
+                .max_attempts(10)
+                .retention(Duration::from_secs(4))
+                .retention_margin(Duration::from_secs(1)),
+        )
+        .service(link.clone());
+
+    let err = client.oneshot(charge("x")).await.unwrap_err();
+
+    // A timeout at 1 s, then 409s at 1 s and 2 s; the one the 409 at 2 s asks for, at 3 s, is
+    // at the call plus 4 s less the margin.
+    assert!(
+        matches!(err, Error::RetentionPassed { attempts: 3, .. }),
+        "{err:?}"
+    );
+    assert_eq!(link.sent().len(), 3);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

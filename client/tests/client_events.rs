@@ -6,13 +6,16 @@ mod support;
 use std::time::Duration;
 
 use http::HeaderMap;
-use support::{Fault, Link, always, charge, layer, server};
+use support::{Fault, Link, always, charge, charges, layer, server, server_with};
 use test_servers::logs::{Captured, LogEvent};
 use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
 #[tokio::test(start_paused = true)]
 async fn each_retry_is_an_event_and_giving_up_a_warning() {
     let captured = Captured::global();
+    let _turn = Captured::turn().await;
+    let from = captured.len();
     let (server, _runs) = server(Duration::ZERO, always(503, HeaderMap::new()));
     let link = Link::new(server, [Fault::Refuse]);
     let client = ServiceBuilder::new()
@@ -26,7 +29,7 @@ async fn each_retry_is_an_event_and_giving_up_a_warning() {
     );
     client.oneshot(request).await.unwrap();
 
-    let events = captured.events();
+    let events = captured.since(from);
     let client_events: Vec<&LogEvent> = (events.iter())
         .filter(|event| event.target == "tower_idempotency_client")
         .collect();
@@ -58,4 +61,37 @@ async fn each_retry_is_an_event_and_giving_up_a_warning() {
         !everything.contains("secret-key-1"),
         "the key is never logged"
     );
+}
+
+/// A `not-replayable` answer is told as such, once, and not as a `409` in flight.
+#[tokio::test(start_paused = true)]
+async fn a_not_replayable_answer_is_logged_as_such() {
+    let captured = Captured::global();
+    let _turn = Captured::turn().await;
+    let limited = IdempotencyLayer::new(MemoryStore::new()).response_body_limit(1);
+    let (server, _runs) = server_with(limited, Duration::ZERO, charges());
+    let link = Link::new(server, [Fault::LoseResponse]);
+    let client = ServiceBuilder::new().layer(layer()).service(link);
+    let from = captured.len();
+
+    let result = client.oneshot(charge("x")).await;
+
+    let client_events: Vec<(String, String, String)> = (captured.since(from).iter())
+        .filter(|event| event.target == "tower_idempotency_client")
+        .map(|event| {
+            let field = |name| event.field(name).unwrap().to_owned();
+            (event.level.to_string(), field("attempt"), field("reason"))
+        })
+        .collect();
+    let row = |level: &str, attempt: &str, reason: &str| {
+        (level.to_owned(), attempt.to_owned(), reason.to_owned())
+    };
+    assert_eq!(
+        client_events,
+        [
+            row("INFO", "1", "transport"),
+            row("WARN", "2", "not_replayable")
+        ]
+    );
+    assert!(result.is_err(), "the call ended with an error");
 }

@@ -146,8 +146,9 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// States when the record about to be written expires, if the retention header is on.
-    fn stamp_retention(&self, headers: &mut http::HeaderMap) {
+    /// States when the record about to be written expires, if the retention header is on: a
+    /// dedup window from now. On a `409` in flight, the earliest its record can expire.
+    pub(super) fn stamp_retention(&self, headers: &mut http::HeaderMap) {
         if let Some(retention) = &self.config.retention {
             retention.stamp(headers, self.config.dedup_window);
         }

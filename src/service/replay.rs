@@ -42,7 +42,12 @@ impl<St: Store> Shared<St> {
                 let retry_after = whole_seconds(self.config.retry_after).min(lease_end);
                 let detail =
                     "a request with this Idempotency-Key is still being processed; retry later";
-                self.problem_with(ProblemKind::InFlight, detail, Some(retry_after))
+                let mut response =
+                    self.problem_with(ProblemKind::InFlight, detail, Some(retry_after));
+                // The run completes no earlier than now, and its record is kept a dedup window
+                // from its completion: a retry before now plus the window is recognised (§8.7).
+                self.stamp_retention(response.headers_mut());
+                response
             }
             Record::Completed(Completed {
                 response: Some(Payload::Sealed(sealed)),

@@ -228,6 +228,12 @@ impl Reply {
             Some("no-store"),
             "§7.1: a problem has Cache-Control: no-store: {self:?}"
         );
+        let uri = kind.type_uri();
+        assert_eq!(
+            self.header(tower_idempotency::IDEMPOTENCY_PROBLEM),
+            uri.rsplit('#').next(),
+            "§7.1: a problem names its kind in Idempotency-Problem: {self:?}"
+        );
         let json = self.json();
         assert_eq!(
             json["type"],

@@ -237,6 +237,7 @@ macro_rules! layer_contract {
             the_record_keeps_the_first_runs_trace_origin,
             retention_header_states_the_records_expiry,
             retention_header_takes_a_name_and_format,
+            retention_header_on_a_409_in_flight_is_a_window_from_now,
             a_scope_past_its_quota_leaves_the_others_untouched,
             a_waiting_duplicate_gets_the_replay,
             a_duplicate_past_the_wait_bound_gets_409,

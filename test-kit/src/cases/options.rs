@@ -2,13 +2,15 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::body::Body;
 use http::header::RETRY_AFTER;
-use http::{HeaderName, StatusCode};
+use http::{HeaderName, Request, Response, StatusCode};
+use tower_test::mock;
 
 use super::layer::assert_replay_of;
 use crate::*;
 use tower_idempotency::{
-    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RetentionFormat, ScopeQuota,
+    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RequestBody, RetentionFormat, ScopeQuota,
 };
 
 /// The seconds since the epoch of `at`, rounded down.
@@ -115,6 +117,51 @@ pub async fn retention_header_states_the_records_expiry<H: Harness>(h: H) {
         default.header(IDEMPOTENCY_KEY_EXPIRES),
         None,
         "§8.7: the retention header is off by default"
+    );
+}
+
+/// With the retention header on, a `409` while the key's first request runs states a dedup window
+/// from now: that run completes no earlier, so its record is kept at least until then, and the
+/// moment its completion states is no earlier. PROTOCOL.md §8.7.
+pub async fn retention_header_on_a_409_in_flight_is_a_window_from_now<H: Harness>(h: H) {
+    let (mock, mut handle) = mock::pair::<Request<RequestBody<Body>>, Response<Body>>();
+    let stating =
+        layer(&h, h.store()).retention_header(IDEMPOTENCY_KEY_EXPIRES, RetentionFormat::HttpDate);
+    let svc = service(stating, mock);
+    let stated = |reply: &Reply| {
+        let value = reply.header(IDEMPOTENCY_KEY_EXPIRES).unwrap_or_else(|| {
+            panic!("§8.7: a 409 in flight carries the retention header when it is on: {reply:?}")
+        });
+        unix_seconds(httpdate::parse_http_date(value).expect("§8.7: an HTTP-date"))
+    };
+
+    let first = spawn_send(&svc, post("k", "x"));
+    let (_request, respond) = handle
+        .next_request()
+        .await
+        .expect("the first request reaches the inner service");
+    let before = unix_seconds(SystemTime::now() + h.window());
+    let conflict = send(&svc, post("k", "x")).await;
+    let after = unix_seconds(SystemTime::now() + h.window());
+    conflict.assert_in_flight();
+    let in_flight = stated(&conflict);
+    assert!(
+        (before..=after).contains(&in_flight),
+        "§8.7: a 409 in flight states now plus the dedup window: {in_flight}, not in \
+         {before}..={after}"
+    );
+
+    respond.send_response(Response::new(Body::from("charged")));
+    let first = first.await.expect("the first request's task");
+    assert!(
+        stated(&first) >= in_flight,
+        "§8.7: the record is kept at least until the moment the 409 stated"
+    );
+    let mismatch = send(&svc, post("k", "other")).await;
+    assert_eq!(
+        mismatch.header(IDEMPOTENCY_KEY_EXPIRES),
+        None,
+        "§8.7: the layer's other problems state nothing"
     );
 }
 
