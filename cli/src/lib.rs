@@ -1,26 +1,29 @@
-//! `tower-idempotency`: the operator's tool for
+//! `idempotency-keys`: the operator's tool for
 //! [tower-idempotency](https://docs.rs/tower-idempotency). It answers "what happened to key X of
 //! customer Y?" and forgets one key, on the Redis, Redis Cluster or PostgreSQL store an
 //! application uses, without decoding store bytes or record-id digests by hand.
 //!
 //! ```text
 //! cargo install tower-idempotency-cli
-//! tower-idempotency --redis redis://127.0.0.1:6379 lookup --scope acct_1 --key order-42
-//! tower-idempotency --postgres postgres://app@db/app forget --scope acct_1 --key order-42 \
+//! idempotency-keys --redis redis://127.0.0.1:6379 lookup --scope acct_1 --key order-42
+//! idempotency-keys forget --scope acct_1 --key order-42 --postgres postgres://app@db/app \
 //!     --reason "charge refunded by hand; the customer must be able to pay again"
 //! ```
 //!
 //! `lookup` prints the key's state: absent, in flight (claimed when, lease until when, under
-//! which fence), completed (status, body length, fence where the store keeps it, expiry; the
-//! response's headers and body with `--body`) or a tombstone. A sealed response is opened only
-//! with its keys (`--seal-keys-env IDEMPOTENCY_SEAL_KEYS`); without them the tool names the key
-//! it is sealed under. `forget` frees the key for the next
-//! request: a completed record always, one in flight only with `--force`. Both print a table, or
-//! with `--json` one JSON object.
+//! which fence), completed (status, body length, fence and claim time where the store keeps
+//! them, expiry, the trace origin of the run that completed it; the response's headers and body
+//! with `--body`) or a tombstone. A sealed response is opened only with its keys
+//! (`--seal-keys-env IDEMPOTENCY_SEAL_KEYS`); without them the tool names the key it is sealed
+//! under. `forget` frees the key for the next request: a completed record always, one in flight
+//! only with `--force`. Both print a table, or with `--json` one JSON object; `forget --json`
+//! also writes its audit line to stderr as one JSON object. The store options go before or
+//! after the command.
 //!
-//! Exit codes: 0 found (lookup) or forgotten (forget); 1 absent (either) or refused (forget of a
-//! key in flight without `--force`); 2 anything else (a usage error, an invalid key, an
-//! unreachable store).
+//! Exit codes ([`Exit`]): 0 found (lookup) or forgotten (forget); 1 absent; 2 a usage error (the
+//! command line or its inputs); 3 refused (forget of a key in flight without `--force`); 4 the
+//! store did not answer; 5 nothing where the tool looked (no key at all under the Redis prefix,
+//! or no such table): the options are likely wrong.
 //!
 //! The scope is the bytes the application's scope function makes of a request (for the payments
 //! example, the account id): `--scope <text>`, `--scope-hex <hex>`, or `--no-scope` for an
@@ -34,11 +37,12 @@
 //! use clap::Parser;
 //! use tower_idempotency_cli::Cli;
 //!
+//! // The store's options before or after the command.
 //! let cli = Cli::try_parse_from([
-//!     "tower-idempotency", "--redis", "redis://127.0.0.1:6379",
-//!     "lookup", "--scope", "acct_1", "--key", "order-42",
+//!     "idempotency-keys", "lookup", "--scope", "acct_1", "--key", "order-42",
+//!     "--redis", "redis://127.0.0.1:6379", "--redis-prefix", "app:",
 //! ])?;
-//! # let _ = cli;
+//! assert!(cli.check().is_ok());
 //! # Ok::<(), clap::Error>(())
 //! ```
 
@@ -46,25 +50,33 @@
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
 mod output;
+mod place;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::error::ErrorKind;
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use tower_idempotency::seal::{SealKeys, SealedStore};
 use tower_idempotency::store::ForgetOutcome;
 use tower_idempotency::{BoxStore, RecordId, operator};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
+use place::Place;
+pub use place::PlaceError;
+
 /// The command line.
 #[derive(Debug, Parser)]
 #[command(
-    name = "tower-idempotency",
+    name = "idempotency-keys",
     version,
     about = "Look up or forget one idempotency key in a tower-idempotency store",
-    after_help = "Exit codes: 0 found or forgotten; 1 absent, or refused (in flight, not \
-                  forced); 2 any error."
+    after_help = "The store options go before or after the command.\n\n\
+                  Exit codes: 0 found (lookup) or forgotten (forget); 1 absent; 2 usage error \
+                  (the command line or its inputs); 3 refused (in flight, not forced); 4 the \
+                  store did not answer; 5 nothing where the tool looked (no key at all under the \
+                  Redis prefix, or no such table): check --redis-prefix or --postgres-table."
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -75,9 +87,75 @@ pub struct Cli {
     command: Command,
 }
 
-/// Where the records live: exactly one store, with the options that change where in it.
+/// The tool's exit codes, one per answer a script tells apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Exit {
+    /// 0: the key has a live record (lookup), or it is forgotten (forget).
+    Found = 0,
+    /// 1: the key has no live record where the tool looked.
+    Absent = 1,
+    /// 2: the command line or its inputs are wrong (clap's usage errors, an invalid key, a
+    /// `--scope-hex` that is not hex, a blank reason, an invalid URL or table name, seal keys
+    /// missing from the environment).
+    Usage = 2,
+    /// 3: `forget` refused: the key is in flight and `--force` was not given.
+    Refused = 3,
+    /// 4: the store did not answer: unreachable, too slow, refusing, or holding a record the
+    /// tool cannot read or open.
+    Store = 4,
+    /// 5: nothing where the tool looked: no key at all under the Redis prefix, or no such
+    /// PostgreSQL table. The options likely name the wrong place.
+    NothingHere = 5,
+}
+
+impl From<Exit> for ExitCode {
+    fn from(exit: Exit) -> Self {
+        ExitCode::from(exit as u8)
+    }
+}
+
+impl Cli {
+    /// Checks what clap cannot, because the store options are global (accepted before or after
+    /// the command) and a group of global arguments is checked before the command's are read:
+    /// exactly one store is named.
+    ///
+    /// # Errors
+    /// A usage error (exit 2, as clap's) when none or several are named.
+    pub fn check(&self) -> Result<(), clap::Error> {
+        let named = [
+            self.store.redis.is_some(),
+            self.store.redis_cluster.is_some(),
+            self.store.postgres.is_some(),
+        ]
+        .into_iter()
+        .filter(|named| *named)
+        .count();
+        let (kind, message) = match named {
+            1 => return Ok(()),
+            0 => (
+                ErrorKind::MissingRequiredArgument,
+                "one store is required: --redis <URL>, --redis-cluster <URL,URL,..> or --postgres <URL>",
+            ),
+            _ => (
+                ErrorKind::ArgumentConflict,
+                "only one store at a time: --redis, --redis-cluster or --postgres",
+            ),
+        };
+        Err(Cli::command().error(kind, message))
+    }
+
+    /// Whether the command asks for JSON: then `forget`'s audit line is one JSON object on
+    /// stderr, in place of the library's text line.
+    pub fn json(&self) -> bool {
+        match self.command {
+            Command::Lookup { json, .. } | Command::Forget { json, .. } => json,
+        }
+    }
+}
+
+/// Where the records live: exactly one store ([`Cli::check`]), before or after the command.
 #[derive(Debug, Args)]
-#[group(required = true, multiple = false, id = "store")]
 struct StoreArgs {
     /// A single Redis server: redis://[user:password@]host:port[/db]
     #[arg(long, value_name = "URL", global = true)]
@@ -149,7 +227,8 @@ enum Command {
         /// running: if it finishes before another claim, its record is written all the same).
         #[arg(long)]
         force: bool,
-        /// Print one JSON object instead of a table.
+        /// Print one JSON object instead of a table, and the audit line on stderr as one JSON
+        /// object in place of the text line.
         #[arg(long)]
         json: bool,
     },
@@ -181,7 +260,7 @@ struct ScopeArgs {
     no_scope: bool,
 }
 
-/// Why the tool could not answer: exit code 2.
+/// Why the tool could not answer; [`CliError::exit`] says with which exit code.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CliError {
@@ -206,6 +285,34 @@ pub enum CliError {
     /// The variable `--seal-keys-env` names does not hold a key list.
     #[error("--seal-keys-env: {0} does not hold `id:base64key,...`")]
     SealKeys(String, #[source] tower_idempotency::seal::SealKeyError),
+    /// Checking where the records are (the table, the keys under the prefix) failed.
+    #[error("{0}")]
+    Place(#[from] place::PlaceError),
+    /// No key at all under the Redis prefix: the key is absent, and so is every other.
+    #[error(
+        "no key under prefix {0:?} at all: is the prefix right? (--redis-prefix: what the \
+         application passes to RedisStore::with_prefix; default \"idempotency:\")"
+    )]
+    EmptyPrefix(String),
+    /// The PostgreSQL table does not exist.
+    #[error(
+        "no table {0} in this database: is the table right? (--postgres-table: what the \
+         application passes to PgStore::with_table; default idempotency_records)"
+    )]
+    NoTable(String),
+}
+
+impl CliError {
+    /// The exit code this error ends the tool with.
+    pub fn exit(&self) -> Exit {
+        match self {
+            CliError::Operator(operator::OperatorError::Store(_)) | CliError::Place(_) => {
+                Exit::Store
+            }
+            CliError::EmptyPrefix(_) | CliError::NoTable(_) => Exit::NothingHere,
+            _ => Exit::Usage,
+        }
+    }
 }
 
 impl ScopeArgs {
@@ -233,38 +340,46 @@ fn parse_hex(hex: &str) -> Result<Vec<u8>, CliError> {
         .collect()
 }
 
+impl StoreOptions {
+    fn timeout(&self) -> Result<Duration, CliError> {
+        Duration::try_from_secs_f64(self.timeout)
+            .ok()
+            .filter(|timeout| !timeout.is_zero())
+            .ok_or(CliError::Timeout)
+    }
+}
+
 impl StoreArgs {
     /// The store the arguments name, built as the application builds it; behind a `SealedStore`
-    /// when `--seal-keys-env` is given.
-    fn open(&self, options: &StoreOptions) -> Result<BoxStore, CliError> {
-        let store = self.open_plain(options)?;
+    /// when `--seal-keys-env` is given. With it, where its records are, for the checks.
+    fn open(&self, options: &StoreOptions) -> Result<(BoxStore, Place), CliError> {
+        let (store, place) = self.open_plain(options)?;
         let Some(var) = &options.seal_keys_env else {
-            return Ok(store);
+            return Ok((store, place));
         };
         let list = std::env::var(var).map_err(|_| CliError::SealKeysUnset(var.clone()))?;
         let keys = SealKeys::parse(&list).map_err(|err| CliError::SealKeys(var.clone(), err))?;
-        Ok(BoxStore::new(SealedStore::new(store, keys)))
+        Ok((BoxStore::new(SealedStore::new(store, keys)), place))
     }
 
-    fn open_plain(&self, options: &StoreOptions) -> Result<BoxStore, CliError> {
-        let timeout = Duration::try_from_secs_f64(options.timeout)
-            .ok()
-            .filter(|timeout| !timeout.is_zero())
-            .ok_or(CliError::Timeout)?;
+    fn open_plain(&self, options: &StoreOptions) -> Result<(BoxStore, Place), CliError> {
+        let timeout = options.timeout()?;
         let redis = |store: RedisStore| {
             let store = store
                 .with_prefix(options.redis_prefix.clone())
                 .with_timeout(timeout);
-            match options.redis_max_decompressed {
+            let store = match options.redis_max_decompressed {
                 Some(bytes) => store.with_max_decompressed(bytes),
                 None => store,
-            }
+            };
+            let place = Place::redis(&store, &options.redis_prefix, timeout);
+            (BoxStore::new(store), place)
         };
         if let Some(url) = &self.redis {
-            return Ok(BoxStore::new(redis(RedisStore::from_url(url)?)));
+            return Ok(redis(RedisStore::from_url(url)?));
         }
         if let Some(urls) = &self.redis_cluster {
-            return Ok(BoxStore::new(redis(RedisStore::cluster(urls.clone())?)));
+            return Ok(redis(RedisStore::cluster(urls.clone())?));
         }
         let url = self.postgres.as_deref().unwrap_or_default();
         // No sweep: the tool reads and forgets one key, and deletes nothing else.
@@ -272,36 +387,37 @@ impl StoreArgs {
             .try_with_table(&options.postgres_table)?
             .with_timeout(timeout)
             .with_sweep_interval(None);
-        Ok(BoxStore::new(store))
+        let place = Place::postgres(&store, timeout);
+        Ok((BoxStore::new(store), place))
     }
 }
 
-/// What a command found, and its exit code.
-enum Answer {
-    Found,
-    Absent,
-}
-
 /// Runs the command line: prints to stdout, errors to stderr; the exit code is the documented
-/// one. Logs (the forget's WARN line) go to stderr through `tracing`, if a subscriber is set.
+/// one ([`Exit`]). Logs (the forget's WARN line) go to stderr through `tracing`, if a subscriber
+/// is set; with `--json`, `forget` writes its audit line to stderr as one JSON object.
 pub async fn run(cli: Cli) -> ExitCode {
     match execute(cli).await {
-        Ok(Answer::Found) => ExitCode::SUCCESS,
-        Ok(Answer::Absent) => ExitCode::from(1),
+        Ok(exit) => exit.into(),
         Err(err) => {
             eprintln!("error: {}", output::chain(&err));
-            ExitCode::from(2)
+            err.exit().into()
         }
     }
 }
 
-async fn execute(cli: Cli) -> Result<Answer, CliError> {
-    let store = cli.store.open(&cli.options)?;
+async fn execute(cli: Cli) -> Result<Exit, CliError> {
+    let (store, place) = cli.store.open(&cli.options)?;
     match cli.command {
         Command::Lookup { target, body, json } => {
             let scope = target.scope.bytes()?;
             let id = operator::record_id(&scope, &target.key)?;
+            // Before the call: a missing table is said as such, not as the store's advice to
+            // the application.
+            place.check_table().await?;
             let found = operator::lookup(&store, &scope, &target.key).await?;
+            if found.is_none() {
+                place.check_absent().await?;
+            }
             let report = output::Report::new(&scope, &target.key, &id);
             if json {
                 println!("{}", report.lookup_json(found.as_ref(), body));
@@ -309,9 +425,9 @@ async fn execute(cli: Cli) -> Result<Answer, CliError> {
                 print!("{}", report.lookup_table(found.as_ref(), body));
             }
             Ok(if found.is_some() {
-                Answer::Found
+                Exit::Found
             } else {
-                Answer::Absent
+                Exit::Absent
             })
         }
         Command::Forget {
@@ -322,16 +438,22 @@ async fn execute(cli: Cli) -> Result<Answer, CliError> {
         } => {
             let scope = target.scope.bytes()?;
             let id: RecordId = operator::record_id(&scope, &target.key)?;
+            place.check_table().await?;
             let outcome = operator::forget(&store, &scope, &target.key, &reason, force).await?;
+            if matches!(outcome, ForgetOutcome::Absent) {
+                place.check_absent().await?;
+            }
             let report = output::Report::new(&scope, &target.key, &id);
             if json {
+                eprintln!("{}", report.forget_audit(&outcome, force, reason.trim()));
                 println!("{}", report.forget_json(&outcome, force));
             } else {
                 print!("{}", report.forget_table(&outcome));
             }
             Ok(match outcome {
-                ForgetOutcome::Forgotten(_) => Answer::Found,
-                _ => Answer::Absent,
+                ForgetOutcome::Forgotten(_) => Exit::Found,
+                ForgetOutcome::Refused(_) => Exit::Refused,
+                _ => Exit::Absent,
             })
         }
     }

@@ -1,18 +1,33 @@
-//! `tower-idempotency`: look up or forget one idempotency key (see the crate's documentation).
+//! `idempotency-keys`: look up or forget one idempotency key (see the crate's documentation).
 
 use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tower_idempotency_cli::Cli;
+use tower_idempotency_cli::{Cli, Exit};
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The forget's WARN line, with the operator's reason, is the audit trail: to stderr.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_max_level(tracing::Level::INFO)
+    if let Err(err) = cli.check() {
+        err.exit();
+    }
+    // The forget's WARN line, with the operator's reason, is the audit trail: to stderr. With
+    // `--json` the tool writes it there as one JSON object instead, so the text line is left out.
+    let text_audit = !cli.json();
+    let filter = tracing_subscriber::filter::filter_fn(move |meta| {
+        *meta.level() <= tracing::Level::INFO
+            && (text_audit || meta.module_path() != Some("tower_idempotency::operator"))
+    });
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_filter(filter),
+        )
         .init();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -21,7 +36,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("error: could not start the runtime: {err}");
-            return ExitCode::from(2);
+            return Exit::Store.into();
         }
     };
     runtime.block_on(tower_idempotency_cli::run(cli))

@@ -56,6 +56,34 @@ impl<'a> Report<'a> {
         Value::Object(map)
     }
 
+    /// `forget`'s audit line as one JSON object: what the library's WARN line says (the record
+    /// id and its tag, the state it was in, forced or not, the reason; never the raw key or
+    /// scope), with the time and the result, for a log pipeline that reads stderr.
+    pub(crate) fn forget_audit(
+        &self,
+        outcome: &ForgetOutcome,
+        forced: bool,
+        reason: &str,
+    ) -> Value {
+        let (level, result, state) = match outcome {
+            ForgetOutcome::Forgotten(was) => ("WARN", "forgotten", Some(was.state())),
+            ForgetOutcome::Refused(_) => ("INFO", "refused", Some("in_flight")),
+            _ => ("INFO", "absent", None),
+        };
+        json!({
+            "time": rfc3339(SystemTime::now()),
+            "level": level,
+            "event": "forget",
+            "message": format!("forget by an operator: {result}"),
+            "result": result,
+            "record_id": self.id.to_string(),
+            "key_tag": self.id.tag().to_string(),
+            "state": state,
+            "forced": forced,
+            "reason": reason,
+        })
+    }
+
     fn table_head(&self) -> String {
         let scope = if self.scope.is_empty() {
             "(empty)".to_owned()
@@ -135,6 +163,20 @@ fn completed_json(map: &mut Map<String, Value>, view: &CompletedView, body: bool
     map.insert("status".into(), json!(view.status().map(|s| s.as_u16())));
     map.insert("body_len".into(), json!(view.body_len()));
     map.insert("sealed_under".into(), json!(view.sealed_under()));
+    map.insert(
+        "origin".into(),
+        view.completed
+            .origin
+            .as_deref()
+            .map_or(Value::Null, |origin| {
+                json!({
+                    "traceparent": origin.to_string(),
+                    "trace_id": origin.trace_id_hex(),
+                    "span_id": origin.span_id_hex(),
+                    "tracestate": origin.tracestate(),
+                })
+            }),
+    );
     if let (true, Some(response)) = (body, view.completed.plain()) {
         let headers = response
             .headers
@@ -173,10 +215,33 @@ fn record_table(out: &mut String, record: &Inspected, body: bool) {
                 Some(at) => row(out, "claimed at", &rfc3339(at)),
                 None => row(out, "claimed at", "not kept by this store once completed"),
             }
+            row(
+                out,
+                "completed at",
+                "not kept by the store (expires less the application's retention)",
+            );
             row(out, "expires", &rfc3339(view.expires));
             match view.fence {
                 Some(fence) => row(out, "fence", &fence.to_string()),
                 None => row(out, "fence", "not kept by this store once completed"),
+            }
+            match (view.completed.origin.as_deref(), view.sealed_under()) {
+                (Some(origin), _) => {
+                    row(out, "origin", &origin.to_string());
+                    if let Some(state) = origin.tracestate() {
+                        row(out, "tracestate", state);
+                    }
+                }
+                (None, Some(_)) => row(
+                    out,
+                    "origin",
+                    "sealed with the response (--seal-keys-env opens both)",
+                ),
+                (None, None) => row(
+                    out,
+                    "origin",
+                    "none recorded (the layer's trace_origin is off, or the run had no trace)",
+                ),
             }
         }
         _ => {}
