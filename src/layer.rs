@@ -245,8 +245,10 @@ impl<St> IdempotencyLayer<St> {
     /// extensions, before the body is read. A response that is not stored releases the claim, so a
     /// retry runs the handler again. A response with `Cache-Control: no-store` is never stored,
     /// whatever the policy says.
-    /// Default: [`DefaultStorePolicy`](crate::DefaultStorePolicy) (2xx, 3xx and 4xx except 408,
-    /// 409, 425 and 429).
+    /// Default: [`DefaultStorePolicy`](crate::DefaultStorePolicy) (2xx, 3xx and the 4xx a handler
+    /// decides, such as 402; not a request that failed validation or authentication, nor 408, 409,
+    /// 425 and 429). [`Every4xxStorePolicy`](crate::Every4xxStorePolicy) stores every 4xx but
+    /// 408, 409, 425 and 429 (PROTOCOL §8.1).
     ///
     /// The extensions let a handler mark one response by type, without a header that would reach
     /// the client:

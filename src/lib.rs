@@ -96,7 +96,10 @@
 //!   handler a second time; the late write is then refused and logged. So keep the lease longer
 //!   than the store outages you mean to ride out, and give downstream effects a key derived from
 //!   the request's ([`IdempotencyKey::derive`]), so that a second run repeats none of them.
-//! - **What is stored.** 2xx, 3xx and 4xx responses except 408, 409, 425 and 429, unless the
+//! - **What is stored.** 2xx, 3xx and the 4xx a handler decides (`402`, `410`), but not a
+//!   request refused as it was sent (validation or authentication: `400`, `401`, `403`, `404`,
+//!   `422`, ..., so that the corrected retry runs) nor 408, 409, 425 and 429
+//!   ([`DefaultStorePolicy`]; [`Every4xxStorePolicy`] stores every 4xx), unless the
 //!   response says `Cache-Control: no-store` or the policy, which sees the response's status,
 //!   headers and extensions, says otherwise ([`IdempotencyLayer::store_policy`]); headers minus
 //!   hop-by-hop headers, `Date` and `Set-Cookie`; the body, and the trailers if it ended with some.
@@ -252,7 +255,7 @@ pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
 pub use scope::{Rejection, Scope, ScopeRequest};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
 pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
-pub use store_policy::{DefaultStorePolicy, StorePolicy};
+pub use store_policy::{DefaultStorePolicy, Every4xxStorePolicy, StorePolicy};
 
 // The README's examples, compiled as doc tests (and run, where they need no server).
 #[cfg(doctest)]

@@ -1,6 +1,6 @@
 //! The example, driven in process through its `app()` with `oneshot`: the layer protects the one
-//! route it is on, and only that one. And from the outside: served over HTTP, it passes the
-//! conformance runner's checks (`conformance/`).
+//! route it is on, and only that one. And from the outside: served over HTTP with the layer's
+//! defaults, it passes every check of the conformance runner (`conformance/`) that it can.
 
 use super as example;
 use std::convert::Infallible;
@@ -107,46 +107,129 @@ async fn a_body_that_never_arrives_fails_at_the_deadline() {
     assert!(!replayed(&retry));
 }
 
-/// Served over HTTP, the example passes every conformance check that applies to one route of one
-/// tenant: the ones that need a second tenant, a request that fails validation, a 5xx or a
-/// retention header say why they do not apply.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_example_passes_the_conformance_checks() {
-    use tower_idempotency_conformance::{Config, Verdict, run};
+/// A request axum's `Json` refuses before the handler runs (malformed JSON: `400`; no JSON
+/// content type: `415`) is not stored by the default policy: the corrected request under the same
+/// key runs (PROTOCOL §8.1).
+#[tokio::test]
+async fn a_corrected_request_under_the_same_key_runs() {
+    let app = app();
+    let malformed = post(&app, "/orders", Some("fix-1"), r#"{"item": "book""#).await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST, "{malformed:?}");
+    let text = Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("content-type", "text/plain")
+        .header("idempotency-key", "fix-2")
+        .body(Body::from(r#"{"item": "book"}"#))
+        .expect("a valid request");
+    let text = send(&app, text).await;
+    assert_eq!(text.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{text:?}");
 
+    for key in ["fix-1", "fix-2"] {
+        let corrected = post(&app, "/orders", Some(key), r#"{"item": "book"}"#).await;
+        assert_eq!(
+            corrected.status,
+            StatusCode::CREATED,
+            "{key}: {corrected:?}"
+        );
+        assert!(!replayed(&corrected), "{key}");
+        let retry = post(&app, "/orders", Some(key), r#"{"item": "book"}"#).await;
+        assert_eq!(retry.headers["idempotent-replayed"], "true", "{key}");
+        assert_eq!(retry.body, corrected.body, "{key}");
+    }
+}
+
+/// Serves the example with the layer's defaults on a free port, and runs every conformance check
+/// against it with `config` (whose `base_url` it sets).
+async fn conformance(
+    mut config: tower_idempotency_conformance::Config,
+) -> tower_idempotency_conformance::Report {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("a free port");
     let addr = listener.local_addr().expect("its address");
     tokio::spawn(async move { axum::serve(listener, app()).await });
+    config.base_url = format!("http://{addr}");
+    tower_idempotency_conformance::run(&config)
+        .await
+        .expect("the example answers")
+}
+
+/// The endpoint, and a request that fails validation: malformed JSON, which axum's `Json` refuses
+/// with a `400` before the handler runs. Everything else is the runner's default.
+fn orders() -> tower_idempotency_conformance::Config {
+    use tower_idempotency_conformance::{Config, Variant};
     let mut config = Config::new(
-        format!("http://{addr}"),
+        "http://127.0.0.1",
         "/orders",
         r#"{"item":"book","note":"{{unique}}"}"#,
     );
+    config.invalid = Some(Variant::body(r#"{"item":"book","note":"{{unique}}""#));
+    config
+}
+
+/// The checks that passed, and those the runner reported as not applicable; a failure fails.
+fn verdicts(
+    report: &tower_idempotency_conformance::Report,
+) -> (Vec<&'static str>, Vec<&'static str>) {
+    use tower_idempotency_conformance::Verdict;
+    assert_eq!(report.summary.fail, 0, "{}", report.table());
+    let named = |pass: bool| {
+        (report.checks.iter())
+            .filter(|check| matches!(check.verdict, Verdict::Pass { .. }) == pass)
+            .map(|check| check.name)
+            .collect()
+    };
+    (named(true), named(false))
+}
+
+/// Served over HTTP with the layer's defaults, the example passes every conformance check,
+/// `validation-not-stored` included, with the runner's defaults. Only the checks that need what
+/// the example does not have are not applicable, as the runner reports them: a second tenant, a
+/// request that gets a 5xx, a retention header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_passes_every_conformance_check_with_the_defaults() {
+    let report = conformance(orders()).await;
+    println!(
+        "examples/axum on memory, the runner's defaults:\n{}",
+        report.table()
+    );
+    let (passed, not_applicable) = verdicts(&report);
+    assert!(
+        passed.contains(&"validation-not-stored"),
+        "{}",
+        report.table()
+    );
+    assert_eq!(
+        not_applicable,
+        ["tenant-scope", "server-error-not-stored", "retention"],
+        "{}",
+        report.table()
+    );
+}
+
+/// The same, with what the example adds for a stricter look: ids told apart by `/id`, and a
+/// replay known by its header, which a first response must not carry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_passes_the_conformance_checks_by_id_and_replay_header() {
+    let mut config = orders();
     config.id_pointer = Some("/id".into());
     config.replay_header = Some("Idempotent-Replayed".into());
     config.pause = std::time::Duration::from_millis(500);
-    // No `[invalid]` request: a body that axum's `Json` refuses gets a 400 from inside the
-    // protected route, which the layer stores as any answer of a handler (PROTOCOL §8.1, §8.2), so a
-    // corrected body under the key is a 422. The payments example marks its validation errors
-    // `Cache-Control: no-store` and passes that check.
-
-    let report = run(&config).await.expect("the example answers");
-    println!("examples/axum on memory:\n{}", report.table());
-    assert_eq!(report.summary.fail, 0, "{}", report.table());
-    let not_applicable: Vec<&str> = (report.checks.iter())
-        .filter(|check| matches!(check.verdict, Verdict::NotApplicable { .. }))
-        .map(|check| check.name)
-        .collect();
+    let report = conformance(config).await;
+    println!(
+        "examples/axum on memory, by id and replay header:\n{}",
+        report.table()
+    );
+    let (passed, not_applicable) = verdicts(&report);
+    assert!(
+        passed.contains(&"validation-not-stored"),
+        "{}",
+        report.table()
+    );
     assert_eq!(
         not_applicable,
-        [
-            "tenant-scope",
-            "server-error-not-stored",
-            "validation-not-stored",
-            "retention"
-        ],
+        ["tenant-scope", "server-error-not-stored", "retention"],
         "{}",
         report.table()
     );

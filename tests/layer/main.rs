@@ -887,6 +887,54 @@ async fn store_policy_is_configurable_and_no_store_wins() {
     assert_eq!(handler.calls(), 6);
 }
 
+/// `Every4xxStorePolicy`, the default up to 0.1, stores a request refused as it was sent (a
+/// validation or authentication failure): the retry gets it replayed, and a corrected request
+/// under the same key is a mismatch. The default stores none of them (the contract suite's
+/// `responses_that_are_not_stored_run_again`).
+/// PROTOCOL.md §8.1.
+#[tokio::test(start_paused = true)]
+async fn every_4xx_store_policy_stores_validation_failures() {
+    let handler = status_handler();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .store_policy(tower_idempotency::Every4xxStorePolicy);
+    let svc = service(layer, handler.clone());
+    for (i, status) in [400, 401, 403, 404, 413, 415, 422].into_iter().enumerate() {
+        let key = format!("refused-{status}");
+        let first = send(&svc, status_request(&key, status, None)).await;
+        assert_eq!(first.status.as_u16(), status);
+        assert_eq!(
+            first.outcome,
+            Some(Outcome::Executed),
+            "{status}: {first:?}"
+        );
+        let replay = send(&svc, status_request(&key, status, None)).await;
+        assert_eq!(
+            replay.outcome,
+            Some(Outcome::Replayed),
+            "{status}: {replay:?}"
+        );
+        assert_eq!(replay.body, first.body, "{status}");
+        assert_eq!(
+            handler.calls(),
+            i + 1,
+            "§8.1: stored, so run once: {status}"
+        );
+    }
+    let corrected = send(
+        &svc,
+        keyed(Method::POST, "/", "refused-422")
+            .body(Body::from("corrected"))
+            .expect("a request"),
+    )
+    .await;
+    corrected.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+    for (key, status) in [("in-flight", 409), ("busy", 429)] {
+        send(&svc, status_request(key, status, None)).await;
+        let again = send(&svc, status_request(key, status, None)).await;
+        assert_eq!(again.outcome, Some(Outcome::NotStored), "{status}");
+    }
+}
+
 /// The policy sees the response's extensions: a handler marks one response "do not store" by
 /// type, with nothing the client sees, and only that response runs again on a retry.
 /// PROTOCOL.md §8.1.
@@ -936,9 +984,10 @@ async fn store_policy_reads_a_marker_in_the_response_extensions() {
 }
 
 /// A handler's refusal made before any effect, answered `Cache-Control: no-store` (a 400, which
-/// the default policy would store), leaves no record, fingerprint included: the same key with a
-/// corrected body runs, where a stored 400 would have made it a different request (422). The key
-/// then holds the corrected request: its retry replays, and the refused body gets the 422.
+/// `Every4xxStorePolicy` would store; the default stores none), leaves no record, fingerprint
+/// included: the same key with a corrected body runs, where a stored 400 would have made it a
+/// different request (422). The key then holds the corrected request: its retry replays, and the
+/// refused body gets the 422.
 /// PROTOCOL.md §8.2, §8.1, §4.3.
 #[tokio::test(start_paused = true)]
 async fn a_no_store_refusal_leaves_the_key_to_the_corrected_request() {
@@ -954,7 +1003,9 @@ async fn a_no_store_refusal_leaves_the_key_to_the_corrected_request() {
             created(format!("charged (call {})", call.n))
         }
     });
-    let svc = service(IdempotencyLayer::new(store.clone()), handler.clone());
+    let layer =
+        IdempotencyLayer::new(store.clone()).store_policy(tower_idempotency::Every4xxStorePolicy);
+    let svc = service(layer, handler.clone());
 
     let refused = send(&svc, post_request("fix-and-retry", "amount=ten")).await;
     assert_eq!(

@@ -164,9 +164,10 @@ impl PgStore {
 /// The transaction begins when the handler first takes it, on a connection of the store's pool.
 /// The layer resolves it after the handler returned:
 ///
-/// - a response the layer stores (by default 2xx, 3xx and 4xx except 408, 409, 425 and 429;
-///   see [`IdempotencyLayer::store_policy`](tower_idempotency::IdempotencyLayer::store_policy)): the record is
-///   written in the transaction, and it commits. If it does not commit, nothing of it stays, the
+/// - a response the layer stores (by default 2xx, 3xx and the 4xx a handler decides, such as
+///   402, but not a request refused as it was sent, such as 400 or 422; see
+///   [`IdempotencyLayer::store_policy`](tower_idempotency::IdempotencyLayer::store_policy)): the
+///   record is written in the transaction, and it commits. If it does not commit, nothing of it stays, the
 ///   claim is released, and the client never gets the response:
 ///   - when PostgreSQL refuses the handler's writes at the commit (SQLSTATE class 23: a deferred
 ///     foreign key, unique or exclusion constraint; 22: invalid data; 42: an object that does not
@@ -174,9 +175,10 @@ impl PgStore {
 ///     the handler answered all the same), the client gets a 422 `commit-rejected`
 ///     ([`StoreError::Rejected`]), without `Retry-After`: sent again as it is, the request would
 ///     be refused again. Map it with the layer's `render_problems` or `problem_status`
-///     ([`ProblemKind::CommitRejected`](tower_idempotency::ProblemKind::CommitRejected)). To answer a 4xx of
-///     the handler's own after a statement failed, roll back to a savepoint (`tx.begin()` on the
-///     `PgTx`'s connection) so that the transaction can still commit;
+///     ([`ProblemKind::CommitRejected`](tower_idempotency::ProblemKind::CommitRejected)). To
+///     answer a stored 4xx of the handler's own (a 402) after a statement failed, roll back to a
+///     savepoint (`tx.begin()` on the `PgTx`'s connection) so that the transaction can still
+///     commit;
 ///   - otherwise (a lost connection, a serialization failure or a deadlock, the claim lost
 ///     meanwhile), a 503 `store-unavailable` with `Retry-After` ([`StoreError::Aborted`]): its
 ///     retry runs the request again.

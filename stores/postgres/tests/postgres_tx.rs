@@ -56,8 +56,8 @@ async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), Stat
                 .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
             Ok((StatusCode::CREATED, body))
         }
-        // The same failed statement, inside a savepoint the handler rolls back to: its own 400
-        // commits with the record, and its earlier write with it.
+        // The same failed statement, inside a savepoint the handler rolls back to: its own 402 (a
+        // decided answer, stored) commits with the record, and its earlier write with it.
         "savepoint" => {
             let mut savepoint = tx
                 .begin()
@@ -71,7 +71,7 @@ async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), Stat
                 .rollback()
                 .await
                 .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-            Ok((StatusCode::BAD_REQUEST, body))
+            Ok((StatusCode::PAYMENT_REQUIRED, body))
         }
         // The handler's own statement breaks an immediate constraint, and the handler answers
         // with a status the layer stores: the transaction can only roll back.
@@ -80,7 +80,7 @@ async fn charge(mut tx: PgTx, body: String) -> Result<(StatusCode, String), Stat
                 .execute(&mut *tx)
                 .await;
             assert!(duplicate.is_err(), "customer 1 exists");
-            Ok((StatusCode::BAD_REQUEST, body))
+            Ok((StatusCode::PAYMENT_REQUIRED, body))
         }
         "cut" => {
             // The connection dies after the write, before the layer commits.
@@ -660,14 +660,14 @@ async fn a_stored_answer_after_a_failed_statement_is_rejected() {
 }
 
 /// The way out of the above: the failed statement in a savepoint the handler rolls back to. Its
-/// own 400 commits with the record, with its earlier write, and is replayed. PROTOCOL.md §9.9.
+/// own 402 commits with the record, with its earlier write, and is replayed. PROTOCOL.md §9.9.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_rolls_back_to_a_savepoint_commits_its_own_answer() {
     let f = fixture().await;
     let answer = f.send("/charges", "k", "savepoint").await;
     assert_eq!(
         (answer.status, answer.outcome),
-        (StatusCode::BAD_REQUEST, Some(Outcome::Executed)),
+        (StatusCode::PAYMENT_REQUIRED, Some(Outcome::Executed)),
         "{}",
         answer.body
     );
@@ -680,7 +680,7 @@ async fn a_handler_that_rolls_back_to_a_savepoint_commits_its_own_answer() {
     let replay = f.send("/charges", "k", "savepoint").await;
     assert_eq!(
         (replay.status, replay.outcome),
-        (StatusCode::BAD_REQUEST, Some(Outcome::Replayed))
+        (StatusCode::PAYMENT_REQUIRED, Some(Outcome::Replayed))
     );
 }
 

@@ -365,8 +365,9 @@ pub async fn different_request_with_the_same_key_gets_422<H: Harness>(h: H) {
     );
 }
 
-/// 5xx, 408, 409, 425 and 429 responses, and any with `Cache-Control: no-store`, are not stored:
-/// the claim is released and a retry runs the handler again.
+/// 5xx, the 4xx of a request refused before the handler acted (validation, authentication, ...),
+/// 408, 409, 425 and 429 responses, and any with `Cache-Control: no-store`, are not stored: the
+/// claim is released and a retry runs the handler again.
 /// PROTOCOL.md §8.1, §8.2.
 pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
     let store = Counting::new(h.store());
@@ -376,6 +377,23 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
         (500, None),
         (502, None),
         (503, None),
+        (400, None),
+        (401, None),
+        (403, None),
+        (404, None),
+        (405, None),
+        (406, None),
+        (407, None),
+        (411, None),
+        (412, None),
+        (413, None),
+        (414, None),
+        (415, None),
+        (417, None),
+        (421, None),
+        (422, None),
+        (428, None),
+        (431, None),
         (408, None),
         (409, None),
         (425, None),
@@ -383,7 +401,7 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
         (200, Some("no-store")),
         (201, Some("private, no-store")),
         (200, Some("No-Store")),
-        (404, Some("max-age=0, no-store")),
+        (402, Some("max-age=0, no-store")),
     ];
     for (i, (status, cache_control)) in cases.into_iter().enumerate() {
         let key = format!("not-stored-{i}");
@@ -399,8 +417,8 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
             assert_eq!(
                 reply.outcome,
                 Some(Outcome::NotStored),
-                "§8.1, §8.2: 5xx, 408, 409, 425, 429 and Cache-Control: no-store are not \
-                 stored: {status} {cache_control:?}"
+                "§8.1, §8.2: 5xx, a request refused as it was sent, 408, 409, 425, 429 and \
+                 Cache-Control: no-store are not stored: {status} {cache_control:?}"
             );
             assert!(
                 !reply.is_replay(),
@@ -431,7 +449,7 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
     );
 }
 
-/// 2xx, 3xx and 4xx responses (402 included) are stored and replayed.
+/// 2xx, 3xx and the 4xx a handler decides (402, 410, 451) are stored and replayed.
 /// PROTOCOL.md §8.1.
 pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
     let handler = status_handler();
@@ -441,11 +459,9 @@ pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
         (201, None),
         (204, None),
         (302, None),
-        (400, None),
         (402, None),
-        (404, None),
         (410, None),
-        (422, None),
+        (451, None),
     ];
     for (i, (status, cache_control)) in cases.into_iter().enumerate() {
         let key = format!("stored-{i}");
@@ -460,7 +476,7 @@ pub async fn responses_that_are_stored_replay<H: Harness>(h: H) {
         assert_eq!(
             handler.calls(),
             i + 1,
-            "§8.1: 2xx, 3xx and 4xx (but 408, 409, 425, 429) are stored, so the handler ran \
+            "§8.1: 2xx, 3xx and the 4xx a handler decides are stored, so the handler ran \
              once: {status}"
         );
         if status == 302 {
