@@ -139,13 +139,8 @@ impl Batch {
 
 impl Pipeline {
     /// Answers every command with the error that kept the batch from being sent (nothing was
-    /// sent, so nothing was claimed), and returns it.
-    pub(super) fn fail(self, err: &(dyn std::error::Error + 'static)) -> RedisError {
-        let err = RedisError::from((
-            redis::ErrorKind::Io,
-            "no Redis connection for the pipeline",
-            err.to_string(),
-        ));
+    /// sent, so nothing was claimed): each call fails as it would have alone. Returns it.
+    pub(super) fn fail(self, err: RedisError) -> RedisError {
         for reply in self.replies {
             let _ = reply.send(Err(err.clone()));
         }

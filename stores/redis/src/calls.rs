@@ -9,7 +9,7 @@ use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, 
 
 use super::batch::{ClaimRef, ReleaseBehind};
 use super::compression::decompress;
-use super::connection::{Backend, Connection, Single};
+use super::connection::{Backend, Connection, Single, WAIT_LANES};
 use super::replication::{ReleaseOnDrop, Replication};
 use super::scripts::load_on;
 use super::{RedisStore, RedisStoreError};
@@ -244,24 +244,31 @@ impl RedisStore {
         }
     }
 
-    /// Lane `lane`'s multiplexed connection, taken from the pool the first time and after a
-    /// failure.
+    /// Lane `lane`'s multiplexed connection, taken from the pool the first time, after a
+    /// failure, and when the kept one died while it was quiet ([`Single::checked`]).
     async fn single_connection(
         &self,
         single: &Single,
         lane: usize,
     ) -> RedisResult<MultiplexedConnection> {
-        if let Some(pooled) = &*single.lanes.lane(lane) {
-            return Ok(MultiplexedConnection::clone(pooled));
+        if let Some(kept) = single.checked(lane).await {
+            return Ok(kept);
         }
         // Boxed: the pool's future is large (about 7 KiB, as it may connect), and every request
         // future that awaits a store call would otherwise carry it, and copy it, for this rare path.
         Box::pin(async {
-            let pooled = single.pool.get().await.map_err(|err| {
-                RedisError::from(std::io::Error::other(RedisStoreError::Pool(err)))
-            })?;
+            let _taking = single.taking[lane % WAIT_LANES].lock().await;
+            // Another call took one for this lane meanwhile.
+            if let Some(kept) = &*single.lanes.lane(lane) {
+                single.used_now(lane);
+                return Ok(MultiplexedConnection::clone(kept));
+            }
+            // The pool checks a connection it kept idle (`PING`) before handing it out, and
+            // discards it if it is dead.
+            let pooled = single.pool.get().await.map_err(pool_error)?;
             let connection = MultiplexedConnection::clone(&pooled);
             *single.lanes.lane(lane) = Some(pooled);
+            single.used_now(lane);
             Ok(connection)
         })
         .await
@@ -389,8 +396,8 @@ impl RedisStore {
                             .send(connection, deadline, store.inner.release.source)
                             .await
                     }
-                    Ok(Err(err)) => Some(pipeline.fail(&err)),
-                    Err(_) => Some(pipeline.fail(&io_timeout())),
+                    Ok(Err(err)) => Some(pipeline.fail(err)),
+                    Err(_) => Some(pipeline.fail(RedisError::from(io_timeout()))),
                 };
                 if let Some(err) = failure {
                     // Drops the shared connection when the error says it is broken.
@@ -428,6 +435,17 @@ pub(super) fn io_timeout() -> std::io::Error {
         std::io::ErrorKind::TimedOut,
         "Redis did not answer within the store's timeout",
     )
+}
+
+/// A connection the pool could not give, as the error of the call that needed it. When the pool
+/// could not connect, Redis's own error (connection refused, authentication failed), so that the
+/// call's error names its cause once and is classified as a lone call's would be; the pool's other
+/// failures (its wait timed out, it was closed) wrapped as [`RedisStoreError::Pool`].
+pub(super) fn pool_error(err: deadpool_redis::PoolError) -> RedisError {
+    match err {
+        deadpool_redis::PoolError::Backend(err) => err,
+        other => RedisError::from(std::io::Error::other(RedisStoreError::Pool(other))),
+    }
 }
 
 /// The error of a command whose pipeline went away without answering it.
@@ -484,6 +502,21 @@ mod tests {
             claimed_fence(&mine[..10], &token),
             None,
             "a short value is not a claim"
+        );
+    }
+
+    /// A pool that could not connect fails the call with Redis's own error, named once and
+    /// classified as a refused connection (the lane is dropped, the call is `Unavailable`).
+    #[test]
+    fn a_pool_that_could_not_connect_fails_with_redis_s_own_error() {
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let err = pool_error(deadpool_redis::PoolError::Backend(refused));
+        assert!(err.is_connection_refusal());
+        assert_eq!(err.to_string(), "connection refused");
+        let closed = pool_error(deadpool_redis::PoolError::Closed);
+        assert_eq!(
+            closed.to_string(),
+            "could not take a Redis connection from the pool"
         );
     }
 

@@ -11,8 +11,17 @@
 //! one from the pool; on a cluster a new cluster connection (and slot map) is built in the
 //! background ([`Cluster::timed_out`]), since a node that stops answering without closing its
 //! connections is otherwise never left.
+//!
+//! On one server, a kept connection can also die while nobody uses it (Redis restarted, or closed
+//! it as idle). A command given to it then fails with a broken pipe, and the error does not say
+//! whether the command was written first: redis-rs reports a connection that was dead before the
+//! command and one that died with the command on its way alike. So a command is never sent again
+//! after such an error; instead, a connection that has been quiet for [`QUIET`] is checked before
+//! a command goes on it ([`Single::checked`]): a `PING` whose answer nobody waits for is handed to
+//! it first, and if even that cannot be handed over, the connection was dead before the command,
+//! which goes, once, on a fresh connection from the pool.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -21,7 +30,7 @@ use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::cluster::ClusterClient;
 use deadpool_redis::redis::cluster_async::ClusterConnection;
 use deadpool_redis::redis::{
-    Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Value,
+    self, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Value,
 };
 use tokio::sync::watch;
 
@@ -99,13 +108,29 @@ impl<T> Lanes<T> {
     }
 }
 
+/// How long a kept connection may go without a command before the next one on it is checked
+/// ([`Single::checked`]): shorter than a Redis restart takes (stopping, starting and listening
+/// again: over 100 ms in the tests), so that a connection a restart closed is always quiet by the
+/// time Redis answers again. One used more often is taken as alive: if it died since its last
+/// command (closed by a client kill, or a restart faster than this), that command fails, and the
+/// connection is replaced for the next. A connection used less often costs Redis at most ten
+/// `PING`s a second, each in the same write as a command: never a round trip.
+pub(super) const QUIET: Duration = Duration::from_millis(100);
+
 /// One server: the pool, the connections taken from it and kept (each lane its own: returned to
-/// the pool, a connection would be handed to the next lane again), and the batch of queued
-/// commands (always on lane 0).
+/// the pool, a connection would be handed to the next lane again), when each lane's connection
+/// was last handed out, and the batch of queued commands (always on lane 0).
 pub(super) struct Single {
     pub(super) pool: Pool,
     pub(super) lanes: Lanes<deadpool_redis::Connection>,
     pub(super) batch: Batch,
+    /// When each lane's connection was last handed out, in milliseconds since `born`.
+    used: [AtomicU64; WAIT_LANES],
+    born: Instant,
+    /// Held while a lane takes a connection from the pool: one at a time per lane. The lanes may
+    /// keep every connection of the pool, so a second call taking one for the same lane would
+    /// wait for a connection that no lane gives back.
+    pub(super) taking: [tokio::sync::Mutex<()>; WAIT_LANES],
 }
 
 /// A cluster: the client made from the seed nodes, and its connections once made. Shared with
@@ -155,7 +180,50 @@ impl Single {
             pool,
             lanes: Lanes::default(),
             batch: Batch::default(),
+            used: std::array::from_fn(|_| AtomicU64::new(0)),
+            born: Instant::now(),
+            taking: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
         }
+    }
+
+    /// Lane `lane`'s kept connection, if it has one that is fit for a command: used within
+    /// [`QUIET`], or quiet longer and still open. A dead one is dropped (back to the pool, which
+    /// discards it when it fails its check) and `None` returned: the caller takes a fresh one,
+    /// and the command was given to no connection yet.
+    ///
+    /// The check hands the connection a `PING` whose answer nobody waits for, which fails only
+    /// when the connection's task has ended (it read the end of the connection, or an error):
+    /// then no command can have gone on it since. Its answer is read and dropped by redis-rs;
+    /// it goes out in the same write as the command behind it.
+    pub(super) async fn checked(&self, lane: usize) -> Option<MultiplexedConnection> {
+        let mut kept = MultiplexedConnection::clone(self.lanes.lane(lane).as_ref()?);
+        let now = self.now();
+        let last = self.used[lane % WAIT_LANES].load(Ordering::Acquire);
+        if now.saturating_sub(last) >= millis(QUIET) {
+            let mut ping = redis::cmd("PING");
+            ping.set_no_response(true);
+            if kept.send_packed_command(&ping).await.is_err() {
+                self.lanes.lane(lane).take();
+                return None;
+            }
+        }
+        self.used_now(lane);
+        Some(kept)
+    }
+
+    /// Records that lane `lane`'s connection is handed out now.
+    pub(super) fn used_now(&self, lane: usize) {
+        let used = &self.used[lane % WAIT_LANES];
+        let now = self.now();
+        // Most calls find it already set within the millisecond: no write.
+        if used.load(Ordering::Relaxed) < now {
+            used.fetch_max(now, Ordering::AcqRel);
+        }
+    }
+
+    /// Milliseconds since the store was made.
+    fn now(&self) -> u64 {
+        millis(self.born.elapsed())
     }
 
     /// The lane to send on next: never more lanes than the pool has connections.
@@ -315,6 +383,10 @@ impl ConnectionLike for Connection {
             Connection::Cluster(connection) => connection.get_db(),
         }
     }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

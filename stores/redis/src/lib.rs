@@ -100,7 +100,10 @@ pub const DEFAULT_MAX_DECOMPRESSED: usize = 2 * 1024 * 1024;
 /// On one server the store keeps one multiplexed connection from the pool and shares it between
 /// requests, so it does not pay the pool's `UNWATCH` + `PING` recycle check per request; it goes
 /// back to the pool for a fresh, checked connection after a connection error or timeout, so it
-/// recovers by itself when Redis comes back. A command goes out at once when nothing else is on
+/// recovers by itself when Redis comes back. A kept connection quiet for 100 ms is checked before
+/// the next command (a `PING` in the same write, no round trip), so one that died while the
+/// store was idle, in a Redis restart, fails no request (§10.6). A command goes out at once when
+/// nothing else is on
 /// its way; the commands of requests that arrive while one is are sent as one pipeline (one
 /// write, one read on each side) rather than one write each, each still with its own answer and
 /// its own error. On a cluster, redis-rs's cluster connection
