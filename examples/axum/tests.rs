@@ -168,25 +168,31 @@ fn orders() -> tower_idempotency_conformance::Config {
     config
 }
 
-/// The checks that passed, and those the runner reported as not applicable; a failure fails.
-fn verdicts(
-    report: &tower_idempotency_conformance::Report,
-) -> (Vec<&'static str>, Vec<&'static str>) {
+/// Asserts that the runner's `report` failed nothing, passed `validation-not-stored`, and found
+/// not applicable only the checks that need what the example does not have (a second tenant, a
+/// request that gets a 5xx, a retention header), as the runner reports them.
+#[track_caller]
+fn assert_conforms(report: &tower_idempotency_conformance::Report) {
     use tower_idempotency_conformance::Verdict;
     assert_eq!(report.summary.fail, 0, "{}", report.table());
-    let named = |pass: bool| {
+    let named = |pass: bool| -> Vec<&str> {
         (report.checks.iter())
             .filter(|check| matches!(check.verdict, Verdict::Pass { .. }) == pass)
             .map(|check| check.name)
             .collect()
     };
-    (named(true), named(false))
+    let (passed, not_applicable) = (named(true), named(false));
+    assert!(
+        passed.contains(&"validation-not-stored"),
+        "{}",
+        report.table()
+    );
+    let expected = ["tenant-scope", "server-error-not-stored", "retention"];
+    assert_eq!(not_applicable, expected, "{}", report.table());
 }
 
 /// Served over HTTP with the layer's defaults, the example passes every conformance check,
-/// `validation-not-stored` included, with the runner's defaults. Only the checks that need what
-/// the example does not have are not applicable, as the runner reports them: a second tenant, a
-/// request that gets a 5xx, a retention header.
+/// `validation-not-stored` included, with the runner's defaults.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_passes_every_conformance_check_with_the_defaults() {
     let report = conformance(orders()).await;
@@ -194,18 +200,7 @@ async fn the_example_passes_every_conformance_check_with_the_defaults() {
         "examples/axum on memory, the runner's defaults:\n{}",
         report.table()
     );
-    let (passed, not_applicable) = verdicts(&report);
-    assert!(
-        passed.contains(&"validation-not-stored"),
-        "{}",
-        report.table()
-    );
-    assert_eq!(
-        not_applicable,
-        ["tenant-scope", "server-error-not-stored", "retention"],
-        "{}",
-        report.table()
-    );
+    assert_conforms(&report);
 }
 
 /// The same, with what the example adds for a stricter look: ids told apart by `/id`, and a
@@ -221,16 +216,5 @@ async fn the_example_passes_the_conformance_checks_by_id_and_replay_header() {
         "examples/axum on memory, by id and replay header:\n{}",
         report.table()
     );
-    let (passed, not_applicable) = verdicts(&report);
-    assert!(
-        passed.contains(&"validation-not-stored"),
-        "{}",
-        report.table()
-    );
-    assert_eq!(
-        not_applicable,
-        ["tenant-scope", "server-error-not-stored", "retention"],
-        "{}",
-        report.table()
-    );
+    assert_conforms(&report);
 }
