@@ -7,7 +7,6 @@ use clap::Parser;
 use tower_idempotency_cli::{Cli, Exit};
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::util::SubscriberInitExt as _;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -21,14 +20,16 @@ fn main() -> ExitCode {
         *meta.level() <= tracing::Level::INFO
             && (text_audit || meta.module_path() != Some("tower_idempotency::operator"))
     });
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::stderr().is_terminal())
-                .with_filter(filter),
-        )
-        .init();
+    let subscriber = tracing_subscriber::registry().with(
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(filter),
+    );
+    // Set directly, not with `init()`: where another crate of a build turns on
+    // tracing-subscriber's `tracing-log`, `init()` also routes the `log` crate, and the audit line
+    // was lost.
+    let _ = tracing::subscriber::set_global_default(subscriber);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
