@@ -315,12 +315,19 @@ fn civil(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
-/// An error with its chain of sources, on one line.
+/// An error with its chain of sources, on one line, each cause once: a source whose text ends
+/// the error's before it is not written again (redis-rs and deadpool repeat theirs), as the
+/// library's own log lines do.
 pub(crate) fn chain(err: &dyn std::error::Error) -> String {
     let mut out = err.to_string();
+    let mut said = out.clone();
     let mut source = err.source();
     while let Some(err) = source {
-        let _ = write!(out, ": {err}");
+        let text = err.to_string();
+        if !said.ends_with(&text) {
+            let _ = write!(out, ": {text}");
+        }
+        said = text;
         source = err.source();
     }
     out
@@ -330,6 +337,21 @@ pub(crate) fn chain(err: &dyn std::error::Error) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_chain_names_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("the store failed: {0}")]
+        struct Repeats(#[source] std::io::Error);
+        #[derive(Debug, thiserror::Error)]
+        #[error("lookup failed")]
+        struct Outer(#[source] Repeats);
+        let io = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
+        assert_eq!(
+            chain(&Outer(Repeats(io))),
+            "lookup failed: the store failed: broken pipe"
+        );
+    }
 
     #[test]
     fn times_print_as_rfc3339_utc() {
