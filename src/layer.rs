@@ -494,6 +494,14 @@ impl<St> IdempotencyLayer<St> {
     /// its record came from (`origin.trace_id`, `origin.span_id` on its span, §12.1) and, with
     /// `opentelemetry`, links its span to the original. A sealed record keeps it in its seal.
     ///
+    /// A request with a valid `traceparent` keeps the header's context: the span of the caller
+    /// that sent it (a client's attempt, an upstream service's call), not the server span that
+    /// ran the handler, so a replay's link points at the caller's span, whose child the run is
+    /// when the application continues the caller's trace. With the feature `opentelemetry`, the
+    /// application's OpenTelemetry layer must be of the releases the layer reads
+    /// (`tracing-opentelemetry` 0.34, `opentelemetry` 0.33, re-exported in `otel`): when a
+    /// request's span has no OpenTelemetry context it can read, the layer warns once per process.
+    ///
     /// Default: `false`: releases before this one refuse a record that keeps an origin (`503`
     /// at claim, or `500 record-unreadable` for a sealed one), so turn it on only once every
     /// instance sharing the store runs a release that reads it. Turning it off again is safe at

@@ -190,8 +190,18 @@
 //! - `opentelemetry`: with [`IdempotencyLayer::trace_origin`], a request without a `traceparent`
 //!   keeps its span's OpenTelemetry context as its record's origin, and a replay's span gets a
 //!   span link to the span of the run it replays (PROTOCOL §5.6, §12.1). Brings the
-//!   `opentelemetry` API crate and `tracing-opentelemetry`.
+//!   `opentelemetry` API crate **0.33** and `tracing-opentelemetry` **0.34**: the application's
+//!   OpenTelemetry layer must be of these releases (another one is not seen, and the layer warns
+//!   once), re-exported as
 
+#![cfg_attr(
+    feature = "opentelemetry",
+    doc = "  [`otel::opentelemetry`] and [`otel::tracing_opentelemetry`]; [`otel`] has an exporter setup."
+)]
+#![cfg_attr(
+    not(feature = "opentelemetry"),
+    doc = "  `otel::opentelemetry` and `otel::tracing_opentelemetry`; `otel` has an exporter setup."
+)]
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -217,7 +227,8 @@ mod lease;
 mod meter;
 pub mod operator;
 #[cfg(feature = "opentelemetry")]
-mod otel;
+#[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
+pub mod otel;
 mod outcome;
 pub mod problem;
 pub mod protocol;

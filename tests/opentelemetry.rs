@@ -128,3 +128,74 @@ async fn without_a_traceparent_the_current_spans_context_is_stored() {
         "§5.6: the header first"
     );
 }
+
+/// Counts the `tower_idempotency` warnings that a request's span has no OpenTelemetry context.
+#[derive(Clone, Default)]
+struct NoContextWarnings(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl NoContextWarnings {
+    fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for NoContextWarnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let meta = event.metadata();
+        if meta.target() != "tower_idempotency" || *meta.level() != tracing::Level::WARN {
+            return;
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        if message.0.contains("no OpenTelemetry context") {
+            assert!(
+                message
+                    .0
+                    .contains("tracing-opentelemetry 0.34 (opentelemetry 0.33)"),
+                "the warning names the versions expected: {}",
+                message.0
+            );
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// With trace origins on and no OpenTelemetry layer the layer can read (none, or one of another
+/// release: the same to it), the layer warns once per process, naming the versions it expects;
+/// with the layer, never. One test: the warning is the process's, and every other test here
+/// installs the layer.
+#[tokio::test]
+async fn trace_origins_without_a_readable_opentelemetry_layer_are_warned_of_once() {
+    let two_requests = async |prefix: &str| {
+        let svc = service(layer(MemoryStore::new()), Handler::ok(|_| created("done")));
+        for n in 0..2 {
+            let reply = send(&svc, post(&format!("{prefix}{n}"), "x")).await;
+            assert_eq!(reply.outcome, Some(Outcome::Executed));
+        }
+    };
+
+    let warnings = NoContextWarnings::default();
+    let provider = SdkTracerProvider::builder().build();
+    let otel = tracing_opentelemetry::layer().with_tracer(provider.tracer("tests"));
+    let subscriber = (tracing_subscriber::registry())
+        .with(otel)
+        .with(warnings.clone());
+    {
+        let _guard = tracing::subscriber::set_default(subscriber);
+        two_requests("with-layer").await;
+    }
+    assert_eq!(warnings.count(), 0, "an OpenTelemetry layer: no warning");
+
+    let subscriber = tracing_subscriber::registry().with(warnings.clone());
+    let _guard = tracing::subscriber::set_default(subscriber);
+    two_requests("no-layer").await;
+    assert_eq!(warnings.count(), 1, "no OpenTelemetry layer: one warning");
+}

@@ -9,14 +9,15 @@ use crate::record::TraceOrigin;
 impl<St> Shared<St> {
     /// The trace context a claimed request's record keeps, when the layer records origins: its
     /// `traceparent` header (with its `tracestate`), or, with the feature `opentelemetry` and no
-    /// valid header, the OpenTelemetry context of the request's span (the current one).
+    /// valid header, the OpenTelemetry context of the request's span (the current one), warning
+    /// once per process when that span has none.
     pub(super) fn origin_of(&self, headers: &HeaderMap) -> Option<TraceOrigin> {
         if !self.config.trace_origin {
             return None;
         }
         let origin = TraceOrigin::from_headers(headers);
         #[cfg(feature = "opentelemetry")]
-        let origin = origin.or_else(|| crate::otel::current_origin(&tracing::Span::current()));
+        let origin = crate::otel::origin(origin, &tracing::Span::current());
         origin
     }
 }
