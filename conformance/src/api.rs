@@ -1,18 +1,24 @@
 //! The API under test as the checks see it: requests built from the config, answers read whole,
 //! and every exchange kept for the report.
 
+use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use reqwest::StatusCode;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
+use tokio::time::Instant;
 
 use crate::config::{Config, Prepared, UNIQUE};
 use crate::report::Exchange;
 
 /// How many bytes of a body an exchange keeps.
 const BODY_EXCERPT: usize = 300;
+
+/// How many characters of a body a line of the report quotes.
+const BODY_QUOTE: usize = 120;
 
 /// Which tenant's credentials a request carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,19 +48,88 @@ pub(crate) struct Call {
     pub body: Vec<u8>,
 }
 
-/// An answer, read whole.
+/// An answer, read whole (up to the config's `max_body_bytes`).
 #[derive(Debug, Clone)]
 pub(crate) struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Vec<u8>,
+    /// When the request left.
+    pub sent: Instant,
+    /// When the last byte of the body came.
+    pub done: Instant,
 }
 
-/// Why a check did not pass.
+/// Why a check did not pass: what is wrong, or why it does not apply.
 #[derive(Debug)]
 pub(crate) enum Finding {
-    Fail(String),
+    Fail(Vec<Problem>),
     NotApplicable(String),
+}
+
+/// One thing a check found wrong, and what may lie behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Problem {
+    pub text: String,
+    pub hint: Hint,
+}
+
+/// A suspicion about a problem's cause that the whole run can confirm: when every check that
+/// relies on a setting fails the same way, the setting is named once as their cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Hint {
+    /// No such suspicion.
+    None,
+    /// An answer lacked the configured replay header.
+    ReplayHeaderAbsent,
+    /// The request a check starts from was answered with this status instead of a 2xx.
+    Refused(u16),
+}
+
+impl Problem {
+    pub fn new(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            hint: Hint::None,
+        }
+    }
+
+    pub fn hinted(hint: Hint, text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            hint,
+        }
+    }
+}
+
+/// What tells one execution from another: the created object's id when the config names where it
+/// is, else the whole body.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Identity {
+    Id(String),
+    /// No id at the configured pointer: the body, compared whole.
+    NoId(Vec<u8>),
+    Body(Vec<u8>),
+}
+
+impl Identity {
+    /// How `self` and `other`, which are not equal but may read alike, differ.
+    pub fn difference(&self, other: &Self) -> Option<String> {
+        match (self, other) {
+            (Self::Body(a) | Self::NoId(a), Self::Body(b) | Self::NoId(b)) => body_difference(a, b),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Id(id) => write!(f, "id {id}"),
+            Self::NoId(body) => write!(f, "no id: body {}", quote(body, body.len())),
+            Self::Body(body) => write!(f, "body {}", quote(body, body.len())),
+        }
+    }
 }
 
 /// The API: the config, checked, and one client for every request.
@@ -63,6 +138,9 @@ pub(crate) struct Api {
     pub config: Config,
     pub prepared: Prepared,
     client: reqwest::Client,
+    /// How many 2xx answers came, and how many had an id at the configured pointer.
+    answered: AtomicUsize,
+    with_id: AtomicUsize,
 }
 
 impl Api {
@@ -71,7 +149,17 @@ impl Api {
             config,
             prepared,
             client,
+            answered: AtomicUsize::new(0),
+            with_id: AtomicUsize::new(0),
         })
+    }
+
+    /// How many 2xx answers the run got, and how many had an id at the configured pointer.
+    pub fn ids_found(&self) -> (usize, usize) {
+        (
+            self.answered.load(Ordering::Relaxed),
+            self.with_id.load(Ordering::Relaxed),
+        )
     }
 
     /// A fresh key, written as the config says.
@@ -137,26 +225,73 @@ impl Api {
             .request(prepared.method.clone(), prepared.url.clone())
             .headers(headers)
             .body(call.body.clone());
+        let sent = Instant::now();
         let answer = match request.send().await {
-            Ok(response) => {
-                let status = response.status();
-                let headers = response.headers().clone();
-                match response.bytes().await {
-                    Ok(body) => Ok(Answer {
-                        status,
-                        headers,
-                        body: body.to_vec(),
-                    }),
-                    Err(err) => Err(format!("the body could not be read: {}", error_chain(&err))),
-                }
-            }
-            Err(err) => Err(error_chain(&err)),
+            Ok(response) => self.read(response, sent).await,
+            Err(err) => Err(self.why(&err)),
         };
+        if let Ok(answer) = &answer
+            && answer.status.is_success()
+        {
+            self.answered.fetch_add(1, Ordering::Relaxed);
+            if self.id(answer).is_some() {
+                self.with_id.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         let mut exchange = self.exchange(step, call, key_shown, answer.as_ref().ok());
         if let Err(err) = &answer {
             exchange.error = Some(err.clone());
         }
         (exchange, answer)
+    }
+
+    /// The answer of `response`, its body read up to the config's `max_body_bytes`: an API that
+    /// sends more (or never stops) gets an error, not the runner's memory.
+    async fn read(&self, mut response: reqwest::Response, sent: Instant) -> Result<Answer, String> {
+        let limit = self.config.max_body_bytes;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > limit {
+                        return Err(format!(
+                            "{status}, and its body is longer than max_body_bytes ({limit} \
+                             bytes): the read stopped there"
+                        ));
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    return Err(format!(
+                        "{status}, and its body could not be read whole ({} bytes came): {}",
+                        body.len(),
+                        self.why(&err)
+                    ));
+                }
+            }
+        }
+        Ok(Answer {
+            status,
+            headers,
+            body,
+            sent,
+            done: Instant::now(),
+        })
+    }
+
+    /// Why a request got no (complete) answer, on one line.
+    fn why(&self, err: &reqwest::Error) -> String {
+        if err.is_timeout() {
+            format!(
+                "no complete answer within timeout_ms ({} ms)",
+                self.config.timeout.as_millis()
+            )
+        } else {
+            error_chain(err)
+        }
     }
 
     fn exchange(
@@ -196,6 +331,10 @@ impl Api {
             body: answer
                 .map(|answer| excerpt(&answer.body))
                 .unwrap_or_default(),
+            body_bytes: answer.map_or(0, |answer| answer.body.len()),
+            elapsed_ms: answer.map(|answer| {
+                u64::try_from((answer.done - answer.sent).as_millis()).unwrap_or(u64::MAX)
+            }),
             error: None,
         }
     }
@@ -216,12 +355,13 @@ impl Api {
         }
     }
 
-    /// What tells one execution from another: the id when the config names one, else the body.
-    pub fn identity(&self, answer: &Answer) -> String {
+    /// What tells one execution from another: the id when the config names one, else the whole
+    /// body.
+    pub fn identity(&self, answer: &Answer) -> Identity {
         match (&self.config.id_pointer, self.id(answer)) {
-            (Some(_), Some(id)) => format!("id {id}"),
-            (Some(pointer), None) => format!("no id at {pointer}: body {}", excerpt(&answer.body)),
-            (None, _) => format!("body {}", excerpt(&answer.body)),
+            (Some(_), Some(id)) => Identity::Id(id),
+            (Some(_), None) => Identity::NoId(answer.body.clone()),
+            (None, _) => Identity::Body(answer.body.clone()),
         }
     }
 }
@@ -245,24 +385,43 @@ impl Probe {
     pub async fn send(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
         let (exchange, answer) = self.api.send(step, call).await;
         self.seen.push(exchange);
-        answer.map_err(|err| Finding::Fail(format!("the {step} request got no answer: {err}")))
+        answer.map_err(|err| {
+            Finding::Fail(vec![Problem::new(format!(
+                "the {step} request got no answer: {err}"
+            ))])
+        })
     }
 
     /// Sends `call`, which must be answered `2xx`: the request every check starts from.
     pub async fn send_ok(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
         let answer = self.send(step, call).await?;
+        let status = answer.status.as_u16();
+        if answer.status.is_redirection() {
+            let location = (answer.headers.get(header::LOCATION))
+                .map(|to| format!(" to {}", String::from_utf8_lossy(to.as_bytes())))
+                .unwrap_or_default();
+            return Err(Finding::Fail(vec![Problem::hinted(
+                Hint::Refused(status),
+                format!(
+                    "the {step} request was redirected ({status}{location}): the runner follows \
+                     no redirect; set base_url and path to where the API answers"
+                ),
+            )]));
+        }
         if !answer.status.is_success() {
-            return Err(Finding::Fail(format!(
-                "the {step} request was answered {}, not 2xx: check the endpoint, its body \
-                 template and the credentials",
-                answer.status.as_u16()
-            )));
+            return Err(Finding::Fail(vec![Problem::hinted(
+                Hint::Refused(status),
+                format!(
+                    "the {step} request was answered {status}, not 2xx: check the endpoint, its \
+                     body template and the credentials"
+                ),
+            )]));
         }
         if self.api.replayed(&answer) == Some(true) {
-            return Err(Finding::Fail(format!(
+            return Err(Finding::Fail(vec![Problem::new(format!(
                 "the {step} request, with a fresh key, carries the replay header {}",
                 self.api.config.replay_header.as_deref().unwrap_or_default()
-            )));
+            ))]));
         }
         Ok(answer)
     }
@@ -275,13 +434,21 @@ pub(crate) fn unique() -> String {
 
 /// The first bytes of `body`, as text.
 pub(crate) fn excerpt(body: &[u8]) -> String {
-    let cut = body.len().min(BODY_EXCERPT);
-    let text = String::from_utf8_lossy(&body[..cut]);
-    if cut < body.len() {
-        format!("{text}... ({} bytes)", body.len())
-    } else {
-        text.into_owned()
+    String::from_utf8_lossy(&body[..body.len().min(BODY_EXCERPT)]).into_owned()
+}
+
+/// `body` as one quoted line: control characters and quotes escaped, cut after
+/// [`BODY_QUOTE`] characters. When it is cut, or is the start of a longer body of `whole` bytes,
+/// the whole length follows.
+pub(crate) fn quote(body: &[u8], whole: usize) -> String {
+    let text = String::from_utf8_lossy(body);
+    let quoted = format!("{text:?}");
+    let inner = &quoted[1..quoted.len() - 1];
+    if inner.chars().count() <= BODY_QUOTE && whole <= body.len() {
+        return quoted;
     }
+    let cut: String = inner.chars().take(BODY_QUOTE).collect();
+    format!("\"{cut}\"... ({} bytes)", whole.max(body.len()))
 }
 
 /// `key`, shortened to its start and length when it is long.
@@ -317,10 +484,11 @@ pub(crate) fn body_difference(first: &[u8], then: &[u8]) -> Option<String> {
     let around = |body: &[u8]| {
         let start = at.saturating_sub(20);
         let end = (at + 40).min(body.len());
-        String::from_utf8_lossy(&body[start.min(end)..end]).into_owned()
+        let around = &body[start.min(end)..end];
+        quote(around, around.len())
     };
     Some(format!(
-        "the bodies differ from byte {at} ({} and {} bytes): first `{}`, then `{}`",
+        "the bodies differ from byte {at} ({} and {} bytes): first {}, then {}",
         first.len(),
         then.len(),
         around(first),
@@ -428,7 +596,11 @@ mod tests {
     #[test]
     fn excerpts_and_keys() {
         assert_eq!(excerpt(b"short"), "short");
-        assert!(excerpt(&[b'x'; 400]).ends_with("... (400 bytes)"));
+        assert_eq!(excerpt(&[b'x'; 400]).len(), 300);
+        assert_eq!(quote(b"a\n\"b\"", 5), "\"a\\n\\\"b\\\"\"");
+        assert_eq!(quote(b"abc", 900), "\"abc\"... (900 bytes)");
+        let long = quote(&[b'x'; 400], 400);
+        assert_eq!(long, format!("\"{}\"... (400 bytes)", "x".repeat(120)));
         assert_eq!(shorten("k"), "k");
         assert!(shorten(&"k".repeat(300)).ends_with("... (300 bytes)"));
     }

@@ -10,8 +10,8 @@ use tokio::sync::Barrier;
 use tokio::time::Instant;
 
 use crate::api::{
-    Answer, Api, Finding, Kind, Probe, Tenant, body_difference, retention_moment, server_now,
-    valid_retry_after,
+    Answer, Api, Call, Finding, Hint, Identity, Kind, Probe, Problem, Tenant, body_difference,
+    retention_moment, server_now, valid_retry_after,
 };
 
 /// One check: its name, what it checks and the rule it cites.
@@ -63,12 +63,12 @@ pub(crate) const KEY_REUSE: Check = Check {
 };
 pub(crate) const MISSING_KEY: Check = Check {
     name: "missing-key",
-    title: "a request without a key is refused (4xx) where keys are required",
+    title: "a request without a key is refused (4xx; the draft names 400) where keys are required",
     citation: "draft-07 §2.7 (400)",
 };
 pub(crate) const MALFORMED_KEY: Check = Check {
     name: "malformed-key",
-    title: "an empty, 300-character or non-ASCII key is refused (4xx)",
+    title: "an empty, 300-character or non-ASCII key is refused (4xx), never silently ignored",
     citation: "draft-07 §2.1 (sf-string), §5 (validate the key before any lookup)",
 };
 pub(crate) const TENANT_SCOPE: Check = Check {
@@ -78,7 +78,7 @@ pub(crate) const TENANT_SCOPE: Check = Check {
 };
 pub(crate) const SERVER_ERROR: Check = Check {
     name: "server-error-not-stored",
-    title: "a 5xx answer is not replayed: the retry runs again",
+    title: "a 5xx answer is not stored: the retry is no replay, the corrected request runs",
     citation: "draft-07 §2.7 (5xx: the client retries per the server's documentation)",
 };
 pub(crate) const VALIDATION: Check = Check {
@@ -97,11 +97,25 @@ pub(crate) const PAUSE: Check = Check {
     citation: "draft-07 §2.3 (keys valid until their published expiry), §2.6",
 };
 
-/// What a check function returns: a pass's detail, or why it did not pass.
-pub(crate) type Outcome = Result<String, Finding>;
+/// What a passing check saw, and what it found missing that the draft does not require.
+#[derive(Debug, Default)]
+pub(crate) struct Seen {
+    pub detail: String,
+    pub warnings: Vec<String>,
+}
+
+/// What a check function returns: what a pass saw, or why it did not pass.
+pub(crate) type Outcome = Result<Seen, Finding>;
+
+fn pass(detail: impl Into<String>) -> Outcome {
+    Ok(Seen {
+        detail: detail.into(),
+        warnings: Vec::new(),
+    })
+}
 
 fn fail<T>(detail: impl Into<String>) -> Result<T, Finding> {
-    Err(Finding::Fail(detail.into()))
+    Err(Finding::Fail(vec![Problem::new(detail)]))
 }
 
 fn not_applicable<T>(reason: impl Into<String>) -> Result<T, Finding> {
@@ -110,7 +124,12 @@ fn not_applicable<T>(reason: impl Into<String>) -> Result<T, Finding> {
 
 /// What a replay must repeat of `first`: status, compared headers, body bytes, and the replay
 /// header when configured. Its description, for a pass.
-fn same_response(api: &Api, first: &Answer, replay: &Answer, what: &str) -> Outcome {
+fn same_response(
+    api: &Api,
+    first: &Answer,
+    replay: &Answer,
+    what: &str,
+) -> Result<String, Finding> {
     if replay.status != first.status {
         return fail(format!(
             "{what} was answered {}, the first request {}",
@@ -138,10 +157,13 @@ fn same_response(api: &Api, first: &Answer, replay: &Answer, what: &str) -> Outc
         return fail(format!("{what} is not the first response: {difference}"));
     }
     if api.replayed(replay) == Some(false) {
-        return fail(format!(
-            "{what} repeats the first response but lacks the replay header {}",
-            api.config.replay_header.as_deref().unwrap_or_default()
-        ));
+        return Err(Finding::Fail(vec![Problem::hinted(
+            Hint::ReplayHeaderAbsent,
+            format!(
+                "{what} repeats the first response but lacks the replay header {}",
+                api.config.replay_header.as_deref().unwrap_or_default()
+            ),
+        )]));
     }
     let marker = (api.config.replay_header.as_deref())
         .map(|name| format!(", {name}"))
@@ -165,13 +187,17 @@ fn same_response(api: &Api, first: &Answer, replay: &Answer, what: &str) -> Outc
 }
 
 /// Whether `again` is the replay of `first`'s execution: the same status and the same id (the
-/// same body when no id pointer is configured). A weaker test than [`same_response`], for the
-/// checks whose rule is another: they leave byte-for-byte replays to `replay`.
+/// same whole body when no id pointer is configured). A weaker test than [`same_response`], for
+/// the checks whose rule is another: they leave byte-for-byte replays to `replay`.
 fn same_execution(api: &Api, first: &Answer, again: &Answer, what: &str) -> Result<(), Finding> {
     let (before, after) = (api.identity(first), api.identity(again));
     if again.status != first.status || before != after {
+        let how = (before.difference(&after))
+            .map(|difference| format!(": {difference}"))
+            .unwrap_or_default();
         return fail(format!(
-            "{what} was answered {} with {after}, not the first response's replay ({}, {before})",
+            "{what} was answered {} with {after}, not the first response's replay ({}, \
+             {before}){how}",
             again.status.as_u16(),
             first.status.as_u16()
         ));
@@ -185,11 +211,11 @@ pub(crate) async fn replay(p: &mut Probe) -> Outcome {
     let call = api.call(Kind::Valid, Tenant::A, Some(api.fresh_key()));
     let first = p.send_ok("first", &call).await?;
     let retry = p.send("retry", &call).await?;
-    same_response(&api, &first, &retry, "the retry")
+    same_response(&api, &first, &retry, "the retry").and_then(pass)
 }
 
 /// The first half of the pause check: the first request.
-pub(crate) async fn pause_start(p: &mut Probe) -> Result<(crate::api::Call, Answer), Finding> {
+pub(crate) async fn pause_start(p: &mut Probe) -> Result<(Call, Answer), Finding> {
     let api = p.api.clone();
     let call = api.call(Kind::Valid, Tenant::A, Some(api.fresh_key()));
     let first = p.send_ok("first", &call).await?;
@@ -199,7 +225,7 @@ pub(crate) async fn pause_start(p: &mut Probe) -> Result<(crate::api::Call, Answ
 /// The second half: the retry, once the pause is over.
 pub(crate) async fn pause_end(
     p: &mut Probe,
-    started: Result<(crate::api::Call, Answer), Finding>,
+    started: Result<(Call, Answer), Finding>,
     until: Instant,
 ) -> Outcome {
     let (call, first) = started?;
@@ -207,8 +233,8 @@ pub(crate) async fn pause_end(
     let pause = p.api.config.pause;
     let retry = p.send("retry after the pause", &call).await?;
     let step = format!("the retry {} ms later", pause.as_millis());
-    same_response(&p.api, &first, &retry, &step)
-        .map(|same| format!("after {} ms: {same}", pause.as_millis()))
+    let same = same_response(&p.api, &first, &retry, &step)?;
+    pass(format!("after {} ms: {same}", pause.as_millis()))
 }
 
 /// N concurrent duplicates execute once.
@@ -228,6 +254,7 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
         .collect();
     let mut answers = Vec::new();
     let mut problems = Vec::new();
+    let mut warnings = Vec::new();
     for task in tasks {
         let (exchange, answer) = match task.await {
             Ok(sent) => sent,
@@ -237,62 +264,61 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
         p.seen.push(exchange);
         match answer {
             Ok(answer) => answers.push((step, answer)),
-            Err(err) => problems.push(format!("{step} got no answer: {err}")),
+            Err(err) => problems.push(Problem::new(format!("{step} got no answer: {err}"))),
         }
     }
     let mut ran = BTreeSet::new();
-    let (mut successes, mut firsts, mut replays, mut conflicts) = (0, 0, 0, 0);
+    let (mut firsts, mut conflicts) = (0, 0);
+    let mut successes: Vec<&Answer> = Vec::new();
     for (step, answer) in &answers {
         if answer.status.is_success() {
             ran.insert(api.identity(answer));
-            match api.replayed(answer) {
-                Some(false) => firsts += 1,
-                Some(true) => replays += 1,
-                // Without a replay header, every 2xx but the execution's is a replay.
-                None if successes > 0 => replays += 1,
-                None => {}
+            if api.replayed(answer) == Some(false) {
+                firsts += 1;
             }
-            successes += 1;
+            successes.push(answer);
         } else if answer.status == StatusCode::CONFLICT {
             conflicts += 1;
             match answer.headers.get(RETRY_AFTER) {
-                None => problems.push(format!("{step} got 409 without Retry-After")),
-                Some(value) if !valid_retry_after(value) => problems.push(format!(
+                None => {
+                    let warning = format!(
+                        "{step} got 409 without Retry-After: the draft does not require it, but a \
+                         client then cannot tell when to retry"
+                    );
+                    if warnings.is_empty() {
+                        warnings.push(warning);
+                    }
+                }
+                Some(value) if !valid_retry_after(value) => problems.push(Problem::new(format!(
                     "{step} got 409 with an invalid Retry-After {value:?} (delta-seconds or an \
                      HTTP-date)"
-                )),
+                ))),
                 Some(_) => {}
             }
         } else {
-            problems.push(format!(
-                "{step} was answered {}: neither the first response's replay nor 409",
-                answer.status.as_u16()
+            let status = answer.status.as_u16();
+            problems.push(Problem::hinted(
+                Hint::Refused(status),
+                format!(
+                    "{step} was answered {status}: neither the first response's replay nor 409"
+                ),
             ));
         }
     }
     if ran.len() > 1 {
-        problems.insert(
-            0,
-            format!(
-                "{n} concurrent duplicates executed {} times: {}",
-                ran.len(),
-                ran.iter().cloned().collect::<Vec<_>>().join("; ")
-            ),
-        );
+        problems.insert(0, Problem::new(executed_more_than_once(n, &ran)));
     }
     if firsts > 1 {
-        problems.push(format!(
-            "{firsts} answers lack the replay header {}: each claims to be the first execution",
-            api.config.replay_header.as_deref().unwrap_or_default()
+        problems.push(Problem::hinted(
+            Hint::ReplayHeaderAbsent,
+            format!(
+                "{firsts} answers lack the replay header {}: each claims to be the first execution",
+                api.config.replay_header.as_deref().unwrap_or_default()
+            ),
         ));
     }
-    if let Some(problem) = problems.first() {
-        let more = problems.len() - 1;
-        return fail(if more > 0 {
-            format!("{problem} (and {more} more)")
-        } else {
-            problem.clone()
-        });
+    if !problems.is_empty() {
+        return Err(Finding::Fail(problems));
     }
     // A retry once the dust settles gets the one execution's answer.
     let settled = settle(p, &call).await?;
@@ -314,21 +340,87 @@ pub(crate) async fn concurrent(p: &mut Probe) -> Outcome {
             )
         })
         .unwrap_or_default();
-    // A fast endpoint may finish before the duplicates arrive: say so, the overlap was not seen.
-    let overlap = if conflicts == 0 {
-        " (no 409: the first may have finished before the others arrived)"
+    let replays = successes.len().saturating_sub(1);
+    let overlap = if conflicts > 0 || replays == 0 {
+        String::new()
     } else {
-        ""
+        overlap(&api, &successes)
     };
-    Ok(format!(
-        "{n} at once: 1 execution ({identity}), {replays} replays, {conflicts} x 409{retry_after}; \
-         a later retry got the same{overlap}"
-    ))
+    Ok(Seen {
+        detail: format!(
+            "{n} at once: 1 execution ({identity}), {replays} replays, {conflicts} x 409\
+             {retry_after}; a later retry got the same{overlap}"
+        ),
+        warnings,
+    })
+}
+
+/// The first problem of a burst that ran more than once: how many executions, told apart by
+/// their ids, or by where their bodies differ when no id is configured.
+fn executed_more_than_once(n: usize, ran: &BTreeSet<Identity>) -> String {
+    let ids: Option<Vec<&str>> = (ran.iter())
+        .map(|identity| match identity {
+            Identity::Id(id) => Some(id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let told = match ids {
+        Some(ids) => ids.join(", "),
+        None => {
+            let mut bodies = ran.iter();
+            let difference = match (bodies.next(), bodies.next()) {
+                (Some(a), Some(b)) => a.difference(b).unwrap_or_default(),
+                _ => String::new(),
+            };
+            format!("{} different bodies; {difference}", ran.len())
+        }
+    };
+    format!(
+        "{n} concurrent duplicates executed {} times: {told}",
+        ran.len()
+    )
+}
+
+/// What a burst answered without a `409` says of the overlap: whether the duplicates were in
+/// flight while the execution ran (the API held them and replayed), or may have arrived after it.
+fn overlap(api: &Api, successes: &[&Answer]) -> String {
+    // The execution: the one 2xx without the replay header, else the first to finish.
+    let execution = (successes.iter())
+        .find(|answer| api.replayed(answer) == Some(false))
+        .or_else(|| successes.iter().min_by_key(|answer| answer.done));
+    let Some(execution) = execution else {
+        return String::new();
+    };
+    let halfway = execution.sent + (execution.done - execution.sent) / 2;
+    let others = successes
+        .iter()
+        .filter(|answer| !std::ptr::eq(**answer, *execution));
+    let (mut waited, mut late) = (0, 0);
+    for answer in others {
+        // In flight across the execution's midpoint: it overlapped the execution, and waited.
+        if answer.sent <= halfway && answer.done >= halfway {
+            waited += 1;
+        } else {
+            late += 1;
+        }
+    }
+    if late == 0 {
+        format!(
+            "; no 409: the {waited} others waited for the execution ({} ms) and got its replay",
+            (execution.done - execution.sent).as_millis()
+        )
+    } else {
+        format!(
+            "; no 409, and {late} of the others came after the execution ({} ms) was half \
+             done: the overlap was not fully tested",
+            (execution.done - execution.sent).as_millis()
+        )
+    }
 }
 
 /// Sends `call` until it is no longer `409`, honouring `Retry-After` (at most 1 s a wait),
 /// within the request timeout; the final answer, which must be `2xx`.
-async fn settle(p: &mut Probe, call: &crate::api::Call) -> Result<Answer, Finding> {
+async fn settle(p: &mut Probe, call: &Call) -> Result<Answer, Finding> {
     let deadline = Instant::now() + p.api.config.timeout;
     loop {
         let answer = p.send("retry after the burst", call).await?;
@@ -391,7 +483,7 @@ pub(crate) async fn key_reuse(p: &mut Probe) -> Outcome {
         &again,
         "the first body sent again after the refusal",
     )?;
-    Ok(format!("{expected}; the first request still replays"))
+    pass(format!("{expected}; the first request still replays"))
 }
 
 /// A request without a key is refused where keys are required.
@@ -408,19 +500,21 @@ pub(crate) async fn missing_key(p: &mut Probe) -> Outcome {
             "a request without a key was answered {status}, not 4xx"
         ));
     }
-    Ok(if status == 400 {
-        "400".to_owned()
-    } else {
-        format!("{status} (the draft names 400)")
+    if status == 400 {
+        return pass("400");
+    }
+    Ok(Seen {
+        detail: status.to_string(),
+        warnings: vec![format!(
+            "a request without a key was answered {status}: the draft names 400 (a SHOULD)"
+        )],
     })
 }
 
-/// Malformed keys are refused where keys are required.
+/// Malformed keys are refused, or at least honoured as keys: never ignored, which would run a
+/// retry again while its client believes it protected.
 pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
     let api = p.api.clone();
-    if !api.config.keys_required {
-        return not_applicable("keys_required = false: the API may treat a bad key as none");
-    }
     let long: String = std::iter::repeat_with(crate::api::unique)
         .flat_map(|u| u.chars().collect::<Vec<_>>())
         .take(300)
@@ -434,23 +528,43 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
         ),
     ];
     let mut seen = Vec::new();
-    let mut accepted = Vec::new();
+    let mut problems = Vec::new();
     for (what, key) in cases {
         let call = api.call(Kind::Valid, Tenant::A, Some(key));
         let answer = p.send(&format!("{what} key"), &call).await?;
         let status = answer.status.as_u16();
-        if !answer.status.is_client_error() {
-            accepted.push(format!("{what}: {status}"));
+        if answer.status.is_client_error() {
+            seen.push(format!("{what}: {status}"));
+            continue;
         }
-        seen.push(format!("{what}: {status}"));
+        if api.config.keys_required {
+            problems.push(Problem::new(format!(
+                "the {what} key was not refused with 4xx: {status}"
+            )));
+            continue;
+        }
+        // Keys are optional: a bad key may be honoured as a key, never dropped in silence.
+        if !answer.status.is_success() {
+            seen.push(format!("{what}: {status}"));
+            continue;
+        }
+        let again = p.send(&format!("{what} key, again"), &call).await?;
+        if same_execution(&api, &answer, &again, "").is_ok() {
+            seen.push(format!("{what}: {status}, honoured as a key"));
+        } else {
+            problems.push(Problem::new(format!(
+                "the {what} key was ignored: the request ran again under it ({status}, then {}: \
+                 {} and {}), so its client's retries are not protected and nothing told it",
+                again.status.as_u16(),
+                api.identity(&answer),
+                api.identity(&again)
+            )));
+        }
     }
-    if !accepted.is_empty() {
-        return fail(format!(
-            "malformed keys not refused with 4xx: {}",
-            accepted.join(", ")
-        ));
+    if !problems.is_empty() {
+        return Err(Finding::Fail(problems));
     }
-    Ok(seen.join(", "))
+    pass(seen.join(", "))
 }
 
 /// Tenant B's request under tenant A's key runs as B's own.
@@ -460,7 +574,7 @@ pub(crate) async fn tenant_scope(p: &mut Probe) -> Outcome {
         return not_applicable("no [tenant_b] credentials configured");
     }
     let call_a = api.call(Kind::Valid, Tenant::A, Some(api.fresh_key()));
-    let call_b = crate::api::Call {
+    let call_b = Call {
         tenant: Tenant::B,
         ..call_a.clone()
     };
@@ -485,41 +599,64 @@ pub(crate) async fn tenant_scope(p: &mut Probe) -> Outcome {
     }
     let again = p.send("tenant A again", &call_a).await?;
     same_execution(&api, &first, &again, "tenant A's retry")?;
-    Ok(format!(
+    pass(format!(
         "B ran as its own ({}, {}); A's retry still replays A's",
         other.status.as_u16(),
         api.identity(&other)
     ))
 }
 
-/// A `5xx` is not replayed.
+/// A `5xx` is not stored: its retry is no replay (where the API marks replays), and the
+/// corrected request under the same key runs, which any API shows.
 pub(crate) async fn server_error(p: &mut Probe) -> Outcome {
     let api = p.api.clone();
     if api.config.server_error.is_none() {
         return not_applicable("no [server_error] request configured to provoke a 5xx");
     }
-    let Some(marker) = api.config.replay_header.clone() else {
-        return not_applicable("no replay_header: a replayed 5xx cannot be told from a second run");
-    };
-    let call = api.call(Kind::ServerError, Tenant::A, Some(api.fresh_key()));
+    let key = api.fresh_key();
+    let call = api.call(Kind::ServerError, Tenant::A, Some(key.clone()));
     let first = p.send("first", &call).await?;
     if !first.status.is_server_error() {
+        let status = first.status.as_u16();
+        return Err(Finding::Fail(vec![Problem::hinted(
+            Hint::Refused(status),
+            format!("the [server_error] request was answered {status}, not 5xx"),
+        )]));
+    }
+    let mut told = String::new();
+    if let Some(marker) = api.config.replay_header.clone() {
+        let retry = p.send("retry", &call).await?;
+        if api.replayed(&retry) == Some(true) {
+            return fail(format!(
+                "the retry got the stored {} ({marker}): a 5xx was stored, so the retry can never \
+                 succeed",
+                retry.status.as_u16()
+            ));
+        }
+        told = format!(
+            ", the retry ran again ({}, no {marker})",
+            retry.status.as_u16()
+        );
+    }
+    let fixed = api.call(Kind::Valid, Tenant::A, Some(key));
+    let answer = p.send("corrected, same key", &fixed).await?;
+    let status = answer.status.as_u16();
+    if answer.status == first.status && body_difference(&first.body, &answer.body).is_none() {
         return fail(format!(
-            "the [server_error] request was answered {}, not 5xx",
+            "the corrected request got the stored {status}: a 5xx was stored, so no retry under \
+             the key can succeed"
+        ));
+    }
+    if !answer.status.is_success() {
+        return fail(format!(
+            "the corrected request was answered {status}: the {} kept the key bound to the \
+             request that failed",
             first.status.as_u16()
         ));
     }
-    let retry = p.send("retry", &call).await?;
-    if api.replayed(&retry) == Some(true) {
-        return fail(format!(
-            "the retry got the stored {} ({marker}): a 5xx was stored, so the retry can never succeed",
-            retry.status.as_u16()
-        ));
-    }
-    Ok(format!(
-        "{}, then the retry ran again ({}, no {marker})",
-        first.status.as_u16(),
-        retry.status.as_u16()
+    pass(format!(
+        "{}{told}, and the corrected request ran ({status})",
+        first.status.as_u16()
     ))
 }
 
@@ -553,7 +690,7 @@ pub(crate) async fn validation(p: &mut Probe) -> Outcome {
             answer.status.as_u16()
         ));
     }
-    Ok(format!(
+    pass(format!(
         "{}, then the corrected request ran ({})",
         failed.status.as_u16(),
         answer.status.as_u16()
@@ -571,7 +708,10 @@ pub(crate) async fn retention(p: &mut Probe) -> Outcome {
     let Some(value) = first.headers.get(&name).cloned() else {
         return fail(format!("the first response has no {name} header"));
     };
-    let moment = retention_moment(&value).map_err(|err| Finding::Fail(format!("{name}: {err}")))?;
+    let moment = match retention_moment(&value) {
+        Ok(moment) => moment,
+        Err(err) => return fail(format!("{name}: {err}")),
+    };
     let now = server_now(&first);
     let Ok(ahead) = moment.duration_since(now) else {
         return fail(format!("{name}: {value:?} is in the past"));
@@ -586,7 +726,7 @@ pub(crate) async fn retention(p: &mut Probe) -> Outcome {
             "{name}: the first response has {value:?}, the replay {replayed:?}"
         ));
     }
-    Ok(format!(
+    pass(format!(
         "{name}: {} ({} s ahead), the same on replay",
         String::from_utf8_lossy(value.as_bytes()),
         ahead.as_secs()

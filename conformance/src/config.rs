@@ -17,6 +17,9 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 /// The longest `pause_ms`: a day, the usual retention of a key.
 const MAX_PAUSE: Duration = Duration::from_secs(86_400);
 
+/// The bounds of `max_body_bytes`: a kilobyte to a gigabyte.
+const BODY_LIMITS: std::ops::RangeInclusive<usize> = 1024..=1 << 30;
+
 /// What the runner needs to know about the API: one mutating endpoint, its credentials, and the
 /// conventions its idempotency follows. Every field but `base_url`, `path` and `body` has a
 /// default, stated on the field.
@@ -113,8 +116,12 @@ pub struct Config {
     /// How long the last check waits before it replays. Default: 2 s, at most a day. In the
     /// file: `pause_ms`.
     pub pause: Duration,
-    /// How long one request may take. Default: 10 s, at most an hour. In the file: `timeout_ms`.
+    /// How long one request may take, from connecting to the body's last byte (a body that
+    /// trickles is cut there). Default: 10 s, at most an hour. In the file: `timeout_ms`.
     pub timeout: Duration,
+    /// The most bytes of one answer's body the runner reads: a longer answer is an error, said in
+    /// the report. Default: 1 MiB (1,048,576), from 1 KiB to 1 GiB.
+    pub max_body_bytes: usize,
 }
 
 /// A variant of the endpoint's request: another body, and headers added to (or replacing) the
@@ -255,6 +262,8 @@ struct File {
     pause_ms: u64,
     #[serde(default = "default_timeout_ms")]
     timeout_ms: u64,
+    #[serde(default = "default_max_body_bytes")]
+    max_body_bytes: usize,
 }
 
 fn default_method() -> String {
@@ -283,6 +292,9 @@ fn default_pause_ms() -> u64 {
 }
 fn default_timeout_ms() -> u64 {
     10_000
+}
+fn default_max_body_bytes() -> usize {
+    1 << 20
 }
 
 impl Config {
@@ -323,6 +335,7 @@ impl Config {
             concurrency: default_concurrency(),
             pause: Duration::from_millis(default_pause_ms()),
             timeout: Duration::from_millis(default_timeout_ms()),
+            max_body_bytes: default_max_body_bytes(),
         }
     }
 
@@ -359,6 +372,7 @@ impl Config {
             concurrency: file.concurrency,
             pause: Duration::from_millis(file.pause_ms),
             timeout: Duration::from_millis(file.timeout_ms),
+            max_body_bytes: file.max_body_bytes,
         };
         config.validate()?;
         Ok(config)
@@ -482,6 +496,17 @@ impl Config {
                 format!("must be from 1 to {}", MAX_TIMEOUT.as_millis()),
             ));
         }
+        if !BODY_LIMITS.contains(&self.max_body_bytes) {
+            return Err(ConfigError::invalid(
+                "max_body_bytes",
+                format!(
+                    "must be from {} to {}, not {}",
+                    BODY_LIMITS.start(),
+                    BODY_LIMITS.end(),
+                    self.max_body_bytes
+                ),
+            ));
+        }
         if self.pause > MAX_PAUSE {
             return Err(ConfigError::invalid(
                 "pause_ms",
@@ -571,7 +596,7 @@ mod tests {
         key_format = 'bare'\nid_pointer = '/data/id'\nreplay_header = 'Idempotent-Replayed'\n\
         retention_header = 'Idempotency-Key-Expires'\ncompare_headers = []\n\
         mismatch_status = 400\nkeys_required = false\nconcurrency = 3\npause_ms = 10\n\
-        timeout_ms = 20\n[headers]\nX-Api = '1'\n[tenant_a]\nAuthorization = 'a'\n\
+        timeout_ms = 20\nmax_body_bytes = 2048\n[headers]\nX-Api = '1'\n[tenant_a]\nAuthorization = 'a'\n\
         [tenant_b]\nAuthorization = 'b'\n[invalid]\nbody = 'x'\n\
         [server_error]\nbody = 'y'\nheaders = { X-Fail = '1' }\n";
 
@@ -580,6 +605,7 @@ mod tests {
         let config = Config::from_toml(EVERY_FIELD).unwrap();
         assert_eq!(config.key_format, KeyFormat::Bare);
         assert_eq!(config.timeout, Duration::from_millis(20));
+        assert_eq!(config.max_body_bytes, 2048);
         assert_eq!(config.server_error.unwrap().headers["X-Fail"], "1");
         assert_eq!(config.tenant_b.unwrap()["Authorization"], "b");
     }
@@ -588,7 +614,7 @@ mod tests {
     fn the_readme_describes_every_field() {
         let readme = include_str!("../README.md");
         let fields: toml::Table = EVERY_FIELD.parse().unwrap();
-        assert_eq!(fields.len(), 21);
+        assert_eq!(fields.len(), 22);
         for field in fields.keys() {
             assert!(readme.contains(&format!("| `{field}` |")), "{field}");
         }
@@ -625,5 +651,8 @@ mod tests {
         assert!(error(&format!("{MINIMAL}timeout_ms = {forever}")).contains("from 1 to 3600000"));
         assert!(error(&format!("{MINIMAL}pause_ms = {forever}")).contains("at most 86400000"));
         assert!(error(&format!("{MINIMAL}concurrency = -1")).contains("concurrency"));
+        assert!(
+            error(&format!("{MINIMAL}max_body_bytes = 10")).contains("from 1024 to 1073741824")
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! `idempotency-conformance`: runs the checks against the API a config file describes.
 
+use std::io::{ErrorKind, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -9,8 +10,8 @@ use tower_idempotency_conformance::{Config, run};
 /// Checks an HTTP API's Idempotency-Key support from the outside: replays, concurrent
 /// duplicates, key reuse, missing and malformed keys, tenant scope, stored errors, retention.
 ///
-/// Exit status: 0 when every check passed or did not apply, 1 when one failed, 2 when the config
-/// is bad or the API unreachable.
+/// Exit status: 0 when every check passed (warnings included) or did not apply, 1 when one
+/// failed, 2 when the config is bad, the API unreachable or the report unwritable.
 #[derive(Debug, Parser)]
 #[command(name = "idempotency-conformance", version)]
 struct Args {
@@ -47,17 +48,28 @@ fn main() -> ExitCode {
         Ok(report) => report,
         Err(err) => return bad(&err.to_string()),
     };
-    if args.json {
-        println!("{}", report.json());
-    } else {
-        print!("{}", report.table());
-    }
+    // The report file first: a reader that stops reading (`| head`) must not cost it.
     if let Some(path) = args.junit
         && let Err(err) = std::fs::write(&path, report.junit())
     {
         return bad(&format!("cannot write {}: {err}", path.display()));
     }
-    ExitCode::from(report.exit_code())
+    let text = if args.json {
+        report.json() + "\n"
+    } else {
+        report.table()
+    };
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        // Whoever reads stdout has seen what it wanted: the verdict is the exit status.
+        Err(err) if err.kind() != ErrorKind::BrokenPipe => {
+            bad(&format!("cannot write the report: {err}"))
+        }
+        _ => ExitCode::from(report.exit_code()),
+    }
 }
 
 /// Says what is wrong, and exits with status 2.

@@ -23,10 +23,24 @@ pub enum Verdict {
         /// What was seen, in one line.
         detail: String,
     },
+    /// The API did what the draft requires, but not something it recommends or that clients rely
+    /// on without the draft requiring it (a `409` without `Retry-After`). Not a failure: the exit
+    /// status stays 0.
+    Warn {
+        /// What was seen, in one line.
+        detail: String,
+        /// Each thing missing, in one line, with why it matters.
+        warnings: Vec<String>,
+    },
     /// The API broke the rule.
     Fail {
-        /// What is wrong, in one line.
+        /// The first problem, in one line.
         detail: String,
+        /// Every problem the check found, the first included, one line each.
+        problems: Vec<String>,
+        /// The run-wide cause this failure shares with others, when one was found (a setting
+        /// of the config that does not match the API): also in [`Report::causes`].
+        cause: Option<String>,
         /// Every request the check sent, and what came back.
         exchanges: Vec<Exchange>,
     },
@@ -38,10 +52,11 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    /// `pass`, `FAIL` or `n/a`.
+    /// `pass`, `warn`, `FAIL` or `n/a`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Pass { .. } => "pass",
+            Self::Warn { .. } => "warn",
             Self::Fail { .. } => "FAIL",
             Self::NotApplicable { .. } => "n/a",
         }
@@ -52,13 +67,31 @@ impl Verdict {
         matches!(self, Self::Fail { .. })
     }
 
-    /// The detail of a pass or a failure, or the reason a check does not apply.
+    /// The detail of a pass, a warning or a failure (its first problem), or the reason a check
+    /// does not apply.
     pub fn detail(&self) -> &str {
         match self {
-            Self::Pass { detail } | Self::Fail { detail, .. } => detail,
+            Self::Pass { detail } | Self::Warn { detail, .. } | Self::Fail { detail, .. } => detail,
             Self::NotApplicable { reason } => reason,
         }
     }
+}
+
+/// A setting of the config that one API behaviour contradicts, behind several failures: named once,
+/// with the checks it failed.
+///
+/// ```
+/// use tower_idempotency_conformance::Report;
+///
+/// assert!(Report::default().causes.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Cause {
+    /// What the run saw, and what to check.
+    pub cause: String,
+    /// The checks it failed.
+    pub checks: Vec<&'static str>,
 }
 
 /// One request a check sent and what came back: what a failure shows.
@@ -82,6 +115,10 @@ pub struct Exchange {
     pub headers: Vec<(String, String)>,
     /// The start of the answer's body (at most 300 bytes, as text).
     pub body: String,
+    /// The length of the answer's body.
+    pub body_bytes: usize,
+    /// How long the answer took, from sending to its body's last byte; none when no answer came.
+    pub elapsed_ms: Option<u64>,
     /// Why no answer came (a timeout, a refused connection).
     pub error: Option<String>,
 }
@@ -101,7 +138,8 @@ impl fmt::Display for Exchange {
                 for (name, value) in &self.headers {
                     write!(f, "; {name}: {value}")?;
                 }
-                write!(f, "; body: {}", self.body)
+                let body = crate::api::quote(self.body.as_bytes(), self.body_bytes);
+                write!(f, "; body: {body}")
             }
             (None, None) => write!(f, "no answer"),
         }
@@ -137,10 +175,15 @@ pub struct CheckResult {
 pub struct Report {
     /// The endpoint checked, `METHOD URL`.
     pub endpoint: String,
-    /// How many checks passed, failed and did not apply.
+    /// How many checks passed, warned, failed and did not apply.
     pub summary: Summary,
     /// The results.
     pub checks: Vec<CheckResult>,
+    /// Settings of the config that several failures share as their cause, each named once.
+    pub causes: Vec<Cause>,
+    /// What the run noticed about the config that failed no check (an `id_pointer` that found
+    /// nothing), one line each.
+    pub notes: Vec<String>,
 }
 
 /// The counts of a [`Report`].
@@ -149,6 +192,8 @@ pub struct Report {
 pub struct Summary {
     /// Checks passed.
     pub pass: usize,
+    /// Checks passed with a warning.
+    pub warn: usize,
     /// Checks failed.
     pub fail: usize,
     /// Checks not applicable.
@@ -156,11 +201,17 @@ pub struct Summary {
 }
 
 impl Report {
-    pub(crate) fn new(endpoint: String, checks: Vec<CheckResult>) -> Self {
+    pub(crate) fn new(
+        endpoint: String,
+        checks: Vec<CheckResult>,
+        causes: Vec<Cause>,
+        notes: Vec<String>,
+    ) -> Self {
         let mut summary = Summary::default();
         for check in &checks {
             match check.verdict {
                 Verdict::Pass { .. } => summary.pass += 1,
+                Verdict::Warn { .. } => summary.warn += 1,
                 Verdict::Fail { .. } => summary.fail += 1,
                 Verdict::NotApplicable { .. } => summary.not_applicable += 1,
             }
@@ -169,6 +220,8 @@ impl Report {
             endpoint,
             summary,
             checks,
+            causes,
+            notes,
         }
     }
 
@@ -204,34 +257,81 @@ impl Report {
         let _ = writeln!(out, "{:name_width$}  verdict  detail", "check");
         let _ = writeln!(out, "{:-<name_width$}  -------  ------", "");
         for check in &self.checks {
-            let _ = writeln!(
+            let _ = write!(
                 out,
                 "{:name_width$}  {:7}  {}",
                 check.name,
                 check.verdict.label(),
                 check.verdict.detail()
             );
+            match &check.verdict {
+                Verdict::Fail {
+                    problems,
+                    cause: Some(cause),
+                    ..
+                } => {
+                    let number = self.causes.iter().position(|c| c.cause == *cause);
+                    let _ = write!(out, " [cause {}]", number.map_or(0, |n| n + 1));
+                    more(&mut out, problems.len());
+                }
+                Verdict::Fail { problems, .. } => more(&mut out, problems.len()),
+                Verdict::Warn { warnings, .. } => {
+                    let _ = write!(out, " (warning below)");
+                    more(&mut out, warnings.len());
+                }
+                _ => {}
+            }
+            out.push('\n');
         }
         let Summary {
             pass,
+            warn,
             fail,
             not_applicable,
         } = self.summary;
         let _ = writeln!(
             out,
-            "\n{pass} passed, {fail} failed, {not_applicable} not applicable ({})",
+            "\n{pass} passed, {warn} warned, {fail} failed, {not_applicable} not applicable ({})",
             self.endpoint
         );
-        for check in self.failed() {
+        for (n, cause) in self.causes.iter().enumerate() {
             let _ = writeln!(
                 out,
-                "\n{} ({}): {}",
-                check.name, check.citation, check.title
+                "\ncause {}, behind {}: {}",
+                n + 1,
+                cause.checks.join(", "),
+                cause.cause
             );
-            if let Verdict::Fail { exchanges, .. } = &check.verdict {
-                for exchange in exchanges {
-                    let _ = writeln!(out, "  {exchange}");
+        }
+        for note in &self.notes {
+            let _ = writeln!(out, "\nnote: {note}");
+        }
+        for check in &self.checks {
+            match &check.verdict {
+                Verdict::Warn { warnings, .. } => {
+                    let _ = writeln!(out, "\n{} ({}): warning", check.name, check.citation);
+                    for warning in warnings {
+                        let _ = writeln!(out, "  - {warning}");
+                    }
                 }
+                Verdict::Fail {
+                    problems,
+                    exchanges,
+                    ..
+                } => {
+                    let _ = writeln!(
+                        out,
+                        "\n{} ({}): {}",
+                        check.name, check.citation, check.title
+                    );
+                    for problem in problems {
+                        let _ = writeln!(out, "  - {problem}");
+                    }
+                    for exchange in exchanges {
+                        let _ = writeln!(out, "  {exchange}");
+                    }
+                }
+                _ => {}
             }
         }
         out
@@ -290,8 +390,26 @@ impl Report {
                 Verdict::Pass { detail } => {
                     let _ = write!(out, "<system-out>{}</system-out>", xml(detail));
                 }
-                Verdict::Fail { detail, exchanges } => {
+                Verdict::Warn { detail, warnings } => {
+                    let mut text = format!("{detail}\n");
+                    for warning in warnings {
+                        let _ = writeln!(text, "warning: {warning}");
+                    }
+                    let _ = write!(out, "<system-out>{}</system-out>", xml(&text));
+                }
+                Verdict::Fail {
+                    detail,
+                    problems,
+                    cause,
+                    exchanges,
+                } => {
                     let mut text = format!("{}\n{}\n", check.citation, check.title);
+                    if let Some(cause) = cause {
+                        let _ = writeln!(text, "cause: {cause}");
+                    }
+                    for problem in problems {
+                        let _ = writeln!(text, "- {problem}");
+                    }
                     for exchange in exchanges {
                         let _ = writeln!(text, "{exchange}");
                     }
@@ -310,6 +428,13 @@ impl Report {
         }
         out.push_str("  </testsuite>\n</testsuites>\n");
         out
+    }
+}
+
+/// Says that more than one problem is listed below the table.
+fn more(out: &mut String, count: usize) {
+    if count > 1 {
+        let _ = write!(out, " (and {} more below)", count - 1);
     }
 }
 
@@ -344,7 +469,9 @@ mod tests {
             key: Some("\"k\"".into()),
             status: Some(201),
             headers: vec![("content-type".into(), "text/plain".into())],
-            body: "<b>&\u{1}".into(),
+            body: "<b>&\u{1}\nline two".into(),
+            body_bytes: 400,
+            elapsed_ms: Some(3),
             error: None,
         };
         Report::new(
@@ -364,7 +491,18 @@ mod tests {
                     citation: "c2",
                     verdict: Verdict::Fail {
                         detail: "bodies \"differ\"".into(),
+                        problems: vec!["bodies \"differ\"".into(), "and more".into()],
+                        cause: Some("a wrong setting".into()),
                         exchanges: vec![exchange],
+                    },
+                },
+                CheckResult {
+                    name: "four",
+                    title: "t4",
+                    citation: "c4",
+                    verdict: Verdict::Warn {
+                        detail: "fine, mostly".into(),
+                        warnings: vec!["409 without Retry-After".into()],
                     },
                 },
                 CheckResult {
@@ -376,38 +514,78 @@ mod tests {
                     },
                 },
             ],
+            vec![Cause {
+                cause: "a wrong setting".into(),
+                checks: vec!["two", "five"],
+            }],
+            vec!["a note".into()],
         )
     }
 
     #[test]
-    fn table_lists_every_check_then_the_failures_exchanges() {
+    fn table_lists_every_check_then_every_problem_cause_and_exchange() {
         let table = report().table();
-        assert!(table.contains("one    pass     fine"), "{table}");
-        assert!(table.contains("two    FAIL     bodies"), "{table}");
-        assert!(table.contains("three  n/a      none"), "{table}");
+        assert!(table.contains("one    pass     fine\n"), "{table}");
         assert!(
-            table.contains("1 passed, 1 failed, 1 not applicable"),
+            table.contains("two    FAIL     bodies \"differ\" [cause 1] (and 1 more below)\n"),
             "{table}"
         );
         assert!(
-            table
-                .contains("retry: POST /a as tenant a, key \"k\" -> 201; content-type: text/plain"),
+            table.contains("four   warn     fine, mostly (warning below)\n"),
+            "{table}"
+        );
+        assert!(table.contains("three  n/a      none\n"), "{table}");
+        assert!(
+            table.contains("1 passed, 1 warned, 1 failed, 1 not applicable"),
+            "{table}"
+        );
+        // The cause named once, with the checks behind it.
+        assert_eq!(table.matches("a wrong setting").count(), 1, "{table}");
+        assert!(
+            table.contains("cause 1, behind two, five: a wrong setting"),
+            "{table}"
+        );
+        assert!(table.contains("note: a note"), "{table}");
+        assert!(table.contains("  - and more\n"), "{table}");
+        assert!(table.contains("  - 409 without Retry-After\n"), "{table}");
+        // The body on one line, quoted, with its whole length.
+        assert!(
+            table.contains(
+                "retry: POST /a as tenant a, key \"k\" -> 201; content-type: text/plain; \
+                 body: \"<b>&\\u{1}\\nline two\"... (400 bytes)\n"
+            ),
             "{table}"
         );
         assert_eq!(report().exit_code(), 1);
     }
 
     #[test]
-    fn json_has_verdicts_and_exchanges() {
-        let json: serde_json::Value = serde_json::from_str(&report().json()).unwrap();
-        assert_eq!(json["summary"]["not_applicable"], 1);
-        assert_eq!(json["checks"][1]["verdict"], "fail");
-        assert_eq!(json["checks"][1]["exchanges"][0]["status"], 201);
-        assert_eq!(json["checks"][2]["reason"], "none");
+    fn a_warning_is_not_a_failure() {
+        let mut report = report();
+        report.checks.remove(1);
+        let report = Report::new(report.endpoint, report.checks, Vec::new(), Vec::new());
+        assert_eq!(report.summary.warn, 1);
+        assert_eq!(report.exit_code(), 0);
     }
 
     #[test]
-    fn junit_is_escaped() {
+    fn json_has_verdicts_problems_causes_and_exchanges() {
+        let json: serde_json::Value = serde_json::from_str(&report().json()).unwrap();
+        assert_eq!(json["summary"]["not_applicable"], 1);
+        assert_eq!(json["summary"]["warn"], 1);
+        assert_eq!(json["checks"][1]["verdict"], "fail");
+        assert_eq!(json["checks"][1]["problems"][1], "and more");
+        assert_eq!(json["checks"][1]["cause"], "a wrong setting");
+        assert_eq!(json["checks"][1]["exchanges"][0]["status"], 201);
+        assert_eq!(json["checks"][1]["exchanges"][0]["body_bytes"], 400);
+        assert_eq!(json["checks"][2]["warnings"][0], "409 without Retry-After");
+        assert_eq!(json["checks"][3]["reason"], "none");
+        assert_eq!(json["causes"][0]["checks"][1], "five");
+        assert_eq!(json["notes"][0], "a note");
+    }
+
+    #[test]
+    fn junit_is_escaped_and_lists_every_problem() {
         let junit = report().junit();
         assert!(
             junit.contains("failures=\"1\" errors=\"0\" skipped=\"1\""),
@@ -417,7 +595,16 @@ mod tests {
             junit.contains("<failure message=\"bodies &quot;differ&quot;\">"),
             "{junit}"
         );
-        assert!(junit.contains("body: &lt;b&gt;&amp;\u{FFFD}"), "{junit}");
+        assert!(junit.contains("cause: a wrong setting\n"), "{junit}");
+        assert!(junit.contains("- and more\n"), "{junit}");
+        assert!(
+            junit.contains("warning: 409 without Retry-After"),
+            "{junit}"
+        );
+        assert!(
+            junit.contains("body: &quot;&lt;b&gt;&amp;\\u{1}"),
+            "{junit}"
+        );
         assert!(junit.contains("<skipped message=\"none\"/>"), "{junit}");
     }
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -45,6 +45,19 @@ pub enum Bug {
     ShortMemory,
     /// States a retention moment an hour in the past.
     StaleRetention,
+    /// No claim, as `NoLock`, and bodies alike in their first 400 bytes and their length: only the
+    /// id at their end tells two executions apart.
+    SamePrefix,
+    /// A duplicate of a request in flight waits for it and gets its replay: never `409`.
+    WaitsAndReplays,
+    /// Every `2xx` body is endless.
+    EndlessBody,
+    /// Every `2xx` body trickles, a byte every 50 ms, and never ends.
+    TrickleBody,
+    /// Every `POST` is redirected to itself.
+    Redirect,
+    /// Stores errors, as `StoresErrors`, and answers them with a multi-line HTML page.
+    HtmlErrors,
 }
 
 /// How long a request's work takes: long enough that concurrent duplicates overlap.
@@ -134,6 +147,13 @@ fn parse_key(value: &HeaderValue) -> Option<String> {
 }
 
 async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if app.bug == Bug::Redirect {
+        return (
+            StatusCode::TEMPORARY_REDIRECT,
+            [(header::LOCATION, "/things")],
+        )
+            .into_response();
+    }
     let Some(tenant) = (headers.get(header::AUTHORIZATION))
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "))
@@ -163,7 +183,7 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
     } else {
         Duration::from_secs(86_400)
     };
-    {
+    let wait = {
         let mut records = app.records.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(Record::Done { at, .. }) = records.get(&id)
             && at.elapsed() > memory
@@ -184,6 +204,11 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
                     "the key was used with another body",
                 );
             }
+            Some(Record::Running { fingerprint })
+                if *fingerprint == body && app.bug == Bug::WaitsAndReplays =>
+            {
+                true
+            }
             Some(Record::Running { fingerprint }) if *fingerprint == body => {
                 let mut answer = problem(StatusCode::CONFLICT, "the key's request is running");
                 if app.bug != Bug::NoRetryAfter {
@@ -199,7 +224,7 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
                     "the key was used with another body",
                 );
             }
-            None if app.bug == Bug::NoLock => {}
+            None if matches!(app.bug, Bug::NoLock | Bug::SamePrefix) => false,
             None => {
                 records.insert(
                     id.clone(),
@@ -207,12 +232,16 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
                         fingerprint: body.clone(),
                     },
                 );
+                false
             }
         }
+    };
+    if wait {
+        return app.wait_for(&id).await;
     }
     let (answer, store) = app.run(&body).await;
     let mut records = app.records.lock().unwrap_or_else(PoisonError::into_inner);
-    if store || app.bug == Bug::StoresErrors {
+    if store || matches!(app.bug, Bug::StoresErrors | Bug::HtmlErrors) {
         records.insert(
             id,
             Record::Done {
@@ -227,6 +256,12 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
     answer.into_response(&app, false)
 }
 
+/// An error page as some frameworks answer one: many lines, and long.
+pub const HTML_ERROR: &str = "<!DOCTYPE html>\n<html>\n<head><title>Internal error</title></head>\n\
+    <body>\n<h1>Something went wrong</h1>\n<pre>Traceback (most recent call last):\n  \
+    File \"app.py\", line 42, in create\n    charge = gateway.charge(amount)\n  \
+    File \"gateway.py\", line 7, in charge\n    raise Unavailable()\n</pre>\n</body>\n</html>\n";
+
 fn now_nanos() -> String {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -236,6 +271,21 @@ fn now_nanos() -> String {
 }
 
 impl App {
+    /// The replay of the request running under `id`, once it is done.
+    async fn wait_for(&self, id: &(String, String)) -> Response {
+        loop {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+            match records.get(id) {
+                Some(Record::Done { answer, .. }) => {
+                    return answer.clone().into_response(self, true);
+                }
+                Some(Record::Running { .. }) => {}
+                None => return problem(StatusCode::CONFLICT, "the first request failed"),
+            }
+        }
+    }
+
     /// Does the work; the answer, and whether it is to be stored.
     async fn run(&self, body: &[u8]) -> (Stored, bool) {
         tokio::time::sleep(WORK).await;
@@ -263,15 +313,24 @@ impl App {
         } else {
             SystemTime::now() + Duration::from_secs(86_400)
         };
-        let thing = json!({
-            "id": format!("thing_{id}"),
-            "name": request["name"],
-            "amount": amount,
-            "served_at": now_nanos(),
-        });
+        let thing = if self.bug == Bug::SamePrefix {
+            format!(
+                r#"{{"padding":"{}","name":{},"amount":{amount},"id":"thing_{id:08}"}}"#,
+                "x".repeat(400),
+                request["name"]
+            )
+        } else {
+            json!({
+                "id": format!("thing_{id}"),
+                "name": request["name"],
+                "amount": amount,
+                "served_at": now_nanos(),
+            })
+            .to_string()
+        };
         let stored = Stored {
             status: StatusCode::CREATED,
-            body: thing.to_string().into_bytes(),
+            body: thing.into_bytes(),
             expires: Some(httpdate::fmt_http_date(expires)),
         };
         (stored, true)
@@ -288,10 +347,28 @@ impl Stored {
             thing["served_at"] = Value::String(now_nanos());
             body = thing.to_string().into_bytes();
         }
-        let content_type = if self.status.is_success() {
-            "application/json"
-        } else {
-            "application/problem+json"
+        let (content_type, body) = match app.bug {
+            _ if self.status.is_success() => ("application/json", Body::from(body)),
+            Bug::HtmlErrors => ("text/html", Body::from(HTML_ERROR)),
+            _ => ("application/problem+json", Body::from(body)),
+        };
+        let body = match app.bug {
+            Bug::EndlessBody if self.status.is_success() => {
+                let chunk = Bytes::from(vec![b'x'; 8192]);
+                Body::from_stream(futures_util::stream::repeat_with(move || {
+                    Ok::<_, std::convert::Infallible>(chunk.clone())
+                }))
+            }
+            Bug::TrickleBody if self.status.is_success() => {
+                Body::from_stream(futures_util::stream::unfold((), |()| async {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Some((
+                        Ok::<_, std::convert::Infallible>(Bytes::from_static(b"x")),
+                        (),
+                    ))
+                }))
+            }
+            _ => body,
         };
         let mut response =
             (self.status, [(header::CONTENT_TYPE, content_type)], body).into_response();
