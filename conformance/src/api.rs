@@ -437,18 +437,31 @@ pub(crate) fn excerpt(body: &[u8]) -> String {
     String::from_utf8_lossy(&body[..body.len().min(BODY_EXCERPT)]).into_owned()
 }
 
-/// `body` as one quoted line: control characters and quotes escaped, cut after
-/// [`BODY_QUOTE`] characters. When it is cut, or is the start of a longer body of `whole` bytes,
-/// the whole length follows.
+/// `body` as one line between backticks: line breaks and other control characters escaped, cut
+/// after [`BODY_QUOTE`] characters. When it is cut, or is the start of a longer body of `whole`
+/// bytes, the whole length follows.
 pub(crate) fn quote(body: &[u8], whole: usize) -> String {
     let text = String::from_utf8_lossy(body);
-    let quoted = format!("{text:?}");
-    let inner = &quoted[1..quoted.len() - 1];
-    if inner.chars().count() <= BODY_QUOTE && whole <= body.len() {
-        return quoted;
+    let mut line = String::from("`");
+    let mut cut = false;
+    for (n, c) in text.chars().enumerate() {
+        if n == BODY_QUOTE {
+            cut = true;
+            break;
+        }
+        match c {
+            '\n' => line.push_str("\\n"),
+            '\r' => line.push_str("\\r"),
+            '\t' => line.push_str("\\t"),
+            c if c.is_control() => line.push_str(&c.escape_unicode().to_string()),
+            c => line.push(c),
+        }
     }
-    let cut: String = inner.chars().take(BODY_QUOTE).collect();
-    format!("\"{cut}\"... ({} bytes)", whole.max(body.len()))
+    line.push('`');
+    if cut || whole > body.len() {
+        line.push_str(&format!("... ({} bytes)", whole.max(body.len())));
+    }
+    line
 }
 
 /// `key`, shortened to its start and length when it is long.
@@ -597,10 +610,10 @@ mod tests {
     fn excerpts_and_keys() {
         assert_eq!(excerpt(b"short"), "short");
         assert_eq!(excerpt(&[b'x'; 400]).len(), 300);
-        assert_eq!(quote(b"a\n\"b\"", 5), "\"a\\n\\\"b\\\"\"");
-        assert_eq!(quote(b"abc", 900), "\"abc\"... (900 bytes)");
+        assert_eq!(quote(b"{\"a\":\n1}\x01", 9), "`{\"a\":\\n1}\\u{1}`");
+        assert_eq!(quote(b"abc", 900), "`abc`... (900 bytes)");
         let long = quote(&[b'x'; 400], 400);
-        assert_eq!(long, format!("\"{}\"... (400 bytes)", "x".repeat(120)));
+        assert_eq!(long, format!("`{}`... (400 bytes)", "x".repeat(120)));
         assert_eq!(shorten("k"), "k");
         assert!(shorten(&"k".repeat(300)).ends_with("... (300 bytes)"));
     }

@@ -324,8 +324,11 @@ impl Report {
                         "\n{} ({}): {}",
                         check.name, check.citation, check.title
                     );
-                    for problem in problems {
-                        let _ = writeln!(out, "  - {problem}");
+                    // One problem is the table's line already.
+                    if problems.len() > 1 {
+                        for problem in problems {
+                            let _ = writeln!(out, "  - {problem}");
+                        }
                     }
                     for exchange in exchanges {
                         let _ = writeln!(out, "  {exchange}");
@@ -552,7 +555,7 @@ mod tests {
         assert!(
             table.contains(
                 "retry: POST /a as tenant a, key \"k\" -> 201; content-type: text/plain; \
-                 body: \"<b>&\\u{1}\\nline two\"... (400 bytes)\n"
+                 body: `<b>&\\u{1}\\nline two`... (400 bytes)\n"
             ),
             "{table}"
         );
@@ -602,7 +605,7 @@ mod tests {
             "{junit}"
         );
         assert!(
-            junit.contains("body: &quot;&lt;b&gt;&amp;\\u{1}"),
+            junit.contains("body: `&lt;b&gt;&amp;\\u{1}\\nline two`... (400 bytes)\n"),
             "{junit}"
         );
         assert!(junit.contains("<skipped message=\"none\"/>"), "{junit}");

@@ -36,12 +36,16 @@ fn failing(report: &Report) -> BTreeSet<&'static str> {
     report.failed().map(|check| check.name).collect()
 }
 
-/// With no id configured, executions are told apart by their whole bodies: eight runs whose
-/// answers share their first 400 bytes and their length, differing only in the id at the end,
-/// are eight.
+/// With no id and no replay header configured, executions are told apart by their whole bodies:
+/// eight runs whose answers share their first 400 bytes and their length, differing only in the
+/// id at the end, are eight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn executions_alike_but_for_their_last_bytes_are_told_apart() {
-    let report = report(Bug::SamePrefix, |config| config.id_pointer = None).await;
+    let report = report(Bug::SamePrefix, |config| {
+        config.id_pointer = None;
+        config.replay_header = None;
+    })
+    .await;
     assert_eq!(
         failing(&report),
         BTreeSet::from(["concurrent-duplicates"]),
@@ -275,10 +279,10 @@ async fn error_pages_are_quoted_on_one_line_and_cut() {
     let table = report.table();
     assert!(!table.contains("\n<html>"), "{table}");
     let quoted = (table.lines())
-        .filter(|line| line.contains("body: \"<!DOCTYPE html>\\n<html>\\n<head>"))
+        .filter(|line| line.contains("body: `<!DOCTYPE html>\\n<html>\\n<head>"))
         .collect::<Vec<_>>();
     assert!(!quoted.is_empty(), "{table}");
-    let whole = format!("\"... ({} bytes)", support::broken_server::HTML_ERROR.len());
+    let whole = format!("`... ({} bytes)", support::broken_server::HTML_ERROR.len());
     for line in quoted {
         assert!(line.ends_with(&whole), "{line}");
     }
