@@ -5,23 +5,11 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use support::broken_server::{Bug, Server};
+use support::{config, config_path, failing};
 use tower_idempotency_conformance::{CHECKS, Config, Report, RunError, Verdict, run};
-
-/// The config of every test here, as the command line reads it.
-fn config_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/broken.toml")
-}
-
-/// The config for `server`.
-fn config(server: &Server) -> Config {
-    let mut config = Config::load(config_path()).expect("tests/broken.toml is valid");
-    config.base_url = server.url();
-    config
-}
 
 /// Runs every check against a server with `bug`.
 async fn report(bug: Bug) -> Report {
@@ -30,10 +18,6 @@ async fn report(bug: Bug) -> Report {
     println!("{bug:?}:\n{}", report.table());
     assert_eq!(report.checks.len(), CHECKS.len());
     report
-}
-
-fn failing(report: &Report) -> BTreeSet<&'static str> {
-    report.failed().map(|check| check.name).collect()
 }
 
 /// Runs every check against a server with `bug` and expects `failing` to fail, no other.

@@ -5,22 +5,11 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use support::broken_server::{Bug, Server};
+use support::{config, config_path, failing};
 use tower_idempotency_conformance::{Config, Report, Verdict, run};
-
-fn config_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/broken.toml")
-}
-
-/// `tests/broken.toml` for `server`.
-fn config(server: &Server) -> Config {
-    let mut config = Config::load(config_path()).expect("tests/broken.toml is valid");
-    config.base_url = server.url();
-    config
-}
 
 /// Runs every check with `config` against a server with `bug`.
 async fn report(bug: Bug, adjust: impl FnOnce(&mut Config)) -> Report {
@@ -30,10 +19,6 @@ async fn report(bug: Bug, adjust: impl FnOnce(&mut Config)) -> Report {
     let report = run(&config).await.expect("the server answers");
     println!("{bug:?}:\n{}", report.table());
     report
-}
-
-fn failing(report: &Report) -> BTreeSet<&'static str> {
-    report.failed().map(|check| check.name).collect()
 }
 
 /// With no id and no replay header configured, executions are told apart by their whole bodies:
