@@ -11,6 +11,7 @@ use http::{HeaderMap, Method, Response, Uri};
 
 use crate::layer::ConfigError;
 use crate::problem::Problem;
+use crate::store_policy::StorePolicy;
 
 /// What a dialect makes of a request.
 #[cfg_attr(
@@ -42,8 +43,14 @@ pub(crate) trait Dialect: Send + Sync + fmt::Debug + 'static {
     fn respond(&self, problem: &Problem) -> Response<Bytes>;
 
     /// Whether a whole response, read within the response limit, is stored: its head and its
-    /// trailers, if it ended with some. Asked after the store policy, which sees the head only.
-    fn stores(&self, head: &ResponseParts, trailers: Option<&HeaderMap>) -> bool;
+    /// trailers, if it ended with some. Asked after the store policy, which sees the head only;
+    /// `policy` is that policy, for a dialect whose status is in the trailers.
+    fn stores(
+        &self,
+        head: &ResponseParts,
+        trailers: Option<&HeaderMap>,
+        policy: &dyn StorePolicy,
+    ) -> bool;
 
     /// Whether the dialect's settings can serve (`IdempotencyLayer::check`).
     fn check(&self) -> Result<(), ConfigError>;

@@ -92,6 +92,7 @@ use crate::dialect::{Coverage, Dialect};
 use crate::layer::ConfigError;
 use crate::problem::{Problem, ProblemKind};
 use crate::service::Idempotency;
+use crate::store_policy::StorePolicy;
 
 /// The `domain` of the `google.rpc.ErrorInfo` in each of the layer's answers.
 pub const ERROR_DOMAIN: &str = "tower-idempotency";
@@ -238,11 +239,18 @@ impl Dialect for GrpcMode {
         response
     }
 
-    fn stores(&self, head: &ResponseParts, trailers: Option<&HeaderMap>) -> bool {
+    fn stores(
+        &self,
+        head: &ResponseParts,
+        trailers: Option<&HeaderMap>,
+        policy: &dyn StorePolicy,
+    ) -> bool {
         // Trailers-only (the status in the headers) as tonic's client reads it: headers first.
         let status = (head.headers.get(GRPC_STATUS))
             .or_else(|| trailers.and_then(|trailers| trailers.get(GRPC_STATUS)));
-        status.is_some_and(|status| is_stored(tonic::Code::from_bytes(status.as_bytes())))
+        status.is_some_and(|status| {
+            status::stored_under(tonic::Code::from_bytes(status.as_bytes()), policy)
+        })
     }
 
     fn check(&self) -> Result<(), ConfigError> {
@@ -426,24 +434,25 @@ mod tests {
         let trailers = |status: &'static str| {
             HeaderMap::from_iter([(GRPC_STATUS, http::HeaderValue::from_static(status))])
         };
-        assert!(mode.stores(&head(None), Some(&trailers("0"))));
-        assert!(!mode.stores(&head(None), Some(&trailers("14"))));
+        let stores = |head: ResponseParts, trailers: Option<&HeaderMap>| {
+            mode.stores(&head, trailers, &crate::DefaultStorePolicy)
+        };
+        assert!(stores(head(None), Some(&trailers("0"))));
+        assert!(!stores(head(None), Some(&trailers("14"))));
         assert!(
-            mode.stores(&head(Some("5")), None),
-            "trailers-only NOT_FOUND"
+            stores(head(Some("9")), None),
+            "trailers-only FAILED_PRECONDITION"
         );
+        assert!(!stores(head(Some("13")), None), "trailers-only INTERNAL");
+        assert!(!stores(head(None), None), "no status at all");
+        assert!(!stores(head(None), Some(&trailers("x"))), "not a code");
         assert!(
-            !mode.stores(&head(Some("13")), None),
-            "trailers-only INTERNAL"
-        );
-        assert!(!mode.stores(&head(None), None), "no status at all");
-        assert!(
-            !mode.stores(&head(None), Some(&trailers("x"))),
-            "not a code"
-        );
-        assert!(
-            !mode.stores(&head(None), Some(&trailers("99"))),
+            !stores(head(None), Some(&trailers("99"))),
             "an unknown code"
         );
+        // A refusal, as the policy stores its HTTP status.
+        assert!(!stores(head(Some("5")), None), "trailers-only NOT_FOUND");
+        let every = &crate::Every4xxStorePolicy;
+        assert!(mode.stores(&head(Some("5")), None, every));
     }
 }

@@ -1,9 +1,11 @@
 //! The gRPC statuses of the layer's own answers, and the statuses of a handler's answers that are
 //! stored (PROTOCOL.md §16.4, §16.5).
 
+use http::StatusCode;
 use tonic::Code;
 
 use crate::problem::ProblemKind;
+use crate::store_policy::StorePolicy;
 
 /// The gRPC code of each of the layer's own answers (PROTOCOL.md §16.4).
 ///
@@ -43,12 +45,20 @@ pub fn code_for(kind: ProblemKind) -> Code {
     }
 }
 
-/// Whether a handler's answer with this status is stored and replayed (PROTOCOL.md §16.5): `OK`
-/// and the failures that the same call gets again (`INVALID_ARGUMENT`, `NOT_FOUND`,
-/// `ALREADY_EXISTS`, `PERMISSION_DENIED`, `FAILED_PRECONDITION`, `OUT_OF_RANGE`,
-/// `UNAUTHENTICATED`). Every other code releases the claim, so that a retry runs the call again:
-/// `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`, `ABORTED`, `INTERNAL`, `UNKNOWN`, and
-/// `CANCELLED`, `UNIMPLEMENTED` and `DATA_LOSS` (as HTTP stores no 5xx).
+/// Whether a handler's answer with this status is stored and replayed under the default store
+/// policy (PROTOCOL.md §16.5): `OK`, and the failures the call's state decided, which its retry
+/// would meet again (`ALREADY_EXISTS`, `FAILED_PRECONDITION`, `OUT_OF_RANGE`).
+///
+/// A call refused as it was sent, before the handler acted (`INVALID_ARGUMENT`,
+/// `UNAUTHENTICATED`, `PERMISSION_DENIED`, `NOT_FOUND`), is stored as the store policy stores the
+/// HTTP status gRPC maps it to (400, 401, 403, 404): not by [`DefaultStorePolicy`], so that the
+/// corrected call under the same key runs; by [`Every4xxStorePolicy`]. Every other code releases
+/// the claim, so that a retry runs the call again: `UNAVAILABLE`, `DEADLINE_EXCEEDED`,
+/// `RESOURCE_EXHAUSTED`, `ABORTED`, `INTERNAL`, `UNKNOWN`, and `CANCELLED`, `UNIMPLEMENTED` and
+/// `DATA_LOSS` (as HTTP stores no 5xx).
+///
+/// [`DefaultStorePolicy`]: crate::DefaultStorePolicy
+/// [`Every4xxStorePolicy`]: crate::Every4xxStorePolicy
 ///
 /// ```
 /// use tonic::Code;
@@ -56,20 +66,35 @@ pub fn code_for(kind: ProblemKind) -> Code {
 ///
 /// assert!(is_stored(Code::Ok));
 /// assert!(is_stored(Code::FailedPrecondition));
+/// assert!(!is_stored(Code::InvalidArgument));
 /// assert!(!is_stored(Code::Unavailable));
 /// ```
 pub fn is_stored(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Ok
-            | Code::InvalidArgument
-            | Code::NotFound
-            | Code::AlreadyExists
-            | Code::PermissionDenied
-            | Code::FailedPrecondition
-            | Code::OutOfRange
-            | Code::Unauthenticated
-    )
+    stored_under(code, &crate::DefaultStorePolicy)
+}
+
+/// Whether an answer with `code` is stored under `policy`: the decided outcomes always, a refusal
+/// as `policy` stores its HTTP status, nothing else.
+pub(crate) fn stored_under(code: Code, policy: &dyn StorePolicy) -> bool {
+    match code {
+        Code::Ok | Code::AlreadyExists | Code::FailedPrecondition | Code::OutOfRange => true,
+        _ => refused_as(code).is_some_and(|status| {
+            let (mut head, ()) = http::Response::new(()).into_parts();
+            head.status = status;
+            policy.store(&head)
+        }),
+    }
+}
+
+/// The HTTP status of a code that refuses a call as it was sent, as gRPC's HTTP mapping gives it.
+fn refused_as(code: Code) -> Option<StatusCode> {
+    Some(match code {
+        Code::InvalidArgument => StatusCode::BAD_REQUEST,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        _ => return None,
+    })
 }
 
 /// The `reason` of each answer's `google.rpc.ErrorInfo`: the problem type's anchor, in the
@@ -111,12 +136,15 @@ mod tests {
 
     #[test]
     fn the_storage_table() {
-        let stored = [0, 3, 5, 6, 7, 9, 11, 16];
+        let stored = [0, 6, 9, 11];
+        let refusals = [3, 5, 7, 16];
         for n in 0..=16 {
+            let code = Code::from_i32(n);
+            assert_eq!(is_stored(code), stored.contains(&n), "code {n}");
             assert_eq!(
-                is_stored(Code::from_i32(n)),
-                stored.contains(&n),
-                "code {n}"
+                stored_under(code, &crate::Every4xxStorePolicy),
+                stored.contains(&n) || refusals.contains(&n),
+                "code {n} under Every4xxStorePolicy"
             );
         }
     }

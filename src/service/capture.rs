@@ -84,7 +84,7 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
     }
     let bytes = chunks.into_bytes();
     if let Some(dialect) = &config.dialect
-        && !dialect.stores(&parts, trailers.as_deref())
+        && !dialect.stores(&parts, trailers.as_deref(), &*config.store_policy)
     {
         let body = ResponseBody::with_trailers(bytes, trailers);
         return Handled::Declined(Response::from_parts(parts, body));

@@ -18,7 +18,7 @@ use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tower::Layer;
 use tower_idempotency::grpc::{problem_kind, retry_delay};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind, Store};
+use tower_idempotency::{Every4xxStorePolicy, IdempotencyLayer, MemoryStore, ProblemKind, Store};
 use tower_idempotency_test::{Counting, Faulty};
 
 use crate::support::Gated;
@@ -213,10 +213,34 @@ async fn a_retry_gets_the_same_charge_metadata_and_trailers_byte_for_byte() {
     assert_eq!(ledger.charges().len(), 2, "one charge per key");
 }
 
+/// A call refused as it was sent (`INVALID_ARGUMENT`) is not stored by default, as HTTP's 400 is
+/// not: its retry runs again, and the corrected call under the same key runs (§16.5, §8.1).
 #[tokio::test]
-async fn a_handlers_deterministic_failure_is_replayed_trailers_only() {
+async fn a_refused_call_is_not_stored_and_its_corrected_call_runs() {
     let ledger = Ledger::default();
     let addr = serve(ledger.clone(), protected(MemoryStore::new())).await;
+    let first = raw_call(addr, CREATE_CHARGE, "bad", &charge(-1)).await;
+    let retry = raw_call(addr, CREATE_CHARGE, "bad", &charge(-1)).await;
+    assert_eq!(
+        first.headers["grpc-status"], "3",
+        "INVALID_ARGUMENT, trailers-only"
+    );
+    assert_eq!(retry.headers["grpc-status"], "3");
+    assert!(
+        !retry.headers.contains_key("idempotent-replayed"),
+        "§16.5: not stored, so run again"
+    );
+    let corrected = raw_call(addr, CREATE_CHARGE, "bad", &charge(5)).await;
+    assert_eq!(corrected.grpc_status(), Some("0"), "the corrected call ran");
+    assert_eq!(ledger.charges().len(), 1);
+}
+
+/// Under `Every4xxStorePolicy`, the refusal is stored, and replayed trailers-only as it was.
+#[tokio::test]
+async fn a_refused_call_stored_by_the_policy_is_replayed_trailers_only() {
+    let ledger = Ledger::default();
+    let layer = protected(MemoryStore::new()).store_policy(Every4xxStorePolicy);
+    let addr = serve(ledger.clone(), layer).await;
     let first = raw_call(addr, CREATE_CHARGE, "bad", &charge(-1)).await;
     let retry = raw_call(addr, CREATE_CHARGE, "bad", &charge(-1)).await;
     assert_eq!(
