@@ -4,7 +4,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use http::header::RETRY_AFTER;
-use http::{HeaderName, Request, Response, StatusCode};
+use http::{HeaderName, Method, Request, Response, StatusCode};
 use tower_test::mock;
 
 use super::layer::assert_replay_of;
@@ -203,8 +203,8 @@ pub async fn retention_header_takes_a_name_and_format<H: Harness>(h: H) {
 
 /// With a quota per scope, one scope writing records as fast as it can is refused once its budget
 /// is spent: `429` `quota-exceeded` with a `Retry-After` of when it has room again, before its key
-/// is claimed. Another scope's requests run and replay as before, and the refused scope runs again
-/// once the wait has passed.
+/// is claimed. What it already holds is still answered (a replay, a `422`). Another scope's
+/// requests run and replay as before, and the refused scope runs again once the wait has passed.
 /// PROTOCOL.md §3.4.
 pub async fn a_scope_past_its_quota_leaves_the_others_untouched<H: Harness>(h: H) {
     /// About what a response of `RESPONSE` bytes costs a budget: its body, headers and claim.
@@ -258,6 +258,26 @@ pub async fn a_scope_past_its_quota_leaves_the_others_untouched<H: Harness>(h: H
         store.calls().claim,
         claims,
         "§3.4: a request past its scope's quota claims nothing"
+    );
+    // What the scope already holds is still answered, from a read: the replay of a key it ran,
+    // and 422 for that key with another body.
+    let replay = send(&svc, account_post("acct_flood", "acct_flood-0")).await;
+    assert_eq!(
+        (replay.outcome, replay.status, replay.body.len()),
+        (Some(Outcome::Replayed), StatusCode::CREATED, RESPONSE),
+        "§3.4: past its quota, a scope's replay is answered: {replay:?}"
+    );
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let other_body = keyed(Method::POST, "/", "acct_flood-0")
+        .header("x-account", "acct_flood")
+        .body(Body::from("another charge"))
+        .expect("a request");
+    let mismatch = send(&svc, other_body).await;
+    mismatch.assert_problem(ProblemKind::Mismatch, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        store.calls().claim,
+        claims,
+        "§3.4: answered from a read of the key, with no claim"
     );
 
     // Another scope is untouched: it runs, and its retry replays.
