@@ -90,6 +90,30 @@ pub async fn lookup<St: Store>(
     Ok(store.inspect(&id).await?)
 }
 
+/// A short, non-reversible tag of `scope` for logs, as the layer's log lines name a scope (their
+/// `scope` field): the first 8 hex characters of its BLAKE3 digest.
+///
+/// ```
+/// use tower_idempotency::operator;
+///
+/// assert_eq!(operator::scope_tag(b"acct_1").to_string().len(), 8);
+/// ```
+pub fn scope_tag(scope: &[u8]) -> impl std::fmt::Display + use<> {
+    let digest = blake3::hash(scope);
+    let mut tag = [0; 4];
+    tag.copy_from_slice(&digest.as_bytes()[..4]);
+    ScopeTag(tag)
+}
+
+/// The tag [`scope_tag`] writes.
+struct ScopeTag([u8; 4]);
+
+impl std::fmt::Display for ScopeTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Hex(&self.0).fmt(f)
+    }
+}
+
 /// Forgets `key` of `scope` in `store` ([`Store::forget`]): a completed record or tombstone
 /// always, an in-flight one only with `force`. Logged at WARN (target `tower_idempotency`,
 /// message `record forgotten by an operator`) with `reason`, the record id, the key and scope
@@ -111,8 +135,7 @@ pub async fn forget<St: Store>(
         return Err(OperatorError::NoReason);
     }
     let outcome = store.forget(&id, force).await?;
-    let scope_hash = blake3::hash(scope);
-    let scope = Hex(&scope_hash.as_bytes()[..4]);
+    let scope = scope_tag(scope);
     match &outcome {
         ForgetOutcome::Forgotten(was) => tracing::warn!(
             target: "tower_idempotency",

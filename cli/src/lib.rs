@@ -158,13 +158,18 @@ impl Cli {
 #[derive(Debug, Args)]
 struct StoreArgs {
     /// A single Redis server: redis://[user:password@]host:port[/db]
-    #[arg(long, value_name = "URL", global = true)]
+    #[arg(long, value_name = "URL", global = true, alias = "redis-url")]
     redis: Option<String>,
     /// A Redis Cluster: its nodes' URLs, separated by commas.
     #[arg(long, value_name = "URL,URL,..", value_delimiter = ',', global = true)]
     redis_cluster: Option<Vec<String>>,
     /// PostgreSQL: postgres://user[:password]@host[:port]/database
-    #[arg(long, value_name = "URL", global = true)]
+    #[arg(
+        long,
+        value_name = "URL",
+        global = true,
+        aliases = ["postgres-url", "database-url"]
+    )]
     postgres: Option<String>,
 }
 

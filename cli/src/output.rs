@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Map, Value, json};
-use tower_idempotency::RecordId;
 use tower_idempotency::store::{CompletedView, ForgetOutcome, InFlightView, Inspected};
+use tower_idempotency::{RecordId, operator};
 
 /// The key a report is about.
 pub(crate) struct Report<'a> {
@@ -78,6 +78,7 @@ impl<'a> Report<'a> {
             "result": result,
             "record_id": self.id.to_string(),
             "key_tag": self.id.tag().to_string(),
+            "scope_tag": operator::scope_tag(self.scope).to_string(),
             "state": state,
             "forced": forced,
             "reason": reason,
@@ -218,7 +219,7 @@ fn record_table(out: &mut String, record: &Inspected, body: bool) {
             row(
                 out,
                 "completed at",
-                "not kept by the store (expires less the application's retention)",
+                "not kept by the store (expires less the layer's dedup window)",
             );
             row(out, "expires", &rfc3339(view.expires));
             match view.fence {

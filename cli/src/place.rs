@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use deadpool_redis::redis;
-use sqlx::PgPool;
+use sqlx::{ConnectOptions as _, Connection as _, PgPool};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
@@ -39,6 +39,9 @@ pub enum PlaceError {
     /// Redis failed the `SCAN` for the prefix's keys.
     #[error("Redis failed the scan for the prefix's keys")]
     Redis(#[source] deadpool_redis::PoolError),
+    /// No connection to PostgreSQL could be made: refused, unresolved, no such database, denied.
+    #[error("cannot connect to PostgreSQL")]
+    Connect(#[source] sqlx::Error),
     /// PostgreSQL failed the table's lookup.
     #[error("PostgreSQL failed the lookup of the table")]
     Postgres(#[source] sqlx::Error),
@@ -68,7 +71,9 @@ impl Place {
     }
 
     /// On PostgreSQL, fails with [`CliError::NoTable`] when the table does not exist
-    /// (`to_regclass`, one round trip).
+    /// (`to_regclass`, one round trip), on a connection of its own: the pool retries a refused
+    /// connection until its timeout, which would say "too slow" of a server that is down, where
+    /// one connection says why at once.
     pub(crate) async fn check_table(&self) -> Result<(), CliError> {
         let Place::Postgres {
             pool,
@@ -78,13 +83,23 @@ impl Place {
         else {
             return Ok(());
         };
-        let exists = sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
-            .bind(table.as_str())
-            .fetch_one(pool);
-        let exists = tokio::time::timeout(*timeout, exists)
+        let check = async {
+            let mut connection = pool
+                .connect_options()
+                .connect()
+                .await
+                .map_err(PlaceError::Connect)?;
+            let exists = sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+                .bind(table.as_str())
+                .fetch_one(&mut connection)
+                .await
+                .map_err(PlaceError::Postgres)?;
+            let _ = connection.close().await;
+            Ok::<_, PlaceError>(exists)
+        };
+        let exists = tokio::time::timeout(*timeout, check)
             .await
-            .map_err(|_| PlaceError::Timeout(*timeout))?
-            .map_err(PlaceError::Postgres)?;
+            .map_err(|_| PlaceError::Timeout(*timeout))??;
         if exists {
             Ok(())
         } else {

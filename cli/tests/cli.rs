@@ -276,6 +276,10 @@ async fn every_state<St: Store>(store: &St, args: &[String], keeps_completed_fen
     assert_eq!(audit["level"], "WARN");
     assert_eq!(audit["result"], "forgotten");
     assert_eq!(audit["record_id"], id.to_string());
+    assert_eq!(
+        audit["scope_tag"],
+        tower_idempotency::operator::scope_tag(b"acct_1").to_string()
+    );
     assert_eq!(audit["state"], "completed");
     assert_eq!(audit["forced"], false);
     assert_eq!(audit["reason"], "charge refunded by hand");
@@ -389,6 +393,14 @@ async fn redis_single_server() {
     )
     .await;
     assert_eq!(run.code, FOUND, "{run:?}");
+    // The URL option under the name one guesses first.
+    let url = server.url();
+    let guessed = [
+        &lookup[..],
+        &["--redis-url", &url, "--redis-prefix", "app:"],
+    ]
+    .concat();
+    assert_eq!(tool(&[], &guessed).await.code, FOUND);
 
     // One store, wherever it is named: none, or two, is a usage error.
     let run = tool(&[], &lookup).await;
@@ -497,6 +509,51 @@ async fn an_unreachable_store_is_exit_4() {
     let run = tool(&args, &["lookup", "--scope", "a", "--key", "k"]).await;
     assert_eq!(run.code, STORE, "{run:?}");
     assert!(run.stderr.starts_with("error: "), "{run:?}");
+}
+
+/// A PostgreSQL that is down is said to be down, at once, with the reason the connection gave;
+/// so is a database that does not exist. Not "did not answer within the timeout".
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_postgres_says_why_at_once() {
+    let server = PostgresServer::start();
+    let missing_database = server
+        .url()
+        .rsplit_once('/')
+        .expect("a database")
+        .0
+        .to_owned();
+    let down = {
+        let stopped = PostgresServer::start();
+        stopped.url()
+    };
+    for (url, why) in [
+        (down, "Connection refused"),
+        (
+            format!("{missing_database}/no_such_db"),
+            "database \"no_such_db\" does not exist",
+        ),
+    ] {
+        let args = vec![
+            "--postgres".to_owned(),
+            url,
+            "--timeout".to_owned(),
+            "5".to_owned(),
+        ];
+        let started = std::time::Instant::now();
+        let run = tool(&args, &["lookup", "--scope", "a", "--key", "k"]).await;
+        assert_eq!(run.code, STORE, "{run:?}");
+        assert!(
+            run.stderr
+                .starts_with("error: cannot connect to PostgreSQL: ")
+                && run.stderr.contains(why),
+            "{run:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+    }
 }
 
 /// A sealed response is shown sealed, under its key's id, without the keys; with the

@@ -36,7 +36,6 @@ use crate::detach::Background;
 use crate::dialect::Coverage;
 use crate::fingerprint::Fingerprint;
 use crate::future::{Covered, ResponseFuture};
-use crate::hex::Hex;
 use crate::key::IdempotencyKey;
 use crate::lease::Held;
 use crate::meter::{self, Metered};
@@ -230,7 +229,7 @@ where
             target: "tower_idempotency",
             "idempotency",
             key = %id.tag(),
-            scope = %ScopeTag(&scope),
+            scope = %crate::operator::scope_tag(scope.as_bytes()),
             // Where the record a request is answered from came from (`origin::show_origin`).
             origin.traceparent = tracing::field::Empty,
             origin.trace_id = tracing::field::Empty,
@@ -410,15 +409,6 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
     meter::outcome(outcome);
     response.extensions_mut().insert(outcome);
     response
-}
-
-/// A short, non-reversible tag of a scope for logs.
-struct ScopeTag<'a>(&'a Scope);
-
-impl fmt::Display for ScopeTag<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        Hex(&blake3::hash(self.0.as_bytes()).as_bytes()[..4]).fmt(f)
-    }
 }
 
 #[cfg(test)]
