@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 
 use crate::breaker::Breaker;
 use crate::dialect::Dialect;
+use crate::fingerprint::Fingerprint;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::quota::Quotas;
 use crate::retention::Retention;
@@ -27,6 +28,7 @@ pub(crate) struct Config {
     pub(crate) request_body_limit: usize,
     pub(crate) response_body_limit: usize,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    #[cfg(feature = "canonical-json")]
     pub(crate) canonical_json: bool,
     pub(crate) scope: Option<Arc<dyn ScopeRequest>>,
     pub(crate) tenancy: Tenancy,
@@ -62,6 +64,7 @@ impl Default for Config {
             request_body_limit: 1024 * 1024,
             response_body_limit: 1024 * 1024,
             fingerprint_headers: Vec::new(),
+            #[cfg(feature = "canonical-json")]
             canonical_json: false,
             scope: None,
             tenancy: Tenancy::Unstated,
@@ -96,21 +99,37 @@ impl Config {
     pub(crate) fn status(&self, kind: ProblemKind) -> StatusCode {
         self.statuses[kind.index()]
     }
+
+    /// The request's fingerprint: of its canonical JSON body when the layer asks for it and the
+    /// body is such JSON, else of its bytes.
+    pub(crate) fn fingerprint(&self, parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+        let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
+        let allow_listed = &self.fingerprint_headers;
+        #[cfg(feature = "canonical-json")]
+        if self.canonical_json
+            && let Some(fingerprint) =
+                Fingerprint::of_json(method, uri, headers, allow_listed, body)
+        {
+            return fingerprint;
+        }
+        Fingerprint::of(method, uri, headers, allow_listed, body)
+    }
 }
 
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("header", &self.header)
+        let mut d = f.debug_struct("Config");
+        d.field("header", &self.header)
             .field("methods", &self.methods)
             .field("key_required", &self.key_required)
             .field("dedup_window", &self.dedup_window)
             .field("lease", &self.lease)
             .field("request_body_limit", &self.request_body_limit)
             .field("response_body_limit", &self.response_body_limit)
-            .field("fingerprint_headers", &self.fingerprint_headers)
-            .field("canonical_json", &self.canonical_json)
-            .field("scoped", &self.scope.is_some())
+            .field("fingerprint_headers", &self.fingerprint_headers);
+        #[cfg(feature = "canonical-json")]
+        d.field("canonical_json", &self.canonical_json);
+        d.field("scoped", &self.scope.is_some())
             .field("tenancy", &self.tenancy)
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fail_open", &self.fail_open)

@@ -139,6 +139,8 @@ impl<St> IdempotencyLayer<St> {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).canonical_json(true);
     /// # let _ = layer;
     /// ```
+    #[cfg(feature = "canonical-json")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "canonical-json")))]
     pub fn canonical_json(mut self, canonical: bool) -> Self {
         self.config.canonical_json = canonical;
         self

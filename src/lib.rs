@@ -108,9 +108,9 @@
 //! - **The dedup window.** Completed records live 24 h ([`IdempotencyLayer::dedup_window`]).
 //! - **Opt-in.** A duplicate of a request in flight can wait for its replay instead of getting 409
 //!   ([`IdempotencyLayer::wait_for_in_flight`]); responses can state when their key's record
-//!   expires ([`IdempotencyLayer::retention_header`]); JSON bodies can count by their RFC 8785
-//!   canonical form rather than their bytes ([`IdempotencyLayer::canonical_json`]); replays of
-//!   records this process completed can skip the store ([`store::ReplayCache`]).
+//!   expires ([`IdempotencyLayer::retention_header`]); with their features (below), JSON bodies can
+//!   count by their RFC 8785 canonical form rather than their bytes (`canonical-json`), and
+//!   replays of records this process completed can skip the store (`replay-cache`).
 //!
 //! # Where to put the layer
 //! Inside authentication (so the scope function can read the principal), and inside compression
@@ -161,9 +161,9 @@
 //! tonic's `Channel`.
 //!
 //! # Queue consumers
-//! [`consumer::Deduplicator`] gives at-least-once queue consumers the same guarantee on the same
-//! stores: a message's work runs once per message id, a redelivery is skipped, and a failed
-//! attempt is retried by the redelivery.
+//! With the `consumer` feature, `consumer::Deduplicator` gives at-least-once queue consumers the
+//! same guarantee on the same stores: a message's work runs once per message id, a redelivery is
+//! skipped, and a failed attempt is retried by the redelivery.
 //!
 //! # Features
 //! - `axum` (default): the [`IdempotencyKey`] and [`HeldClaim`] extractors.
@@ -187,6 +187,32 @@
     doc = "- `grpc`: gRPC mode for tonic services (`IdempotencyLayer::grpc`, the `grpc` module)."
 )]
 //!   Brings tonic (without its transport) and prost.
+// Each option below is built only when asked for: its code, and the crate it brings.
+#![cfg_attr(
+    feature = "canonical-json",
+    doc = "- `canonical-json`: [`IdempotencyLayer::canonical_json`] and [`Fingerprint::of_json`] (RFC 8785). Brings `serde_json_canonicalizer`."
+)]
+#![cfg_attr(
+    not(feature = "canonical-json"),
+    doc = "- `canonical-json`: `IdempotencyLayer::canonical_json` and `Fingerprint::of_json` (RFC 8785). Brings `serde_json_canonicalizer`."
+)]
+#![cfg_attr(
+    feature = "replay-cache",
+    doc = "- `replay-cache`: [`store::ReplayCache`], this process's completed records replayed from memory. Brings `quick_cache`."
+)]
+#![cfg_attr(
+    not(feature = "replay-cache"),
+    doc = "- `replay-cache`: `store::ReplayCache`, this process's completed records replayed from memory. Brings `quick_cache`."
+)]
+#![cfg_attr(
+    feature = "consumer",
+    doc = "- `consumer`: the [`consumer`] module, the idempotent queue consumer (above)."
+)]
+#![cfg_attr(
+    not(feature = "consumer"),
+    doc = "- `consumer`: the `consumer` module, the idempotent queue consumer (above)."
+)]
+//!
 //! - `opentelemetry`: with [`IdempotencyLayer::trace_origin`], a request without a `traceparent`
 //!   keeps its span's OpenTelemetry context as its record's origin, and a replay's span gets a
 //!   span link to the span of the run it replays (PROTOCOL §5.6, §12.1). Brings the
@@ -209,6 +235,8 @@
 mod body;
 mod breaker;
 mod config;
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub mod consumer;
 mod detach;
 mod dialect;

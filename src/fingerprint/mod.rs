@@ -4,9 +4,10 @@
 //! values of an allow-list of request headers (none by default). Length prefixes keep field
 //! boundaries unambiguous: moving a byte from the path into the body changes the fingerprint.
 //!
-//! Optionally, a JSON body counts by its canonical form instead of its bytes ([`json`]), hashed in a
-//! domain of its own.
+//! Optionally (feature `canonical-json`), a JSON body counts by its canonical form instead of its
+//! bytes, hashed in a domain of its own.
 
+#[cfg(feature = "canonical-json")]
 mod json;
 
 use std::fmt;
@@ -16,6 +17,7 @@ use http::{HeaderMap, HeaderName, Method, Uri};
 use crate::hex::Hex;
 
 /// The blake3 key-derivation context of fingerprints over a canonical JSON body.
+#[cfg(feature = "canonical-json")]
 const CANONICAL_JSON_CONTEXT: &str = "tower-idempotency 2026-01 request fingerprint, RFC 8785 body";
 
 /// A request's fingerprint: 32 bytes of blake3.
@@ -73,6 +75,8 @@ impl Fingerprint {
     /// assert_ne!(of(r#"{"amount":100}"#), of(r#"{"amount":200}"#));
     /// assert_eq!(of("{not json"), None);
     /// ```
+    #[cfg(feature = "canonical-json")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "canonical-json")))]
     pub fn of_json(
         method: &Method,
         uri: &Uri,

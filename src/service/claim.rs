@@ -75,13 +75,7 @@ impl<St: Store> Shared<St> {
                 }
                 Some(Admission::Refuse(left)) => return self.circuit_open(left),
             };
-            let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
-            let allow_listed = &config.fingerprint_headers;
-            let fingerprint = config
-                .canonical_json
-                .then(|| Fingerprint::of_json(method, uri, headers, allow_listed, &body))
-                .flatten()
-                .unwrap_or_else(|| Fingerprint::of(method, uri, headers, allow_listed, &body));
+            let fingerprint = config.fingerprint(&parts, &body);
             if let Some(wait) = past_quota {
                 // Boxed: rare, and its read's state would otherwise be carried in every
                 // request's future.

@@ -23,6 +23,7 @@ mod forward;
 mod boxed;
 mod inspect;
 mod memory;
+#[cfg(feature = "replay-cache")]
 mod replay_cache;
 
 use std::future::Future;
@@ -31,6 +32,8 @@ use std::time::Duration;
 pub use boxed::BoxStore;
 pub use inspect::{CompletedView, ForgetOutcome, InFlightView, Inspected};
 pub use memory::MemoryStore;
+#[cfg(feature = "replay-cache")]
+#[cfg_attr(docsrs, doc(cfg(feature = "replay-cache")))]
 pub use replay_cache::ReplayCache;
 
 /// `http`, for [`forward_store!`](crate::forward_store) to name `http::Extensions` whatever the

@@ -21,7 +21,7 @@ impl PgStore {
     /// delivery of the same message waits on the first one's row until that transaction ends:
     /// committed, it gets `false`; rolled back, `true`. Ids share the table with HTTP keys, in a
     /// domain of their own ([`RecordId::for_message`]), and expire like them. Use either this or
-    /// [`Deduplicator`](tower_idempotency::consumer::Deduplicator) for one scope, not both.
+    /// `tower_idempotency::consumer::Deduplicator` (its feature `consumer`) for one scope, not both.
     ///
     /// ```no_run
     /// use std::time::Duration;
