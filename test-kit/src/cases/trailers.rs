@@ -247,6 +247,7 @@ pub async fn grpc_answers_replay_with_their_trailers<H: Harness>(h: H) {
                 .expect("a response")
         };
         match call.parts.uri.path() {
+            "/t.Pay/Declined" => grpc("9"),
             "/t.Pay/NotFound" => grpc("5"),
             "/t.Pay/Busy" => grpc("10"),
             "/t.Pay/Down" => Response::builder()
@@ -271,6 +272,7 @@ pub async fn grpc_answers_replay_with_their_trailers<H: Harness>(h: H) {
     let svc = service(
         layer(&h, h.store()).grpc([
             "/t.Pay/Charge",
+            "/t.Pay/Declined",
             "/t.Pay/NotFound",
             "/t.Pay/Busy",
             "/t.Pay/Down",
@@ -293,27 +295,33 @@ pub async fn grpc_answers_replay_with_their_trailers<H: Harness>(h: H) {
     let replay = whole(&svc, call("/t.Pay/Charge", "g1")).await;
     assert_whole_replay(&replay, &first);
 
-    let not_found = whole(&svc, call("/t.Pay/NotFound", "g2")).await;
-    let again = whole(&svc, call("/t.Pay/NotFound", "g2")).await;
-    assert_whole_replay(&again, &not_found);
+    let declined = whole(&svc, call("/t.Pay/Declined", "g2")).await;
+    let again = whole(&svc, call("/t.Pay/Declined", "g2")).await;
+    assert_whole_replay(&again, &declined);
     assert_eq!(
-        again.headers["grpc-status"], "5",
-        "§16.5: trailers-only NOT_FOUND is stored"
+        again.headers["grpc-status"], "9",
+        "§16.5: a trailers-only FAILED_PRECONDITION, decided by the call's state, is stored"
     );
 
-    for (path, key) in [("/t.Pay/Busy", "g3"), ("/t.Pay/Down", "g4")] {
+    // NOT_FOUND refuses the call as it was sent: as the default policy stores no 404, it is not
+    // stored; ABORTED and UNAVAILABLE are for a retry.
+    for (path, key) in [
+        ("/t.Pay/NotFound", "g5"),
+        ("/t.Pay/Busy", "g3"),
+        ("/t.Pay/Down", "g4"),
+    ] {
         for _ in 0..2 {
             let answer = whole(&svc, call(path, key)).await;
             assert_eq!(
                 answer.outcome,
                 Some(Outcome::NotStored),
-                "§16.5: ABORTED and UNAVAILABLE release the claim: {path}"
+                "§16.5: NOT_FOUND, ABORTED and UNAVAILABLE release the claim: {path}"
             );
         }
     }
     assert_eq!(
         handler.calls(),
-        1 + 1 + 2 + 2,
+        1 + 1 + 2 + 2 + 2,
         "§16.5: stored answers ran once, released ones every time"
     );
 
