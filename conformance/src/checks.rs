@@ -381,6 +381,10 @@ fn executed_more_than_once(n: usize, ran: &BTreeSet<Identity>) -> String {
     )
 }
 
+/// The shortest execution whose overlap with its duplicates the runner's clock tells: below it,
+/// sending the burst takes about as long as the execution.
+const TELLING: Duration = Duration::from_millis(20);
+
 /// What a burst answered without a `409` says of the overlap: whether the duplicates were in
 /// flight while the execution ran (the API held them and replayed), or may have arrived after it.
 fn overlap(api: &Api, successes: &[&Answer]) -> String {
@@ -391,7 +395,15 @@ fn overlap(api: &Api, successes: &[&Answer]) -> String {
     let Some(execution) = execution else {
         return String::new();
     };
-    let halfway = execution.sent + (execution.done - execution.sent) / 2;
+    let took = execution.done - execution.sent;
+    if took < TELLING {
+        return format!(
+            "; no 409: the execution took {} ms, too short to tell whether the others waited for \
+             it or came after it",
+            took.as_millis()
+        );
+    }
+    let halfway = execution.sent + took / 2;
     let others = successes
         .iter()
         .filter(|answer| !std::ptr::eq(**answer, *execution));
@@ -731,4 +743,52 @@ pub(crate) async fn retention(p: &mut Probe) -> Outcome {
         String::from_utf8_lossy(value.as_bytes()),
         ahead.as_secs()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+
+    fn api() -> Arc<Api> {
+        let config = Config::new("http://127.0.0.1:1", "/a", "{{unique}}");
+        let prepared = config.prepare().expect("a valid config");
+        Api::new(config, prepared, reqwest::Client::new())
+    }
+
+    /// An answer sent `sent` ms and done `done` ms after the burst left.
+    fn answer(start: Instant, sent: u64, done: u64) -> Answer {
+        Answer {
+            status: StatusCode::CREATED,
+            headers: Default::default(),
+            body: b"{}".to_vec(),
+            sent: start + Duration::from_millis(sent),
+            done: start + Duration::from_millis(done),
+        }
+    }
+
+    #[test]
+    fn the_overlap_is_said_only_where_the_clock_can_tell_it() {
+        let (api, start) = (api(), Instant::now());
+        // A 100 ms execution, the others in flight across its midpoint: they waited.
+        let slow = [
+            answer(start, 0, 100),
+            answer(start, 1, 105),
+            answer(start, 2, 104),
+        ];
+        let slow: Vec<_> = slow.iter().collect();
+        assert!(overlap(&api, &slow).contains("the 2 others waited"));
+        // One sent after the midpoint may have come after it.
+        let late = [answer(start, 0, 100), answer(start, 70, 110)];
+        let late: Vec<_> = late.iter().collect();
+        assert!(overlap(&api, &late).contains("1 of the others came after"));
+        // A 1 ms execution tells neither.
+        let fast = [answer(start, 0, 1), answer(start, 0, 2)];
+        let fast: Vec<_> = fast.iter().collect();
+        assert!(
+            overlap(&api, &fast).contains("too short to tell"),
+            "{}",
+            overlap(&api, &fast)
+        );
+    }
 }
