@@ -1,6 +1,11 @@
 //! The records' byte encoding (the table is in the [module docs](super)), for stores that keep
 //! bytes. A store script fences on an in-flight record's kind and token, and renews its lease end,
 //! without decoding the rest: those offsets are named in [`layout`] and fixed for version 1.
+//!
+//! A completed record ends with its extension area ([`super::extension`]): every byte after its
+//! kind's last field. Without extensions a record is its kind's fields alone, byte for byte as
+//! before the area existed, which is why the version stays 1. A seal's plaintext cannot end with
+//! the area (the bytes after its body are its trailers), so there the area comes first, marked.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -8,9 +13,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
+use super::extension::{area_len, read_area, read_origin_fields, write_area};
 use super::id::ClaimToken;
 use super::model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
 use super::origin::TraceOrigin;
+use super::reader::Reader;
 use crate::fingerprint::Fingerprint;
 
 /// The encoding version written by this crate.
@@ -24,8 +31,13 @@ const KIND_SEALED: u8 = 4;
 const KIND_COMPLETED_WITH_TRAILERS: u8 = 5;
 /// The longest key id a sealed record names.
 pub(crate) const MAX_KEY_ID_LEN: usize = 64;
-/// Marks an origin block where a response's status would begin (a status is 100 to 999, never 0).
-const ORIGIN_MARKER: [u8; 2] = [0, 0];
+/// Marks the extension area at the start of a seal's plaintext, where a response's status would
+/// begin: no status is 65535 (they are 100 to 999).
+#[cfg(feature = "seal")]
+const SEALED_AREA_MARKER: [u8; 2] = [0xff, 0xff];
+/// Marks the origin block of the builds before the extension area, where a response's status
+/// would begin (no status is 0): read, never written, so that their records still replay.
+const ORIGIN_BLOCK_MARKER: [u8; 2] = [0, 0];
 
 /// Where the fields of an encoded record sit, for stores whose server-side scripts read or write
 /// records in place (the table is in the [module docs](super)): a Redis script fences on an
@@ -98,7 +110,8 @@ pub(crate) fn encode_tombstone(fingerprint: &Fingerprint) -> Vec<u8> {
 }
 
 impl Completed {
-    /// Encodes the record.
+    /// Encodes the record: its kind's fields, then its extension area (its trace origin, if it
+    /// has one). A record without an origin is its kind's fields alone.
     ///
     /// # Errors
     /// [`EncodeError`] when a field is too large for the encoding (a body over 4 GiB) or a sealed
@@ -108,11 +121,11 @@ impl Completed {
         match &self.response {
             None if origin.is_none() => Ok(encode_tombstone(&self.fingerprint)),
             None => {
-                let len = layout::COMPLETED_FINGERPRINT.end + origin_len(origin);
+                let len = layout::COMPLETED_FINGERPRINT.end + area_len(origin);
                 let mut out = Vec::with_capacity(len);
                 out.extend_from_slice(&[VERSION, KIND_TOMBSTONE]);
                 out.extend_from_slice(self.fingerprint.as_bytes());
-                encode_origin(origin, &mut out)?;
+                write_area(origin, &mut out)?;
                 debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
                 Ok(out)
             }
@@ -120,7 +133,7 @@ impl Completed {
                 // Sized exactly: a store that keeps the bytes (`MemoryStore`) then holds one
                 // allocation with no slack, and `Bytes::from` takes it over without a second one.
                 let len =
-                    layout::COMPLETED_FINGERPRINT.end + origin_len(origin) + response_len(response);
+                    layout::COMPLETED_FINGERPRINT.end + response_len(response) + area_len(origin);
                 let mut out = Vec::with_capacity(len);
                 let kind = match response.trailers {
                     None => KIND_COMPLETED,
@@ -128,12 +141,12 @@ impl Completed {
                 };
                 out.extend_from_slice(&[VERSION, kind]);
                 out.extend_from_slice(self.fingerprint.as_bytes());
-                encode_origin(origin, &mut out)?;
                 encode_response(response, &mut out)?;
+                write_area(origin, &mut out)?;
                 debug_assert_eq!(out.len(), len, "the encoded length is computed exactly");
                 Ok(out)
             }
-            // A sealed record's origin is inside its seal: a `SealedStore` leaves none beside it.
+            // A sealed record's origin is inside its seal: none is written beside it.
             Some(Payload::Sealed(sealed)) => {
                 let ciphertext_len = len_u32(sealed.ciphertext.len())?;
                 let len = sealed_header_len(&sealed.key_id) + 24 + 4 + sealed.ciphertext.len();
@@ -149,51 +162,74 @@ impl Completed {
     }
 }
 
-/// The length of an origin block by [`encode_origin`]: none without an origin.
-pub(crate) fn origin_len(origin: Option<&TraceOrigin>) -> usize {
-    origin.map_or(0, |origin| ORIGIN_MARKER.len() + origin.encoded_len())
+/// Reads the origin block the builds before the extension area wrote, if the next bytes begin
+/// one: its marker, then the origin's fields as its extension holds them.
+fn read_origin_block(r: &mut Reader<'_>) -> Result<Option<TraceOrigin>, DecodeError> {
+    if !r.starts_with(&ORIGIN_BLOCK_MARKER) {
+        return Ok(None);
+    }
+    r.take(ORIGIN_BLOCK_MARKER.len())?;
+    read_origin_fields(r).map(Some)
 }
 
-/// Appends an origin block to `out`, if there is an origin: the marker, the trace id, the span id,
-/// the flags, and the tracestate's length (`u16`) and bytes. It goes where a response's status
-/// would begin: in a completed record or tombstone right after the fingerprint, and at the start
-/// of a sealed record's plaintext.
-pub(crate) fn encode_origin(
+/// The one origin of a record that may hold an origin block and an extension area: two are
+/// malformed (no writer puts one in each).
+fn one_origin(
+    block: Option<TraceOrigin>,
+    extension: Option<TraceOrigin>,
+) -> Result<Option<Arc<TraceOrigin>>, DecodeError> {
+    match (block, extension) {
+        (Some(_), Some(_)) => Err(DecodeError::Malformed("two trace origins")),
+        (origin, None) | (None, origin) => Ok(origin.map(Arc::new)),
+    }
+}
+
+/// The length of a seal's plaintext by [`encode_sealed_plaintext`].
+#[cfg(feature = "seal")]
+pub(crate) fn sealed_plaintext_len(
+    response: &StoredResponse,
+    origin: Option<&TraceOrigin>,
+) -> usize {
+    let marked_area = match area_len(origin) {
+        0 => 0,
+        area => SEALED_AREA_MARKER.len() + 4 + area,
+    };
+    marked_area + response_len(response)
+}
+
+/// Appends what a seal encrypts to `out`: the extension area when there are extensions (its
+/// marker, its length as a `u32`, the area), then the response's fields. The area goes first,
+/// where a status would begin, because the bytes after a sealed response's body are its
+/// trailers: the plaintext's length alone says whether it has them.
+#[cfg(feature = "seal")]
+pub(crate) fn encode_sealed_plaintext(
+    response: &StoredResponse,
     origin: Option<&TraceOrigin>,
     out: &mut Vec<u8>,
 ) -> Result<(), EncodeError> {
-    let Some(origin) = origin else {
-        return Ok(());
-    };
-    let state = origin.tracestate().unwrap_or_default();
-    let state_len = u16::try_from(state.len()).map_err(|_| EncodeError::TooLarge)?;
-    out.extend_from_slice(&ORIGIN_MARKER);
-    out.extend_from_slice(&origin.trace_id());
-    out.extend_from_slice(&origin.span_id());
-    out.push(origin.flags());
-    out.extend_from_slice(&state_len.to_le_bytes());
-    out.extend_from_slice(state.as_bytes());
-    Ok(())
+    let area = area_len(origin);
+    if area > 0 {
+        out.extend_from_slice(&SEALED_AREA_MARKER);
+        out.extend_from_slice(&len_u32(area)?.to_le_bytes());
+        write_area(origin, out)?;
+    }
+    encode_response(response, out)
 }
 
-/// Reads an origin block, if the next bytes begin one.
-fn read_origin(r: &mut Reader<'_>) -> Result<Option<TraceOrigin>, DecodeError> {
-    if !r.0.starts_with(&ORIGIN_MARKER) {
+/// Reads the marked extension area at the start of a seal's plaintext, if there is one.
+#[cfg(feature = "seal")]
+fn read_sealed_area(r: &mut Reader<'_>) -> Result<Option<TraceOrigin>, DecodeError> {
+    if !r.starts_with(&SEALED_AREA_MARKER) {
         return Ok(None);
     }
-    r.take(ORIGIN_MARKER.len())?;
-    let trace_id = r.array()?;
-    let span_id = r.array()?;
-    let flags = r.u8()?;
-    let state_len = r.u16()? as usize;
-    let state = r.take(state_len)?;
-    TraceOrigin::from_parts(trace_id, span_id, flags, state)
-        .map(Some)
-        .ok_or(DecodeError::Malformed("trace origin"))
+    r.take(SEALED_AREA_MARKER.len())?;
+    let len = r.u32()? as usize;
+    let known = read_area(&mut Reader(r.take(len)?))?;
+    Ok(known.origin)
 }
 
 /// The length of a response's encoding by [`encode_response`].
-pub(crate) fn response_len(response: &StoredResponse) -> usize {
+fn response_len(response: &StoredResponse) -> usize {
     let fields = |map: &HeaderMap| -> usize {
         let entries: usize = (map.iter())
             .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
@@ -206,10 +242,7 @@ pub(crate) fn response_len(response: &StoredResponse) -> usize {
 
 /// Appends a response's fields to `out`: status, headers, body, and the trailers when it has
 /// them. A completed record's bytes after its fingerprint, and a sealed record's plaintext.
-pub(crate) fn encode_response(
-    response: &StoredResponse,
-    out: &mut Vec<u8>,
-) -> Result<(), EncodeError> {
+fn encode_response(response: &StoredResponse, out: &mut Vec<u8>) -> Result<(), EncodeError> {
     out.extend_from_slice(&response.status.as_u16().to_le_bytes());
     encode_fields(&response.headers, out)?;
     out.extend_from_slice(&len_u32(response.body.len())?.to_le_bytes());
@@ -235,20 +268,24 @@ fn encode_fields(fields: &HeaderMap, out: &mut Vec<u8>) -> Result<(), EncodeErro
     Ok(())
 }
 
-/// Decodes a response encoded by [`encode_response`], sharing `bytes` for the body and the
-/// header values: with trailers when fields follow the body (a sealed record's plaintext says so
-/// by its length alone, as one sealed before trailers were kept has none).
+/// Decodes a seal's plaintext written by [`encode_sealed_plaintext`] (or by the builds before the
+/// extension area, with an origin block), sharing `bytes` for the body and the header values: the
+/// response, with trailers when fields follow the body (one sealed before trailers were kept has
+/// none), and the origin of its extension area.
 #[cfg(feature = "seal")]
-pub(crate) fn decode_response(
+pub(crate) fn decode_sealed_plaintext(
     bytes: Bytes,
 ) -> Result<(StoredResponse, Option<TraceOrigin>), DecodeError> {
     let mut r = Reader(&bytes);
-    let origin = read_origin(&mut r)?;
+    let origin = match read_origin_block(&mut r)? {
+        Some(origin) => Some(origin),
+        None => read_sealed_area(&mut r)?,
+    };
     let mut response = read_response(&mut r, &bytes)?;
-    if !r.0.is_empty() {
+    if !r.is_empty() {
         response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
     }
-    if !r.0.is_empty() {
+    if !r.is_empty() {
         return Err(DecodeError::Malformed("trailing bytes"));
     }
     Ok((response, origin))
@@ -329,8 +366,27 @@ impl Record {
     /// buffer for the body and header values. The lease of an
     /// in-flight record is measured against the current wall clock.
     ///
+    /// A completed record's extensions of a type this release does not know (written by a later
+    /// one) are skipped: the record decodes, and replays, as it would without them. They are not
+    /// kept: encoded again, it has none.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{Completed, Fingerprint, Record};
+    ///
+    /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
+    /// let mut bytes = tombstone.encode()?;
+    /// // An extension of type 0x7f00, unknown here: its type, its length, its value.
+    /// bytes.extend_from_slice(&0x7f00u16.to_le_bytes());
+    /// bytes.extend_from_slice(&3u32.to_le_bytes());
+    /// bytes.extend_from_slice(b"new");
+    /// assert_eq!(Record::decode(Bytes::from(bytes))?, Record::Completed(tombstone));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
-    /// A [`DecodeError`] when the bytes are not a record of a known version.
+    /// A [`DecodeError`] when the bytes are not a record of a known version, or are damaged: an
+    /// extension that runs past the record's end, for one.
     pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
         let mut r = Reader(&bytes);
         let version = r.u8()?;
@@ -351,15 +407,16 @@ impl Record {
             }
             kind @ (KIND_COMPLETED | KIND_COMPLETED_WITH_TRAILERS) => {
                 let fingerprint = r.fingerprint()?;
-                let origin = read_origin(&mut r)?.map(Arc::new);
+                let block = read_origin_block(&mut r)?;
                 let mut response = read_response(&mut r, &bytes)?;
                 if kind == KIND_COMPLETED_WITH_TRAILERS {
                     response.trailers = Some(read_fields(&mut r, &bytes, 0)?);
                 }
+                let extensions = read_area(&mut r)?;
                 Record::Completed(Completed {
                     fingerprint,
                     response: Some(Payload::Plain(Arc::new(response))),
-                    origin,
+                    origin: one_origin(block, extensions.origin)?,
                 })
             }
             KIND_SEALED => {
@@ -374,6 +431,11 @@ impl Record {
                 let ciphertext_len = r.u32()? as usize;
                 let start = bytes.len() - r.0.len();
                 r.take(ciphertext_len)?;
+                // Extensions in clear are read and checked like any record's, but an origin is
+                // never beside a seal: it is sealed with the response.
+                if read_area(&mut r)?.origin.is_some() {
+                    return Err(DecodeError::Malformed("a trace origin beside a seal"));
+                }
                 Record::Completed(Completed {
                     fingerprint,
                     response: Some(Payload::Sealed(Arc::new(SealedResponse {
@@ -384,14 +446,22 @@ impl Record {
                     origin: None,
                 })
             }
-            KIND_TOMBSTONE => Record::Completed(Completed {
-                fingerprint: r.fingerprint()?,
-                response: None,
-                origin: read_origin(&mut r)?.map(Arc::new),
-            }),
+            KIND_TOMBSTONE => {
+                let fingerprint = r.fingerprint()?;
+                // An area's first type is never 0, so `00 00` here can only begin an origin block.
+                let block = read_origin_block(&mut r)?;
+                let extensions = read_area(&mut r)?;
+                Record::Completed(Completed {
+                    fingerprint,
+                    response: None,
+                    origin: one_origin(block, extensions.origin)?,
+                })
+            }
             other => return Err(DecodeError::Kind(other)),
         };
-        if !r.0.is_empty() {
+        // Every completed kind read its area to the end; an in-flight record has none (the Redis
+        // scripts write and renew it whole, at fixed offsets).
+        if !r.is_empty() {
             return Err(DecodeError::Malformed("trailing bytes"));
         }
         Ok(record)
@@ -439,51 +509,12 @@ pub enum DecodeError {
     Malformed(&'static str),
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if self.0.len() < n {
-            return Err(DecodeError::Truncated);
-        }
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        Ok(head)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let mut out = [0; N];
-        out.copy_from_slice(self.take(N)?);
-        Ok(out)
-    }
-
-    fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.array::<1>()?[0])
-    }
-
-    fn u16(&mut self) -> Result<u16, DecodeError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-
-    fn u32(&mut self) -> Result<u32, DecodeError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-
-    fn u64(&mut self) -> Result<u64, DecodeError> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-
-    fn fingerprint(&mut self) -> Result<Fingerprint, DecodeError> {
-        Ok(Fingerprint::from_bytes(self.array()?))
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::record::Fence;
 
-    fn fingerprint() -> Fingerprint {
+    pub(in crate::record) fn fingerprint() -> Fingerprint {
         Fingerprint::from_bytes([7; 32])
     }
 
@@ -641,7 +672,7 @@ mod tests {
         assert!(Record::decode(Bytes::from(trailing)).is_err());
     }
 
-    fn grpc_trailers() -> HeaderMap {
+    pub(in crate::record) fn grpc_trailers() -> HeaderMap {
         let mut trailers = HeaderMap::new();
         trailers.append("grpc-status", HeaderValue::from_static("0"));
         trailers.append("x-trace", HeaderValue::from_static("a"));
@@ -734,6 +765,7 @@ mod tests {
         assert_eq!(done.encode().unwrap(), old);
     }
 
+    #[cfg(feature = "seal")]
     #[test]
     fn a_sealed_plaintext_has_trailers_only_when_they_follow_the_body() {
         let without = StoredResponse {
@@ -748,12 +780,18 @@ mod tests {
         };
         for response in [without, with] {
             let mut plaintext = Vec::new();
-            encode_response(&response, &mut plaintext).unwrap();
-            assert_eq!(plaintext.len(), response_len(&response));
-            let (decoded, origin) = decode_response(Bytes::from(plaintext.clone())).unwrap();
-            assert_eq!((decoded, origin), (response.clone(), None));
+            encode_sealed_plaintext(&response, None, &mut plaintext).unwrap();
+            assert_eq!(plaintext.len(), sealed_plaintext_len(&response, None));
+            assert_eq!(
+                plaintext.len(),
+                response_len(&response),
+                "no extensions, no area"
+            );
+            let decoded = decode_sealed_plaintext(Bytes::from(plaintext.clone())).unwrap();
+            assert_eq!(decoded, (response.clone(), None));
             for n in 0..plaintext.len() {
-                if let Ok((prefix, _)) = decode_response(Bytes::copy_from_slice(&plaintext[..n])) {
+                let prefix = decode_sealed_plaintext(Bytes::copy_from_slice(&plaintext[..n]));
+                if let Ok((prefix, _)) = prefix {
                     // Only the plaintext without its trailer block reads as a response.
                     assert_eq!(prefix.trailers, None, "prefix {n}");
                     assert!(response.trailers.is_some(), "prefix {n}");
@@ -761,14 +799,36 @@ mod tests {
             }
         }
     }
-    fn origin() -> TraceOrigin {
+
+    pub(in crate::record) fn origin() -> TraceOrigin {
         TraceOrigin::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
             .expect("a valid traceparent")
             .with_tracestate("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7")
     }
 
-    #[test]
-    fn an_origin_round_trips_after_the_fingerprint_of_every_completed_kind() {
+    /// [`origin`]'s fields: trace id, span id, flags, tracestate length and tracestate.
+    pub(in crate::record) fn origin_fields() -> Vec<u8> {
+        let origin = origin();
+        let state = origin.tracestate().expect("a tracestate").as_bytes();
+        let mut fields = Vec::new();
+        fields.extend_from_slice(&origin.trace_id());
+        fields.extend_from_slice(&origin.span_id());
+        fields.push(origin.flags());
+        fields.extend_from_slice(&(state.len() as u16).to_le_bytes());
+        fields.extend_from_slice(state);
+        fields
+    }
+
+    /// An extension as any release writes it: its type, its value's length, its value.
+    pub(in crate::record) fn extension(kind: u16, value: &[u8]) -> Vec<u8> {
+        let mut out = kind.to_le_bytes().to_vec();
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        out.extend_from_slice(value);
+        out
+    }
+
+    /// A response, a response with trailers and a tombstone, each with its kind.
+    pub(in crate::record) fn completed_records() -> [(Completed, u8); 3] {
         let response = StoredResponse {
             status: StatusCode::CREATED,
             headers: HeaderMap::new(),
@@ -779,7 +839,7 @@ mod tests {
             trailers: Some(grpc_trailers()),
             ..response.clone()
         };
-        let records = [
+        [
             (
                 Completed::with_response(fingerprint(), response),
                 KIND_COMPLETED,
@@ -789,38 +849,35 @@ mod tests {
                 KIND_COMPLETED_WITH_TRAILERS,
             ),
             (Completed::tombstone(fingerprint()), KIND_TOMBSTONE),
-        ];
-        for (plain, kind) in records {
+        ]
+    }
+
+    #[test]
+    fn an_origin_is_an_extension_after_the_last_field_of_every_completed_kind() {
+        for (plain, kind) in completed_records() {
             let without = plain.encode().unwrap();
-            let record = plain.with_origin(Some(origin()));
+            let record = plain.clone().with_origin(Some(origin()));
             let bytes = record.encode().unwrap();
             assert_eq!(bytes[layout::KIND], kind, "an origin changes no kind");
             assert_eq!(
-                &bytes[layout::COMPLETED_FINGERPRINT],
-                fingerprint().as_bytes()
+                bytes[..without.len()],
+                without[..],
+                "the record's own fields first, unchanged"
             );
-            let block = &bytes[layout::COMPLETED_FINGERPRINT.end..];
             assert_eq!(
-                block[..2],
-                ORIGIN_MARKER,
-                "the block where the status would be"
+                bytes[without.len()..],
+                extension(1, &origin_fields())[..],
+                "then the origin, type 1"
             );
-            assert_eq!(block[2..18], origin().trace_id());
-            assert_eq!(block[18..26], origin().span_id());
-            assert_eq!(block[26], 1);
-            let state = origin().tracestate().unwrap().len();
-            assert_eq!(block[27..29], (state as u16).to_le_bytes());
-            assert_eq!(bytes.len(), without.len() + 2 + 27 + state, "exactly sized");
             assert_eq!(
                 Record::decode(Bytes::from(bytes.clone())).unwrap(),
                 Record::Completed(record),
             );
             for n in 0..bytes.len() {
                 let prefix = Record::decode(Bytes::copy_from_slice(&bytes[..n]));
-                if kind == KIND_TOMBSTONE && n == layout::COMPLETED_FINGERPRINT.end {
-                    // A tombstone's bytes without the block: the tombstone, without an origin.
-                    let bare = Completed::tombstone(fingerprint());
-                    assert_eq!(prefix.unwrap(), Record::Completed(bare));
+                if n == without.len() {
+                    // Cut where its area begins: the record, without an origin.
+                    assert_eq!(prefix.unwrap(), Record::Completed(plain.clone()));
                     continue;
                 }
                 assert!(prefix.is_err(), "prefix {n} of kind {kind}");
@@ -829,55 +886,135 @@ mod tests {
     }
 
     #[test]
-    fn a_record_without_an_origin_keeps_its_bytes() {
-        // What every earlier release wrote and reads: no block, no byte more.
+    fn a_record_without_extensions_keeps_its_exact_bytes() {
+        // Each as 0.1.0 wrote and reads it (kind 5 as the release that added trailers does),
+        // spelt out byte for byte: an extension area that is empty adds nothing.
+        let fingerprint_bytes = [7; 32];
+        let bytes = |head: &[u8], tail: &[&[u8]]| {
+            let mut out = head.to_vec();
+            out.extend_from_slice(&fingerprint_bytes);
+            tail.iter().for_each(|part| out.extend_from_slice(part));
+            out
+        };
+        let mut headers = HeaderMap::new();
+        headers.append("a", HeaderValue::from_static("b"));
         let response = StoredResponse {
             status: StatusCode::OK,
-            headers: HeaderMap::new(),
+            headers,
             body: Bytes::from_static(b"abc"),
             trailers: None,
         };
-        let done = Completed::with_response(fingerprint(), response.clone());
-        let bytes = done.encode().unwrap();
+        let status_headers_body: &[&[u8]] = &[
+            &[200, 0],                       // status
+            &[1, 0, 0, 0],                   // one header
+            &[1, 0, b'a'],                   // its name
+            &[1, 0, 0, 0, b'b'],             // its value
+            &[3, 0, 0, 0, b'a', b'b', b'c'], // the body
+        ];
+        let completed = Completed::with_response(fingerprint(), response.clone());
         assert_eq!(
-            bytes.len(),
-            layout::COMPLETED_FINGERPRINT.end + response_len(&response)
+            completed.encode().unwrap(),
+            bytes(&[1, 2], status_headers_body)
         );
+
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("0"));
+        let with_trailers = Completed::with_response(
+            fingerprint(),
+            StoredResponse {
+                trailers: Some(trailers),
+                ..response
+            },
+        );
+        let mut trailer_fields: Vec<&[u8]> = status_headers_body.to_vec();
+        trailer_fields.extend_from_slice(&[
+            &[1, 0, 0, 0], // one trailer
+            &[11, 0],      // its name's length
+            b"grpc-status",
+            &[1, 0, 0, 0, b'0'], // its value
+        ]);
         assert_eq!(
-            bytes[layout::COMPLETED_FINGERPRINT.end..][..2],
-            200u16.to_le_bytes()
+            with_trailers.encode().unwrap(),
+            bytes(&[1, 5], &trailer_fields)
         );
+
+        let tombstone = Completed::tombstone(fingerprint());
+        assert_eq!(tombstone.encode().unwrap(), bytes(&[1, 3], &[]));
+
+        let sealed = Completed {
+            fingerprint: fingerprint(),
+            response: Some(Payload::Sealed(Arc::new(SealedResponse {
+                key_id: "k1".into(),
+                nonce: [9; 24],
+                ciphertext: Bytes::from_static(&[5; 3]),
+            }))),
+            origin: None,
+        };
         assert_eq!(
-            Completed::tombstone(fingerprint()).encode().unwrap(),
-            encode_tombstone(&fingerprint())
+            sealed.encode().unwrap(),
+            bytes(
+                &[1, 4],
+                &[&[2, b'k', b'1'], &[9; 24], &[3, 0, 0, 0], &[5; 3]]
+            )
         );
+        for record in [completed, with_trailers, tombstone, sealed] {
+            let bytes = record.encode().unwrap();
+            assert_eq!(
+                Record::decode(Bytes::from(bytes)).unwrap(),
+                Record::Completed(record)
+            );
+        }
     }
 
     #[test]
     fn a_damaged_origin_is_an_error_not_an_origin() {
         let record = Completed::tombstone(fingerprint()).with_origin(Some(origin()));
         let good = record.encode().unwrap();
-        let at = layout::COMPLETED_FINGERPRINT.end;
+        // The tombstone's fingerprint, the extension's type and length, then the origin's fields.
+        let at = layout::COMPLETED_FINGERPRINT.end + 6;
         let cases: [(usize, &[u8]); 4] = [
-            (at + 2, &[0; 16]),       // an all-zero trace id
-            (at + 18, &[0; 8]),       // an all-zero span id
-            (at + 29, b"C"),          // an uppercase tracestate key
-            (at + 27, &[0xff, 0xff]), // a tracestate longer than the record
+            (at, &[0; 16]),           // an all-zero trace id
+            (at + 16, &[0; 8]),       // an all-zero span id
+            (at + 27, b"C"),          // an uppercase tracestate key
+            (at + 25, &[0xff, 0xff]), // a tracestate longer than its extension
         ];
         for (offset, bytes) in cases {
             let mut bad = good.clone();
             bad[offset..offset + bytes.len()].copy_from_slice(bytes);
             assert!(Record::decode(Bytes::from(bad)).is_err(), "at {offset}");
         }
-        // A tombstone followed by anything but an origin block.
-        let mut trailing = encode_tombstone(&fingerprint());
-        trailing.extend_from_slice(&[0, 1]);
-        assert!(Record::decode(Bytes::from(trailing)).is_err());
+    }
+
+    #[test]
+    fn the_origin_block_of_earlier_builds_still_decodes() {
+        // Before extensions, origins were a block marked `00 00` right after the fingerprint.
+        let block = [&ORIGIN_BLOCK_MARKER[..], &origin_fields()].concat();
+        for (plain, kind) in completed_records() {
+            let fields = plain.encode().unwrap();
+            let (head, tail) = fields.split_at(layout::COMPLETED_FINGERPRINT.end);
+            let old = [head, &block, tail].concat();
+            let Record::Completed(decoded) = Record::decode(Bytes::from(old)).unwrap() else {
+                panic!("not completed")
+            };
+            let with_origin = plain.with_origin(Some(origin()));
+            assert_eq!(decoded, with_origin, "kind {kind}");
+            // Written again, the origin is an extension.
+            assert_eq!(
+                decoded.encode().unwrap(),
+                [&fields[..], &extension(1, &origin_fields())].concat()
+            );
+            // A block and an extension: two origins, which no writer makes.
+            let both = [head, &block, tail, &extension(1, &origin_fields())].concat();
+            assert!(matches!(
+                Record::decode(Bytes::from(both)),
+                Err(DecodeError::Malformed("two trace origins"))
+            ));
+        }
     }
 
     #[cfg(feature = "seal")]
     #[test]
-    fn a_sealed_plaintext_may_begin_with_an_origin() {
+    fn a_sealed_plaintext_keeps_its_extensions_first_in_a_marked_area() {
         let response = StoredResponse {
             status: StatusCode::OK,
             headers: HeaderMap::new(),
@@ -885,14 +1022,28 @@ mod tests {
             trailers: Some(grpc_trailers()),
         };
         let mut plaintext = Vec::new();
-        encode_origin(Some(&origin()), &mut plaintext).unwrap();
-        encode_response(&response, &mut plaintext).unwrap();
+        encode_sealed_plaintext(&response, Some(&origin()), &mut plaintext).unwrap();
         assert_eq!(
             plaintext.len(),
-            origin_len(Some(&origin())) + response_len(&response)
+            sealed_plaintext_len(&response, Some(&origin()))
         );
-        let (decoded, decoded_origin) = decode_response(Bytes::from(plaintext)).unwrap();
-        assert_eq!(decoded, response);
-        assert_eq!(decoded_origin, Some(origin()));
+        let area = extension(1, &origin_fields());
+        assert_eq!(
+            plaintext[..2],
+            SEALED_AREA_MARKER,
+            "where a status would begin"
+        );
+        assert_eq!(plaintext[2..6], (area.len() as u32).to_le_bytes());
+        assert_eq!(plaintext[6..6 + area.len()], area[..]);
+        let mut fields = Vec::new();
+        encode_response(&response, &mut fields).unwrap();
+        assert_eq!(plaintext[6 + area.len()..], fields[..], "then the response");
+        let decoded = decode_sealed_plaintext(Bytes::from(plaintext)).unwrap();
+        assert_eq!(decoded, (response.clone(), Some(origin())));
+
+        // As the builds before extensions sealed it: the origin block, then the response.
+        let old = [&ORIGIN_BLOCK_MARKER[..], &origin_fields(), &fields].concat();
+        let decoded = decode_sealed_plaintext(Bytes::from(old)).unwrap();
+        assert_eq!(decoded, (response, Some(origin())));
     }
 }

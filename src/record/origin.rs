@@ -225,8 +225,8 @@ impl TraceOrigin {
         Hex(&self.span_id).to_string()
     }
 
-    /// The bytes it takes in a record's encoding after its marker: ids, flags, the tracestate's
-    /// length and the tracestate.
+    /// The bytes its fields take in a record's encoding (its extension's value): ids, flags, the
+    /// tracestate's length and the tracestate.
     pub(crate) fn encoded_len(&self) -> usize {
         16 + 8 + 1 + 2 + self.state.as_ref().map_or(0, |s| s.len())
     }

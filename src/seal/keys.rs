@@ -10,8 +10,8 @@ use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{
-    RecordId, SealedResponse, StoredResponse, TraceOrigin, decode_response, encode_origin,
-    encode_response, encode_sealed_header, is_key_id, origin_len, response_len,
+    RecordId, SealedResponse, StoredResponse, TraceOrigin, decode_sealed_plaintext,
+    encode_sealed_header, encode_sealed_plaintext, is_key_id, sealed_plaintext_len,
 };
 
 /// One sealing key: 32 secret bytes, and the id that names it in the records it seals.
@@ -189,7 +189,8 @@ impl SealKeys {
     }
 
     /// Seals `response` and the trace context of the execution that wrote it, `origin`, together:
-    /// the origin is in the ciphertext, never beside it (PROTOCOL.md §5.6).
+    /// the origin is in the ciphertext (the plaintext's extension area), never beside it
+    /// (PROTOCOL.md §5.4, §5.6).
     pub(crate) fn seal_with_origin(
         &self,
         id: &RecordId,
@@ -199,9 +200,8 @@ impl SealKeys {
     ) -> Result<SealedResponse, crate::record::EncodeError> {
         let key = self.sealing();
         let aad = associated_data(id, fingerprint, &key.id)?;
-        let mut buffer = Vec::with_capacity(origin_len(origin) + response_len(response) + 16);
-        encode_origin(origin, &mut buffer)?;
-        encode_response(response, &mut buffer)?;
+        let mut buffer = Vec::with_capacity(sealed_plaintext_len(response, origin) + 16);
+        encode_sealed_plaintext(response, origin, &mut buffer)?;
         let mut hasher = blake3::Hasher::new_keyed(&key.nonce_key);
         hasher.update(&(aad.len() as u64).to_le_bytes());
         hasher.update(&aad);
@@ -248,7 +248,7 @@ impl SealKeys {
             .map_err(|_| OpenError::Forged)?;
         // Authentic, so written by this crate: a plaintext that does not decode is a bug, and is
         // refused like a forgery rather than replayed in part.
-        decode_response(buffer.into()).map_err(|_| OpenError::Forged)
+        decode_sealed_plaintext(buffer.into()).map_err(|_| OpenError::Forged)
     }
 }
 
