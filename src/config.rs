@@ -50,6 +50,7 @@ pub(crate) struct Config {
     pub(crate) breaker: Option<Arc<Breaker>>,
     /// Whether completed records keep the trace context of their execution
     /// (`IdempotencyLayer::trace_origin`).
+    #[cfg(feature = "trace-origin")]
     pub(crate) trace_origin: bool,
 }
 
@@ -79,6 +80,7 @@ impl Default for Config {
             quota: None,
             dialect: None,
             breaker: None,
+            #[cfg(feature = "trace-origin")]
             trace_origin: false,
         }
     }
@@ -138,8 +140,9 @@ impl fmt::Debug for Config {
             .field("retention", &self.retention)
             .field("quota", &self.quota)
             .field("dialect", &self.dialect)
-            .field("breaker", &self.breaker)
-            .field("trace_origin", &self.trace_origin)
-            .finish_non_exhaustive()
+            .field("breaker", &self.breaker);
+        #[cfg(feature = "trace-origin")]
+        d.field("trace_origin", &self.trace_origin);
+        d.finish_non_exhaustive()
     }
 }

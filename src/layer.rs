@@ -515,6 +515,8 @@ impl<St> IdempotencyLayer<St> {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).trace_origin(true);
     /// # let _ = layer;
     /// ```
+    #[cfg(feature = "trace-origin")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "trace-origin")))]
     pub fn trace_origin(mut self, record: bool) -> Self {
         self.config.trace_origin = record;
         self

@@ -205,6 +205,14 @@
     doc = "- `replay-cache`: `store::ReplayCache`, this process's completed records replayed from memory. Brings `quick_cache`."
 )]
 #![cfg_attr(
+    feature = "trace-origin",
+    doc = "- `trace-origin`: [`IdempotencyLayer::trace_origin`], each record keeping the trace context of the run that completed it (PROTOCOL §5.6). Records with an origin decode and replay without it."
+)]
+#![cfg_attr(
+    not(feature = "trace-origin"),
+    doc = "- `trace-origin`: `IdempotencyLayer::trace_origin`, each record keeping the trace context of the run that completed it (PROTOCOL §5.6). Records with an origin decode and replay without it."
+)]
+#![cfg_attr(
     feature = "consumer",
     doc = "- `consumer`: the [`consumer`] module, the idempotent queue consumer (above)."
 )]
@@ -213,7 +221,7 @@
     doc = "- `consumer`: the `consumer` module, the idempotent queue consumer (above)."
 )]
 //!
-//! - `opentelemetry`: with [`IdempotencyLayer::trace_origin`], a request without a `traceparent`
+//! - `opentelemetry` (brings `trace-origin`): with `IdempotencyLayer::trace_origin`, a request without a `traceparent`
 //!   keeps its span's OpenTelemetry context as its record's origin, and a replay's span gets a
 //!   span link to the span of the run it replays (PROTOCOL §5.6, §12.1). Brings the
 //!   `opentelemetry` API crate **0.33** and `tracing-opentelemetry` **0.34**: the application's

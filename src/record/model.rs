@@ -56,7 +56,7 @@ pub struct Completed {
     /// be replayed.
     pub response: Option<Payload>,
     /// The trace context of the execution that completed it, when the layer records it
-    /// ([`IdempotencyLayer::trace_origin`](crate::IdempotencyLayer::trace_origin), PROTOCOL.md
+    /// (`IdempotencyLayer::trace_origin`, feature `trace-origin`, PROTOCOL.md
     /// §5.6): a replay points at it. A sealed record keeps it inside its seal, so it is `None`
     /// until the record is opened.
     pub origin: Option<Arc<TraceOrigin>>,

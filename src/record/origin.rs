@@ -3,8 +3,6 @@
 
 use std::fmt;
 
-use http::HeaderMap;
-
 use crate::hex::Hex;
 
 /// The longest `tracestate` a record keeps, in bytes: the 512 that W3C Trace Context asks every
@@ -20,7 +18,7 @@ const MAX_TRACEPARENT_LEN: usize = 256;
 
 /// The trace context of the execution that completed a record: its W3C `traceparent` (trace id,
 /// parent span id, flags) and `tracestate`, when the layer records origins
-/// ([`IdempotencyLayer::trace_origin`](crate::IdempotencyLayer::trace_origin)). A replay logs it
+/// (`IdempotencyLayer::trace_origin`, feature `trace-origin`). A replay logs it
 /// and, with the feature `opentelemetry`, links its span to that span.
 ///
 /// It only holds what is valid: ids that are lowercase hex and not all zero, and a `tracestate`
@@ -123,7 +121,9 @@ impl TraceOrigin {
     /// assert_eq!(origin.tracestate(), Some("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"));
     /// # Ok::<(), http::header::InvalidHeaderValue>(())
     /// ```
-    pub fn from_headers(headers: &HeaderMap) -> Option<Self> {
+    #[cfg(feature = "trace-origin")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "trace-origin")))]
+    pub fn from_headers(headers: &http::HeaderMap) -> Option<Self> {
         let mut parents = headers.get_all("traceparent").iter();
         let (Some(parent), None) = (parents.next(), parents.next()) else {
             return None;
@@ -322,6 +322,7 @@ fn is_list_member(member: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -375,6 +376,7 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "trace-origin")]
     #[test]
     fn headers_give_an_origin_only_with_one_valid_traceparent() {
         let mut headers = HeaderMap::new();
@@ -472,6 +474,7 @@ mod tests {
         assert_eq!(TraceOrigin::parse(&format!("{longest}x")), None);
     }
 
+    #[cfg(feature = "trace-origin")]
     #[test]
     fn tracestate_lines_are_joined_up_to_their_bound() {
         let with_lines = |lines: &[String]| {

@@ -40,7 +40,10 @@ impl<St: Store> Shared<St> {
         // not be.
         let mut request = request;
         // Taken here, in the request's span, and kept as a pointer: the boxes below stay small.
+        #[cfg(feature = "trace-origin")]
         let origin = self.origin_of(request.headers()).map(Arc::new);
+        #[cfg(not(feature = "trace-origin"))]
+        let origin = None;
         let held = HeldClaim::new(claimed.id, claimed.token, self.clone());
         request.extensions_mut().insert(held);
         (self.store).prepare(&claimed.id, &claimed.token, request.extensions_mut());

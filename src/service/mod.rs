@@ -10,6 +10,7 @@ mod body_reader;
 mod capture;
 mod claim;
 mod execute;
+#[cfg(feature = "trace-origin")]
 mod origin;
 mod replay;
 mod wait;

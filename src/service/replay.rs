@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderValue, Response};
 
+#[cfg(feature = "trace-origin")]
 use super::origin::show_origin;
 use super::{IDEMPOTENT_REPLAYED, Shared, finish, whole_seconds};
 use crate::body::ResponseBody;
@@ -24,6 +25,7 @@ impl<St: Store> Shared<St> {
         record: Record,
         fingerprint: &Fingerprint,
     ) -> Response<ResponseBody<B>> {
+        #[cfg(feature = "trace-origin")]
         if let Record::Completed(Completed {
             origin: Some(origin),
             ..
