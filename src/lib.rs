@@ -237,7 +237,6 @@
     doc = "  `otel::opentelemetry` and `otel::tracing_opentelemetry`; `otel` has an exporter setup."
 )]
 #![forbid(unsafe_code)]
-#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;

@@ -27,7 +27,7 @@ pub const HELD_KEY: &str = "bench-held-8e03978e-40d5-43e8-bc93-6894a57f9324";
 /// How many `x-hold` requests reached the handler (they wait there forever).
 pub static HOLDS: AtomicU64 = AtomicU64::new(0);
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Variant {
     Bare,
     Memory,

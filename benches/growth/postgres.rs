@@ -120,7 +120,7 @@ struct Sample {
 }
 
 /// The Postgres part: both variants, one after the other, each on a server of its own.
-pub fn run(quick: bool) -> bool {
+pub(crate) fn run(quick: bool) -> bool {
     let settings = Settings::from_env(quick);
     println!(
         "## PgStore under churn: {} live rows, a window of {} s ({:.0} rows/s written and expiring), {} s per variant{}\n",

@@ -6,17 +6,17 @@ use std::collections::BTreeMap;
 use sqlx::{self, PgPool, Row, postgres::PgPoolOptions};
 
 /// The server setting that loads `pg_stat_statements` (it counts in shared memory, at once).
-pub const SERVER_ARGS: &[&str] = &["-c", "shared_preload_libraries=pg_stat_statements"];
+pub(crate) const SERVER_ARGS: &[&str] = &["-c", "shared_preload_libraries=pg_stat_statements"];
 
 /// Reads the statement counts of a server started with [`SERVER_ARGS`].
-pub struct PostgresStats {
+pub(crate) struct PostgresStats {
     pool: PgPool,
     /// The postmaster's pid: its backends are its children.
     pub postmaster: u32,
 }
 
 impl PostgresStats {
-    pub async fn connect(url: &str, postmaster: u32) -> Result<Self, String> {
+    pub(crate) async fn connect(url: &str, postmaster: u32) -> Result<Self, String> {
         let pool = PgPoolOptions::new()
             .max_connections(1)
             .connect(url)
@@ -29,7 +29,7 @@ impl PostgresStats {
         Ok(Self { pool, postmaster })
     }
 
-    pub async fn reset(&self) -> Result<(), String> {
+    pub(crate) async fn reset(&self) -> Result<(), String> {
         sqlx::query("SELECT pg_stat_statements_reset()")
             .execute(&self.pool)
             .await
@@ -39,7 +39,7 @@ impl PostgresStats {
 
     /// Statements run since the last reset, by kind (the statement's first words, and the mean
     /// time the server took to run one), the bench's own left out.
-    pub async fn calls(&self) -> Result<BTreeMap<String, u64>, String> {
+    pub(crate) async fn calls(&self) -> Result<BTreeMap<String, u64>, String> {
         let rows = sqlx::query(
             "SELECT query, calls, total_exec_time * 1000 / calls AS mean_us FROM pg_stat_statements
              WHERE query NOT LIKE '%pg_stat_statements%' AND calls > 0",

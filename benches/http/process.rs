@@ -2,12 +2,12 @@
 //! what its exited child processes (the load generator) used.
 
 /// CPU time of a process, in nanoseconds.
-pub struct CpuClocks {
+pub(crate) struct CpuClocks {
     ticks_per_second: u64,
 }
 
 impl CpuClocks {
-    pub fn detect() -> Self {
+    pub(crate) fn detect() -> Self {
         // SAFETY: sysconf has no preconditions.
         let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
         CpuClocks {
@@ -15,7 +15,7 @@ impl CpuClocks {
         }
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let precise = Self::clock_ns(None).is_some();
         format!(
             "{} (fallback: /proc/<pid>/stat utime+stime at {} ticks/s)",
@@ -30,7 +30,7 @@ impl CpuClocks {
 
     /// The CPU time (user + system, all threads, exited ones included) of this process (`None`)
     /// or of `pid`.
-    pub fn process_ns(&self, pid: Option<u32>) -> u64 {
+    pub(crate) fn process_ns(&self, pid: Option<u32>) -> u64 {
         Self::clock_ns(pid)
             .or_else(|| self.proc_stat_ns(pid))
             .unwrap_or(0)
@@ -65,7 +65,7 @@ impl CpuClocks {
 
     /// The CPU time of `root` and its child processes, the exited ones included (as its
     /// children's time): a PostgreSQL server, whose postmaster forks a backend per connection.
-    pub fn tree_ns(&self, root: u32) -> u64 {
+    pub(crate) fn tree_ns(&self, root: u32) -> u64 {
         let Ok(entries) = std::fs::read_dir("/proc") else {
             return 0;
         };
@@ -103,7 +103,7 @@ fn stat_fields(pid: u32) -> Option<Vec<String>> {
 }
 
 /// A field of `/proc/<pid>/status` (this process's for `None`): `VmRSS:`, `VmHWM:`, ...
-pub fn status_field(pid: Option<u32>, field: &str) -> Option<String> {
+pub(crate) fn status_field(pid: Option<u32>, field: &str) -> Option<String> {
     let path = match pid {
         Some(pid) => format!("/proc/{pid}/status"),
         None => "/proc/self/status".to_owned(),
@@ -115,7 +115,7 @@ pub fn status_field(pid: Option<u32>, field: &str) -> Option<String> {
 }
 
 /// The resident memory of `pid` (this process for `None`), in KiB.
-pub fn resident_kib(pid: Option<u32>) -> Option<u64> {
+pub(crate) fn resident_kib(pid: Option<u32>) -> Option<u64> {
     status_field(pid, "VmRSS:")?
         .trim_end_matches("kB")
         .trim()
@@ -127,13 +127,13 @@ pub fn resident_kib(pid: Option<u32>) -> Option<u64> {
 /// often they went to sleep (voluntary context switches). Between two readings around one run of
 /// wrk, that is wrk's: the store servers keep running.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct ChildrenUse {
+pub(crate) struct ChildrenUse {
     pub cpu_ns: u64,
     pub sleeps: u64,
 }
 
 impl ChildrenUse {
-    pub fn now() -> Self {
+    pub(crate) fn now() -> Self {
         // SAFETY: an all-zero rusage is valid, and getrusage only writes to it.
         let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `usage` is a valid rusage to write to.
@@ -151,7 +151,7 @@ impl ChildrenUse {
     }
 
     /// What was used from `earlier` until this reading.
-    pub fn since(self, earlier: Self) -> Self {
+    pub(crate) fn since(self, earlier: Self) -> Self {
         Self {
             cpu_ns: self.cpu_ns.saturating_sub(earlier.cpu_ns),
             sleeps: self.sleeps.saturating_sub(earlier.sleeps),

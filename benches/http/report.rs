@@ -9,7 +9,7 @@ use super::wrk::wrk_version;
 use super::{Sample, Server};
 
 /// Checks one run's answers; prints a loud MISMATCH for each problem.
-pub fn check(settings: &Settings, sample: &Sample, server: &Server, when: &str) -> bool {
+pub(crate) fn check(settings: &Settings, sample: &Sample, server: &Server, when: &str) -> bool {
     let executions = sample.executions;
     let wrk = &sample.wrk;
     let expected = sample.workload.expected_status(server.variant);
@@ -90,7 +90,7 @@ pub fn check(settings: &Settings, sample: &Sample, server: &Server, when: &str) 
     problems.is_empty()
 }
 
-pub fn median(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
     match n {
@@ -100,13 +100,13 @@ pub fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-pub fn ms(us: u64) -> f64 {
+pub(crate) fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
 /// The median of per-round ratios to bare, with their range when there are several rounds: on a
 /// shared machine, rounds differ by more than small changes do, and the range says by how much.
-pub fn ratio_text(ratios: Vec<f64>) -> String {
+pub(crate) fn ratio_text(ratios: Vec<f64>) -> String {
     let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let high = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let several = ratios.len() > 1;
@@ -118,7 +118,7 @@ pub fn ratio_text(ratios: Vec<f64>) -> String {
     }
 }
 
-pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
+pub(crate) fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     let of = |workload: Workload, variant: Variant| -> Vec<&Sample> {
         samples
             .iter()
@@ -266,7 +266,7 @@ pub fn print_report(settings: &Settings, samples: &[Sample], wrk: &Path) {
     }
 }
 
-pub fn thousands(value: f64) -> String {
+pub(crate) fn thousands(value: f64) -> String {
     let digits = format!("{:.0}", value.max(0.0));
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -278,7 +278,7 @@ pub fn thousands(value: f64) -> String {
     out
 }
 
-pub fn print_machine(wrk: &Path) {
+pub(crate) fn print_machine(wrk: &Path) {
     println!("machine:  {}", machine_line());
     println!("load:     {} (1, 5, 15 min)", load_average());
     println!("wrk:      {}", wrk_version(wrk));
@@ -290,7 +290,7 @@ pub fn print_machine(wrk: &Path) {
     }
 }
 
-pub fn machine_line() -> String {
+pub(crate) fn machine_line() -> String {
     let nproc = std::thread::available_parallelism().map_or(0, usize::from);
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
@@ -306,7 +306,7 @@ pub fn machine_line() -> String {
     format!("{nproc} CPUs ({model}), Linux {kernel}")
 }
 
-pub fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".into())

@@ -5,10 +5,10 @@
 /// full; the new-key workload stores one ~450-byte record per request, so a long or fast run would
 /// end up measuring 503s. The bench lifts the cap (same code path otherwise) and prints what the
 /// store holds at the end.
-pub const MEMORY_CAPACITY: usize = usize::MAX / 2;
+pub(crate) const MEMORY_CAPACITY: usize = usize::MAX / 2;
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-pub enum Variant {
+pub(crate) enum Variant {
     Bare,
     Memory,
     /// The memory store with the replay cache.
@@ -26,7 +26,7 @@ pub enum Variant {
 }
 
 impl Variant {
-    pub const ALL: &[Variant] = &[
+    pub(crate) const ALL: &[Variant] = &[
         Variant::Bare,
         Variant::Memory,
         Variant::MemoryCache,
@@ -37,7 +37,7 @@ impl Variant {
         Variant::Postgres,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Variant::Bare => "bare",
             Variant::Memory => "memory",
@@ -51,12 +51,12 @@ impl Variant {
     }
 
     /// Whether the server answers as a layer does (replays, 409): all but bare.
-    pub fn layered(self) -> bool {
+    pub(crate) fn layered(self) -> bool {
         self != Variant::Bare
     }
 
     /// The floor of the variant's store: the same store calls made by hand.
-    pub fn floor(self) -> Option<Variant> {
+    pub(crate) fn floor(self) -> Option<Variant> {
         match self {
             Variant::Redis | Variant::RedisCache => Some(Variant::RedisFloor),
             Variant::Postgres => Some(Variant::PostgresFloor),
@@ -65,7 +65,7 @@ impl Variant {
     }
 
     /// The store server the variant talks to, if any (its CPU and calls are counted).
-    pub fn server(self) -> Option<StoreServer> {
+    pub(crate) fn server(self) -> Option<StoreServer> {
         match self {
             Variant::Redis | Variant::RedisCache | Variant::RedisFloor => Some(StoreServer::Redis),
             Variant::Postgres | Variant::PostgresFloor => Some(StoreServer::Postgres),
@@ -75,18 +75,18 @@ impl Variant {
 }
 
 /// The replay cache's bounds in the `+cache` variants: room for every replay key, far from full.
-pub const REPLAY_CACHE_ENTRIES: usize = 10_000;
-pub const REPLAY_CACHE_BYTES: usize = 64 << 20;
+pub(crate) const REPLAY_CACHE_ENTRIES: usize = 10_000;
+pub(crate) const REPLAY_CACHE_BYTES: usize = 64 << 20;
 
 /// A store server the bench starts.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum StoreServer {
+pub(crate) enum StoreServer {
     Redis,
     Postgres,
 }
 
 impl StoreServer {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             StoreServer::Redis => "redis",
             StoreServer::Postgres => "postgres",
@@ -95,16 +95,16 @@ impl StoreServer {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-pub enum Workload {
+pub(crate) enum Workload {
     Replay,
     NewKey,
     Conflict,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 3] = [Workload::Replay, Workload::NewKey, Workload::Conflict];
+    pub(crate) const ALL: [Workload; 3] = [Workload::Replay, Workload::NewKey, Workload::Conflict];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Workload::Replay => "replay",
             Workload::NewKey => "new-key",
@@ -113,7 +113,7 @@ impl Workload {
     }
 
     /// The status every response of this workload must have.
-    pub fn expected_status(self, variant: Variant) -> u16 {
+    pub(crate) fn expected_status(self, variant: Variant) -> u16 {
         match (self, variant.layered()) {
             (Workload::Conflict, true) => 409,
             _ => 201,
@@ -123,7 +123,7 @@ impl Workload {
 
 /// The bench's knobs, from the environment.
 #[derive(Debug)]
-pub struct Settings {
+pub(crate) struct Settings {
     pub seconds: u64,
     pub rounds: usize,
     pub warmup: u64,
@@ -139,7 +139,7 @@ pub struct Settings {
 }
 
 impl Settings {
-    pub fn from_env() -> Result<Self, String> {
+    pub(crate) fn from_env() -> Result<Self, String> {
         let nproc = std::thread::available_parallelism().map_or(2, usize::from);
         let settings = Settings {
             seconds: env_number("BENCH_SECONDS", 5)?,
@@ -169,7 +169,7 @@ impl Settings {
     }
 
     /// The exact command that reproduces this run.
-    pub fn command(&self) -> String {
+    pub(crate) fn command(&self) -> String {
         let workloads: Vec<_> = self.workloads.iter().map(|w| w.name()).collect();
         let variants = if self.variants.len() == Variant::ALL.len() {
             String::new()
@@ -197,14 +197,14 @@ impl Settings {
         )
     }
 
-    pub fn estimated_seconds(&self) -> u64 {
+    pub(crate) fn estimated_seconds(&self) -> u64 {
         let runs = (self.workloads.len() * self.variants.len()) as u64;
         runs * (self.warmup + self.seconds * self.rounds as u64)
             + runs * (self.rounds as u64 + 1) / 2
     }
 }
 
-pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
+pub(crate) fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
     match std::env::var(name) {
         Err(_) => Ok(default),
         Ok(value) => value

@@ -12,7 +12,7 @@ use test_servers::redis_server::RedisServer;
 const HARNESS_COMMANDS: &[&str] = &["info", "config|resetstat", "dbsize"];
 
 /// The bench's store servers.
-pub struct StoreServers<'a> {
+pub(crate) struct StoreServers<'a> {
     pub redis: &'a RedisServer,
     pub redis_pid: u32,
     pub postgres: &'a PostgresStats,
@@ -21,7 +21,7 @@ pub struct StoreServers<'a> {
 
 /// What a store server did during one run, per request.
 #[derive(Debug, Clone, Default)]
-pub struct StoreUse {
+pub(crate) struct StoreUse {
     pub cpu_us: f64,
     /// Calls by kind: Redis commands (those run inside scripts included, as Redis counts them) or
     /// Postgres statements.
@@ -32,14 +32,14 @@ pub struct StoreUse {
 }
 
 /// A run in progress: the CPU time its store server had used when it started.
-pub struct Started {
+pub(crate) struct Started {
     server: StoreServer,
     cpu_ns: u64,
 }
 
 impl StoreServers<'_> {
     /// Resets `server`'s counters and notes its CPU time, before a run.
-    pub fn start(&self, server: StoreServer, clocks: &CpuClocks) -> Result<Started, String> {
+    pub(crate) fn start(&self, server: StoreServer, clocks: &CpuClocks) -> Result<Started, String> {
         match server {
             StoreServer::Redis => self.redis.config_resetstat(),
             StoreServer::Postgres => self.reset_postgres()?,
@@ -51,7 +51,7 @@ impl StoreServers<'_> {
     }
 
     /// What the server did since `started`, per request of `requests`.
-    pub fn finish(
+    pub(crate) fn finish(
         &self,
         started: Started,
         clocks: &CpuClocks,

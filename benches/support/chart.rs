@@ -25,6 +25,7 @@ const PALETTE: [RGBColor; 6] = [
 ];
 
 /// One line of a chart: its name and its points.
+#[derive(Debug)]
 pub struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,

@@ -138,7 +138,6 @@
 //! so).
 
 #![forbid(unsafe_code)]
-#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backoff;

@@ -87,14 +87,14 @@ pub(crate) enum Hint {
 }
 
 impl Problem {
-    pub fn new(text: impl Into<String>) -> Self {
+    pub(crate) fn new(text: impl Into<String>) -> Self {
         Self {
             text: text.into(),
             hint: Hint::None,
         }
     }
 
-    pub fn hinted(hint: Hint, text: impl Into<String>) -> Self {
+    pub(crate) fn hinted(hint: Hint, text: impl Into<String>) -> Self {
         Self {
             text: text.into(),
             hint,
@@ -114,7 +114,7 @@ pub(crate) enum Identity {
 
 impl Identity {
     /// How `self` and `other`, which are not equal but may read alike, differ.
-    pub fn difference(&self, other: &Self) -> Option<String> {
+    pub(crate) fn difference(&self, other: &Self) -> Option<String> {
         match (self, other) {
             (Self::Body(a) | Self::NoId(a), Self::Body(b) | Self::NoId(b)) => body_difference(a, b),
             _ => None,
@@ -144,7 +144,7 @@ pub(crate) struct Api {
 }
 
 impl Api {
-    pub fn new(config: Config, prepared: Prepared, client: reqwest::Client) -> Arc<Self> {
+    pub(crate) fn new(config: Config, prepared: Prepared, client: reqwest::Client) -> Arc<Self> {
         Arc::new(Self {
             config,
             prepared,
@@ -155,7 +155,7 @@ impl Api {
     }
 
     /// How many 2xx answers the run got, and how many had an id at the configured pointer.
-    pub fn ids_found(&self) -> (usize, usize) {
+    pub(crate) fn ids_found(&self) -> (usize, usize) {
         (
             self.answered.load(Ordering::Relaxed),
             self.with_id.load(Ordering::Relaxed),
@@ -163,17 +163,17 @@ impl Api {
     }
 
     /// A fresh key, written as the config says.
-    pub fn fresh_key(&self) -> Vec<u8> {
+    pub(crate) fn fresh_key(&self) -> Vec<u8> {
         self.write_key(&format!("conformance-{}", unique()))
     }
 
     /// `key` written as the config says.
-    pub fn write_key(&self, key: &str) -> Vec<u8> {
+    pub(crate) fn write_key(&self, key: &str) -> Vec<u8> {
         self.config.key_format.write(key).into_bytes()
     }
 
     /// A call of `kind` as `tenant` under `key`, its body rendered with a fresh value.
-    pub fn call(&self, kind: Kind, tenant: Tenant, key: Option<Vec<u8>>) -> Call {
+    pub(crate) fn call(&self, kind: Kind, tenant: Tenant, key: Option<Vec<u8>>) -> Call {
         let template = match kind {
             Kind::Valid => &self.config.body,
             Kind::Invalid => (self.config.invalid.as_ref()).map_or(&self.config.body, |v| &v.body),
@@ -190,7 +190,7 @@ impl Api {
     }
 
     /// Sends `call`; the exchange as the report shows it, and the answer.
-    pub async fn send(&self, step: &str, call: &Call) -> (Exchange, Result<Answer, String>) {
+    pub(crate) async fn send(&self, step: &str, call: &Call) -> (Exchange, Result<Answer, String>) {
         let prepared = &self.prepared;
         let mut headers = prepared.common.clone();
         let tenant = match call.tenant {
@@ -340,12 +340,12 @@ impl Api {
     }
 
     /// Whether `answer` carries the replay header; none when the config names no such header.
-    pub fn replayed(&self, answer: &Answer) -> Option<bool> {
+    pub(crate) fn replayed(&self, answer: &Answer) -> Option<bool> {
         (self.prepared.replay_header.as_ref()).map(|name| answer.headers.contains_key(name))
     }
 
     /// The created object's id in `answer`, when the config names where it is.
-    pub fn id(&self, answer: &Answer) -> Option<String> {
+    pub(crate) fn id(&self, answer: &Answer) -> Option<String> {
         let pointer = self.config.id_pointer.as_deref()?;
         let json: Value = serde_json::from_slice(&answer.body).ok()?;
         match json.pointer(pointer)? {
@@ -357,7 +357,7 @@ impl Api {
 
     /// What tells one execution from another: the id when the config names one, else the whole
     /// body.
-    pub fn identity(&self, answer: &Answer) -> Identity {
+    pub(crate) fn identity(&self, answer: &Answer) -> Identity {
         match (&self.config.id_pointer, self.id(answer)) {
             (Some(_), Some(id)) => Identity::Id(id),
             (Some(_), None) => Identity::NoId(answer.body.clone()),
@@ -374,7 +374,7 @@ pub(crate) struct Probe {
 }
 
 impl Probe {
-    pub fn new(api: Arc<Api>) -> Self {
+    pub(crate) fn new(api: Arc<Api>) -> Self {
         Self {
             api,
             seen: Vec::new(),
@@ -382,7 +382,7 @@ impl Probe {
     }
 
     /// Sends `call` and keeps the exchange; no answer is a failure.
-    pub async fn send(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
+    pub(crate) async fn send(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
         let (exchange, answer) = self.api.send(step, call).await;
         self.seen.push(exchange);
         answer.map_err(|err| {
@@ -393,7 +393,7 @@ impl Probe {
     }
 
     /// Sends `call`, which must be answered `2xx`: the request every check starts from.
-    pub async fn send_ok(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
+    pub(crate) async fn send_ok(&mut self, step: &str, call: &Call) -> Result<Answer, Finding> {
         let answer = self.send(step, call).await?;
         let status = answer.status.as_u16();
         if answer.status.is_redirection() {

@@ -20,8 +20,9 @@ use tower_http::timeout::RequestBodyDeadlineLayer;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 use tower_idempotency_redis::RedisStore;
 
-/// How long a request's body may take to arrive, and a shutdown to finish.
+/// How long a request's body may take to arrive.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a shutdown may take to finish the requests in flight.
 pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `route_layer`: only `/orders` needs an `Idempotency-Key`; `/login` and `/health` need none.

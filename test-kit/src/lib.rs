@@ -72,7 +72,6 @@
 //! and the [`Reply`] of a request.
 
 #![forbid(unsafe_code)]
-#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
 use std::fmt;
 use std::future::Future;

@@ -11,7 +11,7 @@ use grpc_payments::{
 
 /// Payments whose `CreateCharge` waits for `gate` once it started.
 #[derive(Clone, Default)]
-pub struct Gated {
+pub(crate) struct Gated {
     pub ledger: Ledger,
     pub started: Arc<Notify>,
     pub gate: Arc<Notify>,

@@ -13,12 +13,12 @@ use tower_idempotency::{BoxStore, ClaimToken, Completed, Fingerprint, MemoryStor
 type Forgetting = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Forgets every record of the store.
-pub type Forget = Box<dyn Fn() -> Forgetting + Send + Sync>;
+pub(crate) type Forget = Box<dyn Fn() -> Forgetting + Send + Sync>;
 /// Forgets one record of the store.
-pub type Evict = Box<dyn Fn(RecordId) -> Forgetting + Send + Sync>;
+pub(crate) type Evict = Box<dyn Fn(RecordId) -> Forgetting + Send + Sync>;
 
 /// A real store, how to make it forget, and its clock.
-pub struct Backend {
+pub(crate) struct Backend {
     pub store: BoxStore,
     pub forget: Forget,
     pub evict: Evict,
@@ -30,7 +30,7 @@ pub struct Backend {
 
 impl Backend {
     /// `MemoryStore`s, one per record, so that one record can be forgotten alone.
-    pub fn memory() -> Self {
+    pub(crate) fn memory() -> Self {
         let stores = PerRecord::default();
         let (forget, evict) = (stores.clone(), stores.clone());
         Self {

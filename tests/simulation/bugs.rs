@@ -3,7 +3,7 @@
 
 /// At most one bug is on in a run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Bug {
+pub(crate) enum Bug {
     #[default]
     None,
     /// The store answers a claim before a replica has it, so a failover loses acknowledged claims.
@@ -27,7 +27,7 @@ pub enum Bug {
 }
 
 impl Bug {
-    pub const NAMES: [(&str, Bug); 8] = [
+    pub(crate) const NAMES: [(&str, Bug); 8] = [
         ("no-replication-wait", Bug::NoReplicationWait),
         ("unguarded-effects", Bug::UnguardedEffects),
         ("stale-token", Bug::StaleToken),
@@ -39,7 +39,7 @@ impl Bug {
     ];
 
     /// The bug `SIM_BUG` names, or none.
-    pub fn from_env() -> Self {
+    pub(crate) fn from_env() -> Self {
         match std::env::var("SIM_BUG") {
             Ok(name) => Self::NAMES
                 .iter()

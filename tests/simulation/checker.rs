@@ -15,7 +15,7 @@ use super::ledger::Mode;
 use super::world::{History, OpHistory};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finding {
+pub(crate) enum Finding {
     DoubleEffect,
     WrongAnswer,
     LostCompletion,
@@ -25,7 +25,7 @@ pub enum Finding {
 
 /// A finding the guarantees rule out.
 #[derive(Debug)]
-pub struct Violation {
+pub(crate) struct Violation {
     pub op: usize,
     pub mode: Mode,
     pub finding: Finding,
@@ -45,7 +45,7 @@ impl fmt::Display for Violation {
 
 /// What one run's history shows.
 #[derive(Debug, Default)]
-pub struct Verdict {
+pub(crate) struct Verdict {
     /// Double effects per mode: unfenced, fenced, transactional.
     pub double_effects: [u64; 3],
     pub lost_completions: u64,
@@ -64,7 +64,7 @@ fn mode_index(mode: Mode) -> usize {
     }
 }
 
-pub fn check(history: &History) -> Verdict {
+pub(crate) fn check(history: &History) -> Verdict {
     let mut verdict = Verdict::default();
     for op in &history.ops {
         for (finding, detail) in findings(op) {

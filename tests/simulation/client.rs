@@ -31,7 +31,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One client's operation.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub(crate) struct Plan {
     pub op: usize,
     pub client: usize,
     pub class: BodyClass,
@@ -45,7 +45,7 @@ pub struct Plan {
 
 /// What the clients saw: every answer, and the bodies sent under each record id.
 #[derive(Default)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub answers: Vec<Answer>,
     pub sent: HashMap<RecordId, BTreeSet<BodyClass>>,
 }
@@ -185,7 +185,7 @@ where
 }
 
 /// Runs one client's operation to its end.
-pub async fn client<S>(
+pub(crate) async fn client<S>(
     plan: Plan,
     services: Vec<S>,
     dead: Vec<Arc<AtomicBool>>,

@@ -12,7 +12,7 @@ use super::rng::Rng;
 
 /// The classes of fault, as the checker reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// A call delayed, well within the lease.
     Delay,
     /// A call lost before the store saw it, with an error of any kind.
@@ -52,7 +52,7 @@ pub enum Fault {
 impl Fault {
     /// Whether the fault can outlast a lease or forget a record: then an unfenced effect may run
     /// twice, by the protocol's own terms (PROTOCOL.md §9.6).
-    pub fn is_long(self) -> bool {
+    pub(crate) fn is_long(self) -> bool {
         matches!(
             self,
             Fault::Stall
@@ -66,14 +66,14 @@ impl Fault {
     }
 
     /// Whether the fault loses a completed record while the work it records stays done.
-    pub fn loses_record_alone(self) -> bool {
+    pub(crate) fn loses_record_alone(self) -> bool {
         matches!(self, Fault::LostWrites | Fault::Evict)
     }
 }
 
 /// How often each per-call fault strikes in one run, per mille.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Profile {
+pub(crate) struct Profile {
     pub delay: u64,
     pub lost_call: u64,
     pub lost_reply: u64,
@@ -89,7 +89,7 @@ pub struct Profile {
 impl Profile {
     /// Each fault class is on in about half the runs (the older classes drawn first, so that a
     /// seed keeps its share of them), so that some runs meet short faults only.
-    pub fn draw(rng: &mut Rng, quiet: Instant) -> Self {
+    pub(crate) fn draw(rng: &mut Rng, quiet: Instant) -> Self {
         Self {
             delay: if rng.chance(500) { 150 } else { 0 },
             lost_call: if rng.chance(500) { 40 } else { 0 },
@@ -103,14 +103,14 @@ impl Profile {
     }
 
     /// Whether per-call faults are still on.
-    pub fn active(&self) -> bool {
+    pub(crate) fn active(&self) -> bool {
         self.quiet.is_none_or(|quiet| Instant::now() < quiet)
     }
 }
 
 /// An error of a kind drawn at random, for a call lost before the store saw it: every kind a
 /// store may answer when it did nothing (§10.3).
-pub fn lost_call_error(rng: &mut Rng, lease: Duration) -> StoreError {
+pub(crate) fn lost_call_error(rng: &mut Rng, lease: Duration) -> StoreError {
     match rng.below(0..4) {
         0 => StoreError::Timeout(lease / 10),
         1 => StoreError::Full {
@@ -123,7 +123,7 @@ pub fn lost_call_error(rng: &mut Rng, lease: Duration) -> StoreError {
 
 /// An instance's links to the store and its clock, over the run.
 #[derive(Debug, Clone, Default)]
-pub struct InstanceFaults {
+pub(crate) struct InstanceFaults {
     /// Spans when the instance cannot reach the store.
     pub partitions: Vec<(Instant, Instant)>,
     /// From each moment on, how far the instance's clock is behind the store's, in
@@ -134,7 +134,7 @@ pub struct InstanceFaults {
 impl InstanceFaults {
     /// The faults of one instance: a partition in about a fifth of the runs (half of them
     /// long), a skew in about a fifth, with a jump half the time. All before `quiet`.
-    pub fn draw(rng: &mut Rng, start: Instant, lease: Duration, quiet: Instant) -> Self {
+    pub(crate) fn draw(rng: &mut Rng, start: Instant, lease: Duration, quiet: Instant) -> Self {
         let ms = |f: f64| lease.mul_f64(f).as_millis() as u64;
         let mut faults = Self::default();
         if rng.chance(200) {
@@ -159,7 +159,7 @@ impl InstanceFaults {
         faults
     }
 
-    pub fn partitioned(&self, now: Instant) -> Option<Duration> {
+    pub(crate) fn partitioned(&self, now: Instant) -> Option<Duration> {
         self.partitions
             .iter()
             .find(|(from, to)| (*from..*to).contains(&now))
@@ -167,7 +167,7 @@ impl InstanceFaults {
     }
 
     /// How far behind the store's clock the instance's is now, in milliseconds.
-    pub fn skew(&self, now: Instant) -> i64 {
+    pub(crate) fn skew(&self, now: Instant) -> i64 {
         self.skews
             .iter()
             .rev()
@@ -176,7 +176,7 @@ impl InstanceFaults {
     }
 
     /// The most the instance's clock is ever behind.
-    pub fn most_behind(&self) -> Duration {
+    pub(crate) fn most_behind(&self) -> Duration {
         let most = self.skews.iter().map(|(_, off)| *off).max().unwrap_or(0);
         Duration::from_millis(most.max(0) as u64)
     }

@@ -22,7 +22,7 @@ use super::rng::Rng;
 use super::setup::{OVERSIZE, TENANT};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Behaviour {
+pub(crate) enum Behaviour {
     Charge,
     /// A `402`, before any effect: stored, and replayed to every retry.
     Decline,
@@ -35,7 +35,7 @@ pub enum Behaviour {
 }
 
 impl Behaviour {
-    pub fn draw(rng: &mut Rng) -> Self {
+    pub(crate) fn draw(rng: &mut Rng) -> Self {
         match rng.below(0..20) {
             0 => Behaviour::Decline,
             1 | 2 => Behaviour::Flaky,
@@ -47,15 +47,15 @@ impl Behaviour {
 }
 
 /// The request header where the client names which of the operation's bodies it sends.
-pub const CLASS: &str = "x-class";
+pub(crate) const CLASS: &str = "x-class";
 /// The message of a flaky handler's panic: the world's panic hook keeps it quiet.
-pub const FLAKY_PANIC: &str = "a flaky handler panicked";
+pub(crate) const FLAKY_PANIC: &str = "a flaky handler panicked";
 
-pub type Body = RequestBody<Full<Bytes>>;
+pub(crate) type Body = RequestBody<Full<Bytes>>;
 
 /// What every instance's handler shares.
 #[derive(Clone)]
-pub struct Handlers {
+pub(crate) struct Handlers {
     pub ledger: Arc<Ledger>,
     pub oracle: Arc<Oracle>,
     pub behaviours: Arc<Vec<Behaviour>>,
@@ -64,7 +64,7 @@ pub struct Handlers {
 }
 
 /// The handler of instance `instance`.
-pub fn handler(
+pub(crate) fn handler(
     handlers: Handlers,
     instance: usize,
     dead: Arc<AtomicBool>,
@@ -187,13 +187,13 @@ async fn run(
 }
 
 /// The charge a `201`'s body names.
-pub fn charge_of(body: &[u8]) -> &[u8] {
+pub(crate) fn charge_of(body: &[u8]) -> &[u8] {
     body.split(|b| *b == b'#').next().unwrap_or(body)
 }
 
 /// The flaky handlers' panics are part of the workload: caught by the layer (§9.4), and not
 /// worth a line each. Every other panic is reported as usual.
-pub fn quiet_flaky_panics() {
+pub(crate) fn quiet_flaky_panics() {
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         if info.payload().downcast_ref::<&str>() != Some(&FLAKY_PANIC) {

@@ -8,30 +8,30 @@ use std::sync::{Arc, Mutex};
 use tower_idempotency::{ClaimToken, Fence};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Mode {
+pub(crate) enum Mode {
     Unfenced,
     Fenced,
     Transactional,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 3] = [Mode::Unfenced, Mode::Fenced, Mode::Transactional];
+    pub(crate) const ALL: [Mode; 3] = [Mode::Unfenced, Mode::Fenced, Mode::Transactional];
 }
 
 /// A claimed request's transaction (what `prepare` offers the handler): the claim's token, and
 /// the charge the handler staged in it.
 #[derive(Debug, Clone)]
-pub struct Staged(Arc<(ClaimToken, Mutex<Option<Charge>>)>);
+pub(crate) struct Staged(Arc<(ClaimToken, Mutex<Option<Charge>>)>);
 
 /// A charge of an operation: the operation, and the charge's id.
 type Charge = (usize, String);
 
 impl Staged {
-    pub fn new(token: ClaimToken) -> Self {
+    pub(crate) fn new(token: ClaimToken) -> Self {
         Self(Arc::new((token, Mutex::new(None))))
     }
 
-    pub fn token(&self) -> ClaimToken {
+    pub(crate) fn token(&self) -> ClaimToken {
         self.0.0
     }
 
@@ -39,14 +39,14 @@ impl Staged {
         *self.0.1.lock().unwrap() = Some((op, charge));
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.1.lock().unwrap().is_none()
     }
 }
 
 /// A fenced run that found a larger fence on its operation: it must not act.
 #[derive(Debug)]
-pub struct Superseded;
+pub(crate) struct Superseded;
 
 #[derive(Default)]
 struct State {
@@ -61,7 +61,7 @@ struct State {
     unprotected: std::collections::HashSet<usize>,
 }
 
-pub struct Ledger {
+pub(crate) struct Ledger {
     state: Mutex<State>,
     /// Each operation's mode.
     modes: Vec<Mode>,
@@ -70,7 +70,7 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    pub fn new(modes: Vec<Mode>, unguarded: bool) -> Self {
+    pub(crate) fn new(modes: Vec<Mode>, unguarded: bool) -> Self {
         Self {
             state: Mutex::default(),
             modes,
@@ -78,7 +78,7 @@ impl Ledger {
         }
     }
 
-    pub fn mode(&self, op: usize) -> Mode {
+    pub(crate) fn mode(&self, op: usize) -> Mode {
         self.modes[op]
     }
 
@@ -88,7 +88,7 @@ impl Ledger {
     }
 
     /// Unfenced: a new charge, every run.
-    pub fn charge(&self, op: usize) -> String {
+    pub(crate) fn charge(&self, op: usize) -> String {
         let mut state = self.state.lock().unwrap();
         let charge = Self::new_charge(&mut state, op);
         state.charges.entry(op).or_default().push(charge.clone());
@@ -96,19 +96,19 @@ impl Ledger {
     }
 
     /// A run without a claim (fail-open): a new charge, whatever the mode, since nothing guards it.
-    pub fn unprotected(&self, op: usize) -> String {
+    pub(crate) fn unprotected(&self, op: usize) -> String {
         self.state.lock().unwrap().unprotected.insert(op);
         self.charge(op)
     }
 
     /// Whether a handler ran for `op` without a claim.
-    pub fn ran_unprotected(&self, op: usize) -> bool {
+    pub(crate) fn ran_unprotected(&self, op: usize) -> bool {
         self.state.lock().unwrap().unprotected.contains(&op)
     }
 
     /// Fenced: the operation's one charge, made by the first run; a later run with a fence at
     /// least as large takes the row over and resumes it; a smaller fence is refused.
-    pub fn charge_fenced(&self, op: usize, fence: Fence) -> Result<String, Superseded> {
+    pub(crate) fn charge_fenced(&self, op: usize, fence: Fence) -> Result<String, Superseded> {
         if self.unguarded {
             return Ok(self.charge(op));
         }
@@ -129,7 +129,7 @@ impl Ledger {
     }
 
     /// Fenced: whether `fence` still owns the operation's row (before answering).
-    pub fn owns(&self, op: usize, fence: Fence) -> bool {
+    pub(crate) fn owns(&self, op: usize, fence: Fence) -> bool {
         self.unguarded
             || self
                 .state
@@ -141,7 +141,7 @@ impl Ledger {
     }
 
     /// Transactional: a charge staged in the request's transaction.
-    pub fn stage(&self, op: usize, staged: &Staged) -> String {
+    pub(crate) fn stage(&self, op: usize, staged: &Staged) -> String {
         let charge = {
             let mut state = self.state.lock().unwrap();
             Self::new_charge(&mut state, op)
@@ -151,7 +151,7 @@ impl Ledger {
     }
 
     /// The transaction commits with its record.
-    pub fn commit(&self, staged: Staged) {
+    pub(crate) fn commit(&self, staged: Staged) {
         if let Some((op, charge)) = staged.0.1.lock().unwrap().take() {
             self.state
                 .lock()
@@ -165,14 +165,14 @@ impl Ledger {
 
     /// A store that restarted empty lost the transactional charges with their records: they were
     /// in one database.
-    pub fn forget_committed(&self) {
+    pub(crate) fn forget_committed(&self) {
         let mut state = self.state.lock().unwrap();
         state
             .charges
             .retain(|op, _| self.modes[*op] != Mode::Transactional);
     }
 
-    pub fn finished(&self, op: usize, token: ClaimToken, instance: usize) {
+    pub(crate) fn finished(&self, op: usize, token: ClaimToken, instance: usize) {
         self.state
             .lock()
             .unwrap()
@@ -180,13 +180,13 @@ impl Ledger {
             .push((op, token, instance));
     }
 
-    pub fn charges(&self, op: usize) -> Vec<String> {
+    pub(crate) fn charges(&self, op: usize) -> Vec<String> {
         let state = self.state.lock().unwrap();
         state.charges.get(&op).cloned().unwrap_or_default()
     }
 
     /// The runs that finished with a charge for `op`: (token, instance).
-    pub fn runs(&self, op: usize) -> Vec<(ClaimToken, usize)> {
+    pub(crate) fn runs(&self, op: usize) -> Vec<(ClaimToken, usize)> {
         let state = self.state.lock().unwrap();
         state
             .finished

@@ -12,12 +12,12 @@ use tower_idempotency::{BoxStore, IdempotencyLayer, Rejection, Scope, ScopeQuota
 use super::rng::Rng;
 
 /// A response limit small enough for an oversized handler's body to pass it.
-pub const SMALL_RESPONSE_LIMIT: usize = 256;
+pub(crate) const SMALL_RESPONSE_LIMIT: usize = 256;
 /// The bytes of padding an oversized handler adds to its body.
-pub const OVERSIZE: usize = 1_000;
+pub(crate) const OVERSIZE: usize = 1_000;
 
 #[derive(Debug, Clone)]
-pub struct Setup {
+pub(crate) struct Setup {
     pub lease: Duration,
     pub retry_after: Duration,
     pub wait: Option<Duration>,
@@ -35,7 +35,7 @@ pub struct Setup {
 impl Setup {
     /// The configuration of one run. `lease` sets the pace; on the paused clock the lease itself
     /// varies (every other time is in proportion to it), on real time it is kept.
-    pub fn draw(rng: &mut Rng, lease: Duration, real_time: bool) -> Self {
+    pub(crate) fn draw(rng: &mut Rng, lease: Duration, real_time: bool) -> Self {
         let lease = if real_time {
             lease
         } else {
@@ -77,7 +77,7 @@ impl Setup {
     /// The store as this run's layers see it: sealed below the fault injector if sealing is on
     /// (the injector and the oracle see records in clear), behind a replay cache per instance if
     /// that is on.
-    pub fn seal(&self, store: BoxStore) -> BoxStore {
+    pub(crate) fn seal(&self, store: BoxStore) -> BoxStore {
         if !self.seal {
             return store;
         }
@@ -89,7 +89,7 @@ impl Setup {
     }
 
     /// The layer of one instance over `store`.
-    pub fn layer(&self, store: BoxStore) -> IdempotencyLayer<BoxStore> {
+    pub(crate) fn layer(&self, store: BoxStore) -> IdempotencyLayer<BoxStore> {
         let store = if self.replay_cache {
             BoxStore::new(ReplayCache::new(store, 1_000, 1 << 20))
         } else {
@@ -121,7 +121,7 @@ impl Setup {
     }
 
     /// The scope bytes of `tenant`'s requests: none without a scope function.
-    pub fn scope(&self, tenant: usize) -> Vec<u8> {
+    pub(crate) fn scope(&self, tenant: usize) -> Vec<u8> {
         if self.tenants > 1 {
             format!("t{tenant}").into_bytes()
         } else {
@@ -131,7 +131,7 @@ impl Setup {
 
     /// Operation `op`'s tenant and key: with tenants, the same key text in each scope, so that
     /// scopes are shown to keep keys apart.
-    pub fn tenant_and_key(&self, op: usize) -> (usize, String) {
+    pub(crate) fn tenant_and_key(&self, op: usize) -> (usize, String) {
         if self.tenants > 1 {
             (op % self.tenants, format!("k-{}", op / self.tenants))
         } else {
@@ -140,4 +140,4 @@ impl Setup {
     }
 }
 
-pub const TENANT: &str = "x-tenant";
+pub(crate) const TENANT: &str = "x-tenant";

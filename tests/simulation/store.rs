@@ -30,7 +30,7 @@ use super::rng::Rng;
 
 /// What the store saw of one claim: how its completion ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Written {
+pub(crate) struct Written {
     /// A completion was written (`Ok(true)`).
     pub landed: bool,
     /// A completion was refused (`Ok(false)`, or a transaction rolled back): the layer was told.
@@ -94,7 +94,7 @@ struct Shared {
 
 /// One instance's handle on the shared store: a dead instance's calls never finish.
 #[derive(Clone)]
-pub struct SimStore {
+pub(crate) struct SimStore {
     shared: Arc<Shared>,
     instance: usize,
     dead: Arc<AtomicBool>,
@@ -109,7 +109,7 @@ impl std::fmt::Debug for SimStore {
 }
 
 /// How the store is built for one run.
-pub struct Wiring {
+pub(crate) struct Wiring {
     pub backend: Backend,
     /// Wraps the backend (sealing, when the run seals).
     pub seal: Box<dyn Fn(BoxStore) -> BoxStore + Send + Sync>,
@@ -124,12 +124,12 @@ pub struct Wiring {
 
 /// The world's hold on the store: faults it injects at once, and what it reads at the end.
 #[derive(Clone)]
-pub struct StoreControl {
+pub(crate) struct StoreControl {
     shared: Arc<Shared>,
 }
 
 impl StoreControl {
-    pub fn new(wiring: Wiring) -> Self {
+    pub(crate) fn new(wiring: Wiring) -> Self {
         let Wiring {
             backend,
             seal,
@@ -166,7 +166,7 @@ impl StoreControl {
         }
     }
 
-    pub fn handle(&self, instance: usize, dead: Arc<AtomicBool>) -> SimStore {
+    pub(crate) fn handle(&self, instance: usize, dead: Arc<AtomicBool>) -> SimStore {
         SimStore {
             shared: self.shared.clone(),
             instance,
@@ -188,7 +188,7 @@ impl StoreControl {
     }
 
     /// The store comes back empty: every record, and the effects committed with records, gone.
-    pub async fn restart(&self) {
+    pub(crate) async fn restart(&self) {
         let _no_commit_under_way = self.shared.commit_gate.write().await;
         let _no_call_under_way = self.shared.calls_gate.write().await;
         (self.shared.forget)().await;
@@ -199,7 +199,7 @@ impl StoreControl {
 
     /// The machine held the run back (`Fault::Starved`): every record claimed so far may have
     /// had a handler outlast its lease.
-    pub fn starved(&self) {
+    pub(crate) fn starved(&self) {
         self.hit_all(Fault::Starved);
     }
 
@@ -208,7 +208,7 @@ impl StoreControl {
     /// the replica's clock is behind the old primary's by that much: a store that numbers claims
     /// from its clock alone (`RedisStore`'s `TIME`; `PgStore` for a key whose row is gone) gives
     /// fences smaller by as much from now on (§5.3).
-    pub async fn fail_over(&self, behind: Option<Duration>) {
+    pub(crate) async fn fail_over(&self, behind: Option<Duration>) {
         self.shared.failovers.fetch_add(1, Ordering::SeqCst);
         if let Some(behind) = behind {
             self.log().clock_backs.push((Instant::now(), behind));
@@ -251,7 +251,7 @@ impl StoreControl {
     }
 
     /// The store forgets one record.
-    pub async fn evict(&self, id: &RecordId) {
+    pub(crate) async fn evict(&self, id: &RecordId) {
         let lock = self.handle(usize::MAX, Arc::default()).order(id);
         let _in_order = lock.lock().await;
         (self.shared.evict)(*id).await;
@@ -259,7 +259,7 @@ impl StoreControl {
     }
 
     /// Evicts a completed record (`Fault::Evict`), one of `ids` picked by `pick`.
-    pub async fn evict_one(&self, ids: &[RecordId], pick: u64) {
+    pub(crate) async fn evict_one(&self, ids: &[RecordId], pick: u64) {
         let Some(id) = ids.get(pick as usize % ids.len().max(1)) else {
             return;
         };
@@ -275,7 +275,7 @@ impl StoreControl {
     }
 
     /// An instance died: the records it claimed were touched by its death.
-    pub fn died(&self, instance: usize) {
+    pub(crate) fn died(&self, instance: usize) {
         let mut log = self.log();
         let claimed: Vec<RecordId> = log
             .claimed_by
@@ -291,7 +291,7 @@ impl StoreControl {
     }
 
     /// The record under `id` now, read without faults or checks.
-    pub async fn record(&self, id: &RecordId) -> Option<Completed> {
+    pub(crate) async fn record(&self, id: &RecordId) -> Option<Completed> {
         let inner = self.shared.inner.lock().expect("the store's lock").clone();
         // A claim of a completed record returns it, unchanged; of a free key, claims it (then
         // released at once): reading the store leaves it as it was.
@@ -312,21 +312,21 @@ impl StoreControl {
         }
     }
 
-    pub fn hits(&self, id: &RecordId) -> BTreeSet<Fault> {
+    pub(crate) fn hits(&self, id: &RecordId) -> BTreeSet<Fault> {
         self.log().hits.get(id).cloned().unwrap_or_default()
     }
 
     /// The fences of `id`'s claims, in the order they were made, each with how many times the
     /// store's clock had gone back by then.
-    pub fn fences(&self, id: &RecordId) -> Vec<(u64, Fence)> {
+    pub(crate) fn fences(&self, id: &RecordId) -> Vec<(u64, Fence)> {
         self.log().fences.get(id).cloned().unwrap_or_default()
     }
 
-    pub fn written(&self, token: &ClaimToken) -> Written {
+    pub(crate) fn written(&self, token: &ClaimToken) -> Written {
         self.log().written.get(token).copied().unwrap_or_default()
     }
 
-    pub fn counts(&self) -> HashMap<Fault, u64> {
+    pub(crate) fn counts(&self) -> HashMap<Fault, u64> {
         self.log().counts.clone()
     }
 }

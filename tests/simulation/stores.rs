@@ -72,7 +72,7 @@ where
 }
 
 /// Runs the worlds on Redis, then on PostgreSQL; panics on a broken guarantee.
-pub fn run() {
+pub(crate) fn run() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -28,7 +28,7 @@ use super::store::{StoreControl, Wiring};
 
 /// The claim lease on the paused clock, before a run scales it. Every other time of a run is in
 /// proportion to its lease.
-pub const LEASE: Duration = Duration::from_secs(2);
+pub(crate) const LEASE: Duration = Duration::from_secs(2);
 /// Faults strike within this many leases of a run's start; then the world settles.
 const FAULTS_FOR: f64 = 8.0;
 /// How many leases after the faults a client's deadline must reach for it to owe an answer.
@@ -36,7 +36,7 @@ const SETTLE: f64 = 16.0;
 
 /// What one operation's clients saw, and what the world holds for it at the end.
 #[derive(Debug)]
-pub struct OpHistory {
+pub(crate) struct OpHistory {
     pub op: usize,
     pub mode: Mode,
     pub behaviour: Behaviour,
@@ -66,7 +66,7 @@ pub struct OpHistory {
 }
 
 #[derive(Debug)]
-pub struct History {
+pub(crate) struct History {
     /// When the run started: every time of the history is from it.
     pub start: Instant,
     pub setup: Setup,
@@ -78,7 +78,7 @@ pub struct History {
 
 impl History {
     /// A digest of everything the run produced: two runs of one seed must agree on it.
-    pub fn digest(&self) -> u64 {
+    pub(crate) fn digest(&self) -> u64 {
         use std::hash::{DefaultHasher, Hash, Hasher};
         let mut hasher = DefaultHasher::new();
         (format!("{:?}", self.setup), self.instances).hash(&mut hasher);
@@ -109,7 +109,7 @@ impl History {
 }
 
 /// Runs the world of `seed` to its end, over `MemoryStore`s, on the paused clock.
-pub fn run(seed: u64, bug: Bug) -> History {
+pub(crate) fn run(seed: u64, bug: Bug) -> History {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -119,7 +119,7 @@ pub fn run(seed: u64, bug: Bug) -> History {
 }
 
 /// Runs the world of `seed` over `backend`, with `lease` setting the pace of everything.
-pub async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> History {
+pub(crate) async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration) -> History {
     let start = Instant::now();
     let mut rng = Rng::new(seed);
     // The draws of faults added since, from a generator of their own: a seed keeps its history.

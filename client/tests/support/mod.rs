@@ -25,11 +25,11 @@ use tower::{Service, ServiceExt};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_client::{Attempts, IdempotentRetryLayer};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What the link does to one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// Fails before forwarding anything, as a refused connection does.
     Refuse,
     /// Forwards the request, lets the server answer, then fails: the answer is lost.
@@ -40,7 +40,7 @@ pub enum Fault {
 
 /// One attempt as it left the client.
 #[derive(Debug, Clone)]
-pub struct Sent {
+pub(crate) struct Sent {
     pub key: Option<HeaderValue>,
     pub body: Bytes,
     pub at: Instant,
@@ -48,14 +48,14 @@ pub struct Sent {
 
 /// A link to `S` that applies the queued faults, one per attempt, in order (then none).
 #[derive(Clone)]
-pub struct Link<S> {
+pub(crate) struct Link<S> {
     server: S,
     faults: Arc<Mutex<VecDeque<Fault>>>,
     sent: Arc<Mutex<Vec<Sent>>>,
 }
 
 impl<S> Link<S> {
-    pub fn new(server: S, faults: impl IntoIterator<Item = Fault>) -> Self {
+    pub(crate) fn new(server: S, faults: impl IntoIterator<Item = Fault>) -> Self {
         Self {
             server,
             faults: Arc::new(Mutex::new(faults.into_iter().collect())),
@@ -64,12 +64,12 @@ impl<S> Link<S> {
     }
 
     /// Every attempt so far.
-    pub fn sent(&self) -> Vec<Sent> {
+    pub(crate) fn sent(&self) -> Vec<Sent> {
         self.sent.lock().unwrap().clone()
     }
 
     /// The times between consecutive attempts.
-    pub fn gaps(&self) -> Vec<Duration> {
+    pub(crate) fn gaps(&self) -> Vec<Duration> {
         let sent = self.sent();
         sent.windows(2).map(|w| w[1].at - w[0].at).collect()
     }
@@ -118,16 +118,16 @@ fn io_error(kind: std::io::ErrorKind) -> BoxError {
 }
 
 /// What the server's handler answers to its `n`th run (from 1), given the request's body.
-pub type Script = Arc<dyn Fn(usize, &Bytes) -> Response<Body> + Send + Sync>;
+pub(crate) type Script = Arc<dyn Fn(usize, &Bytes) -> Response<Body> + Send + Sync>;
 
 /// `POST /v1/charges` behind the server layer on a `MemoryStore`; the handler takes `latency`,
 /// then answers as `script` says. Returns the router and the handler's run count.
-pub fn server(latency: Duration, script: Script) -> (Router, Arc<AtomicUsize>) {
+pub(crate) fn server(latency: Duration, script: Script) -> (Router, Arc<AtomicUsize>) {
     server_with(IdempotencyLayer::new(MemoryStore::new()), latency, script)
 }
 
 /// [`server`], behind `layer`.
-pub fn server_with(
+pub(crate) fn server_with(
     layer: IdempotencyLayer<MemoryStore>,
     latency: Duration,
     script: Script,
@@ -149,7 +149,7 @@ pub fn server_with(
 }
 
 /// A handler that creates charge number `n`.
-pub fn charges() -> Script {
+pub(crate) fn charges() -> Script {
     Arc::new(|n, _| {
         Response::builder()
             .status(StatusCode::CREATED)
@@ -159,7 +159,7 @@ pub fn charges() -> Script {
 }
 
 /// A handler that answers `status` with `headers` to every run.
-pub fn always(status: u16, headers: HeaderMap) -> Script {
+pub(crate) fn always(status: u16, headers: HeaderMap) -> Script {
     Arc::new(move |_, _| {
         let mut response = Response::new(Body::empty());
         *response.status_mut() = StatusCode::from_u16(status).unwrap();
@@ -169,7 +169,7 @@ pub fn always(status: u16, headers: HeaderMap) -> Script {
 }
 
 /// A handler that answers its first run 503 with `Retry-After: {retry_after}`, then 200.
-pub fn unavailable_once(retry_after: String) -> Script {
+pub(crate) fn unavailable_once(retry_after: String) -> Script {
     Arc::new(move |n, _| {
         if n == 1 {
             let mut response = Response::new(Body::empty());
@@ -184,22 +184,22 @@ pub fn unavailable_once(retry_after: String) -> Script {
 }
 
 /// A charge request with `body`.
-pub fn charge(body: &'static str) -> Request<Full<Bytes>> {
+pub(crate) fn charge(body: &'static str) -> Request<Full<Bytes>> {
     Request::post("/v1/charges").body(Full::from(body)).unwrap()
 }
 
 /// The body of a response, as text.
-pub async fn text(response: Response<Body>) -> String {
+pub(crate) async fn text(response: Response<Body>) -> String {
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(bytes.to_vec()).unwrap()
 }
 
 /// The layer with waits that tests can predict: no backoff unless a test asks for one.
-pub fn layer() -> IdempotentRetryLayer {
+pub(crate) fn layer() -> IdempotentRetryLayer {
     IdempotentRetryLayer::new().backoff(Duration::ZERO, Duration::ZERO)
 }
 
 /// What the layer reports about `response`.
-pub fn attempts(response: &Response<Body>) -> Attempts {
+pub(crate) fn attempts(response: &Response<Body>) -> Attempts {
     response.extensions().get::<Attempts>().unwrap().clone()
 }

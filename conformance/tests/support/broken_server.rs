@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 
 /// One bug, or none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bug {
+pub(crate) enum Bug {
     /// The correct server.
     None,
     /// Looks the key up, runs, then stores: no claim, so concurrent duplicates all run.
@@ -89,14 +89,14 @@ struct App {
 }
 
 /// A running server.
-pub struct Server {
+pub(crate) struct Server {
     pub addr: SocketAddr,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
     /// The server with `bug`, on a free port.
-    pub async fn start(bug: Bug) -> Server {
+    pub(crate) async fn start(bug: Bug) -> Server {
         let app = Arc::new(App {
             bug,
             records: Mutex::new(HashMap::new()),
@@ -115,7 +115,7 @@ impl Server {
         Server { addr, task }
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 }
@@ -257,7 +257,7 @@ async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) ->
 }
 
 /// An error page as some frameworks answer one: many lines, and long.
-pub const HTML_ERROR: &str = "<!DOCTYPE html>\n<html>\n<head><title>Internal error</title></head>\n\
+pub(crate) const HTML_ERROR: &str = "<!DOCTYPE html>\n<html>\n<head><title>Internal error</title></head>\n\
     <body>\n<h1>Something went wrong</h1>\n<pre>Traceback (most recent call last):\n  \
     File \"app.py\", line 42, in create\n    charge = gateway.charge(amount)\n  \
     File \"gateway.py\", line 7, in charge\n    raise Unavailable()\n</pre>\n</body>\n</html>\n";

@@ -4,7 +4,7 @@
     reason = "every test binary that says `mod support;` compiles all of it, and each uses a part"
 )]
 
-pub mod broken_server;
+pub(crate) mod broken_server;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -12,18 +12,18 @@ use std::path::PathBuf;
 use tower_idempotency_conformance::{Config, Report};
 
 /// The config of the tests against the broken server, as the command line reads it.
-pub fn config_path() -> PathBuf {
+pub(crate) fn config_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/broken.toml")
 }
 
 /// That config, for `server`.
-pub fn config(server: &broken_server::Server) -> Config {
+pub(crate) fn config(server: &broken_server::Server) -> Config {
     let mut config = Config::load(config_path()).expect("tests/broken.toml is valid");
     config.base_url = server.url();
     config
 }
 
 /// The checks that failed.
-pub fn failing(report: &Report) -> BTreeSet<&'static str> {
+pub(crate) fn failing(report: &Report) -> BTreeSet<&'static str> {
     report.failed().map(|check| check.name).collect()
 }

@@ -65,7 +65,7 @@ pub trait Payments: Send + Sync + 'static {
 }
 
 /// The charges made, in memory: what the example charges and the tests count.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug)]
 pub struct Ledger(Arc<Mutex<Vec<Charge>>>);
 
 impl Ledger {
@@ -112,6 +112,7 @@ impl Payments for Ledger {
 }
 
 /// The server, as tonic's code generation writes it.
+#[derive(Debug)]
 pub struct PaymentsServer<T>(Arc<T>);
 
 impl<T> PaymentsServer<T> {
@@ -171,7 +172,7 @@ where
 
 /// The client, as tonic's code generation writes it, over any transport (a `Channel`, or one
 /// behind `tower_idempotency_client::GrpcRetryLayer`).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct PaymentsClient<T>(tonic::client::Grpc<T>);
 
 impl<T> PaymentsClient<T>

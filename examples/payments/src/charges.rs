@@ -25,11 +25,11 @@ use super::{AppState, auth::Account, events::PaymentEvent, now_ms, reconciler::m
 
 /// A charge's amounts in minor units (cents), as card payment APIs allow; the bound keeps every
 /// sum the example makes (a balance, a refund total) far from overflowing.
-pub const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
+pub(crate) const AMOUNTS: RangeInclusive<i64> = 1..=99_999_999;
 
 /// The longest `description`, in characters: a charge echoes it, at most 6 bytes a character once
 /// escaped (about 6 KB), far within the response the layer stores ([`super::RESPONSE_LIMIT`]).
-pub const DESCRIPTION_CHARS: usize = 1000;
+pub(crate) const DESCRIPTION_CHARS: usize = 1000;
 
 /// A provider-calling handler's account, key, and extensions (its claim; its PostgreSQL work).
 type Caller = (
@@ -60,14 +60,14 @@ struct CreateRefund {
 
 /// A page of charges, as the API shows it.
 #[derive(Debug, Serialize)]
-pub struct ListJson {
+pub(crate) struct ListJson {
     object: &'static str,
     data: Vec<ChargeJson>,
 }
 
 /// A refund, as the API shows it.
 #[derive(Debug, Serialize)]
-pub struct RefundJson {
+pub(crate) struct RefundJson {
     id: String,
     object: &'static str,
     amount: i64,
@@ -106,7 +106,7 @@ async fn still_held(claim: Option<&HeldClaim>) -> Result<(), ApiError> {
 /// 503 if the provider is down (nothing recorded: retry); 504 if its answer was lost (the charge
 /// stays `authorizing` for the retry, or the reconciler, to settle); 400 `idempotency_error` if the
 /// key names another request.
-pub async fn create(
+pub(crate) async fn create(
     (State(state), Extension(account), key, extensions): Caller,
     headers: HeaderMap,
     body: Bytes,
@@ -206,7 +206,7 @@ fn parse_create(headers: &HeaderMap, body: &[u8]) -> Result<NewCharge, ApiError>
 }
 
 /// `GET /v1/charges`: the account's charges, newest first.
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
 ) -> Result<Json<ListJson>, ApiError> {
@@ -219,7 +219,7 @@ pub async fn list(
 }
 
 /// `GET /v1/charges/{id}`: 404 for an unknown charge, and for another account's.
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     Extension(account): Extension<Account>,
     Path(id): Path<String>,
@@ -228,12 +228,15 @@ pub async fn get(
 }
 
 /// `POST /v1/charges/{id}/capture`: takes the money of an authorized charge.
-pub async fn capture(caller: Caller, id: Path<String>) -> Result<Json<ChargeJson>, ApiError> {
+pub(crate) async fn capture(
+    caller: Caller,
+    id: Path<String>,
+) -> Result<Json<ChargeJson>, ApiError> {
     move_along(caller, id, Event::Capture).await
 }
 
 /// `POST /v1/charges/{id}/cancel`: releases an authorized charge.
-pub async fn cancel(caller: Caller, id: Path<String>) -> Result<Json<ChargeJson>, ApiError> {
+pub(crate) async fn cancel(caller: Caller, id: Path<String>) -> Result<Json<ChargeJson>, ApiError> {
     move_along(caller, id, Event::Cancel).await
 }
 
@@ -340,7 +343,7 @@ fn resumable(charge: &Charge, operation: Event) -> Result<(), ApiError> {
 }
 
 /// `POST /v1/charges/{id}/refunds`: refunds `amount` (default: the rest) of a captured charge.
-pub async fn refund(
+pub(crate) async fn refund(
     (State(state), Extension(account), key, extensions): Caller,
     Path(id): Path<String>,
     headers: HeaderMap,

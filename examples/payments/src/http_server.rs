@@ -21,16 +21,21 @@ use tower::Layer;
 use tower_http::timeout::RequestBodyDeadlineLayer;
 
 /// How long a client has to send a request's line and headers.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client has to send a request's body, once its headers are in.
-pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long to wait after a failed accept (out of file descriptors, usually) before the next.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Serves `app` on `listener` until `stop`; then lets the requests in flight finish for up to
 /// `grace`, and closes the connections still open.
-pub async fn serve(listener: TcpListener, app: Router, stop: CancellationToken, grace: Duration) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: Router,
+    stop: CancellationToken,
+    grace: Duration,
+) {
     let app = RequestBodyDeadlineLayer::new(BODY_READ_TIMEOUT).layer(app);
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())

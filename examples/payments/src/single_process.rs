@@ -10,11 +10,14 @@ use tokio_util::sync::CancellationToken;
 use tower_idempotency::{BoxStore, Claim, Fingerprint, RecordId, Store};
 
 /// How long the hold outlives a process that stopped without letting it go.
-pub const LEASE: Duration = Duration::from_secs(10);
+pub(crate) const LEASE: Duration = Duration::from_secs(10);
 
 /// Holds the store's one memory-ledger lease until `stop`, then lets it go; refuses, with what to
 /// do, when another instance holds it.
-pub async fn hold(store: BoxStore, stop: CancellationToken) -> Result<JoinHandle<()>, String> {
+pub(crate) async fn hold(
+    store: BoxStore,
+    stop: CancellationToken,
+) -> Result<JoinHandle<()>, String> {
     // The record every memory-ledger instance on one store claims.
     let id = RecordId::new(b"example-payments", "memory-ledger");
     let fingerprint = Fingerprint::from_bytes([0; 32]);

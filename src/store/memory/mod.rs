@@ -27,7 +27,7 @@ const COLLECT_PER_CALL: usize = 4;
 /// (the store is full, or its size is asked): the rest wait for the next hold.
 const COLLECT_PER_HOLD: usize = 1024;
 /// The default capacity of [`MemoryStore::new`]: 256 MiB.
-pub const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
+pub(super) const DEFAULT_CAPACITY: usize = 256 * 1024 * 1024;
 
 /// An in-process store: the embedded default, for one process and for tests.
 ///

@@ -52,7 +52,6 @@
 //! [`IdempotencyLayer::wait_for_in_flight`]: tower_idempotency::IdempotencyLayer::wait_for_in_flight
 
 #![forbid(unsafe_code)]
-#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 use std::fmt;

@@ -42,7 +42,6 @@
 //! the replication wait, a cluster.
 
 #![forbid(unsafe_code)]
-#![deny(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
 use std::fmt::{self, Write as _};
 use std::sync::Arc;

@@ -16,7 +16,7 @@ use super::{Rule, Violation};
 
 /// Which of an operation's bodies a request sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum BodyClass {
+pub(crate) enum BodyClass {
     /// The operation's body.
     Same,
     /// The same JSON with its members in another order: the same request only with canonical
@@ -27,10 +27,10 @@ pub enum BodyClass {
 }
 
 /// The response header where a handler names the body it ran for: a replay carries it.
-pub const RAN_FOR: &str = "x-ran-for";
+pub(crate) const RAN_FOR: &str = "x-ran-for";
 
 impl BodyClass {
-    pub fn body(self, op: usize) -> Bytes {
+    pub(crate) fn body(self, op: usize) -> Bytes {
         Bytes::from(match self {
             BodyClass::Same => format!(r#"{{"op":{op},"amount":100}}"#),
             BodyClass::Reordered => format!(r#"{{"amount":100,"op":{op}}}"#),
@@ -38,7 +38,7 @@ impl BodyClass {
         })
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             BodyClass::Same => "same",
             BodyClass::Reordered => "reordered",
@@ -47,14 +47,14 @@ impl BodyClass {
     }
 
     /// Whether two requests of these bodies are the same request.
-    pub fn identical(self, other: Self, canonical_json: bool) -> bool {
+    pub(crate) fn identical(self, other: Self, canonical_json: bool) -> bool {
         self == other || (canonical_json && self != BodyClass::Other && other != BodyClass::Other)
     }
 }
 
 /// One answer a client saw, as its link to the server got it.
 #[derive(Debug, Clone)]
-pub struct Answer {
+pub(crate) struct Answer {
     pub op: usize,
     pub client: usize,
     pub instance: usize,
@@ -69,13 +69,13 @@ pub struct Answer {
 }
 
 impl Answer {
-    pub fn is_replay(&self) -> bool {
+    pub(crate) fn is_replay(&self) -> bool {
         self.outcome == Some(Outcome::Replayed) || self.headers.contains_key(IDEMPOTENT_REPLAYED)
     }
 }
 
 /// What the rules need to know of the run.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     pub canonical_json: bool,
     pub retry_after: Duration,
     /// Per instance, the most its clock was behind the store's: a lease left it reads is longer
@@ -87,7 +87,7 @@ pub struct Context<'a> {
     pub sent: &'a HashMap<RecordId, BTreeSet<BodyClass>>,
 }
 
-pub fn judge(answers: &[Answer], context: &Context<'_>, seen: &Seen) -> Vec<Violation> {
+pub(crate) fn judge(answers: &[Answer], context: &Context<'_>, seen: &Seen) -> Vec<Violation> {
     let mut violations = Vec::new();
     for answer in answers {
         for (rule, detail) in rules(answer, context, seen) {

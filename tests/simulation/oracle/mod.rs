@@ -3,9 +3,9 @@
 //! answers (`answers`) check each answer a client saw, and whether each client with time left
 //! finished (`progress`), once the run is over.
 
-pub mod answers;
-pub mod model;
-pub mod progress;
+pub(crate) mod answers;
+pub(crate) mod model;
+pub(crate) mod progress;
 
 use std::fmt;
 use std::sync::Mutex;
@@ -18,7 +18,7 @@ use model::{Call, Model, Seen};
 
 /// The rule a violation breaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Rule {
+pub(crate) enum Rule {
     /// A store answer the §10.1 table does not give.
     Store,
     /// A claim whose fence is not larger than every earlier claim's of the key (§5.3).
@@ -40,7 +40,7 @@ pub enum Rule {
 }
 
 #[derive(Debug, Clone)]
-pub struct Violation {
+pub(crate) struct Violation {
     pub rule: Rule,
     pub subject: String,
     pub detail: String,
@@ -76,7 +76,7 @@ impl State {
 }
 
 /// One run's oracle, shared by the store's handles and the handlers.
-pub struct Oracle {
+pub(crate) struct Oracle {
     state: Mutex<State>,
 }
 
@@ -84,7 +84,7 @@ impl Oracle {
     /// `fuzz`: how far the store's clock may stray from the run's (zero on the paused clock);
     /// `releases_behind`: for a store that releases behind a claim answered with an error, how
     /// long that may take.
-    pub fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
+    pub(crate) fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
         Self {
             state: Mutex::new(State {
                 model: Model::new(fuzz, releases_behind),
@@ -100,7 +100,11 @@ impl Oracle {
     }
 
     /// Checks one store call with the model: `check` gives the rules it broke.
-    pub fn call(&self, id: &RecordId, check: impl FnOnce(&mut Model) -> Vec<(Rule, String)>) {
+    pub(crate) fn call(
+        &self,
+        id: &RecordId,
+        check: impl FnOnce(&mut Model) -> Vec<(Rule, String)>,
+    ) {
         let mut state = self.lock();
         state.counts.calls += 1;
         let found = check(&mut state.model);
@@ -116,34 +120,34 @@ impl Oracle {
     }
 
     /// Names `id` in reports.
-    pub fn name(&self, id: RecordId, name: String) {
+    pub(crate) fn name(&self, id: RecordId, name: String) {
         self.lock().names.insert(id, name);
     }
 
     /// The token that owns `id` now, as the model knows it.
-    pub fn owner(&self, id: &RecordId) -> Option<ClaimToken> {
+    pub(crate) fn owner(&self, id: &RecordId) -> Option<ClaimToken> {
         self.lock().model.owner(id, Instant::now())
     }
 
     /// Whether the model holds a completed record under `id` now.
-    pub fn is_completed(&self, id: &RecordId) -> bool {
+    pub(crate) fn is_completed(&self, id: &RecordId) -> bool {
         self.lock().model.is_completed(id, Instant::now())
     }
 
     /// Whether the model knows `id`'s completed record to be another claim's than `token`'s.
-    pub fn completed_by_another(&self, id: &RecordId, token: &ClaimToken) -> bool {
+    pub(crate) fn completed_by_another(&self, id: &RecordId, token: &ClaimToken) -> bool {
         self.lock()
             .model
             .completed_by_another(id, token, Instant::now())
     }
 
     /// Whether a completed record of `id` ran out its window and the key was claimed again.
-    pub fn window_passed(&self, id: &RecordId) -> bool {
+    pub(crate) fn window_passed(&self, id: &RecordId) -> bool {
         self.lock().model.seen.window_passed.contains(id)
     }
 
     /// `still_held()` answered `true` for the claim with `fence`, just now.
-    pub fn held(&self, id: &RecordId, fence: Fence, asked: Instant) {
+    pub(crate) fn held(&self, id: &RecordId, fence: Fence, asked: Instant) {
         let mut state = self.lock();
         state.counts.answers += 1;
         let call = Call {
@@ -164,20 +168,20 @@ impl Oracle {
 
     /// The store's clock went back: the fences it gives from now on may be smaller than those
     /// it gave before (§5.3), and need grow only from here.
-    pub fn clock_went_back(&self) {
+    pub(crate) fn clock_went_back(&self) {
         self.lock().model.clock_went_back();
     }
 
-    pub fn forget_all(&self) {
+    pub(crate) fn forget_all(&self) {
         self.lock().model.forget_all();
     }
 
-    pub fn forget(&self, id: &RecordId) {
+    pub(crate) fn forget(&self, id: &RecordId) {
         self.lock().model.forget(id);
     }
 
     /// The run is over: the rules on answers, given what the model saw.
-    pub fn finish(&self, judge: impl FnOnce(&Seen) -> (u64, Vec<Violation>)) -> Report {
+    pub(crate) fn finish(&self, judge: impl FnOnce(&Seen) -> (u64, Vec<Violation>)) -> Report {
         let mut state = self.lock();
         let (answers, violations) = judge(&state.model.seen);
         state.counts.answers += answers;
@@ -192,7 +196,7 @@ impl Oracle {
 
 /// What the oracle found in one run.
 #[derive(Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     pub calls: u64,
     pub answers: u64,
     pub violations: Vec<Violation>,

@@ -16,7 +16,7 @@ use super::Rule;
 
 /// When a call reached the store: somewhere between these two moments.
 #[derive(Debug, Clone, Copy)]
-pub struct Call {
+pub(crate) struct Call {
     pub sent: Instant,
     pub answered: Instant,
 }
@@ -72,7 +72,7 @@ enum Expect {
 
 /// What the model saw, kept for the rules on answers.
 #[derive(Debug, Default)]
-pub struct Seen {
+pub(crate) struct Seen {
     /// Each lease end a record of the id had, as (when it was set, its latest end).
     pub leases: HashMap<RecordId, Vec<(Instant, Instant)>>,
     /// The completed records the store accepted, per id.
@@ -81,7 +81,7 @@ pub struct Seen {
     pub window_passed: HashSet<RecordId>,
 }
 
-pub struct Model {
+pub(crate) struct Model {
     slots: HashMap<RecordId, Slot>,
     /// How far a store's clock and expiry may stray from the model's (real time only).
     fuzz: Duration,
@@ -103,7 +103,7 @@ pub struct Model {
 type Found = Vec<(Rule, String)>;
 
 impl Model {
-    pub fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
+    pub(crate) fn new(fuzz: Duration, releases_behind: Option<Duration>) -> Self {
         Self {
             slots: HashMap::new(),
             fuzz,
@@ -118,7 +118,7 @@ impl Model {
     }
 
     /// Notes what happened to `id` (the last few notes are kept).
-    pub fn note(&mut self, id: &RecordId, what: impl FnOnce(Instant) -> String) {
+    pub(crate) fn note(&mut self, id: &RecordId, what: impl FnOnce(Instant) -> String) {
         let note = what(self.origin);
         let notes = self.notes.entry(*id).or_default();
         if notes.len() == 6 {
@@ -128,7 +128,7 @@ impl Model {
     }
 
     /// The last notes on `id`, oldest first.
-    pub fn notes(&self, id: &RecordId) -> Vec<String> {
+    pub(crate) fn notes(&self, id: &RecordId) -> Vec<String> {
         self.notes.get(id).into_iter().flatten().cloned().collect()
     }
 
@@ -163,7 +163,7 @@ impl Model {
     }
 
     /// The token that owns `id` now, as far as the model knows.
-    pub fn owner(&self, id: &RecordId, now: Instant) -> Option<ClaimToken> {
+    pub(crate) fn owner(&self, id: &RecordId, now: Instant) -> Option<ClaimToken> {
         let call = Call {
             sent: now,
             answered: now,
@@ -175,7 +175,7 @@ impl Model {
     }
 
     /// Whether `id` holds a completed record for certain at `now`.
-    pub fn is_completed(&self, id: &RecordId, now: Instant) -> bool {
+    pub(crate) fn is_completed(&self, id: &RecordId, now: Instant) -> bool {
         let call = Call {
             sent: now,
             answered: now,
@@ -188,7 +188,12 @@ impl Model {
 
     /// Whether `id` holds, for certain at `now`, a completed record written by a claim other than
     /// `token`'s.
-    pub fn completed_by_another(&self, id: &RecordId, token: &ClaimToken, now: Instant) -> bool {
+    pub(crate) fn completed_by_another(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        now: Instant,
+    ) -> bool {
         let call = Call {
             sent: now,
             answered: now,
@@ -200,7 +205,7 @@ impl Model {
     }
 
     /// Whether the claim with `fence` may own `id` at `call`.
-    pub fn may_own(&self, id: &RecordId, fence: Fence, call: Call) -> bool {
+    pub(crate) fn may_own(&self, id: &RecordId, fence: Fence, call: Call) -> bool {
         match self.slot(id, call) {
             Some((Slot::InFlight { token: None, .. }, _)) | Some((Slot::Unknown, _)) => true,
             Some((Slot::InFlight { token: Some(t), .. }, live)) => {
@@ -229,7 +234,7 @@ impl Model {
         }
     }
 
-    pub fn claim(
+    pub(crate) fn claim(
         &mut self,
         id: &RecordId,
         fingerprint: &Fingerprint,
@@ -373,7 +378,7 @@ impl Model {
         found
     }
 
-    pub fn complete(
+    pub(crate) fn complete(
         &mut self,
         id: &RecordId,
         token: &ClaimToken,
@@ -455,7 +460,7 @@ impl Model {
         found
     }
 
-    pub fn renew(
+    pub(crate) fn renew(
         &mut self,
         id: &RecordId,
         token: &ClaimToken,
@@ -492,7 +497,7 @@ impl Model {
         })
     }
 
-    pub fn release(
+    pub(crate) fn release(
         &mut self,
         id: &RecordId,
         token: &ClaimToken,
@@ -572,7 +577,7 @@ impl Model {
 
     /// A call that was abandoned on its way (its caller went away): it may have applied or not,
     /// and the store may clean up after it within `settle`.
-    pub fn abandoned(&mut self, id: &RecordId, settle: Duration) {
+    pub(crate) fn abandoned(&mut self, id: &RecordId, settle: Duration) {
         self.slots.insert(*id, Slot::Unknown);
         self.loose.insert(*id, Instant::now() + settle);
     }
@@ -587,12 +592,12 @@ impl Model {
     }
 
     /// The store's clock went back (a failover to a replica behind): fences grow from here.
-    pub fn clock_went_back(&mut self) {
+    pub(crate) fn clock_went_back(&mut self) {
         self.fences.clear();
     }
 
     /// A fault that forgets every record (a restart without persistence).
-    pub fn forget_all(&mut self) {
+    pub(crate) fn forget_all(&mut self) {
         let ids: Vec<RecordId> = self.slots.keys().copied().collect();
         for id in ids {
             self.note(&id, |origin| format!("a restart at {} ms", since(origin)));
@@ -601,7 +606,7 @@ impl Model {
     }
 
     /// A fault that forgets one record (an eviction, a failover losing a write).
-    pub fn forget(&mut self, id: &RecordId) {
+    pub(crate) fn forget(&mut self, id: &RecordId) {
         self.note(id, |origin| format!("forgotten at {} ms", since(origin)));
         self.slots.remove(id);
     }

@@ -12,7 +12,7 @@ use super::{Rule, Violation};
 
 /// How one client's operation ended.
 #[derive(Debug, Clone)]
-pub struct Finish {
+pub(crate) struct Finish {
     pub op: usize,
     pub client: usize,
     pub deadline: Instant,
@@ -24,7 +24,7 @@ pub struct Finish {
 
 /// The clients whose deadline ends after `settled` must have finished; `named` says whether a
 /// problem is the protocol's answer for the client's case. Returns how many were checked.
-pub fn judge(
+pub(crate) fn judge(
     finishes: &[Finish],
     settled: Instant,
     named: impl Fn(&Finish, ProblemKind) -> bool,

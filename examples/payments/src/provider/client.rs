@@ -34,15 +34,15 @@ use super::{Payment, PaymentRecord, ProviderError, Source};
 
 /// The most times one call is sent: 3, so a provider down for a moment gets two more tries
 /// within the charge request, and one down for good costs a request three calls.
-pub const ATTEMPTS: u32 = 3;
+pub(super) const ATTEMPTS: u32 = 3;
 
 /// How long one attempt may take: 3 s, far above a provider's usual answer, so that only a
 /// provider that hangs times out.
-pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(super) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long a call may take in all: 8 s, within one attempt of the charge's own client (10 s by
 /// default with [`IdempotentRetryLayer`]) and before a shutdown's drain (20 s) cuts it off.
-pub const DEADLINE: Duration = Duration::from_secs(8);
+pub(super) const DEADLINE: Duration = Duration::from_secs(8);
 
 /// The backoff between attempts: from 50 ms, doubling, at most 500 ms: a retry inside a request
 /// the client is waiting on is worth making soon, or not at all.

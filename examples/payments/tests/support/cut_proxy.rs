@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// What the proxy does to a connection's first answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cut {
+pub(crate) enum Cut {
     /// Forwards everything, both ways.
     Pass,
     /// Forwards the answer's head, then resets the connection (RST).
@@ -29,7 +29,7 @@ const IDLE: Duration = Duration::from_secs(30);
 const MAX_CONNECTIONS: usize = 100;
 
 /// A running proxy; dropping it stops accepting (connections in progress end on their own).
-pub struct CutProxy {
+pub(crate) struct CutProxy {
     addr: SocketAddr,
     cuts: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
@@ -39,7 +39,10 @@ pub struct CutProxy {
 impl CutProxy {
     /// Listens on a free port of 127.0.0.1 and forwards each connection to `upstream`; connection
     /// `n` (from 0, in the order accepted) gets `script(n)`.
-    pub fn start(upstream: SocketAddr, script: impl Fn(usize) -> Cut + Send + 'static) -> Self {
+    pub(crate) fn start(
+        upstream: SocketAddr,
+        script: impl Fn(usize) -> Cut + Send + 'static,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
         let addr = listener.local_addr().expect("the proxy's address");
         let cuts = Arc::new(AtomicUsize::new(0));
@@ -66,12 +69,12 @@ impl CutProxy {
     }
 
     /// The proxy's URL, for a client.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
     /// How many answers it has cut off so far.
-    pub fn cuts(&self) -> usize {
+    pub(crate) fn cuts(&self) -> usize {
         self.cuts.load(Ordering::SeqCst)
     }
 }

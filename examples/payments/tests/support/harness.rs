@@ -20,10 +20,10 @@ use super::api::{Call, authorize, create_charge};
 use super::stack::Parts;
 
 /// How long the provider remembers a key in the scenarios that let its window run out.
-pub const SHORT_WINDOW: Duration = Duration::from_millis(100);
+pub(crate) const SHORT_WINDOW: Duration = Duration::from_millis(100);
 
 /// One app on one ledger, and the means to call it.
-pub struct Harness {
+pub(crate) struct Harness {
     pub parts: Parts,
     pub state: AppState,
     pub router: Router,
@@ -36,13 +36,13 @@ pub struct Harness {
 
 /// Where the idempotency layer keeps its records: beside the money.
 #[derive(Clone)]
-pub enum Records {
+pub(crate) enum Records {
     Memory(MemoryStore),
     Postgres(PgStore),
 }
 
 /// A new database on the binary's shared PostgreSQL, its schema created as at start-up.
-pub async fn new_database() -> (PgStore, String) {
+pub(crate) async fn new_database() -> (PgStore, String) {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let server = PostgresServer::shared();
     let name = format!(
@@ -62,7 +62,7 @@ pub async fn new_database() -> (PgStore, String) {
 }
 
 impl Harness {
-    pub fn memory() -> Self {
+    pub(crate) fn memory() -> Self {
         Self::memory_with(provider::WINDOW)
     }
 
@@ -71,13 +71,13 @@ impl Harness {
         Self::on(Parts::memory(window), records, window)
     }
 
-    pub async fn postgres() -> Self {
+    pub(crate) async fn postgres() -> Self {
         let (store, _) = new_database().await;
         let parts = Parts::postgres(&store, provider::WINDOW);
         Self::on(parts, Records::Postgres(store), provider::WINDOW)
     }
 
-    pub fn on(parts: Parts, records: Records, window: Duration) -> Self {
+    pub(crate) fn on(parts: Parts, records: Records, window: Duration) -> Self {
         let state = parts.state();
         let router = Self::app(&state, &records);
         Self {
@@ -90,7 +90,7 @@ impl Harness {
         }
     }
 
-    pub fn app(state: &AppState, records: &Records) -> Router {
+    pub(crate) fn app(state: &AppState, records: &Records) -> Router {
         let store = match records {
             Records::Memory(store) => BoxStore::new(store.clone()),
             Records::Postgres(store) => BoxStore::new(store.clone()),
@@ -100,7 +100,7 @@ impl Harness {
 
     /// Everything built anew but the records (and, on PostgreSQL, the charges), the provider's
     /// keys and the charges' operations held for `window`.
-    pub fn provider_window(&mut self, window: Duration) {
+    pub(crate) fn provider_window(&mut self, window: Duration) {
         self.parts = match &self.records {
             Records::Postgres(store) => Parts::postgres(store, window),
             Records::Memory(_) => Parts::memory(window),
@@ -112,7 +112,7 @@ impl Harness {
 
     /// Another instance on this harness's database, sharing its provider: its own layer, ledger
     /// handle and provider client.
-    pub fn second_instance(&self) -> Harness {
+    pub(crate) fn second_instance(&self) -> Harness {
         let Records::Postgres(store) = &self.records else {
             panic!("a second instance shares a database");
         };
@@ -121,13 +121,13 @@ impl Harness {
     }
 
     /// The provider's `(calls, effects)`.
-    pub fn provider_counts(&self) -> (usize, usize) {
+    pub(crate) fn provider_counts(&self) -> (usize, usize) {
         (self.parts.probe.calls(), self.parts.probe.effects())
     }
 
     /// Forgets every idempotency record (a dedup window that ran out), keeping the ledger and
     /// the provider.
-    pub async fn lose_idempotency_records(&mut self) {
+    pub(crate) async fn lose_idempotency_records(&mut self) {
         match &self.records {
             Records::Postgres(store) => {
                 sqlx::query("DELETE FROM idempotency_records")
@@ -143,7 +143,7 @@ impl Harness {
     }
 
     /// Lets the layer's and the provider's dedup windows run out; the provider's must be short.
-    pub async fn pass_the_windows(&mut self) {
+    pub(crate) async fn pass_the_windows(&mut self) {
         let window = self.window;
         assert!(
             window <= Duration::from_secs(1),
@@ -155,7 +155,7 @@ impl Harness {
 
     /// Sends `call` while the provider's answers are lost after it acted: `504`, the outcome
     /// unknown to the client.
-    pub async fn send_losing_the_answer(&self, call: Call) {
+    pub(crate) async fn send_losing_the_answer(&self, call: Call) {
         self.parts.probe.set_losing_answers(true);
         let reply = call.send().await;
         self.parts.probe.set_losing_answers(false);
@@ -163,28 +163,28 @@ impl Harness {
     }
 
     /// One round of the reconciler, taking every unsettled charge however recent.
-    pub async fn reconcile_now(&self) {
+    pub(crate) async fn reconcile_now(&self) {
         let reconciled = self.parts.reconciler(Duration::ZERO).round().await;
         assert!(reconciled.is_ok(), "{reconciled:?}");
     }
 
-    pub fn post(&self, path: &str) -> Call {
+    pub(crate) fn post(&self, path: &str) -> Call {
         Call::post(&self.router, path)
     }
 
-    pub fn get(&self, path: &str) -> Call {
+    pub(crate) fn get(&self, path: &str) -> Call {
         Call::get(&self.router, path)
     }
 
     /// A charge of `amount` euro cents, authorized only; its id.
-    pub async fn authorized(&self, api_key: &str, amount: i64) -> String {
+    pub(crate) async fn authorized(&self, api_key: &str, amount: i64) -> String {
         let charge = self.charge(api_key, authorize(amount)).await;
         assert_eq!(charge["status"], "authorized");
         charge["id"].as_str().expect("a charge id").to_owned()
     }
 
     /// Creates a charge as `api_key` with a fresh key; panics unless it is 201.
-    pub async fn charge(&self, api_key: &str, body: Value) -> Value {
+    pub(crate) async fn charge(&self, api_key: &str, body: Value) -> Value {
         let key = format!("create-{}", self.keys.fetch_add(1, Ordering::SeqCst));
         let reply = create_charge(&self.router, api_key, &key, &body)
             .send()
@@ -194,7 +194,7 @@ impl Harness {
     }
 
     /// Asserts ALICE's charge `id` is `status` with `refunded` of it refunded.
-    pub async fn assert_refunded(&self, id: &str, status: &str, refunded: i64) {
+    pub(crate) async fn assert_refunded(&self, id: &str, status: &str, refunded: i64) {
         let charge = self.charge_status(super::api::ALICE, id).await;
         assert_eq!(
             (&charge["status"], &charge["amount_refunded"]),
@@ -204,12 +204,12 @@ impl Harness {
     }
 
     /// What the provider refunded of each of its payments, oldest first.
-    pub async fn provider_refunded(&self) -> Vec<i64> {
+    pub(crate) async fn provider_refunded(&self) -> Vec<i64> {
         let payments = self.parts.provider.payments_since(0, 100).await;
         payments.iter().map(|p| p.refunded).collect()
     }
 
-    pub async fn charge_status(&self, api_key: &str, id: &str) -> Value {
+    pub(crate) async fn charge_status(&self, api_key: &str, id: &str) -> Value {
         let reply = self
             .get(&format!("/v1/charges/{id}"))
             .auth(api_key)
@@ -220,7 +220,7 @@ impl Harness {
     }
 }
 
-pub fn ids(list: &Value) -> Vec<&str> {
+pub(crate) fn ids(list: &Value) -> Vec<&str> {
     list["data"]
         .as_array()
         .expect("a list")

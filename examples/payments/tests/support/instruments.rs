@@ -30,19 +30,19 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// A gate that holds whoever passes it while a test holds it shut, and counts who waits.
 #[derive(Debug, Default)]
-pub struct Gate {
+pub(crate) struct Gate {
     lock: Arc<RwLock<()>>,
     waiting: AtomicUsize,
 }
 
 impl Gate {
     /// Shuts the gate until the guard is dropped.
-    pub async fn shut(&self) -> OwnedRwLockWriteGuard<()> {
+    pub(crate) async fn shut(&self) -> OwnedRwLockWriteGuard<()> {
         self.lock.clone().write_owned().await
     }
 
     /// How many wait at it now.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)
     }
 
@@ -58,7 +58,7 @@ impl Gate {
 
 /// Where every provider call stops for good, as a process that dies there would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hang {
+pub(crate) enum Hang {
     /// Before the provider does anything.
     BeforeEffect,
     /// Once the provider did it (money moved, the key recorded), before it answers.
@@ -68,7 +68,7 @@ pub enum Hang {
 /// In front of the provider's API: counts the calls and the keys answered (its effects), holds
 /// or hangs calls, answers `503` while the provider is down, and loses answers or calls (`500`).
 #[derive(Debug, Default)]
-pub struct ProviderProbe {
+pub(crate) struct ProviderProbe {
     calls: AtomicUsize,
     answered_keys: Mutex<HashSet<String>>,
     stall: Gate,
@@ -81,28 +81,28 @@ pub struct ProviderProbe {
 
 impl ProviderProbe {
     /// How many calls reached the provider, repeated and refused ones included.
-    pub fn calls(&self) -> usize {
+    pub(crate) fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
     }
 
     /// How many keys the provider answered with success: its effects.
-    pub fn effects(&self) -> usize {
+    pub(crate) fn effects(&self) -> usize {
         lock(&self.answered_keys).len()
     }
 
     /// Holds every call before the provider until the guard is dropped; a held call whose caller
     /// gave up meanwhile (its attempt timed out) never reaches the provider.
-    pub async fn stall(&self) -> OwnedRwLockWriteGuard<()> {
+    pub(crate) async fn stall(&self) -> OwnedRwLockWriteGuard<()> {
         self.stall.shut().await
     }
 
     /// How many calls [`ProviderProbe::stall`] holds now.
-    pub fn stalled(&self) -> usize {
+    pub(crate) fn stalled(&self) -> usize {
         self.stall.waiting()
     }
 
     /// Makes every call from now on stop for good `at` that point.
-    pub fn hang(&self, at: Hang) {
+    pub(crate) fn hang(&self, at: Hang) {
         let code = match at {
             Hang::BeforeEffect => 1,
             Hang::AfterEffect => 2,
@@ -112,32 +112,32 @@ impl ProviderProbe {
 
     /// Lets the calls from now on through again, as a provider restarted after a hang; those
     /// hung already stay hung.
-    pub fn stop_hanging(&self) {
+    pub(crate) fn stop_hanging(&self) {
         self.hang.store(0, Ordering::SeqCst);
     }
 
     /// Makes every call fail as unavailable until switched off.
-    pub fn set_down(&self, down: bool) {
+    pub(crate) fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
     }
 
     /// Makes the next `calls` calls fail as unavailable: a provider down for a moment.
-    pub fn set_down_for(&self, calls: usize) {
+    pub(crate) fn set_down_for(&self, calls: usize) {
         self.down_for.store(calls, Ordering::SeqCst);
     }
 
     /// Makes every call take effect and then fail as the provider's `500` until switched off.
-    pub fn set_losing_answers(&self, losing: bool) {
+    pub(crate) fn set_losing_answers(&self, losing: bool) {
         self.losing.store(losing, Ordering::SeqCst);
     }
 
     /// Makes every call fail as the provider's `500` without reaching it until switched off.
-    pub fn set_dropping_calls(&self, dropping: bool) {
+    pub(crate) fn set_dropping_calls(&self, dropping: bool) {
         self.dropping.store(dropping, Ordering::SeqCst);
     }
 
     /// `provider`'s API behind this probe.
-    pub fn router(self: &Arc<Self>, provider: &Provider) -> Router {
+    pub(crate) fn router(self: &Arc<Self>, provider: &Provider) -> Router {
         provider
             .router()
             .layer(middleware::from_fn_with_state(self.clone(), probe))
@@ -189,7 +189,7 @@ async fn probe(State(probe): State<Arc<ProviderProbe>>, request: Request, next: 
 /// A ledger whose opens wait at a gate while a test holds it shut, right after the request's
 /// claim, as behind a locked `charges` table; and one chosen update can be held the same way.
 #[derive(Debug)]
-pub struct GatedLedger {
+pub(crate) struct GatedLedger {
     inner: Arc<dyn Ledger>,
     pub opens: Gate,
     /// Whether writes of the provider's answer fail, as a database that went away would.
@@ -199,7 +199,7 @@ pub struct GatedLedger {
 }
 
 impl GatedLedger {
-    pub fn new(inner: Arc<dyn Ledger>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn Ledger>) -> Arc<Self> {
         Arc::new(Self {
             inner,
             opens: Gate::default(),
@@ -209,12 +209,12 @@ impl GatedLedger {
     }
 
     /// Makes every write of a provider's answer fail until switched off.
-    pub fn fail_records(&self, failing: bool) {
+    pub(crate) fn fail_records(&self, failing: bool) {
         self.failing_records.store(failing, Ordering::SeqCst);
     }
 
     /// Lets the next `pass` updates through, then holds the one after at `gate`.
-    pub fn hold_update(&self, pass: usize, gate: Arc<Gate>) {
+    pub(crate) fn hold_update(&self, pass: usize, gate: Arc<Gate>) {
         *lock(&self.held_update) = Some((pass, gate));
     }
 }
@@ -312,7 +312,7 @@ impl Ledger for GatedLedger {
 
 /// A misbehaviour of [`Balances::apply`] for one event id.
 #[derive(Debug, Clone)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The next `times` attempts fail before changing anything.
     Fail { times: usize },
     /// The next `times` attempts apply the event, then fail: the effect made, its reply lost.
@@ -330,7 +330,7 @@ pub enum Fault {
 /// Balances that misbehave as injected, count the attempts at each injected event, and note the
 /// events the ledger applied anew, per account.
 #[derive(Debug)]
-pub struct FaultyBalances {
+pub(crate) struct FaultyBalances {
     inner: Arc<dyn Balances>,
     injected: Mutex<HashMap<String, Fault>>,
     attempts: Mutex<HashMap<String, usize>>,
@@ -338,7 +338,7 @@ pub struct FaultyBalances {
 }
 
 impl FaultyBalances {
-    pub fn new(inner: Arc<dyn Balances>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn Balances>) -> Arc<Self> {
         Arc::new(Self {
             inner,
             injected: Mutex::default(),
@@ -348,18 +348,18 @@ impl FaultyBalances {
     }
 
     /// Makes the applies of `event_id` misbehave.
-    pub fn inject(&self, event_id: &str, fault: Fault) {
+    pub(crate) fn inject(&self, event_id: &str, fault: Fault) {
         lock(&self.attempts).entry(event_id.to_owned()).or_default();
         lock(&self.injected).insert(event_id.to_owned(), fault);
     }
 
     /// How many times the apply of `event_id` was attempted (counted for injected events).
-    pub fn attempts(&self, event_id: &str) -> usize {
+    pub(crate) fn attempts(&self, event_id: &str) -> usize {
         lock(&self.attempts).get(event_id).copied().unwrap_or(0)
     }
 
     /// How many distinct events the ledger applied anew to `account`'s balance.
-    pub fn applied(&self, account: &str) -> usize {
+    pub(crate) fn applied(&self, account: &str) -> usize {
         lock(&self.applied).get(account).map_or(0, HashSet::len)
     }
 

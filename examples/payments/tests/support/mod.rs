@@ -6,12 +6,12 @@
     reason = "every test binary that says `mod support;` compiles all of it, and each uses a part"
 )]
 
-pub mod api;
-pub mod cut_proxy;
-pub mod harness;
-pub mod instruments;
-pub mod process;
-pub mod stack;
+pub(crate) mod api;
+pub(crate) mod cut_proxy;
+pub(crate) mod harness;
+pub(crate) mod instruments;
+pub(crate) mod process;
+pub(crate) mod stack;
 
 use std::path::PathBuf;
 use std::process::{Child, ExitStatus};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 /// The path of one of this package's binaries: `server` (the payments server), `client` or `provider`,
 /// which Cargo builds before it runs the tests.
-pub fn binary(name: &str) -> PathBuf {
+pub(crate) fn binary(name: &str) -> PathBuf {
     PathBuf::from(match name {
         "server" => env!("CARGO_BIN_EXE_example-payments"),
         "client" => env!("CARGO_BIN_EXE_client"),
@@ -29,7 +29,7 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// Waits for `child` to exit, killing it after `bound`.
-pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
+pub(crate) fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
     let deadline = Instant::now() + bound;
     loop {
         if let Some(status) = child.try_wait().expect("the child can be waited on") {
@@ -46,10 +46,10 @@ pub fn wait_within(child: &mut Child, bound: Duration) -> ExitStatus {
 
 /// How long a test waits for what must happen soon: far above any step's normal time on a
 /// loaded 2-core machine.
-pub const PATIENCE: Duration = Duration::from_secs(20);
+pub(crate) const PATIENCE: Duration = Duration::from_secs(20);
 
 /// Polls `condition` every 5 ms until it holds, for up to [`PATIENCE`].
-pub async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+pub(crate) async fn wait_until(what: &str, condition: impl Fn() -> bool) {
     let deadline = Instant::now() + PATIENCE;
     while !condition() {
         assert!(Instant::now() < deadline, "gave up waiting for {what}");

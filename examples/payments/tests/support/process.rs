@@ -12,29 +12,29 @@ use std::time::{Duration, Instant};
 use test_servers::redis_server::{RedisServer, RespValue};
 
 /// How long the example may take to print its address.
-pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long the example may take to exit after SIGTERM, or after a failed start.
-pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long the payments example's shutdown may take in these tests (`SHUTDOWN_TIMEOUT_MS`).
-pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The payments example's read timeouts (`src/http_server.rs`).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a timing bound allows on top: a signal's delivery, a loaded machine.
-pub const SLACK: Duration = Duration::from_millis(1500);
+pub(crate) const SLACK: Duration = Duration::from_millis(1500);
 
-pub const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
+pub(crate) const CHARGE: &str = r#"{"amount": 1000, "currency": "eur", "source": "tok_visa"}"#;
 
 /// The credential the charges are made with.
-pub const API_KEY: &str = "sk_test_alice";
+pub(crate) const API_KEY: &str = "sk_test_alice";
 
 /// A running example process.
-pub struct Server {
+pub(crate) struct Server {
     child: Child,
     /// The line it printed when it started listening.
     pub banner: String,
@@ -46,12 +46,12 @@ pub struct Server {
 
 impl Server {
     /// Starts the payments example on a free port with `env`, and waits until it listens.
-    pub fn start(env: &[(&str, &str)]) -> Server {
+    pub(crate) fn start(env: &[(&str, &str)]) -> Server {
         Server::start_example("server", env)
     }
 
     /// Starts the example `name` on a free port with `env`, and waits until it listens.
-    pub fn start_example(name: &'static str, env: &[(&str, &str)]) -> Server {
+    pub(crate) fn start_example(name: &'static str, env: &[(&str, &str)]) -> Server {
         let mut child = spawn(name, env);
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = Arc::new(Mutex::new(String::new()));
@@ -100,18 +100,18 @@ impl Server {
     }
 
     /// Its URL, as `PROVIDER_URL` or `SERVER` names it.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    pub fn stderr_text(&self) -> String {
+    pub(crate) fn stderr_text(&self) -> String {
         self.stderr
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
 
-    pub fn terminate(&self) {
+    pub(crate) fn terminate(&self) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
@@ -121,7 +121,7 @@ impl Server {
 
     /// Stops the server as an orchestrator does (SIGTERM) and asserts that it exits 0, without a
     /// panic; returns its stderr.
-    pub fn stop(self) -> String {
+    pub(crate) fn stop(self) -> String {
         self.terminate();
         let (status, stderr) = self.wait();
         assert!(status.success(), "exit {status:?}; stderr:\n{stderr}");
@@ -130,12 +130,12 @@ impl Server {
     }
 
     /// Waits for the process to exit; returns its status and its stderr.
-    pub fn wait(self) -> (ExitStatus, String) {
+    pub(crate) fn wait(self) -> (ExitStatus, String) {
         self.wait_within(EXIT_TIMEOUT)
     }
 
     /// Waits up to `bound` for the process to exit; returns its status and its stderr.
-    pub fn wait_within(mut self, bound: Duration) -> (ExitStatus, String) {
+    pub(crate) fn wait_within(mut self, bound: Duration) -> (ExitStatus, String) {
         let status = super::wait_within(&mut self.child, bound);
         if let Some(reader) = self.stderr_reader.take() {
             let _ = reader.join();
@@ -153,7 +153,7 @@ impl Drop for Server {
     }
 }
 
-pub fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
+pub(crate) fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
     let mut command = Command::new(super::binary(example));
     command
         .env("ADDR", "127.0.0.1:0")
@@ -176,7 +176,7 @@ pub fn spawn(example: &'static str, env: &[(&str, &str)]) -> Child {
 }
 
 /// Reads a pipe to the end on a thread.
-pub fn collect(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+pub(crate) fn collect(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
     thread::spawn(move || {
         let mut text = String::new();
         let _ = pipe.read_to_string(&mut text);
@@ -185,13 +185,13 @@ pub fn collect(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
 }
 
 /// Runs the payments example to its exit (it is expected to fail at start-up).
-pub fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
+pub(crate) fn run_to_exit(env: &[(&str, &str)]) -> (ExitStatus, String, String) {
     run_example_to_exit("server", env)
 }
 
 /// Runs the example `name` to its exit: a client, or a server expected to fail at start-up,
 /// which fails the test at once if it starts listening instead.
-pub fn run_example_to_exit(
+pub(crate) fn run_example_to_exit(
     name: &'static str,
     env: &[(&str, &str)],
 ) -> (ExitStatus, String, String) {
@@ -226,7 +226,7 @@ pub fn run_example_to_exit(
 
 /// An HTTP/1.1 answer.
 #[derive(Debug)]
-pub struct Answer {
+pub(crate) struct Answer {
     pub status: u16,
     pub head: String,
     pub body: String,
@@ -234,11 +234,11 @@ pub struct Answer {
 
 impl Answer {
     /// The body as JSON; panics unless it is.
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|err| panic!("{err}: {self:?}"))
     }
 
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.head.contains("idempotent-replayed: true")
     }
 }
@@ -246,7 +246,7 @@ impl Answer {
 /// `first` created something (201), `retry` is its replay, byte for byte, and Redis holds the one
 /// idempotency record.
 #[track_caller]
-pub fn assert_replay_in_redis(first: &Answer, retry: &Answer, redis: &RedisServer) {
+pub(crate) fn assert_replay_in_redis(first: &Answer, retry: &Answer, redis: &RedisServer) {
     assert_eq!(first.status, 201, "{first:?}");
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(
@@ -262,7 +262,7 @@ pub fn assert_replay_in_redis(first: &Answer, retry: &Answer, redis: &RedisServe
 }
 
 /// Waits until the payments example's balance (its ledger consumer's work) lists `entry`.
-pub fn wait_for_balance(addr: SocketAddr, entry: &str) {
+pub(crate) fn wait_for_balance(addr: SocketAddr, entry: &str) {
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         let auth = format!("Bearer {API_KEY}");
@@ -276,7 +276,7 @@ pub fn wait_for_balance(addr: SocketAddr, entry: &str) {
 }
 
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`), read to the end.
-pub fn request(
+pub(crate) fn request(
     addr: SocketAddr,
     method: &str,
     path: &str,
@@ -318,7 +318,7 @@ pub fn request(
     }
 }
 
-pub fn create_charge(addr: SocketAddr, key: &str) -> Answer {
+pub(crate) fn create_charge(addr: SocketAddr, key: &str) -> Answer {
     request(
         addr,
         "POST",
@@ -334,7 +334,7 @@ pub fn create_charge(addr: SocketAddr, key: &str) -> Answer {
 
 /// `POST path` as [`API_KEY`] under the idempotency key `key`, with a form `body`, as Stripe's
 /// SDKs send it.
-pub fn post_form(addr: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
+pub(crate) fn post_form(addr: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
     let auth = format!("Bearer {API_KEY}");
     let form = "application/x-www-form-urlencoded";
     let headers = [
@@ -346,14 +346,14 @@ pub fn post_form(addr: SocketAddr, path: &str, key: &str, body: &str) -> Answer 
 }
 
 /// `GET path` as [`API_KEY`].
-pub fn get(addr: SocketAddr, path: &str) -> Answer {
+pub(crate) fn get(addr: SocketAddr, path: &str) -> Answer {
     let auth = format!("Bearer {API_KEY}");
     request(addr, "GET", path, &[("Authorization", &auth)], "")
 }
 
 /// Asserts that a run ended before it listened, with a non-zero exit, no panic and exactly one
 /// line on stderr; returns that line.
-pub fn the_one_error_line(status: ExitStatus, stdout: &str, stderr: &str) -> String {
+pub(crate) fn the_one_error_line(status: ExitStatus, stdout: &str, stderr: &str) -> String {
     assert!(!status.success(), "exit {status:?}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!stdout.contains("listening"), "{stdout}");
@@ -363,7 +363,7 @@ pub fn the_one_error_line(status: ExitStatus, stdout: &str, stderr: &str) -> Str
 }
 
 /// The first line of `stdout` that starts with `prefix`.
-pub fn line_starting(stdout: &str, prefix: &str) -> String {
+pub(crate) fn line_starting(stdout: &str, prefix: &str) -> String {
     stdout
         .lines()
         .find(|line| line.starts_with(prefix))
@@ -372,7 +372,7 @@ pub fn line_starting(stdout: &str, prefix: &str) -> String {
 }
 
 /// The key a line of the client example names (`..., key <key>: ...` or `..., key <key>`).
-pub fn key_of(line: &str) -> String {
+pub(crate) fn key_of(line: &str) -> String {
     line.split("key ")
         .nth(1)
         .and_then(|rest| rest.split([':', ' ']).next())
@@ -382,7 +382,7 @@ pub fn key_of(line: &str) -> String {
 }
 
 /// The charge id of the client example's last line (`charge <id>, after ...`).
-pub fn charge_id(done: &str) -> &str {
+pub(crate) fn charge_id(done: &str) -> &str {
     done.strip_prefix("charge ")
         .and_then(|rest| rest.split(',').next())
         .unwrap_or_else(|| panic!("no charge id in {done:?}"))
@@ -390,7 +390,7 @@ pub fn charge_id(done: &str) -> &str {
 
 /// The account's charges are exactly `ids`: each charge was made once.
 #[track_caller]
-pub fn assert_charges(addr: SocketAddr, ids: &[&str]) {
+pub(crate) fn assert_charges(addr: SocketAddr, ids: &[&str]) {
     let auth = format!("Bearer {API_KEY}");
     let list = request(addr, "GET", "/v1/charges", &[("Authorization", &auth)], "");
     assert_eq!(list.status, 200, "{list:?}");
@@ -408,14 +408,14 @@ pub fn assert_charges(addr: SocketAddr, ids: &[&str]) {
 }
 
 /// Opens a connection to `addr` and sends `part` of a request, no more.
-pub fn send_part(addr: SocketAddr, part: &[u8]) -> TcpStream {
+pub(crate) fn send_part(addr: SocketAddr, part: &[u8]) -> TcpStream {
     let mut stream = TcpStream::connect(addr).expect("the example accepts connections");
     stream.write_all(part).expect("the part is sent");
     stream
 }
 
 /// Sends `rest` one byte a second on a thread, as a slow client does, until the server closes.
-pub fn trickle(stream: &TcpStream, rest: &[u8]) -> JoinHandle<()> {
+pub(crate) fn trickle(stream: &TcpStream, rest: &[u8]) -> JoinHandle<()> {
     let mut stream = stream.try_clone().expect("a second handle on the socket");
     let rest = rest.to_vec();
     thread::spawn(move || {
@@ -430,7 +430,7 @@ pub fn trickle(stream: &TcpStream, rest: &[u8]) -> JoinHandle<()> {
 
 /// Reads what the server sends until it closes the connection; panics when that takes longer
 /// than `bound`. Returns what was read and when the connection closed.
-pub fn read_until_closed(stream: &mut TcpStream, bound: Duration) -> (String, Duration) {
+pub(crate) fn read_until_closed(stream: &mut TcpStream, bound: Duration) -> (String, Duration) {
     let started = Instant::now();
     stream
         .set_read_timeout(Some(bound))

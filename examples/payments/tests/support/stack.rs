@@ -19,10 +19,10 @@ use example_payments::reconciler::Reconciler;
 use super::instruments::{FaultyBalances, GatedLedger, ProviderProbe};
 
 /// How often a test's consumer looks at an empty outbox.
-pub const POLL: Duration = Duration::from_millis(10);
+pub(crate) const POLL: Duration = Duration::from_millis(10);
 
 /// One instance's components.
-pub struct Parts {
+pub(crate) struct Parts {
     pub ledger: Arc<GatedLedger>,
     pub balances: Arc<FaultyBalances>,
     pub outbox: Arc<dyn Outbox>,
@@ -36,7 +36,7 @@ pub struct Parts {
 
 impl Parts {
     /// Everything in memory; the provider's keys and the charges' operations held for `window`.
-    pub fn memory(window: Duration) -> Self {
+    pub(crate) fn memory(window: Duration) -> Self {
         let balances = FaultyBalances::new(Arc::new(MemoryBalances::default()));
         let outbox = Arc::new(MemoryOutbox::new(balances.clone()));
         Self {
@@ -51,12 +51,12 @@ impl Parts {
     }
 
     /// The money in `store`'s PostgreSQL, as `DATABASE_URL` puts it, with a provider of its own.
-    pub fn postgres(store: &PgStore, window: Duration) -> Self {
+    pub(crate) fn postgres(store: &PgStore, window: Duration) -> Self {
         Self::postgres_with(store, Provider::new(Duration::ZERO, window), window)
     }
 
     /// The money in `store`'s PostgreSQL, calling `provider` (which other instances share).
-    pub fn postgres_with(store: &PgStore, provider: Provider, window: Duration) -> Self {
+    pub(crate) fn postgres_with(store: &PgStore, provider: Provider, window: Duration) -> Self {
         let pool = store.pool().clone();
         let balances = PgBalances::new(store.clone());
         Self {
@@ -71,18 +71,18 @@ impl Parts {
     }
 
     /// The provider taking `latency` to answer each call.
-    pub fn latency(mut self, latency: Duration, window: Duration) -> Self {
+    pub(crate) fn latency(mut self, latency: Duration, window: Duration) -> Self {
         self.provider = Provider::new(latency, window);
         self
     }
 
     /// The provider's API, as the handlers call it (through the probe).
-    pub fn client(&self) -> ProviderClient {
+    pub(crate) fn client(&self) -> ProviderClient {
         ProviderClient::new(self.probe.router(&self.provider))
     }
 
     /// The handlers' state.
-    pub fn state(&self) -> AppState {
+    pub(crate) fn state(&self) -> AppState {
         AppState {
             ledger: self.ledger.clone(),
             balances: self.balances.clone(),
@@ -92,18 +92,18 @@ impl Parts {
     }
 
     /// A reconciler of charges unchanged for `after`.
-    pub fn reconciler(&self, after: Duration) -> Reconciler {
+    pub(crate) fn reconciler(&self, after: Duration) -> Reconciler {
         Reconciler::new(self.ledger.clone(), self.client(), after)
     }
 
     /// The ledger consumer of the outbox, running until `stop`.
-    pub fn consume(&self, stop: &CancellationToken) -> JoinHandle<Counts> {
+    pub(crate) fn consume(&self, stop: &CancellationToken) -> JoinHandle<Counts> {
         tokio::spawn(consumer::run(self.outbox.clone(), POLL, stop.clone()))
     }
 
     /// Adds `event` to the outbox as a write of the ledger does: the same event added again is
     /// an event handed out again.
-    pub async fn publish(&self, event: &example_payments::events::PaymentEvent) {
+    pub(crate) async fn publish(&self, event: &example_payments::events::PaymentEvent) {
         match (&self.memory_outbox, &self.store) {
             (Some(outbox), _) => outbox.push(event.clone()),
             (None, Some(store)) => {
@@ -116,7 +116,7 @@ impl Parts {
     }
 
     /// How many events wait in the outbox.
-    pub async fn backlog(&self) -> usize {
+    pub(crate) async fn backlog(&self) -> usize {
         match (&self.memory_outbox, &self.store) {
             (Some(outbox), _) => outbox.len(),
             (None, Some(store)) => {

@@ -15,7 +15,7 @@ use tower_idempotency_redis::RedisStore;
 use tower_idempotency_test::Harness;
 
 /// Where a harness's keys live, to look for keys without a TTL.
-pub trait Keys: fmt::Debug + Send + Sync + 'static {
+pub(crate) trait Keys: fmt::Debug + Send + Sync + 'static {
     /// Every key without a TTL.
     fn keys_without_ttl(&self) -> Vec<String>;
 }
@@ -34,14 +34,14 @@ impl Keys for &'static RedisCluster {
 
 /// A store and where its keys live.
 #[derive(Debug)]
-pub struct RedisHarness<K: Keys> {
+pub(crate) struct RedisHarness<K: Keys> {
     keys: K,
     store: RedisStore,
 }
 
 impl<K: Keys> RedisHarness<K> {
     /// A harness on `store`, whose keys live in `keys`.
-    pub fn new(keys: K, store: RedisStore) -> Self {
+    pub(crate) fn new(keys: K, store: RedisStore) -> Self {
         Self { keys, store }
     }
 }
@@ -76,6 +76,6 @@ impl<K: Keys> Harness for RedisHarness<K> {
 }
 
 /// The Redis key `RedisStore` keeps `id` under with `prefix`: `<prefix>{<record id>}`.
-pub fn redis_key(prefix: &str, id: &tower_idempotency::RecordId) -> String {
+pub(crate) fn redis_key(prefix: &str, id: &tower_idempotency::RecordId) -> String {
     format!("{prefix}{{{id}}}")
 }
