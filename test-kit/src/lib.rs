@@ -85,9 +85,11 @@ use tower_idempotency::{Idempotency, IdempotencyLayer};
 // Public for the contracts' expansions only: the cases are theirs, not an API.
 #[doc(hidden)]
 pub mod cases;
+mod extended;
 mod handler;
 mod stores;
 
+pub use extended::assert_extensions_a_release_does_not_know_are_skipped;
 pub use handler::{
     Call, Handler, Reply, account_post, account_scope, assert_a_quota_keeps_a_flood_off_the_others,
     call, created, expect_one_execution, flood, gated_handler, keyed, pattern, post, respond, send,

@@ -2,87 +2,41 @@
 //! release does not know, around the trace origin, are skipped, and the record replays from a
 //! real PostgreSQL as it was first answered, its origin read from among them.
 
-use bytes::Bytes;
 use sqlx::{Connection, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
-use tower_idempotency::store::{Inspected, Store};
-use tower_idempotency::{IdempotencyLayer, Outcome, Record, RecordId};
+use tower_idempotency::RecordId;
 use tower_idempotency_postgres::PgStore;
-use tower_idempotency_test::{Handler, created, post, send, service};
-
-const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-
-/// An extension as any release writes it: its type, its value's length, its value.
-fn extension(kind: u16, value: &[u8]) -> Vec<u8> {
-    let mut out = kind.to_le_bytes().to_vec();
-    out.extend_from_slice(&u32::try_from(value.len()).expect("short").to_le_bytes());
-    out.extend_from_slice(value);
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_with_extensions_this_release_does_not_know_replays() {
     let server = PostgresServer::start();
     let store = PgStore::connect(&server.url()).expect("a store");
     store.migrate().await.expect("the table is created");
-    let handler = Handler::ok(|call| created(format!("charge {}", call.n)));
-    let layer = IdempotencyLayer::new(store.clone()).trace_origin(true);
-    let svc = service(layer, handler.clone());
-    let request = || {
-        let mut request = post("extended", "amount=100");
-        let traceparent = TRACEPARENT.parse().expect("a header value");
-        request.headers_mut().insert("traceparent", traceparent);
-        request
+    let connect = async || {
+        PgConnection::connect(&server.url())
+            .await
+            .expect("a connection of the test's own")
     };
-    let first = send(&svc, request()).await;
-    assert_eq!(first.outcome, Some(Outcome::Executed));
-
-    // What this release wrote: the record's fields, then its origin, extension type 1.
-    let id = RecordId::new(b"", "extended");
-    let mut conn = PgConnection::connect(&server.url())
-        .await
-        .expect("a connection of the test's own");
-    let written: Vec<u8> = sqlx::query("SELECT completed FROM idempotency_records WHERE id = $1")
-        .bind(id.as_bytes().as_slice())
-        .fetch_one(&mut conn)
-        .await
-        .expect("the row")
-        .get(0);
-    let Ok(Record::Completed(record)) = Record::decode(Bytes::from(written.clone())) else {
-        panic!("a completed record")
-    };
-    let fields = record.with_origin(None).encode().expect("encodes");
-    let (own, origin) = written.split_at(fields.len());
-    assert_eq!(own, fields, "the fields first");
-    assert_eq!(origin[..2], 1u16.to_le_bytes(), "then the origin, type 1");
-
-    // As a later release might write it: extensions of its own before and after the origin.
-    let extended = [
-        own,
-        &extension(0x7f01, b"written before the origin"),
-        origin,
-        &extension(0x7f02, b""),
-        &extension(0x7f01, b"and after it"),
-    ]
-    .concat();
-    let updated = sqlx::query("UPDATE idempotency_records SET completed = $1 WHERE id = $2")
-        .bind(extended)
-        .bind(id.as_bytes().as_slice())
-        .execute(&mut conn)
-        .await
-        .expect("written");
-    assert_eq!(updated.rows_affected(), 1);
-
-    let retry = send(&svc, request()).await;
-    assert_eq!(retry.outcome, Some(Outcome::Replayed), "{retry:?}");
-    assert_eq!((retry.status, retry.body), (first.status, first.body));
-    assert_eq!(handler.calls(), 1, "never run again");
-    let Ok(Some(Inspected::Completed(view))) = store.inspect(&id).await else {
-        panic!("a completed record")
-    };
-    let origin = view
-        .completed
-        .origin
-        .expect("the origin, among the unknown extensions");
-    assert_eq!(origin.to_string(), TRACEPARENT);
+    tower_idempotency_test::assert_extensions_a_release_does_not_know_are_skipped(
+        store,
+        async |id: &RecordId| {
+            sqlx::query("SELECT completed FROM idempotency_records WHERE id = $1")
+                .bind(id.as_bytes().as_slice())
+                .fetch_one(&mut connect().await)
+                .await
+                .expect("the row")
+                .get(0)
+        },
+        async |id: &RecordId, bytes: Vec<u8>| {
+            let updated =
+                sqlx::query("UPDATE idempotency_records SET completed = $1 WHERE id = $2")
+                    .bind(bytes)
+                    .bind(id.as_bytes().as_slice())
+                    .execute(&mut connect().await)
+                    .await
+                    .expect("written");
+            assert_eq!(updated.rows_affected(), 1);
+        },
+    )
+    .await;
 }
