@@ -8,21 +8,12 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use support::broken_server::{Bug, Server};
-use support::{config, config_path, failing};
+use support::{config, config_path, failing, report};
 use tower_idempotency_conformance::{CHECKS, Config, Report, RunError, Verdict, run};
-
-/// Runs every check against a server with `bug`.
-async fn report(bug: Bug) -> Report {
-    let server = Server::start(bug).await;
-    let report = run(&config(&server)).await.expect("the server answers");
-    println!("{bug:?}:\n{}", report.table());
-    assert_eq!(report.checks.len(), CHECKS.len());
-    report
-}
 
 /// Runs every check against a server with `bug` and expects `failing` to fail, no other.
 async fn fails_exactly(bug: Bug, expected: &[&str]) -> Report {
-    let report = report(bug).await;
+    let report = report(bug, |_| {}).await;
     assert_eq!(
         failing(&report),
         expected.iter().copied().collect::<BTreeSet<_>>(),

@@ -8,18 +8,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use support::broken_server::{Bug, Server};
-use support::{config, config_path, failing};
-use tower_idempotency_conformance::{Config, Report, Verdict, run};
-
-/// Runs every check with `config` against a server with `bug`.
-async fn report(bug: Bug, adjust: impl FnOnce(&mut Config)) -> Report {
-    let server = Server::start(bug).await;
-    let mut config = config(&server);
-    adjust(&mut config);
-    let report = run(&config).await.expect("the server answers");
-    println!("{bug:?}:\n{}", report.table());
-    report
-}
+use support::{config_path, failing, report};
+use tower_idempotency_conformance::Verdict;
 
 /// With no id and no replay header configured, executions are told apart by their whole bodies:
 /// eight runs whose answers share their first 400 bytes and their length, differing only in the

@@ -23,6 +23,22 @@ pub(crate) fn config(server: &broken_server::Server) -> Config {
     config
 }
 
+/// Runs every check against a server with `bug`, with the config `adjust` leaves.
+pub(crate) async fn report(bug: broken_server::Bug, adjust: impl FnOnce(&mut Config)) -> Report {
+    let server = broken_server::Server::start(bug).await;
+    let mut config = config(&server);
+    adjust(&mut config);
+    let report = tower_idempotency_conformance::run(&config)
+        .await
+        .expect("the server answers");
+    println!("{bug:?}:\n{}", report.table());
+    assert_eq!(
+        report.checks.len(),
+        tower_idempotency_conformance::CHECKS.len()
+    );
+    report
+}
+
 /// The checks that failed.
 pub(crate) fn failing(report: &Report) -> BTreeSet<&'static str> {
     report.failed().map(|check| check.name).collect()
