@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::meter::{self, BREAKER_STATES};
-use crate::report::ErrorChain;
+use crate::error_chain::ErrorChain;
+use crate::layer_metrics::{self, BREAKER_STATES};
 use crate::store::StoreError;
 
 /// When the layer stops calling a failing store, and for how long
@@ -342,7 +342,7 @@ impl Breaker {
 
     /// Logs and counts a change of state.
     fn announce(&self, change: Change, error: Option<&StoreError>) {
-        meter::breaker_entered(change.entered);
+        layer_metrics::breaker_entered(change.entered);
         let state = change.entered.as_str();
         let cool_down_ms = u64::try_from(self.settings.cool_down.as_millis()).unwrap_or(u64::MAX);
         match change.entered {

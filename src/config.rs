@@ -8,9 +8,9 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 
 use crate::breaker::Breaker;
-use crate::dialect::Dialect;
 use crate::fingerprint::Fingerprint;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
+use crate::protocol_mode::ProtocolMode;
 use crate::quota::Quotas;
 use crate::retention::Retention;
 use crate::scope::ScopeRequest;
@@ -44,7 +44,7 @@ pub(crate) struct Config {
     /// service the layer builds.
     pub(crate) quota: Option<Arc<Quotas>>,
     /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
-    pub(crate) dialect: Option<Arc<dyn Dialect>>,
+    pub(crate) protocol_mode: Option<Arc<dyn ProtocolMode>>,
     /// The circuit breaker in front of the store (`IdempotencyLayer::circuit_breaker`), shared by
     /// every service the layer builds.
     pub(crate) breaker: Option<Arc<Breaker>>,
@@ -78,7 +78,7 @@ impl Default for Config {
             render: Arc::new(ProblemJson),
             retention: None,
             quota: None,
-            dialect: None,
+            protocol_mode: None,
             breaker: None,
             #[cfg(feature = "trace-origin")]
             trace_origin: false,
@@ -139,7 +139,7 @@ impl fmt::Debug for Config {
             .field("wait", &self.wait)
             .field("retention", &self.retention)
             .field("quota", &self.quota)
-            .field("dialect", &self.dialect)
+            .field("protocol_mode", &self.protocol_mode)
             .field("breaker", &self.breaker);
         #[cfg(feature = "trace-origin")]
         d.field("trace_origin", &self.trace_origin);

@@ -58,18 +58,18 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use tracing::Instrument;
 
+use crate::error_chain::panic_message;
 use crate::fingerprint::Fingerprint;
+use crate::layer_metrics::Metered;
 use crate::lease::Held;
-use crate::meter::Metered;
 use crate::record::{Completed, Record, RecordId};
-use crate::report::panic_message;
 use crate::scope::Scope;
 use crate::store::{Claim, Store, StoreError};
 
 /// Runs a message's work once per message id, on any [`Store`].
 #[derive(Clone)]
 pub struct Deduplicator<St> {
-    /// The store, its calls timed (`meter`).
+    /// The store, its calls timed (`layer_metrics`).
     store: Metered<St>,
     scope: Scope,
     window: Duration,
@@ -119,7 +119,7 @@ impl<St> Deduplicator<St> {
     /// waiting for another consumer's run of the same id. Each store call is bounded by the store
     /// itself (`RedisStore::with_timeout`).
     pub fn new(store: St, scope: impl Into<Scope>) -> Self {
-        crate::meter::describe();
+        crate::layer_metrics::describe();
         Self {
             store: Metered(store),
             scope: scope.into(),

@@ -10,13 +10,13 @@ use tower_layer::Layer;
 use crate::breaker::{Breaker, CircuitBreaker};
 use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
+use crate::log_throttle::LayerThrottles;
 use crate::problem::{ProblemKind, RenderProblem};
 use crate::quota::{Quotas, ScopeQuota};
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::ScopeRequest;
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
 use crate::store_policy::StorePolicy;
-use crate::throttle::LayerThrottles;
 
 /// A [`Layer`] that makes POST and PATCH requests with an `Idempotency-Key` safe to retry.
 ///
@@ -237,8 +237,8 @@ impl<St> IdempotencyLayer<St> {
         if self.config.tenancy == Tenancy::ScopeRequired && self.config.scope.is_none() {
             return Err(ConfigError::ScopeRequired);
         }
-        if let Some(dialect) = &self.config.dialect {
-            dialect.check()?;
+        if let Some(mode) = &self.config.protocol_mode {
+            mode.check()?;
         }
         Ok(())
     }

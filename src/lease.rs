@@ -8,8 +8,8 @@ use std::time::Duration;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
+use crate::error_chain::ErrorChain;
 use crate::record::{ClaimToken, RecordId};
-use crate::report::ErrorChain;
 use crate::store::{Store, StoreError};
 
 /// The first pause before a failed store write is tried again; it doubles after each failure, up

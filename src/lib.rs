@@ -246,7 +246,7 @@ mod config;
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub mod consumer;
 mod detach;
-mod dialect;
+mod error_chain;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;
@@ -258,8 +258,9 @@ mod held_claim;
 mod hex;
 mod key;
 mod layer;
+mod layer_metrics;
 mod lease;
-mod meter;
+mod log_throttle;
 pub mod operator;
 #[cfg(feature = "opentelemetry")]
 #[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
@@ -267,9 +268,9 @@ pub mod otel;
 mod outcome;
 pub mod problem;
 pub mod protocol;
+mod protocol_mode;
 mod quota;
 pub mod record;
-mod report;
 mod retention;
 mod scope;
 #[cfg(feature = "seal")]
@@ -278,7 +279,6 @@ pub mod seal;
 mod service;
 pub mod store;
 mod store_policy;
-mod throttle;
 
 pub use body::{RequestBody, ResponseBody};
 pub use breaker::CircuitBreaker;

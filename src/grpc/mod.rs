@@ -88,9 +88,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Uri
 pub use status::{code_for, is_stored};
 
 use crate::IdempotencyLayer;
-use crate::dialect::{Coverage, Dialect};
 use crate::layer::ConfigError;
 use crate::problem::{Problem, ProblemKind};
+use crate::protocol_mode::{Coverage, ProtocolMode};
 use crate::service::Idempotency;
 use crate::store_policy::StorePolicy;
 
@@ -141,12 +141,12 @@ impl<St> IdempotencyLayer<St> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.config.dialect = Some(std::sync::Arc::new(GrpcMode::new(methods)));
+        self.config.protocol_mode = Some(std::sync::Arc::new(GrpcMode::new(methods)));
         self
     }
 }
 
-/// The gRPC mode's rules: the [`Dialect`] of `IdempotencyLayer::grpc`.
+/// The gRPC mode's rules: the [`ProtocolMode`] of `IdempotencyLayer::grpc`.
 struct GrpcMode {
     methods: HashSet<Box<str>>,
     /// The first method named that is not a gRPC path, or none named: reported by `check`.
@@ -200,7 +200,7 @@ impl fmt::Debug for GrpcMode {
     }
 }
 
-impl Dialect for GrpcMode {
+impl ProtocolMode for GrpcMode {
     fn covers(&self, method: &Method, uri: &Uri) -> Coverage {
         // The path exactly, as tonic's generated servers match `uri().path()`: what tonic routes
         // to a named method is what is covered.

@@ -16,8 +16,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use super::extension::{area_len, read_area, read_origin_fields, write_area};
 use super::id::ClaimToken;
 use super::model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
-use super::origin::TraceOrigin;
 use super::reader::Reader;
+use super::trace_origin::TraceOrigin;
 use crate::fingerprint::Fingerprint;
 
 /// The encoding version written by this crate.

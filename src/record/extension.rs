@@ -15,8 +15,8 @@
 //! plaintext, marked and sized before the response (see [`super::codec`]).
 
 use super::codec::{DecodeError, EncodeError};
-use super::origin::TraceOrigin;
 use super::reader::Reader;
+use super::trace_origin::TraceOrigin;
 
 /// Never written: zeroed bytes are not an extension.
 const RESERVED: u16 = 0;

@@ -40,8 +40,8 @@ mod codec;
 mod extension;
 mod id;
 mod model;
-mod origin;
 mod reader;
+mod trace_origin;
 
 pub(crate) use codec::encode_tombstone;
 pub use codec::layout;
@@ -53,4 +53,4 @@ pub(crate) use codec::{
 };
 pub use id::{ClaimToken, Fence, RecordId};
 pub use model::{Completed, InFlight, Payload, Record, SealedResponse, StoredResponse};
-pub use origin::{MAX_TRACESTATE_LEN, TraceOrigin};
+pub use trace_origin::{MAX_TRACESTATE_LEN, TraceOrigin};

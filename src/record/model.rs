@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
-use super::origin::TraceOrigin;
+use super::trace_origin::TraceOrigin;
 use crate::fingerprint::Fingerprint;
 
 /// A stored response: status, headers (every value, in order), body and trailers.

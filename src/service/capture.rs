@@ -20,7 +20,7 @@ pub(super) enum Handled<B> {
     /// The whole body and its trailers, within the response limit. (The trailers boxed: a future
     /// that holds this stays under the allocator's per-thread cache size.)
     Buffered(ResponseParts, Bytes, Option<Box<HeaderMap>>),
-    /// Read whole, but the dialect does not store it (a gRPC status that a retry may change):
+    /// Read whole, but the protocol mode does not store it (a gRPC status that a retry may change):
     /// deliver it, release the claim.
     Declined(Response<ResponseBody<B>>),
     /// The body (with its trailers) outgrew the response limit: deliver it, keep a tombstone.
@@ -83,8 +83,8 @@ pub(super) async fn capture<B: StorableBody>(config: &Config, response: Response
         }
     }
     let bytes = chunks.into_bytes();
-    if let Some(dialect) = &config.dialect
-        && !dialect.stores(&parts, trailers.as_deref(), &*config.store_policy)
+    if let Some(mode) = &config.protocol_mode
+        && !mode.stores(&parts, trailers.as_deref(), &*config.store_policy)
     {
         let body = ResponseBody::with_trailers(bytes, trailers);
         return Handled::Declined(Response::from_parts(parts, body));

@@ -17,12 +17,12 @@ use super::{Claimed, Covered, Handler, ReadableBody, Shared, StorableBody};
 use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
 use crate::breaker::{Admission, Ticket};
+use crate::error_chain::{ErrorChain, panic_message};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{InFlight, Record, RecordId};
-use crate::report::{ErrorChain, panic_message};
 use crate::store::{Claim, Inspected, Store, StoreError};
 
 impl<St: Store> Shared<St> {

@@ -12,12 +12,12 @@ use http::{Request, Response};
 use super::capture::{Handled, capture, replayable_headers};
 use super::{Claimed, Handler, Shared, StorableBody, finish, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
+use crate::error_chain::{ErrorChain, panic_message};
 use crate::held_claim::{CheckHeld, HeldClaim};
 use crate::lease;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{ClaimToken, Completed, Payload, RecordId, StoredResponse, TraceOrigin};
-use crate::report::{ErrorChain, panic_message};
 use crate::store::{Store, StoreError};
 
 impl<St: Store> Shared<St> {

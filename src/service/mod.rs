@@ -10,9 +10,9 @@ mod body_reader;
 mod capture;
 mod claim;
 mod execute;
-#[cfg(feature = "trace-origin")]
-mod origin;
 mod replay;
+#[cfg(feature = "trace-origin")]
+mod trace_origin;
 mod wait;
 
 use std::borrow::Cow;
@@ -34,18 +34,18 @@ pub(crate) use wait::Waits;
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::Config;
 use crate::detach::Background;
-use crate::dialect::Coverage;
 use crate::fingerprint::Fingerprint;
 use crate::future::{Covered, ResponseFuture};
 use crate::key::IdempotencyKey;
+use crate::layer_metrics::{self, Metered};
 use crate::lease::Held;
-use crate::meter::{self, Metered};
+use crate::log_throttle::LayerThrottles;
 use crate::outcome::Outcome;
 use crate::problem::{self, Problem, ProblemKind};
+use crate::protocol_mode::Coverage;
 use crate::record::{ClaimToken, RecordId};
 use crate::scope::{Rejection, RejectionBody, Scope};
 use crate::store::Store;
-use crate::throttle::LayerThrottles;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -98,7 +98,7 @@ pub struct Idempotency<S, St> {
 }
 
 pub(crate) struct Shared<St> {
-    /// The store, its calls timed (`meter`).
+    /// The store, its calls timed (`layer_metrics`).
     store: Metered<St>,
     config: Config,
     background: Background,
@@ -118,7 +118,7 @@ impl<S, St> Idempotency<S, St> {
         waits: Waits,
         throttles: Arc<LayerThrottles>,
     ) -> Self {
-        meter::describe();
+        layer_metrics::describe();
         Self {
             inner,
             shared: Arc::new(Shared {
@@ -183,10 +183,10 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = &self.shared.config;
 
-        let covered = match &config.dialect {
+        let covered = match &config.protocol_mode {
             None => config.methods.contains(req.method()),
-            // A dialect decides alone: no setting of `methods` can open its paths (§16.1).
-            Some(dialect) => match dialect.covers(req.method(), req.uri()) {
+            // A protocol mode decides alone: no setting of `methods` can open its paths (§16.1).
+            Some(mode) => match mode.covers(req.method(), req.uri()) {
                 Coverage::Covered => true,
                 Coverage::Passthrough => false,
                 Coverage::Refused(response) => {
@@ -205,7 +205,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if !config.key_required => {
                 tracing::debug!(target: "tower_idempotency", outcome = %Outcome::Unprotected, "idempotency outcome");
-                meter::outcome(Outcome::Unprotected);
+                layer_metrics::outcome(Outcome::Unprotected);
                 let future = inner.call(req.map(RequestBody::passthrough));
                 return ResponseFuture::passthrough(future, Some(Outcome::Unprotected));
             }
@@ -231,7 +231,7 @@ where
             "idempotency",
             key = %id.tag(),
             scope = %crate::operator::scope_tag(scope.as_bytes()),
-            // Where the record a request is answered from came from (`origin::show_origin`).
+            // Where the record a request is answered from came from (`trace_origin::show_origin`).
             origin.traceparent = tracing::field::Empty,
             origin.trace_id = tracing::field::Empty,
             origin.span_id = tracing::field::Empty,
@@ -281,7 +281,7 @@ async fn read_rejection<B>(
         Err(err) => {
             tracing::error!(
                 target: "tower_idempotency",
-                error = %crate::report::ErrorChain(&*err),
+                error = %crate::error_chain::ErrorChain(&*err),
                 "the scope function's rejection body failed; sending it empty"
             );
             parts.headers.remove(http::header::CONTENT_LENGTH);
@@ -335,8 +335,8 @@ impl<St: Store> Shared<St> {
     ) -> (Response<ResponseBody<B>>, Outcome) {
         let problem =
             Problem::new(kind, self.config.status(kind), detail).with_retry_after(retry_after);
-        let response = match &self.config.dialect {
-            Some(dialect) => dialect.respond(&problem),
+        let response = match &self.config.protocol_mode {
+            Some(mode) => mode.respond(&problem),
             None => problem::respond(&problem, &*self.config.render),
         };
         (response.map(ResponseBody::full), kind.outcome())
@@ -407,7 +407,7 @@ pub(super) fn finish<B>(mut response: Response<B>, outcome: Outcome) -> Response
         }
         _ => tracing::debug!(target: "tower_idempotency", %outcome, status, "idempotency outcome"),
     }
-    meter::outcome(outcome);
+    layer_metrics::outcome(outcome);
     response.extensions_mut().insert(outcome);
     response
 }

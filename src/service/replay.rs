@@ -7,14 +7,14 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderValue, Response};
 
 #[cfg(feature = "trace-origin")]
-use super::origin::show_origin;
+use super::trace_origin::show_origin;
 use super::{IDEMPOTENT_REPLAYED, Shared, finish, whole_seconds};
 use crate::body::ResponseBody;
+use crate::error_chain::ErrorChain;
 use crate::fingerprint::Fingerprint;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{Completed, Payload, Record};
-use crate::report::ErrorChain;
 use crate::store::Store;
 
 impl<St: Store> Shared<St> {

@@ -25,9 +25,9 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::Shared;
+use crate::error_chain::ErrorChain;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordId};
-use crate::report::ErrorChain;
 use crate::store::{Claim, Store};
 
 /// How long the shared wait lets pass before it first asks the store again: each waiter has just

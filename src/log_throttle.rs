@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 /// Lets one occurrence through per interval and counts the others.
 #[derive(Debug)]
-pub(crate) struct Throttle {
+pub(crate) struct LogThrottle {
     origin: Instant,
     interval: Duration,
     /// When the next occurrence may be logged, in milliseconds since `origin`.
@@ -16,7 +16,7 @@ pub(crate) struct Throttle {
     held_back: AtomicU64,
 }
 
-impl Throttle {
+impl LogThrottle {
     pub(crate) fn new(interval: Duration) -> Self {
         Self {
             origin: Instant::now(),
@@ -55,16 +55,16 @@ impl Throttle {
 #[derive(Debug)]
 pub(crate) struct LayerThrottles {
     /// Claim-time store failures: they repeat with every request while the store is away or full.
-    pub(crate) store_failures: Throttle,
+    pub(crate) store_failures: LogThrottle,
     /// Records that do not open: they repeat with every retry of their key.
-    pub(crate) unreadable_records: Throttle,
+    pub(crate) unreadable_records: LogThrottle,
 }
 
 impl LayerThrottles {
     pub(crate) fn new(interval: Duration) -> Self {
         Self {
-            store_failures: Throttle::new(interval),
-            unreadable_records: Throttle::new(interval),
+            store_failures: LogThrottle::new(interval),
+            unreadable_records: LogThrottle::new(interval),
         }
     }
 }
@@ -79,7 +79,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn one_occurrence_per_interval_with_the_count_held_back() {
-        let throttle = Throttle::new(Duration::from_secs(10));
+        let throttle = LogThrottle::new(Duration::from_secs(10));
         assert_eq!(throttle.admit(), Some(0));
         for _ in 0..5 {
             assert_eq!(throttle.admit(), None);

@@ -13,18 +13,18 @@ use crate::layer::ConfigError;
 use crate::problem::Problem;
 use crate::store_policy::StorePolicy;
 
-/// What a dialect makes of a request.
+/// What a protocol mode makes of a request.
 #[cfg_attr(
     not(feature = "grpc"),
     allow(dead_code, reason = "made by the gRPC mode only")
 )]
 pub(crate) enum Coverage {
-    /// Not the dialect's: it passes through (§1.2).
+    /// Not the protocol mode's: it passes through (§1.2).
     Passthrough,
     /// Covered: keyed, claimed and run once.
     Covered,
     /// Refused with this answer before the handler: a request the protocol never sends, to a
-    /// path the dialect covers, which the handler would still run (gRPC's non-`POST`, §16.1).
+    /// path the protocol mode covers, which the handler would still run (gRPC's non-`POST`, §16.1).
     Refused(Response<Bytes>),
 }
 
@@ -33,8 +33,8 @@ pub(crate) enum Coverage {
     not(feature = "grpc"),
     allow(dead_code, reason = "implemented by the gRPC mode only")
 )]
-pub(crate) trait Dialect: Send + Sync + fmt::Debug + 'static {
-    /// Whether a request is covered. The dialect decides alone, whatever its HTTP method: the
+pub(crate) trait ProtocolMode: Send + Sync + fmt::Debug + 'static {
+    /// Whether a request is covered. The protocol mode decides alone, whatever its HTTP method: the
     /// layer's `methods` does not apply, so that no setting of it can open a covered path.
     fn covers(&self, method: &Method, uri: &Uri) -> Coverage;
 
@@ -44,7 +44,7 @@ pub(crate) trait Dialect: Send + Sync + fmt::Debug + 'static {
 
     /// Whether a whole response, read within the response limit, is stored: its head and its
     /// trailers, if it ended with some. Asked after the store policy, which sees the head only;
-    /// `policy` is that policy, for a dialect whose status is in the trailers.
+    /// `policy` is that policy, for a protocol mode whose status is in the trailers.
     fn stores(
         &self,
         head: &ResponseParts,
@@ -52,6 +52,6 @@ pub(crate) trait Dialect: Send + Sync + fmt::Debug + 'static {
         policy: &dyn StorePolicy,
     ) -> bool;
 
-    /// Whether the dialect's settings can serve (`IdempotencyLayer::check`).
+    /// Whether the protocol mode's settings can serve (`IdempotencyLayer::check`).
     fn check(&self) -> Result<(), ConfigError>;
 }
