@@ -20,8 +20,8 @@ use crate::store::StoreError;
 /// - **Closed** (the start): every claim goes to the store. A claim that fails because the store
 ///   is unreachable or timed out ([`StoreError::Timeout`], [`StoreError::Unavailable`]) counts; a
 ///   claim the store answers (a claim, a record, or a refusal such as
-///   [`StoreError::Full`]) ends the run. [`failures`](Self::failures) failures in a row, all
-///   within [`within`](Self::within) of the first, open the breaker.
+///   [`StoreError::Full`]) ends the run. [`failure_threshold`](Self::failure_threshold) failures in a
+///   row, all within the [`window`](Self::window) of the first, open the breaker.
 /// - **Open**: for the [`cool_down`](Self::cool_down), no claim reaches the store: a request gets
 ///   `503` `store-unavailable` at once, with a `Retry-After` of the cool-down left (rounded up),
 ///   or, on a [fail-open](crate::IdempotencyLayer::fail_open) layer, runs unprotected as on any
@@ -37,11 +37,11 @@ use crate::store::StoreError;
 /// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
 ///
 /// let breaker = CircuitBreaker::default()
-///     .failures(3)
-///     .within(Duration::from_secs(5))
-///     .cool_down(Duration::from_secs(2));
+///     .with_failure_threshold(3)
+///     .with_window(Duration::from_secs(5))
+///     .with_cool_down(Duration::from_secs(2));
 /// assert_eq!(breaker.failure_threshold(), 3);
-/// assert_eq!(breaker.cool_down_period(), Duration::from_secs(2));
+/// assert_eq!(breaker.cool_down(), Duration::from_secs(2));
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).circuit_breaker(breaker);
 /// # let _ = layer;
 /// ```
@@ -70,9 +70,9 @@ impl CircuitBreaker {
     /// ```
     /// use tower_idempotency::CircuitBreaker;
     ///
-    /// assert_eq!(CircuitBreaker::default().failures(0).failure_threshold(), 1);
+    /// assert_eq!(CircuitBreaker::default().with_failure_threshold(0).failure_threshold(), 1);
     /// ```
-    pub fn failures(mut self, failures: u32) -> Self {
+    pub fn with_failure_threshold(mut self, failures: u32) -> Self {
         self.failures = failures.max(1);
         self
     }
@@ -84,10 +84,10 @@ impl CircuitBreaker {
     /// use std::time::Duration;
     /// use tower_idempotency::CircuitBreaker;
     ///
-    /// let breaker = CircuitBreaker::default().within(Duration::from_secs(30));
+    /// let breaker = CircuitBreaker::default().with_window(Duration::from_secs(30));
     /// assert_eq!(breaker.window(), Duration::from_secs(30));
     /// ```
-    pub fn within(mut self, window: Duration) -> Self {
+    pub fn with_window(mut self, window: Duration) -> Self {
         self.within = window.max(Duration::from_millis(1));
         self
     }
@@ -100,15 +100,16 @@ impl CircuitBreaker {
     /// use std::time::Duration;
     /// use tower_idempotency::CircuitBreaker;
     ///
-    /// let breaker = CircuitBreaker::default().cool_down(Duration::from_secs(10));
-    /// assert_eq!(breaker.cool_down_period(), Duration::from_secs(10));
+    /// let breaker = CircuitBreaker::default().with_cool_down(Duration::from_secs(10));
+    /// assert_eq!(breaker.cool_down(), Duration::from_secs(10));
     /// ```
-    pub fn cool_down(mut self, cool_down: Duration) -> Self {
+    pub fn with_cool_down(mut self, cool_down: Duration) -> Self {
         self.cool_down = cool_down.max(Duration::from_millis(1));
         self
     }
 
-    /// The number of failures in a row that opens the breaker ([`failures`](Self::failures)).
+    /// The number of failures in a row that opens the breaker
+    /// ([`with_failure_threshold`](Self::with_failure_threshold)).
     ///
     /// ```
     /// use tower_idempotency::CircuitBreaker;
@@ -119,7 +120,7 @@ impl CircuitBreaker {
         self.failures
     }
 
-    /// The time within which those failures must come ([`within`](Self::within)).
+    /// The time within which those failures must come ([`with_window`](Self::with_window)).
     ///
     /// ```
     /// use std::time::Duration;
@@ -131,15 +132,15 @@ impl CircuitBreaker {
         self.within
     }
 
-    /// How long the breaker stays open ([`cool_down`](Self::cool_down)).
+    /// How long the breaker stays open ([`with_cool_down`](Self::with_cool_down)).
     ///
     /// ```
     /// use std::time::Duration;
     /// use tower_idempotency::CircuitBreaker;
     ///
-    /// assert_eq!(CircuitBreaker::default().cool_down_period(), Duration::from_secs(5));
+    /// assert_eq!(CircuitBreaker::default().cool_down(), Duration::from_secs(5));
     /// ```
-    pub fn cool_down_period(&self) -> Duration {
+    pub fn cool_down(&self) -> Duration {
         self.cool_down
     }
 }
@@ -438,28 +439,28 @@ mod tests {
     fn breaker() -> Breaker {
         Breaker::new(
             CircuitBreaker::default()
-                .failures(3)
-                .within(Duration::from_secs(10))
-                .cool_down(Duration::from_secs(5)),
+                .with_failure_threshold(3)
+                .with_window(Duration::from_secs(10))
+                .with_cool_down(Duration::from_secs(5)),
         )
     }
 
     #[test]
     fn the_settings_read_back_as_set_and_are_bounded() {
         let settings = CircuitBreaker::default()
-            .failures(3)
-            .within(Duration::from_secs(7))
-            .cool_down(Duration::from_secs(2));
+            .with_failure_threshold(3)
+            .with_window(Duration::from_secs(7))
+            .with_cool_down(Duration::from_secs(2));
         assert_eq!(settings.failure_threshold(), 3);
         assert_eq!(settings.window(), Duration::from_secs(7));
-        assert_eq!(settings.cool_down_period(), Duration::from_secs(2));
+        assert_eq!(settings.cool_down(), Duration::from_secs(2));
         let least = CircuitBreaker::default()
-            .failures(0)
-            .within(Duration::ZERO)
-            .cool_down(Duration::ZERO);
+            .with_failure_threshold(0)
+            .with_window(Duration::ZERO)
+            .with_cool_down(Duration::ZERO);
         assert_eq!(least.failure_threshold(), 1);
         assert!(!least.window().is_zero());
-        assert!(!least.cool_down_period().is_zero());
+        assert!(!least.cool_down().is_zero());
     }
 
     /// Three failures open `breaker`, and its cool-down passes: the next claim is the probe.

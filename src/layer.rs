@@ -315,7 +315,7 @@ impl<St> IdempotencyLayer<St> {
     /// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
     ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .circuit_breaker(CircuitBreaker::default().cool_down(Duration::from_secs(10)));
+    ///     .circuit_breaker(CircuitBreaker::default().with_cool_down(Duration::from_secs(10)));
     /// # let _ = layer;
     /// ```
     pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {

@@ -424,8 +424,8 @@ async fn the_breakers_changes_of_state_are_logged() {
     let captured = Captured::global();
     let store = Faulty::new(MemoryStore::new());
     let breaker = tower_idempotency::CircuitBreaker::default()
-        .failures(3)
-        .cool_down(std::time::Duration::from_secs(5));
+        .with_failure_threshold(3)
+        .with_cool_down(std::time::Duration::from_secs(5));
     let svc = service(
         IdempotencyLayer::new(store.clone())
             .single_tenant()

@@ -18,9 +18,9 @@ fn store() -> Store {
 /// 3 failures within 10 s open it for 5 s.
 fn breaker() -> CircuitBreaker {
     CircuitBreaker::default()
-        .failures(3)
-        .within(Duration::from_secs(10))
-        .cool_down(Duration::from_secs(5))
+        .with_failure_threshold(3)
+        .with_window(Duration::from_secs(10))
+        .with_cool_down(Duration::from_secs(5))
 }
 
 fn handler() -> Handler {

@@ -308,8 +308,8 @@ async fn the_breakers_changes_and_answers_are_counted() {
 
     let store = Faulty::new(MemoryStore::new());
     let breaker = tower_idempotency::CircuitBreaker::default()
-        .failures(3)
-        .cool_down(std::time::Duration::from_secs(5));
+        .with_failure_threshold(3)
+        .with_cool_down(std::time::Duration::from_secs(5));
     let svc = tower_idempotency_test::service(
         IdempotencyLayer::new(store.clone()).circuit_breaker(breaker),
         Handler::ok(|_| created("ok")),

@@ -641,8 +641,8 @@ async fn the_circuit_breaker_answers_at_once_while_redis_is_down_and_closes_when
     let mut server = RedisServer::start();
     let handler = Handler::default();
     let breaker = tower_idempotency::CircuitBreaker::default()
-        .failures(3)
-        .cool_down(Duration::from_secs(2));
+        .with_failure_threshold(3)
+        .with_cool_down(Duration::from_secs(2));
     let store = Counting::new(store(&server));
     let app = handler.app(IdempotencyLayer::new(store.clone()).circuit_breaker(breaker));
     assert_eq!(
