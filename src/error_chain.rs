@@ -1,4 +1,5 @@
-//! How the logs tell of an error or a panic: one line, with every cause once.
+//! How the logs tell of an error: one line, with every cause once ([`ErrorChain`]), as the
+//! layer's own log lines write a store's errors. For an application's and a tool's lines too.
 
 use std::fmt;
 
@@ -8,7 +9,19 @@ use std::fmt;
 /// and also returns it as its source, and deadpool's `PoolError` writes its source into its own
 /// message. A source whose text ends the text of the error before it is therefore not written
 /// again (`Redis is unreachable or failed: broken pipe`, not `...: broken pipe: broken pipe`).
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+///
+/// ```
+/// use tower_idempotency::error_chain::ErrorChain;
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("the ledger failed: {0}")]
+/// struct Ledger(#[source] std::io::Error);
+///
+/// let err = Ledger(std::io::Error::other("disk full"));
+/// assert_eq!(ErrorChain(&err).to_string(), "the ledger failed: disk full");
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

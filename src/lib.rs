@@ -246,7 +246,7 @@ mod config;
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub mod consumer;
 mod detach;
-mod error_chain;
+pub mod error_chain;
 #[cfg(feature = "axum")]
 mod extract;
 mod fingerprint;

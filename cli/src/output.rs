@@ -319,19 +319,8 @@ fn civil(days: u64) -> (u64, u64, u64) {
 /// An error with its chain of sources, on one line, each cause once: a source whose text ends
 /// the error's before it is not written again (redis-rs and deadpool repeat theirs), as the
 /// library's own log lines do.
-pub(crate) fn chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut said = out.clone();
-    let mut source = err.source();
-    while let Some(err) = source {
-        let text = err.to_string();
-        if !said.ends_with(&text) {
-            let _ = write!(out, ": {text}");
-        }
-        said = text;
-        source = err.source();
-    }
-    out
+pub(crate) fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    tower_idempotency::error_chain::ErrorChain(err).to_string()
 }
 
 #[cfg(test)]

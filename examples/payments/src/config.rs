@@ -256,14 +256,6 @@ pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
 }
 
 /// An error and its sources, on one line.
-pub fn report(err: &dyn Error) -> String {
-    let mut line = err.to_string();
-    for cause in std::iter::successors(err.source(), |&cause| cause.source()) {
-        let cause = cause.to_string();
-        // Some errors repeat their source in their own message.
-        if !line.contains(&cause) {
-            line = format!("{line}: {cause}");
-        }
-    }
-    line
+pub fn report(err: &(dyn Error + 'static)) -> String {
+    tower_idempotency::error_chain::ErrorChain(err).to_string()
 }
