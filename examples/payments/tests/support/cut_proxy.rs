@@ -37,12 +37,9 @@ pub(crate) struct CutProxy {
 }
 
 impl CutProxy {
-    /// Listens on a free port of 127.0.0.1 and forwards each connection to `upstream`; connection
+    /// Listens on a free port of 127.0.0.1 and forwards each connection to `to`; connection
     /// `n` (from 0, in the order accepted) gets `script(n)`.
-    pub(crate) fn start(
-        upstream: SocketAddr,
-        script: impl Fn(usize) -> Cut + Send + 'static,
-    ) -> Self {
+    pub(crate) fn start(to: SocketAddr, script: impl Fn(usize) -> Cut + Send + 'static) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
         let addr = listener.local_addr().expect("the proxy's address");
         let cuts = Arc::new(AtomicUsize::new(0));
@@ -56,7 +53,7 @@ impl CutProxy {
                     }
                     let Ok(client) = client else { continue };
                     let (cut, cuts) = (script(n), cuts.clone());
-                    thread::spawn(move || forward(client, upstream, cut, &cuts));
+                    thread::spawn(move || forward(client, to, cut, &cuts));
                 }
             })
         };
