@@ -249,7 +249,11 @@ impl ProtocolMode for GrpcMode {
         let status = (head.headers.get(GRPC_STATUS))
             .or_else(|| trailers.and_then(|trailers| trailers.get(GRPC_STATUS)));
         status.is_some_and(|status| {
-            status::stored_under(tonic::Code::from_bytes(status.as_bytes()), policy)
+            status::stored_under(
+                tonic::Code::from_bytes(status.as_bytes()),
+                &head.headers,
+                policy,
+            )
         })
     }
 
@@ -454,5 +458,13 @@ mod tests {
         assert!(!stores(head(Some("5")), None), "trailers-only NOT_FOUND");
         let every = &crate::Every4xxStorePolicy;
         assert!(mode.stores(&head(Some("5")), None, every));
+        // The policy sees the answer's headers, with the refusal's HTTP status.
+        let marked = |head: &ResponseParts| head.headers.contains_key("x-store");
+        let mut head_marked = head(Some("5"));
+        head_marked
+            .headers
+            .insert("x-store", http::HeaderValue::from_static("1"));
+        assert!(mode.stores(&head_marked, None, &marked));
+        assert!(!mode.stores(&head(Some("5")), None, &marked));
     }
 }

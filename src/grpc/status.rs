@@ -70,17 +70,23 @@ pub fn code_for(kind: ProblemKind) -> Code {
 /// assert!(!is_stored(Code::Unavailable));
 /// ```
 pub fn is_stored(code: Code) -> bool {
-    stored_under(code, &crate::DefaultStorePolicy)
+    stored_under(code, &http::HeaderMap::new(), &crate::DefaultStorePolicy)
 }
 
 /// Whether an answer with `code` is stored under `policy`: the decided outcomes always, a refusal
-/// as `policy` stores its HTTP status, nothing else.
-pub(crate) fn stored_under(code: Code, policy: &dyn StorePolicy) -> bool {
+/// as `policy` stores it with its HTTP status (the answer's headers kept, its extensions not:
+/// they cannot be copied), nothing else.
+pub(crate) fn stored_under(
+    code: Code,
+    headers: &http::HeaderMap,
+    policy: &dyn StorePolicy,
+) -> bool {
     match code {
         Code::Ok | Code::AlreadyExists | Code::FailedPrecondition | Code::OutOfRange => true,
         _ => refused_as(code).is_some_and(|status| {
             let (mut head, ()) = http::Response::new(()).into_parts();
             head.status = status;
+            head.headers = headers.clone();
             policy.store(&head)
         }),
     }
@@ -142,7 +148,7 @@ mod tests {
             let code = Code::from_i32(n);
             assert_eq!(is_stored(code), stored.contains(&n), "code {n}");
             assert_eq!(
-                stored_under(code, &crate::Every4xxStorePolicy),
+                stored_under(code, &http::HeaderMap::new(), &crate::Every4xxStorePolicy),
                 stored.contains(&n) || refusals.contains(&n),
                 "code {n} under Every4xxStorePolicy"
             );
