@@ -523,8 +523,10 @@ pub(crate) async fn missing_key(p: &mut Probe) -> Outcome {
     })
 }
 
-/// Malformed keys are refused, or at least honoured as keys: never ignored, which would run a
-/// retry again while its client believes it protected.
+/// Malformed keys are refused where keys are required. Where they are optional, a bad key
+/// honoured as a key passes, and one ignored (its retry runs again while its client believes it
+/// protected) is a warning: the draft asks clients for valid keys, but requires no server to
+/// refuse an invalid one.
 pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
     let api = p.api.clone();
     let long: String = std::iter::repeat_with(crate::api::unique)
@@ -541,6 +543,7 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
     ];
     let mut seen = Vec::new();
     let mut problems = Vec::new();
+    let mut warnings = Vec::new();
     for (what, key) in cases {
         let call = api.call(Kind::Valid, Tenant::A, Some(key));
         let answer = p.send(&format!("{what} key"), &call).await?;
@@ -555,7 +558,7 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
             )));
             continue;
         }
-        // Keys are optional: a bad key may be honoured as a key, never dropped in silence.
+        // Keys are optional: a bad key may be honoured as a key; one dropped in silence warns.
         if !answer.status.is_success() {
             seen.push(format!("{what}: {status}"));
             continue;
@@ -564,19 +567,24 @@ pub(crate) async fn malformed_key(p: &mut Probe) -> Outcome {
         if same_execution(&api, &answer, &again, "").is_ok() {
             seen.push(format!("{what}: {status}, honoured as a key"));
         } else {
-            problems.push(Problem::new(format!(
+            seen.push(format!("{what}: {status}, ignored"));
+            warnings.push(format!(
                 "the {what} key was ignored: the request ran again under it ({status}, then {}: \
-                 {} and {}), so its client's retries are not protected and nothing told it",
+                 {} and {}), so its client's retries are not protected and nothing told it; \
+                 refuse it with 400",
                 again.status.as_u16(),
                 api.identity(&answer),
                 api.identity(&again)
-            )));
+            ));
         }
     }
     if !problems.is_empty() {
         return Err(Finding::Fail(problems));
     }
-    pass(seen.join(", "))
+    Ok(Seen {
+        detail: seen.join(", "),
+        warnings,
+    })
 }
 
 /// Tenant B's request under tenant A's key runs as B's own.

@@ -92,6 +92,16 @@ pub async fn run(config: &Config) -> Result<Report, RunError> {
     Ok(judge(&api, endpoint, ran))
 }
 
+/// Whether the status that refused a check's request says the request as configured is wrong (a
+/// redirect, a bad request, credentials, a path or method, a content type), rather than a server
+/// that is busy (429) or failing (5xx), which is no setting's fault.
+fn points_at_the_config(status: u16) -> bool {
+    matches!(
+        status,
+        300..=399 | 400 | 401 | 403 | 404 | 405 | 406 | 411 | 413 | 415 | 422
+    )
+}
+
 /// One check run: the check, what it sent and saw, and its outcome.
 type Ran = (Check, Probe, checks::Outcome);
 
@@ -127,7 +137,7 @@ fn judge(api: &Api, endpoint: String, ran: Vec<Ran>) -> Report {
                  API sets on replays?",
                 api.config.replay_header.as_deref().unwrap_or_default()
             ),
-            Hint::Refused(status) => format!(
+            Hint::Refused(status) if points_at_the_config(status) => format!(
                 "requests these checks need to run were answered {status}{}: the endpoint refuses \
                  the configured request; check base_url, path, method, body, content_type, the \
                  credentials and key_format (\"{}\")",

@@ -298,3 +298,14 @@ async fn a_closed_stdout_ends_quietly_with_the_report_files_written() {
         "{xml}"
     );
 }
+
+/// A server that fails (5xx) or throttles (429) is no setting's fault: no cause blames the config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_server_is_not_blamed_on_the_config() {
+    let report = report(Bug::AlwaysUnavailable, |config| {
+        config.pause = Duration::from_millis(100);
+    })
+    .await;
+    assert!(report.failed().count() >= 6, "{}", report.table());
+    assert!(report.causes.is_empty(), "{:?}", report.causes);
+}

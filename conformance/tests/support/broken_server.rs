@@ -58,6 +58,8 @@ pub(crate) enum Bug {
     Redirect,
     /// Stores errors, as `StoresErrors`, and answers them with a multi-line HTML page.
     HtmlErrors,
+    /// Answers every request `503`: a server that is down, whatever the request.
+    AlwaysUnavailable,
 }
 
 /// How long a request's work takes: long enough that concurrent duplicates overlap.
@@ -147,6 +149,9 @@ fn parse_key(value: &HeaderValue) -> Option<String> {
 }
 
 async fn create(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if app.bug == Bug::AlwaysUnavailable {
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "down for maintenance");
+    }
     if app.bug == Bug::Redirect {
         return (
             StatusCode::TEMPORARY_REDIRECT,
