@@ -42,10 +42,8 @@ use benches::floor;
 use benches::support::{callgrind, chart};
 use deadpool_redis::redis;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
-use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{
-    BoxStore, Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId, ScopeQuota,
-};
+use tower_idempotency::store::{Claim, ScopeQuota, Store};
+use tower_idempotency::{BoxStore, Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 
@@ -294,8 +292,7 @@ async fn setup(name: &str, servers: &Servers) -> (Router, Option<BoxStore>) {
         }
         // A quota per scope that is never reached: what keeping the budgets costs a request.
         "memory-quota" => {
-            let layer =
-                IdempotencyLayer::new(MemoryStore::new()).scope_quota(ScopeQuota::new(1 << 50));
+            let layer = IdempotencyLayer::new(ScopeQuota::new(MemoryStore::new(), 1 << 50));
             (layered_with(layer), None)
         }
         "memory-sealed" => {

@@ -7,11 +7,9 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
-use crate::breaker::Breaker;
 use crate::fingerprint::Fingerprint;
 use crate::problem::{ProblemJson, ProblemKind, RenderProblem};
 use crate::protocol_mode::ProtocolMode;
-use crate::quota::Quotas;
 use crate::retention::Retention;
 use crate::scope::ScopeRequest;
 use crate::store_policy::{DefaultStorePolicy, StorePolicy};
@@ -40,14 +38,8 @@ pub(crate) struct Config {
     pub(crate) statuses: [StatusCode; ProblemKind::ALL.len()],
     pub(crate) render: Arc<dyn RenderProblem>,
     pub(crate) retention: Option<Retention>,
-    /// Each scope's budget of record bytes (`IdempotencyLayer::scope_quota`), shared by every
-    /// service the layer builds.
-    pub(crate) quota: Option<Arc<Quotas>>,
     /// A protocol's own rules over HTTP (the gRPC mode), or none for plain HTTP.
     pub(crate) protocol_mode: Option<Arc<dyn ProtocolMode>>,
-    /// The circuit breaker in front of the store (`IdempotencyLayer::circuit_breaker`), shared by
-    /// every service the layer builds.
-    pub(crate) breaker: Option<Arc<Breaker>>,
     /// Whether completed records keep the trace context of their execution
     /// (`IdempotencyLayer::trace_origin`).
     #[cfg(feature = "trace-origin")]
@@ -77,9 +69,7 @@ impl Default for Config {
             statuses: ProblemKind::ALL.map(ProblemKind::default_status),
             render: Arc::new(ProblemJson),
             retention: None,
-            quota: None,
             protocol_mode: None,
-            breaker: None,
             #[cfg(feature = "trace-origin")]
             trace_origin: false,
         }
@@ -138,9 +128,7 @@ impl fmt::Debug for Config {
             .field("retry_after", &self.retry_after)
             .field("wait", &self.wait)
             .field("retention", &self.retention)
-            .field("quota", &self.quota)
-            .field("protocol_mode", &self.protocol_mode)
-            .field("breaker", &self.breaker);
+            .field("protocol_mode", &self.protocol_mode);
         #[cfg(feature = "trace-origin")]
         d.field("trace_origin", &self.trace_origin);
         d.finish_non_exhaustive()

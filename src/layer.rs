@@ -7,12 +7,10 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
-use crate::breaker::{Breaker, CircuitBreaker};
 use crate::config::{Config, Tenancy};
 use crate::detach::{Background, Shutdown};
 use crate::log_throttle::LayerThrottles;
 use crate::problem::{ProblemKind, RenderProblem};
-use crate::quota::{Quotas, ScopeQuota};
 use crate::retention::{Retention, RetentionFormat};
 use crate::scope::ScopeRequest;
 use crate::service::{Idempotency, STORE_FAILURE_LOG_INTERVAL, Waits};
@@ -297,32 +295,6 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// Puts a circuit breaker in front of the store (`docs/PROTOCOL.md` §9.11): after
-    /// `breaker`'s number of claims in a row fail because the store is unreachable or timed out,
-    /// requests are answered at once for a cool-down, without a store call, instead of each
-    /// waiting for the store's timeout: `503` `store-unavailable` with a `Retry-After` of the
-    /// cool-down left (outcome `CircuitOpen`) or, on a [fail-open](Self::fail_open) layer, the
-    /// handler unprotected (outcome `FailedOpen`). Then one request probes the store; its answer
-    /// closes the breaker, its failure opens it again. Changes of state are logged (WARN when
-    /// it opens, INFO otherwise) and counted (`idempotency_circuit_breaker_transitions_total`).
-    /// One breaker per layer: its clones and every service built from them share it.
-    ///
-    /// Default: off (every claim goes to the store). [`CircuitBreaker::default`]: 5 failures
-    /// within 10 s open it for 5 s.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .circuit_breaker(CircuitBreaker::default().with_cool_down(Duration::from_secs(10)));
-    /// # let _ = layer;
-    /// ```
-    pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
-        self.config.breaker = Some(Arc::new(Breaker::new(breaker)));
-        self
-    }
-
     /// The `Retry-After` of a 409 while the key's first request is in flight, in whole seconds
     /// (rounded up, at least 1), never beyond the end of the running claim's lease.
     /// Default: 1 second (a live owner renews its lease, so it is working and usually done soon).
@@ -466,27 +438,6 @@ impl<St> IdempotencyLayer<St> {
     /// ```
     pub fn shutdown_handle(&self) -> Shutdown {
         self.background.shutdown()
-    }
-
-    /// Bounds the bytes of records each scope (each tenant: [`scope`](Self::scope)) writes
-    /// through this layer, so that one tenant writing as fast as it can cannot fill a store that
-    /// every tenant shares: past its quota, a scope's requests that would write a record get `429`
-    /// `quota-exceeded` with a `Retry-After` of seconds (when its budget has room again), without
-    /// a claim, while its replays, `409`s and `422`s are answered as ever (from a read of the
-    /// key), and the other scopes are untouched. [`ScopeQuota`] says what it bounds
-    /// and how to size it. The budgets live in this process: every service the layer builds
-    /// shares them, and each instance of the application has its own. Default: none.
-    ///
-    /// ```
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ScopeQuota};
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .single_tenant()
-    ///     .scope_quota(ScopeQuota::new(16 << 20));
-    /// ```
-    pub fn scope_quota(mut self, quota: ScopeQuota) -> Self {
-        self.config.quota = Some(Arc::new(Quotas::new(quota)));
-        self
     }
 
     /// Whether a completed record keeps the trace context of the execution that completed it

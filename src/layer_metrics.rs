@@ -27,7 +27,8 @@ const STORE_CALLS: &str = "idempotency_store_call_duration_seconds";
 const BREAKER: &str = "idempotency_circuit_breaker_transitions_total";
 
 /// The values of the breaker's `state` label (and of the `state` field of its log lines): the
-/// state entered, in the order of `breaker::Entered`.
+/// state entered, in the order of `store::Entered`.
+#[cfg(any(feature = "circuit-breaker", test))]
 pub(crate) const BREAKER_STATES: [&str; 3] = ["open", "half_open", "closed"];
 
 /// Describes the metrics to the recorder installed now, if any.
@@ -92,8 +93,9 @@ pub(crate) fn outcome(outcome: Outcome) {
     let _ = outcome;
 }
 
-/// Counts a change of state of a layer's circuit breaker.
-pub(crate) fn breaker_entered(state: crate::breaker::Entered) {
+/// Counts a change of state of a circuit breaker.
+#[cfg(feature = "circuit-breaker")]
+pub(crate) fn breaker_entered(state: crate::store::Entered) {
     #[cfg(feature = "metrics")]
     {
         static KEYS: [&::metrics::Key; BREAKER_STATES.len()] = [
@@ -111,7 +113,7 @@ pub(crate) fn breaker_entered(state: crate::breaker::Entered) {
 /// The values of a store call's `result` label: `ok`, then each [`StoreError`] kind, in the
 /// order of [`result`].
 #[cfg(feature = "metrics")]
-pub(crate) const RESULTS: [&str; 8] = [
+pub(crate) const RESULTS: [&str; 10] = [
     "ok",
     "full",
     "timeout",
@@ -120,6 +122,8 @@ pub(crate) const RESULTS: [&str; 8] = [
     "codec",
     "rejected",
     "unreadable",
+    "circuit_open",
+    "quota_exceeded",
 ];
 
 /// The keys of one store operation's calls, by result ([`RESULTS`]).
@@ -139,6 +143,8 @@ macro_rules! call_keys {
         static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[5]),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[6]),
         static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[7]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[8]),
+        static_key!(STORE_CALLS; "operation" => $operation, "result" => RESULTS[9]),
         ];
         &KEYS
     }};
@@ -156,6 +162,8 @@ fn result<T>(result: &Result<T, StoreError>) -> usize {
         Err(StoreError::Codec(_)) => 5,
         Err(StoreError::Rejected(_)) => 6,
         Err(StoreError::Unreadable(_)) => 7,
+        Err(StoreError::CircuitOpen { .. }) => 8,
+        Err(StoreError::QuotaExceeded { .. }) => 9,
         // Only an operator's calls (inspect, forget) can answer it, and they are not metered.
         Err(StoreError::Unsupported { .. }) => 3,
     }

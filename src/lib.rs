@@ -240,7 +240,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
-mod breaker;
 mod config;
 #[cfg(feature = "consumer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
@@ -269,7 +268,6 @@ mod outcome;
 pub mod problem;
 pub mod protocol;
 mod protocol_mode;
-mod quota;
 pub mod record;
 mod retention;
 mod scope;
@@ -281,7 +279,6 @@ pub mod store;
 mod store_policy;
 
 pub use body::{RequestBody, ResponseBody};
-pub use breaker::CircuitBreaker;
 pub use detach::Shutdown;
 #[cfg(feature = "axum")]
 pub use extract::{MissingClaimExtension, MissingKeyExtension};
@@ -292,7 +289,6 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
 pub use problem::{IDEMPOTENCY_PROBLEM, ProblemKind};
-pub use quota::ScopeQuota;
 pub use record::{
     ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,
     StoredResponse,

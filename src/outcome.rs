@@ -98,12 +98,12 @@ outcomes! {
         /// The key's record cannot be opened or trusted (a sealed record that does not open, or one
         /// in clear where sealed ones are required): 500, neither replayed nor run again.
         RecordUnreadable => "record_unreadable",
-        /// The request's scope has written its quota of records through this instance: 429, nothing
-        /// read or claimed ([`ScopeQuota`](crate::ScopeQuota)).
+        /// The request's scope has written its quota of records through this instance, and its
+        /// key has no record: 429, nothing claimed (`store::ScopeQuota`, feature `scope-quota`).
         QuotaExceeded => "quota_exceeded",
-        /// The layer's circuit breaker is open (the store kept failing): 503 at once, without a
-        /// store call ([`CircuitBreaker`](crate::CircuitBreaker)). On a fail-open layer the
-        /// request runs unprotected instead, as `FailedOpen`.
+        /// The store's circuit breaker is open (the store kept failing): 503 at once, without a
+        /// store call (`store::CircuitBreaker`, feature `circuit-breaker`). On a fail-open layer
+        /// the request runs unprotected instead, as `FailedOpen`.
         CircuitOpen => "circuit_open",
     }
 }

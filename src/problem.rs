@@ -113,9 +113,9 @@ pub enum ProblemKind {
     /// The key's record cannot be opened or trusted (500): it is not replayed, and the request
     /// is not run again.
     RecordUnreadable,
-    /// The request's scope has written its quota of records through this instance
-    /// ([`IdempotencyLayer::scope_quota`](crate::IdempotencyLayer::scope_quota)): 429, with a
-    /// `Retry-After` of when its budget has room again. Nothing was read or claimed.
+    /// The request's scope has written its quota of records through this instance, and its key
+    /// has no record (`store::ScopeQuota`, feature `scope-quota`): 429, with a `Retry-After` of
+    /// when its budget has room again. Nothing was claimed.
     QuotaExceeded,
 }
 

@@ -423,13 +423,11 @@ async fn the_breakers_changes_of_state_are_logged() {
     let _turn = Captured::turn().await;
     let captured = Captured::global();
     let store = Faulty::new(MemoryStore::new());
-    let breaker = tower_idempotency::CircuitBreaker::default()
+    let breaker = tower_idempotency::store::CircuitBreaker::new(store.clone())
         .with_failure_threshold(3)
         .with_cool_down(std::time::Duration::from_secs(5));
     let svc = service(
-        IdempotencyLayer::new(store.clone())
-            .single_tenant()
-            .circuit_breaker(breaker),
+        IdempotencyLayer::new(breaker).single_tenant(),
         Handler::ok(|_| created("ok")),
     );
     let from = captured.len();

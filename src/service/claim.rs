@@ -4,7 +4,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use http::{Request, Response};
@@ -16,14 +16,13 @@ use super::wait::Settled;
 use super::{Claimed, Covered, Handler, ReadableBody, Shared, StorableBody};
 use super::{finish, too_large, whole_seconds};
 use crate::body::{RequestBody, ResponseBody};
-use crate::breaker::{Admission, Ticket};
 use crate::error_chain::{ErrorChain, panic_message};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
 use crate::problem::ProblemKind;
 use crate::record::{InFlight, Record, RecordId};
-use crate::store::{Claim, Inspected, Store, StoreError};
+use crate::store::{Claim, Store, StoreError};
 
 impl<St: Store> Shared<St> {
     /// Buffers and fingerprints a request with a key, claims the key, and answers from the record
@@ -58,30 +57,8 @@ impl<St: Store> Shared<St> {
                     return self.problem(ProblemKind::BodyUnreadable, detail);
                 }
             };
-            // A scope past its quota may still be answered from its key's record (§3.4).
-            let past_quota = self.past_quota(&id);
-            // The breaker, when the layer has one, decides before anything is fingerprinted.
-            let ticket = match config.breaker.as_deref().map(|b| b.admit(Instant::now())) {
-                None => None,
-                Some(Admission::Pass(ticket)) => Some(ticket),
-                // Past its quota, a request is never run unprotected: it would count for nothing.
-                Some(Admission::Refuse(_)) if let Some(wait) = past_quota => {
-                    return self.quota_exceeded(wait);
-                }
-                Some(Admission::Refuse(_)) if config.fail_open => {
-                    parts.extensions.insert(key);
-                    let request = Request::from_parts(parts, RequestBody::buffered(body));
-                    return self.clone().run_unprotected(inner, request).await;
-                }
-                Some(Admission::Refuse(left)) => return self.circuit_open(left),
-            };
             let fingerprint = config.fingerprint(&parts, &body);
-            if let Some(wait) = past_quota {
-                // Boxed: rare, and its read's state would otherwise be carried in every
-                // request's future.
-                return Box::pin(self.answer_past_quota(&id, &fingerprint, wait, ticket)).await;
-            }
-            let claim = self.claim_or_wait(&id, &fingerprint, ticket).await;
+            let claim = self.claim_or_wait(&id, &fingerprint).await;
             // Only a request that reaches the handler is put back together: a replay, a 409 or a
             // 422 answers without it.
             let request = move || {
@@ -90,7 +67,6 @@ impl<St: Store> Shared<St> {
             };
             match claim {
                 Ok(Claim::Claimed(token)) => {
-                    self.spend_quota(&id, crate::quota::CLAIM_COST);
                     let claimed = Claimed {
                         id,
                         token,
@@ -102,6 +78,13 @@ impl<St: Store> Shared<St> {
                 // A record is there: neither a store failure (fail-open would run the request
                 // over it) nor anything to replay.
                 Err(StoreError::Unreadable(err)) => self.record_unreadable(&*err),
+                // Past its quota, a request is never run unprotected: it would count for nothing.
+                Err(StoreError::QuotaExceeded { retry_after }) => self.quota_exceeded(retry_after),
+                // The breaker logs its own changes: no warning per request.
+                Err(StoreError::CircuitOpen { .. }) if config.fail_open => {
+                    self.run_unprotected(inner, request()).await
+                }
+                Err(StoreError::CircuitOpen { retry_after }) => self.circuit_open(retry_after),
                 // A record is there that this release cannot decode (a newer release's kind, or
                 // damage): not a store failure, so never run over it, fail-open or not; a 503, as
                 // an instance that reads it may answer the retry.
@@ -123,21 +106,16 @@ impl<St: Store> Shared<St> {
 
     /// Claims `id`, waiting (when the layer waits) while the same request is in flight: returns
     /// the claim, or the record to answer from. Past `deadline`, the in-flight record, with the
-    /// lease that is left. The first claim's answer goes to the breaker's `ticket`, if any.
+    /// lease that is left.
     pub(super) async fn claim_or_wait(
         self: &Arc<Self>,
         id: &RecordId,
         fingerprint: &Fingerprint,
-        mut ticket: Option<Ticket<'_>>,
     ) -> Result<Claim, StoreError> {
         // When the wait started, and its bound (the clock is read only when waiting is on).
         let wait = self.config.wait.map(|bound| (Instant::now(), bound));
         loop {
-            let claim = self.store.claim(id, fingerprint, self.config.lease).await;
-            if let Some(ticket) = ticket.take() {
-                ticket.answered(&claim);
-            }
-            let claim = claim?;
+            let claim = self.store.claim(id, fingerprint, self.config.lease).await?;
             let (Some((started, bound)), Claim::Existing(Record::InFlight(in_flight))) =
                 (wait, &claim)
             else {
@@ -163,37 +141,6 @@ impl<St: Store> Shared<St> {
                 }
             }
         }
-    }
-
-    /// Answers a request whose scope is past its quota (§3.4) from its key's record, read without
-    /// a claim: a replay, a `409` in flight or a `422` writes nothing, so it is answered as under
-    /// the quota (at once: it does not wait for a request in flight), and spends nothing. A key
-    /// without a live record is refused `429` (`wait` is the budget's refill time): its claim
-    /// would write one. So is a key the store cannot say anything of (it failed, or it does not
-    /// implement [`Store::inspect`]): refused as a new key, never run unprotected.
-    async fn answer_past_quota<B>(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        wait: Duration,
-        ticket: Option<Ticket<'_>>,
-    ) -> Response<ResponseBody<B>> {
-        let read = self.store.inspect(id).await;
-        if let Some(ticket) = ticket {
-            ticket.answered(&read);
-        }
-        let record = match read {
-            Ok(Some(Inspected::Completed(view))) => Record::Completed(view.completed),
-            Ok(Some(Inspected::InFlight(view))) => Record::InFlight(InFlight {
-                fingerprint: view.fingerprint,
-                // The store's clock against this one's, as an operator reads it (§10.9).
-                lease_remaining: (view.lease_ends.duration_since(SystemTime::now()))
-                    .unwrap_or_default(),
-            }),
-            Err(StoreError::Unreadable(err)) => return self.record_unreadable(&*err),
-            Ok(None) | Err(_) => return self.quota_exceeded(wait),
-        };
-        self.answer_existing(record, fingerprint)
     }
 
     /// Warns of a claim-time store failure, once per interval: it repeats with every request for

@@ -144,7 +144,6 @@ impl<St: Store> Shared<St> {
                 response: stored.map(Payload::Plain),
                 origin,
             });
-            self.spend_quota(&claimed.id, crate::quota::completion_cost(&completed));
             self.complete(&claimed, completed, response).await
         }
     }

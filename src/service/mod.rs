@@ -21,8 +21,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
 use http_body::Body;
@@ -342,14 +340,6 @@ impl<St: Store> Shared<St> {
         (response.map(ResponseBody::full), kind.outcome())
     }
 
-    /// How long `id`'s scope must wait until it may write a record, when it is past its quota
-    /// (§3.4); `None` when it may write now, or the layer has no quota.
-    pub(super) fn past_quota(&self, id: &RecordId) -> Option<Duration> {
-        let quotas = self.config.quota.as_deref()?;
-        let window = self.config.dedup_window;
-        quotas.admit(id.scope_tag(), window, Instant::now()).err()
-    }
-
     /// The `429` of a request whose claim would write a record past its scope's quota: `wait` is
     /// the time the budget takes to refill to a claim.
     pub(super) fn quota_exceeded<B>(&self, wait: Duration) -> Response<ResponseBody<B>> {
@@ -357,14 +347,6 @@ impl<St: Store> Shared<St> {
              given, with the same key";
         let retry_after = Some(whole_seconds(wait));
         self.problem_with(ProblemKind::QuotaExceeded, detail, retry_after)
-    }
-
-    /// Counts `bytes` written for `id`'s scope against its quota, when the layer has one.
-    pub(super) fn spend_quota(&self, id: &RecordId, bytes: u64) {
-        if let Some(quotas) = &self.config.quota {
-            let window = self.config.dedup_window;
-            quotas.spend(id.scope_tag(), bytes, window, Instant::now());
-        }
     }
 
     pub(super) fn held<'a>(&'a self, claimed: &'a Claimed) -> Held<'a, Metered<St>> {

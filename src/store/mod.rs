@@ -21,20 +21,32 @@
 mod forward;
 
 mod boxed;
+#[cfg(feature = "circuit-breaker")]
+mod circuit_breaker;
 mod inspect;
 mod memory;
 #[cfg(feature = "replay-cache")]
 mod replay_cache;
+#[cfg(feature = "scope-quota")]
+mod scope_quota;
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use boxed::BoxStore;
+#[cfg(feature = "circuit-breaker")]
+#[cfg_attr(docsrs, doc(cfg(feature = "circuit-breaker")))]
+pub use circuit_breaker::CircuitBreaker;
+#[cfg(feature = "circuit-breaker")]
+pub(crate) use circuit_breaker::Entered;
 pub use inspect::{CompletedView, ForgetOutcome, InFlightView, Inspected};
 pub use memory::MemoryStore;
 #[cfg(feature = "replay-cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay-cache")))]
 pub use replay_cache::ReplayCache;
+#[cfg(feature = "scope-quota")]
+#[cfg_attr(docsrs, doc(cfg(feature = "scope-quota")))]
+pub use scope_quota::ScopeQuota;
 
 /// `http`, for [`forward_store!`](crate::forward_store) to name `http::Extensions` whatever the
 /// calling crate depends on.
@@ -94,6 +106,23 @@ pub enum StoreError {
     /// nor runs the request.
     #[error("the record under the key cannot be opened")]
     Unreadable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store was not called: a circuit breaker in front of it (`CircuitBreaker`, feature
+    /// `circuit-breaker`) is open, because the store kept failing. Nothing was read or written.
+    /// The layer answers `503` with `retry_after` as its `Retry-After`, or runs the request
+    /// unprotected when it fails open.
+    #[error("the store was not called: its circuit breaker is open")]
+    CircuitOpen {
+        /// How long the breaker stays open (zero while its probe runs).
+        retry_after: Duration,
+    },
+    /// The claim's scope has written its quota of records (`ScopeQuota`, feature `scope-quota`),
+    /// and its key has no record to answer from: nothing was written. The layer answers `429`,
+    /// fail-open or not.
+    #[error("the scope has written its quota of records")]
+    QuotaExceeded {
+        /// How long until the scope's budget has room for a claim.
+        retry_after: Duration,
+    },
     /// The store does not implement `operation` ([`Store::inspect`] or [`Store::forget`]): the
     /// trait's default, so that a store written before them keeps compiling. Nothing was read or
     /// written.

@@ -17,10 +17,10 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::{BoxError, Service, ServiceExt};
 
-use tower_idempotency::store::Store;
+use tower_idempotency::store::{ScopeQuota, Store};
 use tower_idempotency::{
-    IDEMPOTENT_REPLAYED, IdempotencyKey, IdempotencyLayer, Outcome, ProblemKind, Rejection, Scope,
-    ScopeQuota,
+    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, IdempotencyLayer, Outcome, ProblemKind,
+    Rejection, Scope,
 };
 
 /// One call of a [`Handler`]: its number (from 1), the request's parts and its whole body.
@@ -468,25 +468,22 @@ where
 /// Asserts what a quota per scope is for (PROTOCOL.md §3.4), on a store that fills: one tenant
 /// writing 60 KB records as fast as it can into a store shared with another fills it without a
 /// quota, and the other tenant gets `503`; with `quota`, the flooding tenant gets `429` and the
-/// other's requests run. `fresh` gives the store empty, once for each half.
-pub async fn assert_a_quota_keeps_a_flood_off_the_others<St, F>(fresh: F, quota: ScopeQuota)
+/// other's requests run. `fresh` gives the store empty, once for each half; `quota` is the bytes
+/// of the [`ScopeQuota`] around it.
+pub async fn assert_a_quota_keeps_a_flood_off_the_others<St, F>(fresh: F, quota: u64)
 where
     St: Store + Clone,
     F: Fn() -> St,
 {
     let handler = Handler::ok(|_| created(pattern(60 * 1024)));
-    let app = |quota: Option<ScopeQuota>| {
-        let layer = IdempotencyLayer::new(fresh()).scope(account_scope);
-        let layer = match quota {
-            Some(quota) => layer.scope_quota(quota),
-            None => layer,
-        };
+    fn app<St: Store + Clone>(store: St, handler: &Handler) -> Idempotency<Handler, St> {
+        let layer = IdempotencyLayer::new(store).scope(account_scope);
         tower::ServiceBuilder::new()
             .layer(layer)
             .service(handler.clone())
-    };
+    }
 
-    let unbounded = app(None);
+    let unbounded = app(fresh(), &handler);
     let (ran, full) = flood(&unbounded, "acct_flood", 10_000).await;
     let full = full.expect("the store fills");
     assert_eq!(
@@ -501,7 +498,7 @@ where
         "without a quota, one tenant's flood refuses the others: {other:?}"
     );
 
-    let bounded = app(Some(quota));
+    let bounded = app(ScopeQuota::new(fresh(), quota), &handler);
     let (_, refused) = flood(&bounded, "acct_flood", 10_000).await;
     let refused = refused.expect("§3.4: the quota refuses the flood");
     refused.assert_problem(ProblemKind::QuotaExceeded, StatusCode::TOO_MANY_REQUESTS);

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use http::StatusCode;
 use http::header::RETRY_AFTER;
-use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency::store::CircuitBreaker;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
 use tower_idempotency_test::{Counting, Faulty, Handler, Reply, created, post, send, spawn_send};
 
 type Store = Counting<Faulty<MemoryStore>>;
@@ -15,9 +16,9 @@ fn store() -> Store {
     Counting::new(Faulty::new(MemoryStore::new()))
 }
 
-/// 3 failures within 10 s open it for 5 s.
-fn breaker() -> CircuitBreaker {
-    CircuitBreaker::default()
+/// `store` behind a breaker: 3 failures within 10 s open it for 5 s.
+fn breaker(store: &Store) -> CircuitBreaker<Store> {
+    CircuitBreaker::new(store.clone())
         .with_failure_threshold(3)
         .with_window(Duration::from_secs(10))
         .with_cool_down(Duration::from_secs(5))
@@ -51,10 +52,8 @@ fn assert_circuit_open(reply: &Reply, seconds: u64) {
 async fn failures_open_it_and_while_open_no_claim_reaches_the_store() {
     let store = store();
     let handler = handler();
-    let svc = tower_idempotency_test::service(
-        IdempotencyLayer::new(store.clone()).circuit_breaker(breaker()),
-        handler.clone(),
-    );
+    let svc =
+        tower_idempotency_test::service(IdempotencyLayer::new(breaker(&store)), handler.clone());
     store.inner().time_out(true);
     for n in 0..3 {
         let reply = send(&svc, post(&format!("k{n}"), "x")).await;
@@ -91,10 +90,7 @@ async fn failures_open_it_and_while_open_no_claim_reaches_the_store() {
 #[tokio::test(start_paused = true)]
 async fn answers_of_the_store_are_not_failures() {
     let store = store();
-    let svc = tower_idempotency_test::service(
-        IdempotencyLayer::new(store.clone()).circuit_breaker(breaker()),
-        handler(),
-    );
+    let svc = tower_idempotency_test::service(IdempotencyLayer::new(breaker(&store)), handler());
     for round in 0..5 {
         store.inner().fail(true);
         for n in 0..2 {
@@ -119,10 +115,8 @@ async fn answers_of_the_store_are_not_failures() {
 async fn while_the_probe_runs_the_others_wait_and_its_failure_reopens_it() {
     let store = store();
     let handler = handler();
-    let svc = tower_idempotency_test::service(
-        IdempotencyLayer::new(store.clone()).circuit_breaker(breaker()),
-        handler.clone(),
-    );
+    let svc =
+        tower_idempotency_test::service(IdempotencyLayer::new(breaker(&store)), handler.clone());
     store.inner().fail(true);
     for n in 0..3 {
         send(&svc, post(&format!("k{n}"), "x")).await;
@@ -161,9 +155,7 @@ async fn a_fail_open_layer_runs_requests_unprotected_while_open() {
     let store = store();
     let handler = handler();
     let svc = tower_idempotency_test::service(
-        IdempotencyLayer::new(store.clone())
-            .fail_open(true)
-            .circuit_breaker(breaker()),
+        IdempotencyLayer::new(breaker(&store)).fail_open(true),
         handler.clone(),
     );
     store.inner().fail(true);
@@ -185,12 +177,12 @@ async fn a_fail_open_layer_runs_requests_unprotected_while_open() {
     assert_eq!(store.calls().claim, 5);
 }
 
-/// Every clone of the layer, and every service built from them, shares one breaker; a layer
-/// without one asks the store every time.
+/// Every clone of the layer, and every service built from them, shares one breaker (the clones
+/// of the store share it); a layer without one asks the store every time.
 #[tokio::test(start_paused = true)]
 async fn one_breaker_per_layer_shared_by_its_services() {
     let store = store();
-    let layer = IdempotencyLayer::new(store.clone()).circuit_breaker(breaker());
+    let layer = IdempotencyLayer::new(breaker(&store));
     let services: Vec<_> = (0..3)
         .map(|_| tower_idempotency_test::service(layer.clone(), handler()))
         .collect();

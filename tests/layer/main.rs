@@ -25,9 +25,9 @@ use http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
+use tower_idempotency::store::ScopeQuota;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
-    ScopeQuota,
 };
 use tower_idempotency_test::{
     Counting, Faulty, Handler, Reply, assert_a_quota_keeps_a_flood_off_the_others, created,
@@ -1307,7 +1307,7 @@ async fn a_waiter_in_the_same_layer_is_answered_as_the_first_request_completes()
 #[tokio::test(start_paused = true)]
 async fn a_quota_keeps_one_tenant_from_filling_the_store_for_the_others() {
     const CAPACITY: usize = 4 << 20;
-    let quota = ScopeQuota::new(CAPACITY as u64 / 4);
+    let quota = CAPACITY as u64 / 4;
     assert_a_quota_keeps_a_flood_off_the_others(|| MemoryStore::with_capacity(CAPACITY), quota)
         .await;
 }
@@ -1321,9 +1321,8 @@ async fn past_its_quota_a_tenant_still_gets_its_replays_409s_and_422s() {
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let handler = gated_handler(started.clone(), gate.clone(), "charged");
     // A burst of 512 bytes: two claims, the second leaving nothing for its response.
-    let layer = IdempotencyLayer::new(store.clone())
-        .scope(tower_idempotency_test::account_scope)
-        .scope_quota(ScopeQuota::new(1024));
+    let layer = IdempotencyLayer::new(ScopeQuota::new(store.clone(), 1024))
+        .scope(tower_idempotency_test::account_scope);
     let svc = service(layer, handler.clone());
     let request = |key: &str| tower_idempotency_test::account_post("acct_1", key);
     let other_body = |key: &str| {

@@ -307,11 +307,11 @@ async fn the_breakers_changes_and_answers_are_counted() {
     let _recording = metrics::set_default_local_recorder(&recorder);
 
     let store = Faulty::new(MemoryStore::new());
-    let breaker = tower_idempotency::CircuitBreaker::default()
+    let breaker = tower_idempotency::store::CircuitBreaker::new(store.clone())
         .with_failure_threshold(3)
         .with_cool_down(std::time::Duration::from_secs(5));
     let svc = tower_idempotency_test::service(
-        IdempotencyLayer::new(store.clone()).circuit_breaker(breaker),
+        IdempotencyLayer::new(breaker),
         Handler::ok(|_| created("ok")),
     );
     store.time_out(true);

@@ -7,7 +7,8 @@ use std::time::Duration;
 use http::StatusCode;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::ReplayCache;
-use tower_idempotency::{BoxStore, IdempotencyLayer, Rejection, Scope, ScopeQuota};
+use tower_idempotency::store::ScopeQuota;
+use tower_idempotency::{BoxStore, IdempotencyLayer, Rejection, Scope};
 
 use super::rng::Rng;
 
@@ -95,6 +96,11 @@ impl Setup {
         } else {
             store
         };
+        // This instance's budgets, as an application keeps them.
+        let store = match self.quota {
+            Some(bytes) => BoxStore::new(ScopeQuota::new(store, bytes)),
+            None => store,
+        };
         let mut layer = IdempotencyLayer::new(store)
             .lease(self.lease)
             .dedup_window(self.dedup_window)
@@ -104,9 +110,6 @@ impl Setup {
             .response_body_limit(self.response_limit);
         if let Some(bound) = self.wait {
             layer = layer.wait_for_in_flight(bound);
-        }
-        if let Some(bytes) = self.quota {
-            layer = layer.scope_quota(ScopeQuota::new(bytes));
         }
         if self.tenants > 1 {
             layer.scope(|parts: &http::request::Parts| {

@@ -28,7 +28,8 @@ use tokio::net::TcpListener;
 use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, ScopeQuota};
+use tower_idempotency::store::ScopeQuota;
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
 use super::balance::{Balances, MemoryBalances, PgBalances};
@@ -115,11 +116,11 @@ pub async fn run() -> Result<(), Box<dyn Error>> {
         None
     };
 
-    // Sealed: readers of the store see no charge, writers cannot forge or move one.
-    let store = BoxStore::new(SealedStore::new(records, seal_keys()?));
-    // Each account's quota of record bytes: one cannot fill the store for the others.
+    // Sealed: readers of the store see no charge, writers cannot forge or move one. Each
+    // account has a quota of record bytes: one cannot fill the store for the others.
     let quota = env_parse("IDEMPOTENCY_QUOTA_BYTES", "a number of bytes")?.unwrap_or(QUOTA_BYTES);
-    let mut idempotency = IdempotencyLayer::new(store).scope_quota(ScopeQuota::new(quota));
+    let sealed = SealedStore::new(records, seal_keys()?);
+    let mut idempotency = IdempotencyLayer::new(BoxStore::new(ScopeQuota::new(sealed, quota)));
     // A duplicate of a running charge waits for its replay instead of a 409.
     if let Some(bound) = env_millis("IDEMPOTENCY_WAIT_MS")? {
         idempotency = idempotency.wait_for_in_flight(bound);

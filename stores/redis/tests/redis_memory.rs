@@ -13,7 +13,7 @@ use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tower::ServiceExt;
 use tower_idempotency::store::{Store, StoreError};
-use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId, ScopeQuota};
+use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId};
 use tower_idempotency_redis::{RedisStore, RedisStoreError};
 use tower_idempotency_test::assert_a_quota_keeps_a_flood_off_the_others;
 
@@ -199,5 +199,5 @@ async fn a_quota_keeps_one_tenant_from_filling_redis_for_the_others() {
         server.flushall();
         store.clone()
     };
-    assert_a_quota_keeps_a_flood_off_the_others(fresh, ScopeQuota::new(2 << 20)).await;
+    assert_a_quota_keeps_a_flood_off_the_others(fresh, 2 << 20).await;
 }

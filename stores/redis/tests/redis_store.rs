@@ -640,11 +640,11 @@ async fn a_record_of_an_unknown_kind_is_never_run_over_even_fail_open() {
 async fn the_circuit_breaker_answers_at_once_while_redis_is_down_and_closes_when_it_is_back() {
     let mut server = RedisServer::start();
     let handler = Handler::default();
-    let breaker = tower_idempotency::CircuitBreaker::default()
+    let store = Counting::new(store(&server));
+    let breaker = tower_idempotency::store::CircuitBreaker::new(store.clone())
         .with_failure_threshold(3)
         .with_cool_down(Duration::from_secs(2));
-    let store = Counting::new(store(&server));
-    let app = handler.app(IdempotencyLayer::new(store.clone()).circuit_breaker(breaker));
+    let app = handler.app(IdempotencyLayer::new(breaker));
     assert_eq!(
         send(&app, charge("before", "1")).await.1,
         Some(Outcome::Executed)
@@ -714,7 +714,7 @@ async fn the_circuit_breaker_answers_at_once_while_redis_is_down_and_closes_when
 /// (`BREAKER_ROUNDS`, default 3). For each of Redis stopped and Redis frozen (`SIGSTOP`, so that
 /// each claim waits out the store's 1 s timeout), 32 clients send new keys for 3 s through a
 /// layer without a breaker (every claim goes to Redis, as before a breaker opens) and through
-/// one with `CircuitBreaker::default()` once it opened; then Redis returns while the clients go
+/// one behind `CircuitBreaker::new(store)` once it opened; then Redis returns while the clients go
 /// on, and the time until the first request runs again is taken, with the breaker and without
 /// (the two layers side by side, 32 clients each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -727,10 +727,9 @@ async fn measure_the_circuit_breaker() {
             let handler = Handler::default();
             let store = || RedisStore::from_url(&server.url()).expect("a valid url");
             let plain = handler.app(IdempotencyLayer::new(store()));
-            let guarded = handler.app(
-                IdempotencyLayer::new(store())
-                    .circuit_breaker(tower_idempotency::CircuitBreaker::default()),
-            );
+            let guarded = handler.app(IdempotencyLayer::new(
+                tower_idempotency::store::CircuitBreaker::new(store()),
+            ));
             for app in [&plain, &guarded] {
                 send(app, charge(&format!("warm-{round}"), "1")).await;
             }

@@ -9,8 +9,9 @@ use tower_test::mock;
 
 use super::layer::assert_replay_of;
 use crate::*;
+use tower_idempotency::store::ScopeQuota;
 use tower_idempotency::{
-    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RequestBody, RetentionFormat, ScopeQuota,
+    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RequestBody, RetentionFormat,
 };
 
 /// The seconds since the epoch of `at`, rounded down.
@@ -213,9 +214,7 @@ pub async fn a_scope_past_its_quota_leaves_the_others_untouched<H: Harness>(h: H
     const QUOTA: u64 = 1 << 20;
     let store = Counting::new(h.store());
     let handler = Handler::ok(|_| created(pattern(RESPONSE)));
-    let layer = layer(&h, store.clone())
-        .scope(account_scope)
-        .scope_quota(ScopeQuota::new(QUOTA));
+    let layer = layer(&h, ScopeQuota::new(store.clone(), QUOTA)).scope(account_scope);
     let svc = service(layer, handler.clone());
 
     // The flood: distinct keys, one after another, until the quota answers.

@@ -1,5 +1,5 @@
-//! Per-scope quotas ([`ScopeQuota`]): how many bytes of records each scope (each tenant) may
-//! write through one instance, so that one tenant cannot fill a shared store for the others.
+//! The budgets behind [`ScopeQuota`](super::ScopeQuota): each scope's bytes left, refilled at a
+//! steady rate, in shards by scope tag.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,59 +14,6 @@ use crate::record::Completed;
 /// What a claim counts against its scope's quota: about what an in-flight record costs a store
 /// (its key, value and expiry), whatever happens to it afterwards.
 pub(crate) const CLAIM_COST: u64 = 256;
-
-/// A bound on the bytes of records each scope writes through this instance of the layer
-/// ([`IdempotencyLayer::scope_quota`](crate::IdempotencyLayer::scope_quota)).
-///
-/// Each scope has a budget of `bytes / 2` that refills at `bytes / 2` per dedup window. A claim
-/// spends [256 bytes](ScopeQuota::new); a stored response spends its size (body, headers and
-/// trailers). It bounds new writes only: a request whose scope has less than a claim's cost left
-/// is answered from its key's record, read without a claim (a replay, a `409` while it runs, a
-/// `422` for another request: nothing written, nothing spent); only one whose key has no record,
-/// so that its claim would write one, gets `429` `quota-exceeded`, with a `Retry-After` of the
-/// time the budget takes to refill that much (seconds, not the dedup window). Over any dedup
-/// window a scope so writes at most `bytes` through one instance, plus the responses of the
-/// requests it had running when its budget ran out; with `n` instances, at most `n` times that in
-/// the store.
-/// Size the store for the tenants you have: `tenants × instances × bytes` never fills it.
-///
-/// A scope's steady rate is `bytes / 2` per dedup window: `ScopeQuota::new(512 << 20)` with the
-/// 24 h window lets a tenant store about 3 KiB of records a second, indefinitely, and 256 MiB in a
-/// burst.
-///
-/// ```
-/// use http::StatusCode;
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore, Rejection, Scope, ScopeQuota};
-///
-/// // Each tenant may write at most 64 MiB of records a day through this instance.
-/// let layer = IdempotencyLayer::new(MemoryStore::new())
-///     .scope(|parts: &http::request::Parts| match parts.headers.get("x-account") {
-///         Some(account) => Ok(Scope::from(account.as_bytes())),
-///         None => Err(Rejection::from(StatusCode::UNAUTHORIZED)),
-///     })
-///     .scope_quota(ScopeQuota::new(64 << 20));
-/// assert_eq!(ScopeQuota::new(64 << 20).bytes(), 64 << 20);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ScopeQuota {
-    bytes: u64,
-}
-
-impl ScopeQuota {
-    /// At most `bytes` of records per scope and dedup window, through one instance (see the
-    /// type's documentation for the burst and the steady rate it allows). At least 2 claims'
-    /// worth (512 bytes).
-    pub fn new(bytes: u64) -> Self {
-        Self {
-            bytes: bytes.max(2 * CLAIM_COST),
-        }
-    }
-
-    /// The bound it was made with.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-}
 
 /// The budgets of the scopes seen lately, for one layer.
 pub(crate) struct Quotas {
@@ -119,9 +66,10 @@ const SHARDS: usize = 16;
 const SWEEP_FLOOR: usize = 256;
 
 impl Quotas {
-    pub(crate) fn new(quota: ScopeQuota) -> Self {
+    /// Budgets of `bytes / 2` each, for a bound of `bytes` per dedup window.
+    pub(crate) fn new(bytes: u64) -> Self {
         Self {
-            burst: quota.bytes as f64 / 2.0,
+            burst: bytes as f64 / 2.0,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
         }
     }
@@ -189,7 +137,7 @@ impl fmt::Debug for Quotas {
 }
 
 /// What a completion counts against its scope's quota: its response's bytes, about as a store
-/// holds them ([`StoredResponse::size`](crate::StoredResponse::size); a tombstone costs nothing more
+/// holds them ([`StoredResponse::size`](crate::record::StoredResponse::size); a tombstone costs nothing more
 /// than its claim).
 pub(crate) fn completion_cost(completed: &Completed) -> u64 {
     completed
@@ -205,7 +153,7 @@ mod tests {
     const WINDOW: Duration = Duration::from_secs(1000);
 
     fn quotas(bytes: u64) -> Quotas {
-        Quotas::new(ScopeQuota::new(bytes))
+        Quotas::new(bytes)
     }
 
     #[test]
@@ -264,12 +212,6 @@ mod tests {
     }
 
     #[test]
-    fn a_quota_is_at_least_two_claims() {
-        assert_eq!(ScopeQuota::new(0).bytes(), 2 * CLAIM_COST);
-        assert_eq!(ScopeQuota::new(10_000).bytes(), 10_000);
-    }
-
-    #[test]
     fn a_claim_is_admitted_with_exactly_its_cost_left() {
         // A burst of 512: one claim spent leaves exactly one more.
         let quotas = quotas(1_024);
@@ -287,7 +229,7 @@ mod tests {
         headers.insert("content-type", http::HeaderValue::from_static("text/plain"));
         let mut trailers = http::HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-        let response = crate::StoredResponse {
+        let response = crate::record::StoredResponse {
             status: http::StatusCode::CREATED,
             headers,
             body: bytes::Bytes::from_static(b"0123456789"),

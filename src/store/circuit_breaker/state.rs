@@ -1,6 +1,5 @@
-//! The circuit breaker in front of the store ([`CircuitBreaker`]): while the store keeps failing,
-//! claims are answered at once, without a store call, instead of each waiting for the store's
-//! timeout (`docs/PROTOCOL.md` §9.11).
+//! The breaker's states and their changes: which claims may go to the store, and what their
+//! answers say of it (`docs/PROTOCOL.md` §9.11).
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,46 +12,16 @@ use crate::error_chain::ErrorChain;
 use crate::layer_metrics::{self, BREAKER_STATES};
 use crate::store::StoreError;
 
-/// When the layer stops calling a failing store, and for how long
-/// ([`IdempotencyLayer::circuit_breaker`](crate::IdempotencyLayer::circuit_breaker), PROTOCOL
-/// §9.11).
-///
-/// - **Closed** (the start): every claim goes to the store. A claim that fails because the store
-///   is unreachable or timed out ([`StoreError::Timeout`], [`StoreError::Unavailable`]) counts; a
-///   claim the store answers (a claim, a record, or a refusal such as
-///   [`StoreError::Full`]) ends the run. [`failure_threshold`](Self::failure_threshold) failures in a
-///   row, all within the [`window`](Self::window) of the first, open the breaker.
-/// - **Open**: for the [`cool_down`](Self::cool_down), no claim reaches the store: a request gets
-///   `503` `store-unavailable` at once, with a `Retry-After` of the cool-down left (rounded up),
-///   or, on a [fail-open](crate::IdempotencyLayer::fail_open) layer, runs unprotected as on any
-///   store failure.
-/// - **Half-open**: once the cool-down is over, the next request's claim goes to the store (the
-///   probe); the others are answered as while open, with `Retry-After: 1`. The probe's answer
-///   closes the breaker; its failure opens it for another cool-down.
-///
-/// Defaults: 5 failures within 10 s open it for 5 s.
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_idempotency::{CircuitBreaker, IdempotencyLayer, MemoryStore};
-///
-/// let breaker = CircuitBreaker::default()
-///     .with_failure_threshold(3)
-///     .with_window(Duration::from_secs(5))
-///     .with_cool_down(Duration::from_secs(2));
-/// assert_eq!(breaker.failure_threshold(), 3);
-/// assert_eq!(breaker.cool_down(), Duration::from_secs(2));
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).circuit_breaker(breaker);
-/// # let _ = layer;
-/// ```
+/// A breaker's settings, bounded as [`CircuitBreaker`](super::CircuitBreaker)'s builder
+/// methods say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CircuitBreaker {
-    failures: u32,
-    within: Duration,
-    cool_down: Duration,
+pub(crate) struct Settings {
+    pub(crate) failures: u32,
+    pub(crate) within: Duration,
+    pub(crate) cool_down: Duration,
 }
 
-impl Default for CircuitBreaker {
+impl Default for Settings {
     /// 5 failures within 10 s open the breaker for 5 s.
     fn default() -> Self {
         Self {
@@ -60,88 +29,6 @@ impl Default for CircuitBreaker {
             within: Duration::from_secs(10),
             cool_down: Duration::from_secs(5),
         }
-    }
-}
-
-impl CircuitBreaker {
-    /// How many store failures in a row open the breaker, none of the store's answers between
-    /// them. Default: 5; at least 1.
-    ///
-    /// ```
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// assert_eq!(CircuitBreaker::default().with_failure_threshold(0).failure_threshold(), 1);
-    /// ```
-    pub fn with_failure_threshold(mut self, failures: u32) -> Self {
-        self.failures = failures.max(1);
-        self
-    }
-
-    /// How close together the failures must come: a failure later than this after the first of
-    /// its run starts a new run. Default: 10 s; at least 1 ms.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// let breaker = CircuitBreaker::default().with_window(Duration::from_secs(30));
-    /// assert_eq!(breaker.window(), Duration::from_secs(30));
-    /// ```
-    pub fn with_window(mut self, window: Duration) -> Self {
-        self.within = window.max(Duration::from_millis(1));
-        self
-    }
-
-    /// How long an open breaker answers without the store before it lets a probe through.
-    /// Default: 5 s; at least 1 ms. Choose it longer than the store's own timeout (1 s for
-    /// `RedisStore`), so that a probe ends before the next one could start.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// let breaker = CircuitBreaker::default().with_cool_down(Duration::from_secs(10));
-    /// assert_eq!(breaker.cool_down(), Duration::from_secs(10));
-    /// ```
-    pub fn with_cool_down(mut self, cool_down: Duration) -> Self {
-        self.cool_down = cool_down.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The number of failures in a row that opens the breaker
-    /// ([`with_failure_threshold`](Self::with_failure_threshold)).
-    ///
-    /// ```
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// assert_eq!(CircuitBreaker::default().failure_threshold(), 5);
-    /// ```
-    pub fn failure_threshold(&self) -> u32 {
-        self.failures
-    }
-
-    /// The time within which those failures must come ([`with_window`](Self::with_window)).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// assert_eq!(CircuitBreaker::default().window(), Duration::from_secs(10));
-    /// ```
-    pub fn window(&self) -> Duration {
-        self.within
-    }
-
-    /// How long the breaker stays open ([`with_cool_down`](Self::with_cool_down)).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_idempotency::CircuitBreaker;
-    ///
-    /// assert_eq!(CircuitBreaker::default().cool_down(), Duration::from_secs(5));
-    /// ```
-    pub fn cool_down(&self) -> Duration {
-        self.cool_down
     }
 }
 
@@ -174,9 +61,9 @@ enum State {
     HalfOpen { probing: bool },
 }
 
-/// The breaker of one layer, shared by every service it builds.
+/// The state of one breaker, shared by the clones of its [`CircuitBreaker`](super::CircuitBreaker).
 pub(crate) struct Breaker {
-    settings: CircuitBreaker,
+    pub(crate) settings: Settings,
     /// Closed with no failure counted: a request passes, and a success is noted, with one load
     /// each and no lock.
     clean: AtomicBool,
@@ -214,7 +101,7 @@ struct Change {
 }
 
 impl Breaker {
-    pub(crate) fn new(settings: CircuitBreaker) -> Self {
+    pub(crate) fn new(settings: Settings) -> Self {
         Self {
             settings,
             clean: AtomicBool::new(true),
@@ -437,30 +324,11 @@ mod tests {
     }
 
     fn breaker() -> Breaker {
-        Breaker::new(
-            CircuitBreaker::default()
-                .with_failure_threshold(3)
-                .with_window(Duration::from_secs(10))
-                .with_cool_down(Duration::from_secs(5)),
-        )
-    }
-
-    #[test]
-    fn the_settings_read_back_as_set_and_are_bounded() {
-        let settings = CircuitBreaker::default()
-            .with_failure_threshold(3)
-            .with_window(Duration::from_secs(7))
-            .with_cool_down(Duration::from_secs(2));
-        assert_eq!(settings.failure_threshold(), 3);
-        assert_eq!(settings.window(), Duration::from_secs(7));
-        assert_eq!(settings.cool_down(), Duration::from_secs(2));
-        let least = CircuitBreaker::default()
-            .with_failure_threshold(0)
-            .with_window(Duration::ZERO)
-            .with_cool_down(Duration::ZERO);
-        assert_eq!(least.failure_threshold(), 1);
-        assert!(!least.window().is_zero());
-        assert!(!least.cool_down().is_zero());
+        Breaker::new(Settings {
+            failures: 3,
+            within: Duration::from_secs(10),
+            cool_down: Duration::from_secs(5),
+        })
     }
 
     /// Three failures open `breaker`, and its cool-down passes: the next claim is the probe.
