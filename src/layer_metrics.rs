@@ -164,8 +164,6 @@ fn result<T>(result: &Result<T, StoreError>) -> usize {
         Err(StoreError::Unreadable(_)) => 7,
         Err(StoreError::CircuitOpen { .. }) => 8,
         Err(StoreError::QuotaExceeded { .. }) => 9,
-        // Only an operator's calls (inspect, forget) can answer it, and they are not metered.
-        Err(StoreError::Unsupported { .. }) => 3,
     }
 }
 
@@ -248,7 +246,7 @@ impl<St: Store> Store for Metered<St> {
         timed(call_keys!("release"), self.0.release(id, token)).await
     }
 
-    crate::forward_store!(0 => prepare, changed, inspect, forget);
+    crate::forward_store!(0 => prepare, changed);
 }
 
 #[cfg(all(test, feature = "metrics"))]

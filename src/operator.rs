@@ -37,7 +37,7 @@ use http::HeaderValue;
 use crate::hex::Hex;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::record::RecordId;
-use crate::store::{ForgetOutcome, Inspected, Store, StoreError};
+use crate::store::{ForgetOutcome, Inspected, OperatorStore, StoreError};
 
 /// Why [`lookup`] or [`forget`] did not answer.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +49,7 @@ pub enum OperatorError {
     /// [`forget`] was given no reason: the log line must say why a record was forgotten.
     #[error("a reason is required to forget a key")]
     NoReason,
-    /// The store failed, or does not support the call ([`StoreError::Unsupported`]).
+    /// The store failed.
     #[error("the store call failed")]
     Store(#[from] StoreError),
 }
@@ -77,11 +77,11 @@ pub fn record_id(scope: &[u8], key: &str) -> Result<RecordId, OperatorError> {
 
 /// What `store` holds under `key` of `scope`, writing nothing: `None` for no live record, else
 /// the record in flight (fence, lease end) or completed (its response or tombstone, fence where
-/// kept, expiry). See [`Store::inspect`].
+/// kept, expiry). See [`OperatorStore::inspect`].
 ///
 /// # Errors
 /// [`OperatorError::InvalidKey`], or the store's error.
-pub async fn lookup<St: Store>(
+pub async fn lookup<St: OperatorStore>(
     store: &St,
     scope: &[u8],
     key: &str,
@@ -114,7 +114,7 @@ impl std::fmt::Display for ScopeTag {
     }
 }
 
-/// Forgets `key` of `scope` in `store` ([`Store::forget`]): a completed record or tombstone
+/// Forgets `key` of `scope` in `store` ([`OperatorStore::forget`]): a completed record or tombstone
 /// always, an in-flight one only with `force`. Logged at WARN (target `tower_idempotency`,
 /// message `record forgotten by an operator`) with `reason`, the record id, the key and scope
 /// tags of §12.1, the state it was in and whether it was forced; a refusal is logged at INFO.
@@ -122,7 +122,7 @@ impl std::fmt::Display for ScopeTag {
 /// # Errors
 /// [`OperatorError::InvalidKey`], [`OperatorError::NoReason`] for a blank `reason`, or the
 /// store's error.
-pub async fn forget<St: Store>(
+pub async fn forget<St: OperatorStore>(
     store: &St,
     scope: &[u8],
     key: &str,
@@ -166,6 +166,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::store::Store;
     use crate::{Fingerprint, MemoryStore};
 
     #[tokio::test]

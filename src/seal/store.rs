@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::keys::{OpenError, SealKeys};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Payload, Record, RecordId};
-use crate::store::{Claim, CompletedView, Inspected, Store, StoreError};
+use crate::store::{Claim, CompletedView, Inspected, OperatorStore, Store, StoreError};
 
 /// A [`Store`] that keeps every response of `St` sealed: status, headers and body encrypted and
 /// authenticated with XChaCha20-Poly1305 under the first of its [`SealKeys`], bound to the
@@ -176,6 +176,10 @@ impl<St: Store> Store for SealedStore<St> {
         self.inner.complete(id, token, &sealed, ttl).await
     }
 
+    crate::forward_store!(inner => renew, prepare, release, changed);
+}
+
+impl<St: OperatorStore> OperatorStore for SealedStore<St> {
     /// The record with its response opened, as a claim would replay it; one that does not open
     /// (or in clear, unless [`SealedStore::accept_clear`]) is [`StoreError::Unreadable`], never
     /// bytes taken for a response. Read through the inner store, without the keys, a sealed
@@ -194,5 +198,5 @@ impl<St: Store> Store for SealedStore<St> {
         }
     }
 
-    crate::forward_store!(inner => renew, prepare, release, changed, forget);
+    crate::forward_store!(inner => forget);
 }

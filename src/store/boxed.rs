@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Claim, ForgetOutcome, Inspected, Store, StoreError};
+use super::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, RecordId};
 
@@ -58,7 +58,7 @@ trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<ForgetOutcome, StoreError>>;
 }
 
-impl<S: Store> DynStore for S {
+impl<S: OperatorStore> DynStore for S {
     fn claim<'a>(
         &'a self,
         id: &'a RecordId,
@@ -107,7 +107,7 @@ impl<S: Store> DynStore for S {
         &'a self,
         id: &'a RecordId,
     ) -> BoxFuture<'a, Result<Option<Inspected>, StoreError>> {
-        Box::pin(Store::inspect(self, id))
+        Box::pin(OperatorStore::inspect(self, id))
     }
 
     fn forget<'a>(
@@ -115,17 +115,18 @@ impl<S: Store> DynStore for S {
         id: &'a RecordId,
         force: bool,
     ) -> BoxFuture<'a, Result<ForgetOutcome, StoreError>> {
-        Box::pin(Store::forget(self, id, force))
+        Box::pin(OperatorStore::forget(self, id, force))
     }
 }
 
-/// Any [`Store`], behind one type: for a store chosen at run time (from configuration, say), so
+/// Any [`OperatorStore`], behind one type: for a store chosen at run time (from configuration, say), so
 /// that the layer, the services it builds and the code around them exist once, as
 /// `IdempotencyLayer<BoxStore>`, whatever the store.
 ///
-/// Every method is forwarded, [`Store::prepare`], [`Store::changed`], [`Store::inspect`] and
-/// [`Store::forget`] included. A call's future is boxed, one small allocation per store call;
-/// clones share the store.
+/// Every method is forwarded, [`Store::prepare`], [`Store::changed`] and the operator's
+/// [`OperatorStore::inspect`] and [`OperatorStore::forget`] included, so that a boxed store is
+/// as much a store as the one it holds (every store of the workspace is an `OperatorStore`). A
+/// call's future is boxed, one small allocation per store call; clones share the store.
 ///
 /// ```
 /// use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
@@ -152,7 +153,7 @@ pub struct BoxStore {
 
 impl BoxStore {
     /// Boxes `store`.
-    pub fn new<S: Store>(store: S) -> Self {
+    pub fn new<S: OperatorStore>(store: S) -> Self {
         Self {
             inner: Arc::new(store),
             name: std::any::type_name::<S>(),
@@ -206,7 +207,9 @@ impl Store for BoxStore {
     fn changed(&self, id: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
         self.inner.changed(id)
     }
+}
 
+impl OperatorStore for BoxStore {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
         self.inner.inspect(id).await
     }
@@ -216,8 +219,13 @@ impl Store for BoxStore {
     }
 }
 
-/// A shared store is a store: every method is forwarded, [`Store::prepare`],
-/// [`Store::changed`], [`Store::inspect`] and [`Store::forget`] included.
+/// A shared store is a store: every method is forwarded, [`Store::prepare`] and
+/// [`Store::changed`] included.
 impl<S: Store> Store for Arc<S> {
-    crate::forward_store!(* => claim, complete, renew, prepare, release, changed, inspect, forget);
+    crate::forward_store!(* => claim, complete, renew, prepare, release, changed);
+}
+
+/// A shared operator's store is one too.
+impl<S: OperatorStore> OperatorStore for Arc<S> {
+    crate::forward_store!(* => inspect, forget);
 }

@@ -1,21 +1,22 @@
 //! [`forward_store!`](crate::forward_store): the methods a wrapper store passes through unchanged.
 
-/// Writes the [`Store`](crate::Store) methods that a wrapper store passes to the store it wraps
-/// unchanged, inside its `impl Store` block: the field that holds the inner store (a name, or `0`
-/// for a tuple struct, or `*` for a type that derefs to it), then the methods.
+/// Writes the [`Store`](crate::Store) and [`OperatorStore`](crate::store::OperatorStore) methods
+/// that a wrapper store passes to the store it wraps unchanged, inside its `impl Store` (or
+/// `impl OperatorStore`) block: the field that holds the inner store (a name, or `0` for a tuple
+/// struct, or `*` for a type that derefs to it), then the methods.
 ///
 /// Forward every method the wrapper does not change, [`Store::prepare`](crate::Store::prepare) and
 /// [`Store::changed`](crate::Store::changed) included: their defaults do nothing, so a wrapper
 /// that leaves them out cuts `PgTx` off from its transaction, or its waiters off from their
-/// signal, without an error. [`Store::inspect`](crate::Store::inspect) and
-/// [`Store::forget`](crate::Store::forget) left out answer `StoreError::Unsupported`.
+/// signal, without an error. A wrapper whose inner store is an `OperatorStore` is one too, most
+/// often by forwarding `inspect` and `forget` in a block of their own.
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
 /// use std::time::Duration;
 ///
 /// use tower_idempotency::record::RecordId;
-/// use tower_idempotency::store::{Claim, Store, StoreError};
+/// use tower_idempotency::store::{Claim, OperatorStore, Store, StoreError};
 /// use tower_idempotency::{Fingerprint, MemoryStore, forward_store};
 ///
 /// /// Counts claims; everything else goes to the inner store as it is.
@@ -35,7 +36,11 @@
 ///         self.inner.claim(id, fingerprint, lease).await
 ///     }
 ///
-///     forward_store!(inner => complete, renew, prepare, release, changed, inspect, forget);
+///     forward_store!(inner => complete, renew, prepare, release, changed);
+/// }
+///
+/// impl<St: OperatorStore> OperatorStore for CountingClaims<St> {
+///     forward_store!(inner => inspect, forget);
 /// }
 ///
 /// let store = CountingClaims { inner: MemoryStore::new(), claims: AtomicUsize::new(0) };
@@ -132,7 +137,7 @@ macro_rules! forward_store {
                 $crate::store::StoreError,
             >,
         > + Send {
-            $crate::store::Store::inspect($crate::forward_store!(@inner [$field] self), id)
+            $crate::store::OperatorStore::inspect($crate::forward_store!(@inner [$field] self), id)
         }
     };
     (@method [$field:tt] forget) => {
@@ -143,7 +148,7 @@ macro_rules! forward_store {
         ) -> impl ::std::future::Future<
             Output = ::std::result::Result<$crate::store::ForgetOutcome, $crate::store::StoreError>,
         > + Send {
-            $crate::store::Store::forget($crate::forward_store!(@inner [$field] self), id, force)
+            $crate::store::OperatorStore::forget($crate::forward_store!(@inner [$field] self), id, force)
         }
     };
     (@method [$field:tt] changed) => {

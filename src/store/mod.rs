@@ -123,14 +123,6 @@ pub enum StoreError {
         /// How long until the scope's budget has room for a claim.
         retry_after: Duration,
     },
-    /// The store does not implement `operation` ([`Store::inspect`] or [`Store::forget`]): the
-    /// trait's default, so that a store written before them keeps compiling. Nothing was read or
-    /// written.
-    #[error("{operation} is not supported by this store")]
-    Unsupported {
-        /// The store call, by its method's name.
-        operation: &'static str,
-    },
 }
 
 /// A place to keep idempotency records, shared by every instance that must agree on them.
@@ -245,25 +237,43 @@ pub trait Store: Send + Sync + 'static {
         let _ = id;
         None::<std::future::Ready<()>>
     }
+}
 
+/// A store whose records an operator can read and forget one key at a time
+/// (`docs/PROTOCOL.md` §10.9): what the [`operator`](crate::operator) module, the
+/// `idempotency-keys` tool and [`ScopeQuota`](crate::store::ScopeQuota) (feature `scope-quota`)
+/// need of a store, beside the claims. A capability of its own, as tower-sessions'
+/// `ExpiredDeletion` is: a store without it is a compile error where it is needed, never a
+/// failure at run time. Every store of the workspace has it, and the contract suite checks it.
+///
+/// ```
+/// use tower_idempotency::operator;
+/// use tower_idempotency::store::{MemoryStore, OperatorStore};
+///
+/// /// What the operator's tool asks of a store: this bound.
+/// async fn state_of(store: &impl OperatorStore) -> &'static str {
+///     match operator::lookup(store, b"acct_1", "order-42").await {
+///         Ok(Some(record)) => record.state(),
+///         Ok(None) => "absent",
+///         Err(_) => "unknown",
+///     }
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// assert_eq!(state_of(&MemoryStore::new()).await, "absent");
+/// # }
+/// ```
+pub trait OperatorStore: Store {
     /// Reads the live record under `id` for an operator, writing nothing: `None` when there is
     /// none (never claimed, released, forgotten, or past its expiry), else the record with its
     /// fence and the end of its lease or window on the store's clock (`docs/PROTOCOL.md` §10.9).
     /// A completed record comes back as the store keeps it (a sealed response stays sealed
     /// unless a `SealedStore` opens it). The [`operator`](crate::operator) module reads a key
     /// through it.
-    ///
-    /// The default answers [`StoreError::Unsupported`], so that a store written before it keeps
-    /// compiling; every store of the workspace implements it, and the contract suite checks it.
     fn inspect(
         &self,
         id: &RecordId,
-    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send {
-        let _ = id;
-        std::future::ready(Err(StoreError::Unsupported {
-            operation: "inspect",
-        }))
-    }
+    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send;
 
     /// Forgets the live record under `id`, in one atomic step, so that the key is new to the
     /// next claim: a completed record or tombstone always; an in-flight record only when `force`
@@ -273,16 +283,10 @@ pub trait Store: Send + Sync + 'static {
     /// a fence larger than every earlier claim's (§5.3, §10.9).
     ///
     /// Logs nothing: [`operator::forget`](crate::operator::forget) is the operator's way in,
-    /// and logs the reason. The default answers [`StoreError::Unsupported`], as
-    /// [`Store::inspect`]'s does.
+    /// and logs the reason.
     fn forget(
         &self,
         id: &RecordId,
         force: bool,
-    ) -> impl Future<Output = Result<ForgetOutcome, StoreError>> + Send {
-        let _ = (id, force);
-        std::future::ready(Err(StoreError::Unsupported {
-            operation: "forget",
-        }))
-    }
+    ) -> impl Future<Output = Result<ForgetOutcome, StoreError>> + Send;
 }

@@ -19,7 +19,7 @@ use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 use tokio::time::Instant;
 
-use super::{Claim, ForgetOutcome, Inspected, Store, StoreError};
+use super::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Record, RecordId};
 
@@ -120,6 +120,10 @@ impl<St: Store> Store for ReplayCache<St> {
         written
     }
 
+    crate::forward_store!(store => renew, prepare, release, changed);
+}
+
+impl<St: OperatorStore> OperatorStore for ReplayCache<St> {
     /// The store's own answer: the cache holds copies of what the store holds, and the operator
     /// asks what the store holds.
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
@@ -140,8 +144,6 @@ impl<St: Store> Store for ReplayCache<St> {
         }
         forgotten
     }
-
-    crate::forward_store!(store => renew, prepare, release, changed);
 }
 
 /// The bytes an entry costs besides its response: the id, fingerprint, deadline and the cache's

@@ -2,7 +2,7 @@
 //! store's raw bytes, which only the store's test can read and write.
 
 use bytes::Bytes;
-use tower_idempotency::store::{Inspected, Store};
+use tower_idempotency::store::{Inspected, OperatorStore};
 use tower_idempotency::{IdempotencyLayer, Outcome, Record, RecordId};
 
 use crate::{Handler, created, post, send, service};
@@ -41,7 +41,7 @@ pub async fn assert_extensions_a_release_does_not_know_are_skipped<St>(
     read: impl AsyncFn(&RecordId) -> Vec<u8>,
     write: impl AsyncFn(&RecordId, Vec<u8>),
 ) where
-    St: Store + Clone,
+    St: OperatorStore + Clone,
 {
     let handler = Handler::ok(|call| created(format!("charge {}", call.n)));
     let layer = IdempotencyLayer::new(store.clone()).trace_origin(true);

@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::{BoxError, Service, ServiceExt};
 
-use tower_idempotency::store::{ScopeQuota, Store};
+use tower_idempotency::store::{OperatorStore, ScopeQuota, Store};
 use tower_idempotency::{
     IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, IdempotencyLayer, Outcome, ProblemKind,
     Rejection, Scope,
@@ -472,7 +472,7 @@ where
 /// of the [`ScopeQuota`] around it.
 pub async fn assert_a_quota_keeps_a_flood_off_the_others<St, F>(fresh: F, quota: u64)
 where
-    St: Store + Clone,
+    St: OperatorStore + Clone,
     F: Fn() -> St,
 {
     let handler = Handler::ok(|_| created(pattern(60 * 1024)));

@@ -79,7 +79,7 @@ use std::time::Duration;
 
 use tower::ServiceBuilder;
 
-use tower_idempotency::store::Store;
+use tower_idempotency::store::OperatorStore;
 use tower_idempotency::{Idempotency, IdempotencyLayer};
 
 // Public for the contracts' expansions only: the cases are theirs, not an API.
@@ -104,8 +104,8 @@ pub struct ReadmeDoctests;
 
 /// What a store needs to provide to run the contract.
 pub trait Harness: Send + Sync + 'static {
-    /// The store under test.
-    type Store: Store + Clone + fmt::Debug;
+    /// The store under test, with an operator's calls: the contract checks them too.
+    type Store: OperatorStore + Clone + fmt::Debug;
 
     /// A handle onto this harness's storage: every call sees the same records; every harness
     /// instance starts empty.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use http::Extensions;
 
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, OperatorStore, Store, StoreError};
 use tower_idempotency::{ClaimToken, Completed, Fingerprint, RecordId};
 
 /// How often each store method was called.
@@ -106,7 +106,11 @@ impl<St: Store> Store for Counting<St> {
         self.inner.release(id, token).await
     }
 
-    tower_idempotency::forward_store!(inner => prepare, changed, inspect, forget);
+    tower_idempotency::forward_store!(inner => prepare, changed);
+}
+
+impl<St: OperatorStore> OperatorStore for Counting<St> {
+    tower_idempotency::forward_store!(inner => inspect, forget);
 }
 
 #[derive(Debug, Default)]
@@ -282,5 +286,9 @@ impl<St: Store> Store for Faulty<St> {
         self.inner.release(id, token).await
     }
 
-    tower_idempotency::forward_store!(inner => changed, inspect, forget);
+    tower_idempotency::forward_store!(inner => changed);
+}
+
+impl<St: OperatorStore> OperatorStore for Faulty<St> {
+    tower_idempotency::forward_store!(inner => inspect, forget);
 }

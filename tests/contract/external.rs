@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_idempotency::store::{
-    Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, Store, StoreError,
+    Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, OperatorStore, Store, StoreError,
 };
 use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId};
 use tower_idempotency_test::Harness;
@@ -140,7 +140,10 @@ impl Store for TinyStore {
             owned
         }))
     }
+}
 
+/// What an operator reads and forgets (§10.9): the contract checks it too.
+impl OperatorStore for TinyStore {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
         Ok(self.with_live(|records| Self::view(records, id)))
     }

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 use tower_idempotency::{BoxStore, ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
 
 type Forgetting = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -102,5 +102,15 @@ impl Store for PerRecord {
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         self.of(id).release(id, token).await
+    }
+}
+
+impl OperatorStore for PerRecord {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        self.of(id).inspect(id).await
+    }
+
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        self.of(id).forget(id, force).await
     }
 }

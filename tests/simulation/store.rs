@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 use tower_idempotency::{BoxStore, ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 
 use super::backend::{Backend, Evict, Forget};
@@ -807,5 +807,20 @@ impl Store for SimStore {
         });
         self.log().open.remove(token);
         reply_lost.reply(released)
+    }
+}
+
+/// A read for a scope past its quota (§3.4): the faults of any call, then the store as it is. It
+/// writes nothing, so the model has nothing to learn from it.
+impl OperatorStore for SimStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        let reply_lost = self.strike(id).await?;
+        let seen = self.inner().inspect(id).await?;
+        reply_lost.reply(seen)
+    }
+
+    /// Not drawn by the world: an operator's forget is the operator tests' (§10.9).
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        self.inner().forget(id, force).await
     }
 }

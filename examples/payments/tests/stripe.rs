@@ -17,7 +17,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use serde_json::json;
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
+use tower_idempotency::store::OperatorStore;
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_test::Faulty;
 
 use example_payments::app;
@@ -104,7 +105,7 @@ async fn send(app: &Router, request: Request<Body>) -> Reply {
 }
 
 /// The app, its records in `store`, and its parts.
-fn app_on(store: impl Store) -> (Router, Parts) {
+fn app_on(store: impl OperatorStore) -> (Router, Parts) {
     let parts = Parts::memory(WINDOW);
     let layer = IdempotencyLayer::new(BoxStore::new(store));
     (app(parts.state(), layer), parts)

@@ -14,6 +14,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
+use tower_idempotency::store::OperatorStore;
 use tower_idempotency::{BoxStore, ClaimToken, IdempotencyLayer, MemoryStore, RecordId, Store};
 use tower_idempotency::{StoreError, forward_store};
 
@@ -133,6 +134,10 @@ impl<St: Store> Store for Stalling<St> {
     forward_store!(inner => claim, complete, prepare, release, changed);
 }
 
+impl<St: OperatorStore> OperatorStore for Stalling<St> {
+    forward_store!(inner => inspect, forget);
+}
+
 /// The instances a client's first attempt and its retries reach (`routers`), over one ledger:
 /// the first one, and on PostgreSQL a second one.
 struct Takeover {
@@ -142,7 +147,7 @@ struct Takeover {
 }
 
 impl Takeover {
-    fn router<St: Store>(h: &Harness, inner: St, stalled: &Arc<AtomicBool>) -> Router {
+    fn router<St: OperatorStore>(h: &Harness, inner: St, stalled: &Arc<AtomicBool>) -> Router {
         let stalled = stalled.clone();
         let layer = IdempotencyLayer::new(BoxStore::new(Stalling { inner, stalled }));
         app(h.state.clone(), layer.lease(SHORT_LEASE))

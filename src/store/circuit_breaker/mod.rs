@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use self::state::{Admission, Breaker, Settings};
-use super::{Claim, Store, StoreError};
+use super::{Claim, OperatorStore, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::RecordId;
 
@@ -172,7 +172,12 @@ impl<St: Store> Store for CircuitBreaker<St> {
         claim
     }
 
-    crate::forward_store!(store => complete, renew, prepare, release, changed, inspect, forget);
+    crate::forward_store!(store => complete, renew, prepare, release, changed);
+}
+
+/// An operator's calls are not gated: an operator asks a failing store, and sees it fail.
+impl<St: OperatorStore> OperatorStore for CircuitBreaker<St> {
+    crate::forward_store!(store => inspect, forget);
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@ mod budget;
 mod expiry;
 mod scopes;
 
-use super::{Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, Store, StoreError};
+use super::{
+    Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, OperatorStore, Store, StoreError,
+};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, Fence, InFlight, Record, RecordId, encode_tombstone};
 use budget::{Budget, Refused};
@@ -437,7 +439,9 @@ impl Store for MemoryStore {
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
         Ok(self.release_now(id, token))
     }
+}
 
+impl OperatorStore for MemoryStore {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
         let (shard, now) = self.shard_now(id);
         let seen = shard

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use self::budgets::{CLAIM_COST, Quotas, completion_cost};
-use super::{Claim, Inspected, Store, StoreError};
+use super::{Claim, Inspected, OperatorStore, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
 
@@ -23,7 +23,8 @@ use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
 /// window the layer completes its records with: the `ttl` of the last completion, 24 h until the
 /// first). A claim spends 256 bytes; a stored response spends its size (body, headers and
 /// trailers). It bounds new writes only: a claim whose scope has less than a claim's cost left is
-/// answered from its key's record, read without a claim ([`Store::inspect`]: a replay, a `409`
+/// answered from its key's record, read without a claim ([`OperatorStore::inspect`], so the store
+/// behind it must have it: a replay, a `409`
 /// while it runs, a `422` for another request: nothing written, nothing spent); only one whose
 /// key has no record, so that the claim would write one, is refused with
 /// [`StoreError::QuotaExceeded`], which the layer answers `429` `quota-exceeded` with a
@@ -114,7 +115,7 @@ impl<St> ScopeQuota<St> {
     }
 }
 
-impl<St: Store> ScopeQuota<St> {
+impl<St: OperatorStore> ScopeQuota<St> {
     /// Answers a claim whose scope is past its quota from its key's record, read without a
     /// claim: a key without a live record is refused (`wait` is the budget's refill time), as is
     /// one the store cannot say anything of (it failed): refused as a new key, never run
@@ -145,7 +146,7 @@ impl<St: fmt::Debug> fmt::Debug for ScopeQuota<St> {
     }
 }
 
-impl<St: Store> Store for ScopeQuota<St> {
+impl<St: OperatorStore> Store for ScopeQuota<St> {
     async fn claim(
         &self,
         id: &RecordId,
@@ -182,5 +183,9 @@ impl<St: Store> Store for ScopeQuota<St> {
         written
     }
 
-    crate::forward_store!(store => renew, prepare, release, changed, inspect, forget);
+    crate::forward_store!(store => renew, prepare, release, changed);
+}
+
+impl<St: OperatorStore> OperatorStore for ScopeQuota<St> {
+    crate::forward_store!(store => inspect, forget);
 }

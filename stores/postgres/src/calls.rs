@@ -14,7 +14,7 @@ use tower_idempotency::Fingerprint;
 use tower_idempotency::record::{
     ClaimToken, Completed, DecodeError, Fence, InFlight, Record, RecordId,
 };
-use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 
 impl PgStore {
     /// Runs the completion statement for the claim `token` on `conn`, in whatever transaction
@@ -150,7 +150,9 @@ impl Store for PgStore {
     fn prepare(&self, _id: &RecordId, token: &ClaimToken, extensions: &mut http::Extensions) {
         self.prepare_call(token, extensions);
     }
+}
 
+impl OperatorStore for PgStore {
     fn inspect(
         &self,
         id: &RecordId,

@@ -57,7 +57,7 @@ use replication::Replication;
 use scripts::{CLAIM, COMPLETE, Lua, RELEASE, RENEW};
 use tower_idempotency::Fingerprint;
 use tower_idempotency::record::{ClaimToken, Completed, RecordId};
-use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 
 use compression::Compression;
 
@@ -615,7 +615,9 @@ impl Store for RedisStore {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         Box::pin(self.release_call(id, token))
     }
+}
 
+impl OperatorStore for RedisStore {
     fn inspect(
         &self,
         id: &RecordId,

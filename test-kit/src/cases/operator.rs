@@ -5,25 +5,25 @@ use std::time::{Duration, SystemTime};
 
 use super::store::{ANSWERS, claimed, completed_with_response, existing_in_flight, fingerprint};
 use crate::{Harness, margin};
-use tower_idempotency::store::{ForgetOutcome, Inspected, Store};
+use tower_idempotency::store::{ForgetOutcome, Inspected, OperatorStore, Store};
 use tower_idempotency::{ClaimToken, Completed, RecordId};
 
 fn record_id(key: &str) -> RecordId {
     RecordId::new(b"operator", key)
 }
 
-async fn inspected<St: Store>(store: &St, id: &RecordId) -> Option<Inspected> {
-    store.inspect(id).await.expect(
-        "§10.9 inspect: every store of the workspace implements it, and answers Ok on a \
-         reachable store",
-    )
+async fn inspected<St: OperatorStore>(store: &St, id: &RecordId) -> Option<Inspected> {
+    store
+        .inspect(id)
+        .await
+        .expect("§10.9 inspect: answers Ok on a reachable store")
 }
 
-async fn forget<St: Store>(store: &St, id: &RecordId, force: bool) -> ForgetOutcome {
-    store.forget(id, force).await.expect(
-        "§10.9 forget: every store of the workspace implements it, and answers Ok on a \
-         reachable store",
-    )
+async fn forget<St: OperatorStore>(store: &St, id: &RecordId, force: bool) -> ForgetOutcome {
+    store
+        .forget(id, force)
+        .await
+        .expect("§10.9 forget: answers Ok on a reachable store")
 }
 
 /// Whether `at` lies within `slack` of `from..=to`: the store's clock against this process's.
