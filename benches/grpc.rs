@@ -21,8 +21,9 @@ use http::{HeaderMap, Request};
 use http_body_util::{BodyExt, Full};
 use prost::Message;
 use tower::{Layer, Service, ServiceExt};
+use tower_idempotency::record::{Fingerprint, Record, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
 use benches::support::callgrind;
 use grpc_payments::{CREATE_CHARGE, CreateChargeRequest, Ledger, PaymentsServer};

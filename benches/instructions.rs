@@ -41,9 +41,10 @@ use benches::app::{self, REPLAY_KEY, Variant, app, call, layered, layered_with, 
 use benches::floor;
 use benches::support::{callgrind, chart};
 use deadpool_redis::redis;
+use tower_idempotency::record::{Fingerprint, Record, RecordId};
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, ScopeQuota, Store};
-use tower_idempotency::{BoxStore, Fingerprint, IdempotencyLayer, MemoryStore, Record, RecordId};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 

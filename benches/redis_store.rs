@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
+use tower_idempotency::record::{Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Fingerprint, RecordId};
 use tower_idempotency_redis::RedisStore;
 
 const LEASE: Duration = Duration::from_secs(30);

@@ -124,7 +124,7 @@ impl<St> IdempotencyLayer<St> {
     /// for `1`) replays instead of getting 422. A body that is not JSON, or not JSON the canonical
     /// form keeps whole (invalid, a duplicate member name, a number a double does not hold
     /// exactly), keeps its byte fingerprint; so do other content types. See
-    /// [`Fingerprint::of_json`](crate::Fingerprint::of_json).
+    /// [`Fingerprint::of_json`](crate::record::Fingerprint::of_json).
     ///
     /// Default: `false`. Turn it on when clients may re-serialise a retry (SDKs that rebuild the
     /// request from objects, retries through a queue). Records stored with it off do not match
@@ -340,9 +340,9 @@ impl<St> IdempotencyLayer<St> {
     /// response is not stored), a waiting duplicate claims the key and runs, as a new request
     /// would. Duplicates of one key share one wait, which asks the store at most every 250 ms
     /// (at once when this layer finishes the first request, or when the store signals that another
-    /// instance did: [`Store::changed`](crate::Store::changed), `PgStore::with_notifications`),
-    /// however many wait; a duplicate whose client goes away stops waiting. A bound of zero turns
-    /// waiting off.
+    /// instance did: [`Store::changed`](crate::store::Store::changed),
+    /// `PgStore::with_notifications`), however many wait; a duplicate whose client goes away stops
+    /// waiting. A bound of zero turns waiting off.
     ///
     /// Default: off (`409` at once, the IETF draft's answer). Turn it on when clients retry while
     /// the first attempt still runs (a client timeout shorter than the handler's slowest answers)
@@ -379,7 +379,8 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// ```
     /// use http::StatusCode;
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+    /// use tower_idempotency::problem::ProblemKind;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
     ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new())
     ///     .problem_status(ProblemKind::Mismatch, StatusCode::CONFLICT);
@@ -400,8 +401,8 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// ```
     /// use http::HeaderValue;
-    /// use tower_idempotency::problem::{Problem, RenderedProblem};
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+    /// use tower_idempotency::problem::{Problem, ProblemKind, RenderedProblem};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
     ///
     /// // `{"error": {"code", "message"}}`, as the rest of the API answers.
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).render_problems(|problem: &Problem| {

@@ -78,7 +78,8 @@
 //!   ([`IdempotencyLayer::scope`]). **Without a scope, all clients share one key space: only right
 //!   for a single-tenant service.**
 //! - **Fingerprint.** blake3 over the method, path and query, body, and an allow-list of headers
-//!   ([`Fingerprint`]). The same key with a different fingerprint is a client bug: 422.
+//!   ([`Fingerprint`](record::Fingerprint)). The same key with a different fingerprint is a client
+//!   bug: 422.
 //! - **Claim.** One atomic store call claims the key for a lease (30 s), renewed while the handler
 //!   runs; a crashed instance frees its keys when the lease runs out.
 //! - **Execution.** A claimed request runs to completion even when the client disconnects, so its
@@ -128,10 +129,13 @@
 //! [`tower-idempotency-redis`](https://docs.rs/tower-idempotency-redis), Redis 7.0 or newer) or
 //! `PgStore` (crate [`tower-idempotency-postgres`](https://docs.rs/tower-idempotency-postgres))
 //! for many instances behind a load balancer; [`BoxStore`] for a store chosen at run time, behind
-//! one type. Write your own by implementing [`Store`], and run the crate's contract suite on it
-//! (crate [`tower-idempotency-test`](https://docs.rs/tower-idempotency-test), `store_contract!`);
-//! the record encoding in
-//! [`Record::decode`] and [`Completed::encode`] is there for stores that keep bytes.
+//! one type. Store wrappers add what a store lacks: `store::ReplayCache`, `store::CircuitBreaker`
+//! and `store::ScopeQuota` (each with its feature, below). Write your own store by implementing
+//! [`store::Store`] (and [`store::OperatorStore`], for an operator's lookups), and run the crate's
+//! contract suite on it (crate [`tower-idempotency-test`](https://docs.rs/tower-idempotency-test),
+//! `store_contract!`); the [`record`] module has the types a store keeps, and the encoding in
+//! [`Record::decode`](record::Record::decode) and
+//! [`Completed::encode`](record::Completed::encode) for stores that keep bytes.
 //!
 //! # Metrics
 //! With the `metrics` feature (on by default), the layer and the consumer record through the
@@ -190,7 +194,7 @@
 // Each option below is built only when asked for: its code, and the crate it brings.
 #![cfg_attr(
     feature = "canonical-json",
-    doc = "- `canonical-json`: [`IdempotencyLayer::canonical_json`] and [`Fingerprint::of_json`] (RFC 8785). Brings `serde_json_canonicalizer`."
+    doc = "- `canonical-json`: [`IdempotencyLayer::canonical_json`] and [`Fingerprint::of_json`](record::Fingerprint::of_json) (RFC 8785). Brings `serde_json_canonicalizer`."
 )]
 #![cfg_attr(
     not(feature = "canonical-json"),
@@ -203,6 +207,22 @@
 #![cfg_attr(
     not(feature = "replay-cache"),
     doc = "- `replay-cache`: `store::ReplayCache`, this process's completed records replayed from memory. Brings `quick_cache`."
+)]
+#![cfg_attr(
+    feature = "circuit-breaker",
+    doc = "- `circuit-breaker`: [`store::CircuitBreaker`], a store wrapper that answers at once, without the store, while the store keeps failing (PROTOCOL §9.11)."
+)]
+#![cfg_attr(
+    not(feature = "circuit-breaker"),
+    doc = "- `circuit-breaker`: `store::CircuitBreaker`, a store wrapper that answers at once, without the store, while the store keeps failing (PROTOCOL §9.11)."
+)]
+#![cfg_attr(
+    feature = "scope-quota",
+    doc = "- `scope-quota`: [`store::ScopeQuota`], a store wrapper that bounds the bytes of records each scope (tenant) writes (PROTOCOL §3.4)."
+)]
+#![cfg_attr(
+    not(feature = "scope-quota"),
+    doc = "- `scope-quota`: `store::ScopeQuota`, a store wrapper that bounds the bytes of records each scope (tenant) writes (PROTOCOL §3.4)."
 )]
 #![cfg_attr(
     feature = "trace-origin",
@@ -282,21 +302,15 @@ pub use body::{RequestBody, ResponseBody};
 pub use detach::Shutdown;
 #[cfg(feature = "axum")]
 pub use extract::{MissingClaimExtension, MissingKeyExtension};
-pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use held_claim::HeldClaim;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};
 pub use outcome::Outcome;
-pub use problem::{IDEMPOTENCY_PROBLEM, ProblemKind};
-pub use record::{
-    ClaimToken, Completed, DecodeError, EncodeError, Fence, InFlight, Payload, Record, RecordId,
-    StoredResponse,
-};
 pub use retention::{IDEMPOTENCY_KEY_EXPIRES, RetentionFormat};
 pub use scope::{Rejection, Scope, ScopeRequest};
 pub use service::{IDEMPOTENT_REPLAYED, Idempotency};
-pub use store::{BoxStore, Claim, MemoryStore, Store, StoreError};
+pub use store::{BoxStore, MemoryStore};
 pub use store_policy::{DefaultStorePolicy, Every4xxStorePolicy, StorePolicy};
 
 // The README's examples, compiled as doc tests (and run, where they need no server).

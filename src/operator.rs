@@ -1,5 +1,5 @@
 //! An operator's way into the store: what happened to one key of one scope ([`lookup`]), and
-//! forgetting it ([`forget`]), over any [`Store`] (`docs/PROTOCOL.md` §10.9).
+//! forgetting it ([`forget`]), over any [`OperatorStore`] (`docs/PROTOCOL.md` §10.9).
 //!
 //! Both take the scope's bytes, as the application's scope function makes them (§3; empty when
 //! the layer has none), and the key as the client sent it in its header, bare or quoted: they
@@ -10,7 +10,8 @@
 //! ```
 //! use std::time::Duration;
 //! use tower_idempotency::store::{ForgetOutcome, Inspected, Store};
-//! use tower_idempotency::{Fingerprint, MemoryStore, RecordId, operator};
+//! use tower_idempotency::record::{Fingerprint, RecordId};
+//! use tower_idempotency::{MemoryStore, operator};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), operator::OperatorError> {
@@ -61,7 +62,8 @@ pub enum OperatorError {
 /// [`OperatorError::InvalidKey`] when the layer would refuse the key.
 ///
 /// ```
-/// use tower_idempotency::{RecordId, operator};
+/// use tower_idempotency::record::RecordId;
+/// use tower_idempotency::operator;
 ///
 /// let id = operator::record_id(b"acct_1", "\"order-42\"")?;
 /// assert_eq!(id, RecordId::new(b"acct_1", "order-42"));
@@ -166,8 +168,9 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::MemoryStore;
+    use crate::record::Fingerprint;
     use crate::store::Store;
-    use crate::{Fingerprint, MemoryStore};
 
     #[tokio::test]
     async fn lookup_finds_the_key_of_its_scope_only() {

@@ -93,7 +93,7 @@ outcomes! {
         /// again cannot fix (a store whose completion commits with the work,
         /// [`StoreError::Rejected`]): 422, nothing was done, and the claim was released.
         ///
-        /// [`StoreError::Rejected`]: crate::StoreError::Rejected
+        /// [`StoreError::Rejected`]: crate::store::StoreError::Rejected
         CommitRejected => "commit_rejected",
         /// The key's record cannot be opened or trusted (a sealed record that does not open, or one
         /// in clear where sealed ones are required): 500, neither replayed nor run again.

@@ -72,7 +72,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 /// is not kept), and only this header or the body's `type` says which.
 ///
 /// ```
-/// assert_eq!(tower_idempotency::IDEMPOTENCY_PROBLEM, "idempotency-problem");
+/// assert_eq!(tower_idempotency::problem::IDEMPOTENCY_PROBLEM, "idempotency-problem");
 /// ```
 pub const IDEMPOTENCY_PROBLEM: HeaderName = HeaderName::from_static("idempotency-problem");
 
@@ -310,8 +310,8 @@ impl Problem {
 /// use http::{HeaderValue, Request, StatusCode, header::CONTENT_TYPE};
 /// use http_body_util::BodyExt;
 /// use tower::ServiceExt;
-/// use tower_idempotency::problem::{Problem, RenderedProblem};
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+/// use tower_idempotency::problem::{Problem, ProblemKind, RenderedProblem};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {

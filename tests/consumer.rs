@@ -6,9 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tower_idempotency::MemoryStore;
 use tower_idempotency::consumer::{DedupError, Deduplicator, Processed};
-use tower_idempotency::store::Claim;
-use tower_idempotency::{Fingerprint, MemoryStore, RecordId, Store};
+use tower_idempotency::record::{Fingerprint, RecordId};
+use tower_idempotency::store::{Claim, Store};
 use tower_idempotency_redis::RedisStore;
 
 /// Applies an event's amount to a balance and counts the applications.

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use tower_idempotency::record::{Fingerprint, Record, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Outcome, Record, RecordId};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{Handler, created, post, send, service};
 use tracing::Instrument as _;
 use tracing_subscriber::layer::SubscriberExt as _;

@@ -13,7 +13,8 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, Store};
+use tower_idempotency::store::Store;
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
 
 pub const PATH: &str = "/v1/charges";
 /// The handler's response: a fixed charge object (203 bytes), as in `benches/http/main.rs`.

@@ -40,10 +40,9 @@ use axum::routing::post;
 use benches::app::{CHARGE, PATH, call, layered, post_request};
 use benches::support::{callgrind, chart};
 use chart::Series;
+use tower_idempotency::record::{Completed, Fingerprint, RecordId, StoredResponse};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{
-    Completed, Fingerprint, IdempotencyLayer, MemoryStore, RecordId, StoredResponse,
-};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
 /// New keys sent before the count starts, and counted.

@@ -56,9 +56,10 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use tower_idempotency::record::RecordId;
 use tower_idempotency::seal::{SealKeys, SealedStore};
 use tower_idempotency::store::ForgetOutcome;
-use tower_idempotency::{BoxStore, RecordId, operator};
+use tower_idempotency::{BoxStore, operator};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 

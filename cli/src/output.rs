@@ -4,8 +4,9 @@ use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Map, Value, json};
+use tower_idempotency::operator;
+use tower_idempotency::record::RecordId;
 use tower_idempotency::store::{CompletedView, ForgetOutcome, InFlightView, Inspected};
-use tower_idempotency::{RecordId, operator};
 
 /// The key a report is about.
 pub(crate) struct Report<'a> {

@@ -11,9 +11,10 @@ use serde_json::Value;
 use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
-use tower_idempotency::record::TraceOrigin;
+use tower_idempotency::record::{
+    ClaimToken, Completed, Fingerprint, RecordId, StoredResponse, TraceOrigin,
+};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{ClaimToken, Completed, Fingerprint, RecordId, StoredResponse};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 

@@ -5,7 +5,7 @@ use std::error::Error as StdError;
 use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Method, Response, StatusCode, header};
-use tower_idempotency::IDEMPOTENCY_PROBLEM;
+use tower_idempotency::problem::IDEMPOTENCY_PROBLEM;
 
 use super::BoxError;
 
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn not_replayable_is_told_from_the_other_409s() {
-        use tower_idempotency::ProblemKind;
+        use tower_idempotency::problem::ProblemKind;
         let anchor = ProblemKind::NotReplayable.type_uri().rsplit('#').next();
         assert_eq!(anchor, Some(NOT_REPLAYABLE), "the layer's name for it");
         let with = |value: &'static str| {

@@ -17,7 +17,8 @@ use serde_json::{Value, json};
 use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tower_http::timeout::RequestBodyDeadlineLayer;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
+use tower_idempotency::store::Store;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_redis::RedisStore;
 
 /// How long a request's body may take to arrive.

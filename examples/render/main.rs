@@ -19,8 +19,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde_json::{Value, json};
-use tower_idempotency::problem::{Problem, RenderedProblem};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemKind};
+use tower_idempotency::problem::{Problem, ProblemKind, RenderedProblem};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
 /// Store latency buckets, in seconds. Without them the exporter renders the layer's latency
 /// histogram as a summary (quantiles), which cannot be aggregated across instances.

@@ -24,7 +24,7 @@ const CANONICAL_JSON_CONTEXT: &str = "tower-idempotency 2026-01 request fingerpr
 ///
 /// ```
 /// use http::{HeaderMap, Method, Uri};
-/// use tower_idempotency::Fingerprint;
+/// use tower_idempotency::record::Fingerprint;
 ///
 /// let uri: Uri = "/v1/charges?expand=source".parse().unwrap();
 /// let a = Fingerprint::of(&Method::POST, &uri, &HeaderMap::new(), &[], b"{\"amount\":100}");
@@ -64,7 +64,7 @@ impl Fingerprint {
     ///
     /// ```
     /// use http::{HeaderMap, HeaderValue, Method, Uri, header::CONTENT_TYPE};
-    /// use tower_idempotency::Fingerprint;
+    /// use tower_idempotency::record::Fingerprint;
     ///
     /// let uri = Uri::from_static("/v1/charges");
     /// let mut json = HeaderMap::new();

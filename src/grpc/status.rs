@@ -25,7 +25,7 @@ use crate::store_policy::StorePolicy;
 ///
 /// ```
 /// use tonic::Code;
-/// use tower_idempotency::ProblemKind;
+/// use tower_idempotency::problem::ProblemKind;
 /// use tower_idempotency::grpc::code_for;
 ///
 /// assert_eq!(code_for(ProblemKind::InFlight), Code::Aborted);

@@ -46,8 +46,7 @@ const ORIGIN_BLOCK_MARKER: [u8; 2] = [0, 0];
 ///
 /// ```
 /// use std::time::{Duration, SystemTime};
-/// use tower_idempotency::record::{ClaimToken, Fence, Record, layout};
-/// use tower_idempotency::Fingerprint;
+/// use tower_idempotency::record::{ClaimToken, Fence, Fingerprint, Record, layout};
 ///
 /// let token = ClaimToken::new(Fence::new(7));
 /// let bytes = layout::in_flight(&token, &Fingerprint::from_bytes([1; 32]), SystemTime::now() + Duration::from_secs(30));
@@ -372,7 +371,7 @@ impl Record {
     ///
     /// ```
     /// use bytes::Bytes;
-    /// use tower_idempotency::{Completed, Fingerprint, Record};
+    /// use tower_idempotency::record::{Completed, Fingerprint, Record};
     ///
     /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// let mut bytes = tombstone.encode()?;

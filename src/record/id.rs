@@ -16,7 +16,8 @@ use crate::hex::Hex;
 ///
 /// ```
 /// use http::HeaderValue;
-/// use tower_idempotency::{IdempotencyKey, RecordId};
+/// use tower_idempotency::record::RecordId;
+/// use tower_idempotency::IdempotencyKey;
 ///
 /// let key = IdempotencyKey::parse(&HeaderValue::from_static("k")).unwrap();
 /// assert_ne!(RecordId::new(b"acct_1", key.as_str()), RecordId::new(b"acct_2", key.as_str()));
@@ -78,7 +79,7 @@ impl RecordId {
     /// A short, non-reversible tag of the id for logs: the first 8 hex characters.
     ///
     /// ```
-    /// use tower_idempotency::RecordId;
+    /// use tower_idempotency::record::RecordId;
     ///
     /// let id = RecordId::new(b"acct_1", "order-42");
     /// assert_eq!(id.tag().to_string(), id.to_string()[..8]);
@@ -122,7 +123,7 @@ impl ClaimToken {
     /// probability) across processes: a random per-process value plus a counter.
     ///
     /// ```
-    /// use tower_idempotency::{ClaimToken, Fence};
+    /// use tower_idempotency::record::{ClaimToken, Fence};
     ///
     /// let token = ClaimToken::new(Fence::new(7));
     /// assert_eq!(token.fence(), Fence::new(7));
@@ -185,7 +186,7 @@ impl ClaimToken {
     /// (Redis, PostgreSQL) send the token's unique half and learn the fence from the answer.
     ///
     /// ```
-    /// use tower_idempotency::{ClaimToken, Fence};
+    /// use tower_idempotency::record::{ClaimToken, Fence};
     ///
     /// let token = ClaimToken::new(Fence::new(1)).with_fence(Fence::new(9));
     /// assert_eq!(token.fence(), Fence::new(9));
@@ -200,7 +201,7 @@ impl ClaimToken {
     /// numbers claims itself matches a release or renewal on.
     ///
     /// ```
-    /// use tower_idempotency::{ClaimToken, Fence};
+    /// use tower_idempotency::record::{ClaimToken, Fence};
     ///
     /// let token = ClaimToken::new(Fence::new(1));
     /// assert_eq!(token.with_fence(Fence::new(2)).unique_half(), token.unique_half());
@@ -225,7 +226,7 @@ impl ClaimToken {
 /// forgot the key (a restart, a failover, a swept row) as long as that clock does not go back.
 ///
 /// ```
-/// use tower_idempotency::Fence;
+/// use tower_idempotency::record::Fence;
 ///
 /// let first = Fence::new(1_700_000_000_000_000);
 /// // A takeover within the same microsecond still gets a larger fence.
@@ -262,7 +263,7 @@ impl Fence {
     /// its own clock ([`Fence::following`]).
     ///
     /// ```
-    /// use tower_idempotency::Fence;
+    /// use tower_idempotency::record::Fence;
     ///
     /// let first = Fence::next_in_process();
     /// assert!(Fence::next_in_process() > first);

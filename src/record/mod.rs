@@ -43,6 +43,7 @@ mod model;
 mod reader;
 mod trace_origin;
 
+pub use crate::fingerprint::Fingerprint;
 pub(crate) use codec::encode_tombstone;
 pub use codec::layout;
 pub use codec::{DecodeError, EncodeError};

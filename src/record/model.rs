@@ -68,7 +68,7 @@ impl Completed {
     /// ```
     /// use bytes::Bytes;
     /// use http::{HeaderMap, StatusCode};
-    /// use tower_idempotency::{Completed, Fingerprint, StoredResponse};
+    /// use tower_idempotency::record::{Completed, Fingerprint, StoredResponse};
     ///
     /// let done = Completed::with_response(
     ///     Fingerprint::from_bytes([1; 32]),
@@ -92,7 +92,7 @@ impl Completed {
     /// A tombstone: a completed record without a response (PROTOCOL.md §5.2).
     ///
     /// ```
-    /// use tower_idempotency::{Completed, Fingerprint};
+    /// use tower_idempotency::record::{Completed, Fingerprint};
     ///
     /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// assert!(tombstone.response.is_none());
@@ -108,8 +108,7 @@ impl Completed {
     /// This record with the trace context of the execution that completed it.
     ///
     /// ```
-    /// use tower_idempotency::record::TraceOrigin;
-    /// use tower_idempotency::{Completed, Fingerprint};
+    /// use tower_idempotency::record::{Completed, Fingerprint, TraceOrigin};
     ///
     /// let origin = TraceOrigin::new([1; 16], [2; 8], 1).unwrap();
     /// let done = Completed::tombstone(Fingerprint::from_bytes([1; 32])).with_origin(Some(origin.clone()));
@@ -124,7 +123,7 @@ impl Completed {
     /// response.
     ///
     /// ```
-    /// use tower_idempotency::{Completed, Fingerprint};
+    /// use tower_idempotency::record::{Completed, Fingerprint};
     ///
     /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// assert!(tombstone.plain().is_none());

@@ -162,7 +162,7 @@ impl SealKeys {
     /// use bytes::Bytes;
     /// use http::{HeaderMap, StatusCode};
     /// use tower_idempotency::seal::{SealKey, SealKeys};
-    /// use tower_idempotency::{Fingerprint, RecordId, StoredResponse};
+    /// use tower_idempotency::record::{Fingerprint, RecordId, StoredResponse};
     ///
     /// let keys = SealKeys::new([SealKey::new("k1", [7; 32])?])?;
     /// let id = RecordId::new(b"acct_1", "order-42");

@@ -27,7 +27,8 @@ use crate::store::{Claim, CompletedView, Inspected, OperatorStore, Store, StoreE
 /// use http::{HeaderMap, StatusCode};
 /// use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 /// use tower_idempotency::store::{Claim, Store};
-/// use tower_idempotency::{Completed, Fingerprint, MemoryStore, Record, RecordId, StoredResponse};
+/// use tower_idempotency::record::{Completed, Fingerprint, Record, RecordId, StoredResponse};
+/// use tower_idempotency::MemoryStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {

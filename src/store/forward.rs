@@ -1,13 +1,14 @@
 //! [`forward_store!`](crate::forward_store): the methods a wrapper store passes through unchanged.
 
-/// Writes the [`Store`](crate::Store) and [`OperatorStore`](crate::store::OperatorStore) methods
-/// that a wrapper store passes to the store it wraps unchanged, inside its `impl Store` (or
+/// Writes the [`Store`](crate::store::Store) and [`OperatorStore`](crate::store::OperatorStore)
+/// methods that a wrapper store passes to the store it wraps unchanged, inside its `impl Store` (or
 /// `impl OperatorStore`) block: the field that holds the inner store (a name, or `0` for a tuple
 /// struct, or `*` for a type that derefs to it), then the methods.
 ///
-/// Forward every method the wrapper does not change, [`Store::prepare`](crate::Store::prepare) and
-/// [`Store::changed`](crate::Store::changed) included: their defaults do nothing, so a wrapper
-/// that leaves them out cuts `PgTx` off from its transaction, or its waiters off from their
+/// Forward every method the wrapper does not change,
+/// [`Store::prepare`](crate::store::Store::prepare) and
+/// [`Store::changed`](crate::store::Store::changed) included: their defaults do nothing, so a
+/// wrapper that leaves them out cuts `PgTx` off from its transaction, or its waiters off from their
 /// signal, without an error. A wrapper whose inner store is an `OperatorStore` is one too, most
 /// often by forwarding `inspect` and `forget` in a block of their own.
 ///
@@ -15,9 +16,9 @@
 /// use std::sync::atomic::{AtomicUsize, Ordering};
 /// use std::time::Duration;
 ///
-/// use tower_idempotency::record::RecordId;
+/// use tower_idempotency::record::{Fingerprint, RecordId};
 /// use tower_idempotency::store::{Claim, OperatorStore, Store, StoreError};
-/// use tower_idempotency::{Fingerprint, MemoryStore, forward_store};
+/// use tower_idempotency::{MemoryStore, forward_store};
 ///
 /// /// Counts claims; everything else goes to the inner store as it is.
 /// struct CountingClaims<St> {
@@ -57,7 +58,7 @@ macro_rules! forward_store {
         fn claim(
             &self,
             id: &$crate::record::RecordId,
-            fingerprint: &$crate::Fingerprint,
+            fingerprint: &$crate::record::Fingerprint,
             lease: ::std::time::Duration,
         ) -> impl ::std::future::Future<
             Output = ::std::result::Result<$crate::store::Claim, $crate::store::StoreError>,

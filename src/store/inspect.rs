@@ -1,19 +1,19 @@
-//! What an operator reads of one record ([`Store::inspect`](super::Store::inspect)) and what
-//! forgetting it did ([`Store::forget`](super::Store::forget)).
+//! What an operator reads of one record ([`OperatorStore::inspect`](super::OperatorStore::inspect))
+//! and what forgetting it did ([`OperatorStore::forget`](super::OperatorStore::forget)).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{Completed, Fence, Payload};
 
-/// A live record as [`Store::inspect`](super::Store::inspect) reads it, with what the store knows
-/// of its claim and its lifetime: not what a claim answers (a claim sees neither fence nor
-/// expiry), but what an operator needs to say what happened to a key.
+/// A live record as [`OperatorStore::inspect`](super::OperatorStore::inspect) reads it, with what
+/// the store knows of its claim and its lifetime: not what a claim answers (a claim sees neither
+/// fence nor expiry), but what an operator needs to say what happened to a key.
 ///
 /// ```
 /// use std::time::{Duration, SystemTime};
 /// use tower_idempotency::store::{InFlightView, Inspected};
-/// use tower_idempotency::{Fence, Fingerprint};
+/// use tower_idempotency::record::{Fence, Fingerprint};
 ///
 /// let view = Inspected::InFlight(InFlightView {
 ///     fingerprint: Fingerprint::from_bytes([1; 32]),
@@ -38,7 +38,7 @@ impl Inspected {
     /// ```
     /// use std::time::SystemTime;
     /// use tower_idempotency::store::{CompletedView, Inspected};
-    /// use tower_idempotency::{Completed, Fingerprint};
+    /// use tower_idempotency::record::{Completed, Fingerprint};
     ///
     /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
     /// let view = CompletedView { completed: tombstone, fence: None, expires: SystemTime::now() };
@@ -75,7 +75,7 @@ impl Inspected {
 /// ```
 /// use std::time::{Duration, SystemTime};
 /// use tower_idempotency::store::InFlightView;
-/// use tower_idempotency::{Fence, Fingerprint};
+/// use tower_idempotency::record::{Fence, Fingerprint};
 ///
 /// let view = InFlightView {
 ///     fingerprint: Fingerprint::from_bytes([1; 32]),
@@ -108,7 +108,7 @@ impl InFlightView {
 /// ```
 /// use std::time::SystemTime;
 /// use tower_idempotency::store::CompletedView;
-/// use tower_idempotency::{Completed, Fingerprint};
+/// use tower_idempotency::record::{Completed, Fingerprint};
 ///
 /// let tombstone = Completed::tombstone(Fingerprint::from_bytes([1; 32]));
 /// let view = CompletedView { completed: tombstone, fence: None, expires: SystemTime::now() };
@@ -153,7 +153,7 @@ impl CompletedView {
     }
 }
 
-/// What [`Store::forget`](super::Store::forget) did.
+/// What [`OperatorStore::forget`](super::OperatorStore::forget) did.
 ///
 /// ```
 /// use tower_idempotency::store::ForgetOutcome;

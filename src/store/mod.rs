@@ -138,10 +138,10 @@ pub enum StoreError {
 /// ```
 /// use std::time::Duration;
 /// use tower_idempotency::store::{Claim, MemoryStore, Store};
-/// use tower_idempotency::{Completed, Fingerprint, Record, RecordId};
+/// use tower_idempotency::record::{Completed, Fingerprint, Record, RecordId};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+/// # async fn main() -> Result<(), tower_idempotency::store::StoreError> {
 /// let store = MemoryStore::new();
 /// let id = RecordId::new(b"acct_1", "order-42");
 /// let fingerprint = Fingerprint::from_bytes([1; 32]);
@@ -161,13 +161,13 @@ pub enum StoreError {
 /// ```
 pub trait Store: Send + Sync + 'static {
     /// Claims `id` for `lease` if it has no live record (none, or one past its expiry): writes an
-    /// in-flight record with `fingerprint` and a new token, whose [`Fence`](crate::Fence) is
-    /// larger than that of every earlier claim of `id` (§5.3), and answers [`Claim::Claimed`] with
-    /// it. Otherwise writes nothing, whatever `fingerprint` is, and answers [`Claim::Existing`]
-    /// with the record unchanged: in flight with its own fingerprint and the time left on its
-    /// lease (more than zero, at most the lease), or completed exactly as it was written (status,
-    /// every header value in order, body bytes; or a tombstone). Of concurrent claims of one free
-    /// id, exactly one answers `Claimed`.
+    /// in-flight record with `fingerprint` and a new token, whose [`Fence`](crate::record::Fence)
+    /// is larger than that of every earlier claim of `id` (§5.3), and answers [`Claim::Claimed`]
+    /// with it. Otherwise writes nothing, whatever `fingerprint` is, and answers
+    /// [`Claim::Existing`] with the record unchanged: in flight with its own fingerprint and the
+    /// time left on its lease (more than zero, at most the lease), or completed exactly as it was
+    /// written (status, every header value in order, body bytes; or a tombstone). Of concurrent
+    /// claims of one free id, exactly one answers `Claimed`.
     fn claim(
         &self,
         id: &RecordId,
@@ -241,7 +241,7 @@ pub trait Store: Send + Sync + 'static {
 
 /// A store whose records an operator can read and forget one key at a time
 /// (`docs/PROTOCOL.md` §10.9): what the [`operator`](crate::operator) module, the
-/// `idempotency-keys` tool and [`ScopeQuota`](crate::store::ScopeQuota) (feature `scope-quota`)
+/// `idempotency-keys` tool and `ScopeQuota` (feature `scope-quota`)
 /// need of a store, beside the claims. A capability of its own, as tower-sessions'
 /// `ExpiredDeletion` is: a store without it is a compile error where it is needed, never a
 /// failure at run time. Every store of the workspace has it, and the contract suite checks it.

@@ -238,8 +238,7 @@ impl fmt::Debug for Entries {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Fingerprint;
-    use crate::record::{Payload, StoredResponse};
+    use crate::record::{Fingerprint, Payload, StoredResponse};
 
     fn completed(body: usize) -> Completed {
         Completed {

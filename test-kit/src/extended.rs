@@ -2,8 +2,9 @@
 //! store's raw bytes, which only the store's test can read and write.
 
 use bytes::Bytes;
+use tower_idempotency::record::{Record, RecordId};
 use tower_idempotency::store::{Inspected, OperatorStore};
-use tower_idempotency::{IdempotencyLayer, Outcome, Record, RecordId};
+use tower_idempotency::{IdempotencyLayer, Outcome};
 
 use crate::{Handler, created, post, send, service};
 
@@ -25,7 +26,7 @@ fn extension(kind: u16, value: &[u8]) -> Vec<u8> {
 ///
 /// ```no_run
 /// # async fn check(store: tower_idempotency::MemoryStore) {
-/// use tower_idempotency::RecordId;
+/// use tower_idempotency::record::RecordId;
 ///
 /// let raw = std::sync::Mutex::new(Vec::new());
 /// tower_idempotency_test::assert_extensions_a_release_does_not_know_are_skipped(

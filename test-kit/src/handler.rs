@@ -17,10 +17,10 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::{BoxError, Service, ServiceExt};
 
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::{OperatorStore, ScopeQuota, Store};
 use tower_idempotency::{
-    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, IdempotencyLayer, Outcome, ProblemKind,
-    Rejection, Scope,
+    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyKey, IdempotencyLayer, Outcome, Rejection, Scope,
 };
 
 /// One call of a [`Handler`]: its number (from 1), the request's parts and its whole body.
@@ -230,7 +230,7 @@ impl Reply {
         );
         let uri = kind.type_uri();
         assert_eq!(
-            self.header(tower_idempotency::IDEMPOTENCY_PROBLEM),
+            self.header(tower_idempotency::problem::IDEMPOTENCY_PROBLEM),
             uri.rsplit('#').next(),
             "§7.1: a problem names its kind in Idempotency-Problem: {self:?}"
         );

@@ -1,5 +1,6 @@
-//! The store contract suite of [`tower-idempotency`](tower_idempotency): the cases every [`Store`]
-//! must pass, for stores written outside the workspace as for its own.
+//! The store contract suite of [`tower-idempotency`](tower_idempotency): the cases every
+//! [`Store`](tower_idempotency::store::Store) must pass, for stores written outside the workspace
+//! as for its own.
 //!
 //! ```toml
 //! [dev-dependencies]
@@ -60,12 +61,12 @@
 //! on paused time with a 30 s lease and a 24 h window; a store with a clock of its own (a
 //! database server, Redis) runs on real time with short ones (a 1 s lease and a 3 s window).
 //!
-//! The store contract's cases (`store_*`) call the [`Store`] methods directly. The layer
-//! contract's drive [`IdempotencyLayer`] over the store through a real `axum::Router` or
-//! `tower::ServiceBuilder`, counting the inner service's calls (and, through [`Counting`], the
-//! store's); some wrap the store in [`Faulty`] to make its calls fail, time out or roll back. With
-//! this crate's `grpc` feature (which turns on `tower-idempotency`'s), the layer contract also runs
-//! the gRPC mode's case: an answer replayed with its trailers.
+//! The store contract's cases (`store_*`) call the [`Store`](tower_idempotency::store::Store)
+//! methods directly. The layer contract's drive [`IdempotencyLayer`] over the store through a real
+//! `axum::Router` or `tower::ServiceBuilder`, counting the inner service's calls (and, through
+//! [`Counting`], the store's); some wrap the store in [`Faulty`] to make its calls fail, time out
+//! or roll back. With this crate's `grpc` feature (which turns on `tower-idempotency`'s), the layer
+//! contract also runs the gRPC mode's case: an answer replayed with its trailers.
 //!
 //! The module also holds what the cases are made of, for a store's own further tests: the
 //! [`Counting`] and [`Faulty`] store wrappers, the counting [`Handler`] service, request builders,

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use http::Extensions;
 
+use tower_idempotency::record::{ClaimToken, Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, OperatorStore, Store, StoreError};
-use tower_idempotency::{ClaimToken, Completed, Fingerprint, RecordId};
 
 /// How often each store method was called.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

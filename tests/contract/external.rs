@@ -9,10 +9,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tower_idempotency::record::{
+    ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId,
+};
 use tower_idempotency::store::{
     Claim, CompletedView, ForgetOutcome, InFlightView, Inspected, OperatorStore, Store, StoreError,
 };
-use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, InFlight, Record, RecordId};
 use tower_idempotency_test::Harness;
 
 /// What one key holds, and until when.

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use http::Method;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
 use tower_idempotency_test::{
     Counting, Handler, Harness, Reply, created, keyed, post, send, service,
 };

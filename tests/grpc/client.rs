@@ -18,7 +18,8 @@ use tonic::Code;
 use tonic::server::NamedService;
 use tonic::transport::{Channel, Server};
 use tower::{Layer, Service, ServiceBuilder};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
+use tower_idempotency::store::Store;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tower_idempotency_client::{Attempts, GrpcRetry, IdempotentRetryLayer};
 use tower_idempotency_test::Faulty;
 

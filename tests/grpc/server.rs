@@ -18,7 +18,9 @@ use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tower::Layer;
 use tower_idempotency::grpc::{problem_kind, retry_delay};
-use tower_idempotency::{Every4xxStorePolicy, IdempotencyLayer, MemoryStore, ProblemKind, Store};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::store::Store;
+use tower_idempotency::{Every4xxStorePolicy, IdempotencyLayer, MemoryStore};
 use tower_idempotency_test::{Counting, Faulty};
 
 use crate::support::Gated;

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use http::StatusCode;
 use http::header::RETRY_AFTER;
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::CircuitBreaker;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{Counting, Faulty, Handler, Reply, created, post, send, spawn_send};
 
 type Store = Counting<Faulty<MemoryStore>>;

@@ -5,7 +5,8 @@
 use axum::body::Body;
 use http::header::CONTENT_TYPE;
 use http::{Method, Request, StatusCode};
-use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{Handler, created, keyed, send, service};
 
 fn request(key: &str, content_type: &str, body: &'static str) -> Request<Body> {

@@ -25,9 +25,10 @@ use http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::ScopeQuota;
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Rejection, RequestBody,
+    IdempotencyKey, IdempotencyLayer, MemoryStore, Outcome, Rejection, RequestBody,
 };
 use tower_idempotency_test::{
     Counting, Faulty, Handler, Reply, assert_a_quota_keeps_a_flood_off_the_others, created,

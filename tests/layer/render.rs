@@ -12,8 +12,10 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, HeaderValue, Method, Request, StatusCode};
 use tokio::sync::Notify;
 use tower::BoxError;
-use tower_idempotency::problem::{Problem, ProblemJson, RenderProblem, RenderedProblem};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind};
+use tower_idempotency::problem::{
+    Problem, ProblemJson, ProblemKind, RenderProblem, RenderedProblem,
+};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{
     Faulty, Handler, Reply, created, gated_handler, keyed, post, send, service, spawn_send,
 };

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use axum::body::Body;
 use http::{Method, StatusCode};
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::ReplayCache;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, ProblemKind, Scope};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
 use tower_idempotency_test::{Counting, Handler, created, keyed, post, send, service};
 
 type Store = Counting<MemoryStore>;

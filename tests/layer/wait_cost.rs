@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Store};
+use tower_idempotency::store::Store;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{Counting, Handler, created, post, send, service};
 
 const HANDLER: Duration = Duration::from_millis(1500);

@@ -7,8 +7,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tower_idempotency::record::{ClaimToken, Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
-use tower_idempotency::{BoxStore, ClaimToken, Completed, Fingerprint, MemoryStore, RecordId};
+use tower_idempotency::{BoxStore, MemoryStore};
 
 type Forgetting = Pin<Box<dyn Future<Output = ()> + Send>>;
 

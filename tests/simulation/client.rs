@@ -17,7 +17,9 @@ use http::{HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::{Outcome, ProblemKind, RecordId, ResponseBody};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::RecordId;
+use tower_idempotency::{Outcome, ResponseBody};
 use tower_idempotency_client::IdempotentRetryLayer;
 
 use super::bugs::Bug;

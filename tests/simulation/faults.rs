@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::StoreError;
+use tower_idempotency::store::StoreError;
 
 use super::rng::Rng;
 

@@ -13,7 +13,8 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tokio::time::Instant;
-use tower_idempotency::{HeldClaim, RecordId, RequestBody};
+use tower_idempotency::record::RecordId;
+use tower_idempotency::{HeldClaim, RequestBody};
 
 use super::ledger::{Ledger, Mode, Staged};
 use super::oracle::Oracle;

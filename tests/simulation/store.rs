@@ -17,8 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tower_idempotency::BoxStore;
+use tower_idempotency::record::{ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
-use tower_idempotency::{BoxStore, ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 
 use super::backend::{Backend, Evict, Forget};
 use super::bugs::Bug;

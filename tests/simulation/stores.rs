@@ -16,7 +16,7 @@ use sqlx::postgres::PgPoolOptions;
 use test_servers::postgres_server::PostgresServer;
 use test_servers::redis_server::RedisServer;
 use tower_idempotency::BoxStore;
-use tower_idempotency::RecordId;
+use tower_idempotency::record::RecordId;
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_redis::RedisStore;
 

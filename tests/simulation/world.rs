@@ -12,7 +12,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 use tower::ServiceBuilder;
-use tower_idempotency::{BoxStore, ProblemKind, RecordId};
+use tower_idempotency::BoxStore;
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::RecordId;
 
 use super::backend::Backend;
 use super::bugs::Bug;

@@ -8,8 +8,7 @@ use axum::Json;
 use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use tower_idempotency::ProblemKind;
-use tower_idempotency::problem::{Problem, RenderedProblem};
+use tower_idempotency::problem::{Problem, ProblemKind, RenderedProblem};
 
 use super::provider::ProviderError;
 use super::state_machine::Status;

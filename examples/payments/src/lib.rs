@@ -30,7 +30,8 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
-use tower_idempotency::{BoxStore, IdempotencyLayer, ProblemKind};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::{BoxStore, IdempotencyLayer};
 
 pub use config::{report, run};
 

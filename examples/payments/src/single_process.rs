@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tower_idempotency::{BoxStore, Claim, Fingerprint, RecordId, Store};
+use tower_idempotency::BoxStore;
+use tower_idempotency::record::{Fingerprint, RecordId};
+use tower_idempotency::store::{Claim, Store};
 
 /// How long the hold outlives a process that stopped without letting it go.
 pub(crate) const LEASE: Duration = Duration::from_secs(10);

@@ -14,9 +14,9 @@ use axum::Router;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
-use tower_idempotency::store::OperatorStore;
-use tower_idempotency::{BoxStore, ClaimToken, IdempotencyLayer, MemoryStore, RecordId, Store};
-use tower_idempotency::{StoreError, forward_store};
+use tower_idempotency::record::{ClaimToken, RecordId};
+use tower_idempotency::store::{OperatorStore, Store, StoreError};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, forward_store};
 
 use example_payments::app;
 use example_payments::balance::Balances;

@@ -39,7 +39,7 @@ pub(crate) use self::state::Entered;
 /// logged (WARN when it opens, INFO otherwise) and counted
 /// (`idempotency_circuit_breaker_transitions_total`). Clones share one breaker.
 ///
-/// Defaults: 5 failures within 10 s open it for 5 s. Under a [`ScopeQuota`](super::ScopeQuota),
+/// Defaults: 5 failures within 10 s open it for 5 s. Under a `ScopeQuota` (feature `scope-quota`),
 /// not over it: a scope past its quota is then refused `429` even while the breaker is open,
 /// rather than run unprotected on a fail-open layer.
 ///

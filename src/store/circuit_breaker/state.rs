@@ -389,16 +389,16 @@ mod tests {
         claim(&breaker, away());
         claim(
             &breaker,
-            Ok(Claim::Existing(crate::Record::InFlight(inflight()))),
+            Ok(Claim::Existing(crate::record::Record::InFlight(inflight()))),
         );
         claim(&breaker, away());
         claim(&breaker, away());
         assert!(matches!(state(&breaker), State::Closed { failures: 2, .. }));
     }
 
-    fn inflight() -> crate::InFlight {
-        crate::InFlight {
-            fingerprint: crate::Fingerprint::from_bytes([0; 32]),
+    fn inflight() -> crate::record::InFlight {
+        crate::record::InFlight {
+            fingerprint: crate::record::Fingerprint::from_bytes([0; 32]),
             lease_remaining: Duration::from_secs(1),
         }
     }
@@ -449,8 +449,8 @@ mod tests {
         assert!(matches!(state(&breaker), State::Closed { .. }));
     }
 
-    fn token() -> crate::ClaimToken {
-        crate::ClaimToken::new(crate::Fence::new(1))
+    fn token() -> crate::record::ClaimToken {
+        crate::record::ClaimToken::new(crate::record::Fence::new(1))
     }
 
     #[tokio::test(start_paused = true)]

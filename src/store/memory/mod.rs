@@ -178,10 +178,12 @@ impl MemoryStore {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_idempotency::{Fingerprint, MemoryStore, RecordId, Store};
+    /// use tower_idempotency::record::{Fingerprint, RecordId};
+    /// use tower_idempotency::store::Store;
+    /// use tower_idempotency::MemoryStore;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// # async fn main() -> Result<(), tower_idempotency::store::StoreError> {
     /// let store = MemoryStore::new();
     /// assert!(store.is_empty());
     /// let (id, fingerprint) = (RecordId::new(b"", "k"), Fingerprint::from_bytes([1; 32]));

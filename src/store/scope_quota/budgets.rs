@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn a_completion_costs_its_body_fields_and_framing() {
-        let fingerprint = crate::Fingerprint::from_bytes([0; 32]);
+        let fingerprint = crate::record::Fingerprint::from_bytes([0; 32]);
         let mut headers = http::HeaderMap::new();
         headers.insert("content-type", http::HeaderValue::from_static("text/plain"));
         let mut trailers = http::HeaderMap::new();

@@ -39,7 +39,7 @@ use crate::record::{ClaimToken, Completed, InFlight, Record, RecordId};
 /// with the 24 h window lets a tenant store about 3 KiB of records a second, indefinitely, and
 /// 256 MiB in a burst. The scope is the layer's ([`IdempotencyLayer::scope`](crate::IdempotencyLayer::scope)),
 /// read from each record id's scope tag; without a scope, every request shares one budget. Put
-/// it over a [`CircuitBreaker`](super::CircuitBreaker), not under it, so that a scope past its
+/// it over a `CircuitBreaker` (feature `circuit-breaker`), not under it, so that a scope past its
 /// quota is refused while the breaker is open too. Clones share the budgets.
 ///
 /// ```

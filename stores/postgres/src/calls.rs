@@ -10,9 +10,8 @@ use tokio::time::Instant;
 
 use super::tx::Taken;
 use super::{CLAIM_RUNS, PgStore, PgStoreError, is_connection_failure, millis};
-use tower_idempotency::Fingerprint;
 use tower_idempotency::record::{
-    ClaimToken, Completed, DecodeError, Fence, InFlight, Record, RecordId,
+    ClaimToken, Completed, DecodeError, Fence, Fingerprint, InFlight, Record, RecordId,
 };
 use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 

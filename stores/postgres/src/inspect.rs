@@ -1,8 +1,8 @@
 //! An operator's calls: reading one row ([`Store::inspect`]) and forgetting it
 //! ([`Store::forget`]), one statement each.
 //!
-//! [`Store::inspect`]: tower_idempotency::Store::inspect
-//! [`Store::forget`]: tower_idempotency::Store::forget
+//! [`Store::inspect`]: tower_idempotency::store::Store::inspect
+//! [`Store::forget`]: tower_idempotency::store::Store::forget
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -11,8 +11,7 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use super::PgStore;
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, DecodeError, Record, RecordId};
+use tower_idempotency::record::{ClaimToken, DecodeError, Fingerprint, Record, RecordId};
 use tower_idempotency::store::{CompletedView, ForgetOutcome, InFlightView, Inspected, StoreError};
 
 impl PgStore {

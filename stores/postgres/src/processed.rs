@@ -7,8 +7,7 @@ use std::time::Duration;
 use sqlx::PgConnection;
 
 use super::PgStore;
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, Completed, Fence, RecordId};
+use tower_idempotency::record::{ClaimToken, Completed, Fence, Fingerprint, RecordId};
 
 impl PgStore {
     /// Records, in the caller's transaction, that the queue message `message_id` of `scope` (a

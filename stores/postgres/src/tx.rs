@@ -15,8 +15,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use super::{PgStore, PgStoreError, is_connection_failure, rejects_the_work};
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, RecordId};
+use tower_idempotency::record::{ClaimToken, Fingerprint, RecordId};
 use tower_idempotency::store::StoreError;
 
 /// A claimed request's transaction: begun when the handler first asks for it.
@@ -175,8 +174,8 @@ impl PgStore {
 ///     the handler answered all the same), the client gets a 422 `commit-rejected`
 ///     ([`StoreError::Rejected`]), without `Retry-After`: sent again as it is, the request would
 ///     be refused again. Map it with the layer's `render_problems` or `problem_status`
-///     ([`ProblemKind::CommitRejected`](tower_idempotency::ProblemKind::CommitRejected)). To
-///     answer a stored 4xx of the handler's own (a 402) after a statement failed, roll back to a
+///     ([`ProblemKind::CommitRejected`](tower_idempotency::problem::ProblemKind::CommitRejected)).
+///     To answer a stored 4xx of the handler's own (a 402) after a statement failed, roll back to a
 ///     savepoint (`tx.begin()` on the `PgTx`'s connection) so that the transaction can still
 ///     commit;
 ///   - otherwise (a lost connection, a serialization failure or a deadlock, the claim lost

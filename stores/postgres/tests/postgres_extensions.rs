@@ -4,7 +4,7 @@
 
 use sqlx::{Connection, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
-use tower_idempotency::RecordId;
+use tower_idempotency::record::RecordId;
 use tower_idempotency_postgres::PgStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

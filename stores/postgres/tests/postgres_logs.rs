@@ -12,11 +12,10 @@ use axum::routing::post;
 use test_servers::logs::{Captured, LogEvent};
 use test_servers::postgres_server::PostgresServer;
 use tower::ServiceExt;
-use tower_idempotency::store::Store;
-use tower_idempotency::{
-    ClaimToken, Completed, Fence, Fingerprint, IdempotencyLayer, Outcome, ProblemKind, RecordId,
-    StoreError,
-};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::{ClaimToken, Completed, Fence, Fingerprint, RecordId};
+use tower_idempotency::store::{Store, StoreError};
+use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_postgres::PgStoreError;
 use tracing::Level;

@@ -11,11 +11,12 @@ use sqlx::{self, Connection, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tower_idempotency::store::{Claim, Store, StoreError};
-use tower_idempotency::{
-    ClaimToken, Completed, Fence, Fingerprint, IdempotencyLayer, Outcome, Payload, ProblemKind,
-    Record, RecordId, StoredResponse,
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::{
+    ClaimToken, Completed, Fence, Fingerprint, Payload, Record, RecordId, StoredResponse,
 };
+use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_postgres::PgStoreError;
 use tower_idempotency_test::{Handler, Reply, created, post, send, service, spawn_send};

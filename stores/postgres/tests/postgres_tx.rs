@@ -15,7 +15,9 @@ use http_body_util::{BodyExt, Full};
 use sqlx::{self, Connection, Executor as _, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Outcome, ProblemKind, RecordId};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::RecordId;
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Outcome};
 use tower_idempotency_client::{Attempts, IdempotentRetryLayer};
 use tower_idempotency_postgres::{PgStore, PgTx};
 

@@ -13,8 +13,9 @@ use super::connection::{Backend, Connection, Single, WAIT_LANES};
 use super::replication::{ReleaseOnDrop, Replication};
 use super::scripts::load_on;
 use super::{RedisStore, RedisStoreError};
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, Completed, Fence, Record, RecordId, layout};
+use tower_idempotency::record::{
+    ClaimToken, Completed, Fence, Fingerprint, Record, RecordId, layout,
+};
 use tower_idempotency::store::{Claim, StoreError};
 
 impl RedisStore {

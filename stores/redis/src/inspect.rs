@@ -1,8 +1,8 @@
 //! An operator's calls: reading one record ([`Store::inspect`]) and forgetting it
 //! ([`Store::forget`]), each one `EVAL` of a short script (rare calls: no script cache to keep).
 //!
-//! [`Store::inspect`]: tower_idempotency::Store::inspect
-//! [`Store::forget`]: tower_idempotency::Store::forget
+//! [`Store::inspect`]: tower_idempotency::store::Store::inspect
+//! [`Store::forget`]: tower_idempotency::store::Store::forget
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -11,8 +11,7 @@ use deadpool_redis::redis;
 
 use super::RedisStore;
 use super::compression::decompress;
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, Record, RecordId, layout};
+use tower_idempotency::record::{ClaimToken, Fingerprint, Record, RecordId, layout};
 use tower_idempotency::store::{CompletedView, ForgetOutcome, InFlightView, Inspected, StoreError};
 
 /// Reads the record under KEYS[1], with its time left and Redis's clock.

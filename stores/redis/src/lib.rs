@@ -55,8 +55,7 @@ use deadpool_redis::{Manager, Pool, Runtime};
 use connection::{Backend, Cluster, Single};
 use replication::Replication;
 use scripts::{CLAIM, COMPLETE, Lua, RELEASE, RENEW};
-use tower_idempotency::Fingerprint;
-use tower_idempotency::record::{ClaimToken, Completed, RecordId};
+use tower_idempotency::record::{ClaimToken, Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 
 use compression::Compression;

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use deadpool_redis::redis::cluster_routing::Slot;
 use http::StatusCode;
 use test_servers::redis_cluster::{NODE_TIMEOUT, RedisCluster};
-use tower_idempotency::{Idempotency, IdempotencyLayer, RecordId};
+use tower_idempotency::record::RecordId;
+use tower_idempotency::{Idempotency, IdempotencyLayer};
 use tower_idempotency_redis::RedisStore;
 use tower_idempotency_test::{Handler, created, post, send, service};
 
@@ -365,7 +366,7 @@ async fn a_master_lost_before_replicating_runs_a_key_twice_only_without_the_wait
 /// master's connections to fail would take the kernel's TCP timeouts: minutes.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_master_is_followed_to_its_promoted_replica() {
-    use tower_idempotency::Fingerprint;
+    use tower_idempotency::record::Fingerprint;
     use tower_idempotency::store::{Claim, Store};
 
     let cluster = Arc::new(RedisCluster::start_with_node_timeout(

@@ -4,7 +4,7 @@
 
 use deadpool_redis::redis;
 use test_servers::redis_server::RedisServer;
-use tower_idempotency::RecordId;
+use tower_idempotency::record::RecordId;
 use tower_idempotency_redis::RedisStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

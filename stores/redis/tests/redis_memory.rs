@@ -12,8 +12,9 @@ use http_body_util::BodyExt;
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
 use tower::ServiceExt;
+use tower_idempotency::record::{Fingerprint, RecordId};
 use tower_idempotency::store::{Store, StoreError};
-use tower_idempotency::{Fingerprint, IdempotencyLayer, Outcome, RecordId};
+use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_redis::{RedisStore, RedisStoreError};
 use tower_idempotency_test::assert_a_quota_keeps_a_flood_off_the_others;
 

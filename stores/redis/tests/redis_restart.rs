@@ -11,8 +11,8 @@ use deadpool_redis::redis::AsyncConnectionConfig;
 use deadpool_redis::{Manager, Pool, Runtime};
 use test_servers::redis_cluster::RedisCluster;
 use test_servers::redis_server::RedisServer;
+use tower_idempotency::record::{Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Fingerprint, RecordId};
 use tower_idempotency_redis::RedisStore;
 
 /// The pool's size: with the replication wait, the store keeps one connection per lane, up to

@@ -17,8 +17,9 @@ use http_body_util::BodyExt;
 use test_servers::redis_server::RedisServer;
 use tokio::sync::Notify;
 use tower::ServiceExt;
+use tower_idempotency::record::{Completed, Fingerprint, Record, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Fingerprint, IdempotencyLayer, Outcome, Record, RecordId};
+use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_redis::RedisStore;
 use tower_idempotency_test::Counting;
 

@@ -8,9 +8,9 @@ use tokio::sync::Notify;
 
 use super::store::ANSWERS;
 use crate::*;
-use tower_idempotency::Fingerprint;
+use tower_idempotency::record::{ClaimToken, Completed, Fence, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{ClaimToken, Completed, Fence, HeldClaim, Outcome, RecordId};
+use tower_idempotency::{HeldClaim, Outcome};
 
 async fn claim_of<St: Store>(store: &St, id: &RecordId, lease: Duration, rule: &str) -> ClaimToken {
     match store

@@ -17,8 +17,9 @@ use tower::BoxError;
 use tower_test::mock;
 
 use crate::*;
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::{
-    IDEMPOTENT_REPLAYED, IdempotencyKey, Outcome, ProblemKind, Rejection, RequestBody, Scope,
+    IDEMPOTENT_REPLAYED, IdempotencyKey, Outcome, Rejection, RequestBody, Scope,
 };
 
 /// Asserts that `replay` repeats `first` byte for byte, marked as a replay.

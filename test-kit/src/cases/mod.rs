@@ -3,8 +3,9 @@
 //! Each names the rules it checks as `PROTOCOL.md §N.M` (`docs/PROTOCOL.md` in the crate's
 //! repository).
 //!
-//! Store-level cases (`store_*`) call the [`Store`](tower_idempotency::Store) methods directly; the others
-//! drive an [`IdempotencyLayer`](tower_idempotency::IdempotencyLayer) over the store.
+//! Store-level cases (`store_*`) call the [`Store`](tower_idempotency::store::Store) methods
+//! directly; the others drive an [`IdempotencyLayer`](tower_idempotency::IdempotencyLayer) over the
+//! store.
 
 mod fence;
 mod layer;

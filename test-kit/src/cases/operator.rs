@@ -5,8 +5,8 @@ use std::time::{Duration, SystemTime};
 
 use super::store::{ANSWERS, claimed, completed_with_response, existing_in_flight, fingerprint};
 use crate::{Harness, margin};
+use tower_idempotency::record::{ClaimToken, Completed, RecordId};
 use tower_idempotency::store::{ForgetOutcome, Inspected, OperatorStore, Store};
-use tower_idempotency::{ClaimToken, Completed, RecordId};
 
 fn record_id(key: &str) -> RecordId {
     RecordId::new(b"operator", key)

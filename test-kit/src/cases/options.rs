@@ -9,10 +9,9 @@ use tower_test::mock;
 
 use super::layer::assert_replay_of;
 use crate::*;
+use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::ScopeQuota;
-use tower_idempotency::{
-    IDEMPOTENCY_KEY_EXPIRES, Outcome, ProblemKind, RequestBody, RetentionFormat,
-};
+use tower_idempotency::{IDEMPOTENCY_KEY_EXPIRES, Outcome, RequestBody, RetentionFormat};
 
 /// The seconds since the epoch of `at`, rounded down.
 fn unix_seconds(at: SystemTime) -> u64 {

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use tower_idempotency::record::TraceOrigin;
+use tower_idempotency::Outcome;
+use tower_idempotency::record::{Completed, Fingerprint, Record, RecordId, TraceOrigin};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Fingerprint, Outcome, Record, RecordId};
 
 use super::store::{ANSWERS, completed_with_response};
 use crate::{Handler, Harness, created, layer, post, send, service};

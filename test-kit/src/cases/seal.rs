@@ -10,9 +10,11 @@ use http::{Method, StatusCode};
 
 use super::layer::assert_replay_of;
 use crate::{Handler, Harness, Reply, created, keyed, layer, post, send, service};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::{Completed, Payload, Record, RecordId};
 use tower_idempotency::seal::{SealKey, SealKeys, SealedStore};
 use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{Completed, Outcome, Payload, ProblemKind, Record, RecordId, Scope};
+use tower_idempotency::{Outcome, Scope};
 
 fn keys(ids: &[&str]) -> SealKeys {
     SealKeys::new(ids.iter().map(|id| {
@@ -25,7 +27,7 @@ fn keys(ids: &[&str]) -> SealKeys {
 
 /// The record under `id` as the store beneath the seal holds it (a claim that finds it).
 async fn raw<St: Store>(store: &St, id: &RecordId, lease: Duration) -> Completed {
-    let fingerprint = tower_idempotency::Fingerprint::from_bytes([0; 32]);
+    let fingerprint = tower_idempotency::record::Fingerprint::from_bytes([0; 32]);
     match store.claim(id, &fingerprint, lease).await {
         Ok(Claim::Existing(Record::Completed(completed))) => completed,
         other => panic!("§10.1: a completed record is found under the key: {other:?}"),

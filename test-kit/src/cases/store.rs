@@ -8,10 +8,10 @@ use http::header::{CONTENT_TYPE, LOCATION};
 use http::{HeaderMap, HeaderValue, StatusCode};
 
 use crate::{Harness, margin, pattern};
-use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{
+use tower_idempotency::record::{
     ClaimToken, Completed, Fence, Fingerprint, InFlight, Payload, Record, RecordId, StoredResponse,
 };
+use tower_idempotency::store::{Claim, Store};
 
 /// A store call of a case failed: every case runs on a reachable store, which answers.
 pub(super) const ANSWERS: &str = "§10.1: every call on a reachable store answers Ok (a StoreError here is a \

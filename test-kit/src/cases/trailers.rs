@@ -11,11 +11,12 @@ use http_body_util::{BodyExt, StreamBody};
 use tower::{Service, ServiceExt};
 
 use crate::*;
-use tower_idempotency::store::{Claim, Store};
-use tower_idempotency::{
-    Completed, Fingerprint, IDEMPOTENT_REPLAYED, Outcome, Payload, ProblemKind, Record, RecordId,
-    StoredResponse,
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::{
+    Completed, Fingerprint, Payload, Record, RecordId, StoredResponse,
 };
+use tower_idempotency::store::{Claim, Store};
+use tower_idempotency::{IDEMPOTENT_REPLAYED, Outcome};
 
 /// A response as the client sees it, trailers included.
 #[derive(Debug)]

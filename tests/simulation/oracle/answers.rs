@@ -9,7 +9,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
-use tower_idempotency::{IDEMPOTENT_REPLAYED, Outcome, ProblemKind, RecordId};
+use tower_idempotency::problem::ProblemKind;
+use tower_idempotency::record::RecordId;
+use tower_idempotency::{IDEMPOTENT_REPLAYED, Outcome};
 
 use super::model::Seen;
 use super::{Rule, Violation};

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_idempotency::{ClaimToken, Fence, RecordId};
+use tower_idempotency::record::{ClaimToken, Fence, RecordId};
 
 use model::{Call, Model, Seen};
 

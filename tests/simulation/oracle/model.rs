@@ -9,8 +9,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tower_idempotency::record::{ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 use tower_idempotency::store::{Claim, StoreError};
-use tower_idempotency::{ClaimToken, Completed, Fence, Fingerprint, Record, RecordId};
 
 use super::Rule;
 

@@ -6,7 +6,7 @@
 
 use http::StatusCode;
 use tokio::time::Instant;
-use tower_idempotency::ProblemKind;
+use tower_idempotency::problem::ProblemKind;
 
 use super::{Rule, Violation};
 

@@ -76,6 +76,6 @@ impl<K: Keys> Harness for RedisHarness<K> {
 }
 
 /// The Redis key `RedisStore` keeps `id` under with `prefix`: `<prefix>{<record id>}`.
-pub(crate) fn redis_key(prefix: &str, id: &tower_idempotency::RecordId) -> String {
+pub(crate) fn redis_key(prefix: &str, id: &tower_idempotency::record::RecordId) -> String {
     format!("{prefix}{{{id}}}")
 }
