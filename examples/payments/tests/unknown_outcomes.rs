@@ -6,17 +6,14 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
-use tower_idempotency::record::{ClaimToken, RecordId};
-use tower_idempotency::store::{OperatorStore, Store, StoreError};
-use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore, forward_store};
+use tower_idempotency::{BoxStore, IdempotencyLayer, MemoryStore};
+use tower_idempotency_test::Faulty;
 
 use example_payments::app;
 use example_payments::balance::Balances;
@@ -110,73 +107,49 @@ const SHORT_LEASE: Duration = Duration::from_millis(200);
 /// How often a client sends its request again after a `409`.
 const RETRY_EVERY: Duration = Duration::from_millis(50);
 
-/// A store whose lease renewals fail while `stalled` is set: a held run's lease runs out in the
-/// store while its handler is still alive, as behind a stalled network.
-#[derive(Clone)]
-struct Stalling<St> {
-    inner: St,
-    stalled: Arc<AtomicBool>,
-}
-
-impl<St: Store> Store for Stalling<St> {
-    async fn renew(
-        &self,
-        id: &RecordId,
-        token: &ClaimToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        if self.stalled.load(Ordering::SeqCst) {
-            return Err(StoreError::Timeout(lease));
-        }
-        self.inner.renew(id, token, lease).await
-    }
-
-    forward_store!(inner => claim, complete, prepare, release, changed);
-}
-
-impl<St: OperatorStore> OperatorStore for Stalling<St> {
-    forward_store!(inner => inspect, forget);
-}
-
 /// The instances a client's first attempt and its retries reach (`routers`), over one ledger:
 /// the first one, and on PostgreSQL a second one.
 struct Takeover {
     routers: [Router; 2],
     instances: Vec<Harness>,
-    stalled: Arc<AtomicBool>,
+    /// The instances' store, whose lease renewals fail while a run is held: its lease runs out
+    /// in the store while its handler is still alive, as behind a stalled network.
+    store: Faulty<BoxStore>,
 }
 
 impl Takeover {
-    fn router<St: OperatorStore>(h: &Harness, inner: St, stalled: &Arc<AtomicBool>) -> Router {
-        let stalled = stalled.clone();
-        let layer = IdempotencyLayer::new(BoxStore::new(Stalling { inner, stalled }));
+    fn router(h: &Harness, store: &Faulty<BoxStore>) -> Router {
+        let layer = IdempotencyLayer::new(BoxStore::new(store.clone()));
         app(h.state.clone(), layer.lease(SHORT_LEASE))
     }
 
     /// One instance in memory: the retries reach the same one.
     fn memory() -> Self {
-        let (h, stalled) = (Harness::memory(), Arc::default());
-        let router = Self::router(&h, MemoryStore::new(), &stalled);
+        let (h, store) = (
+            Harness::memory(),
+            Faulty::new(BoxStore::new(MemoryStore::new())),
+        );
+        let router = Self::router(&h, &store);
         let routers = [router.clone(), router];
         Self {
             routers,
             instances: vec![h],
-            stalled,
+            store,
         }
     }
 
     /// Two instances on one database, sharing one provider, each with its own layer, ledger and
     /// provider client: the retries reach the second.
     async fn postgres() -> Self {
-        let (h, stalled) = (Harness::postgres().await, Arc::default());
-        let store = h.parts.store.clone().expect("PostgreSQL");
+        let h = Harness::postgres().await;
+        let store = Faulty::new(BoxStore::new(h.parts.store.clone().expect("PostgreSQL")));
         let second = h.second_instance();
         let instances = vec![h, second];
-        let routers = [0, 1].map(|i| Self::router(&instances[i], store.clone(), &stalled));
+        let routers = [0, 1].map(|i| Self::router(&instances[i], &store));
         Self {
             routers,
             instances,
-            stalled,
+            store,
         }
     }
 
@@ -202,7 +175,7 @@ impl Takeover {
         for instance in &self.instances {
             holds.push(instance.parts.ledger.opens.shut().await);
         }
-        self.stalled.store(true, Ordering::SeqCst);
+        self.store.fail_renewals(usize::MAX);
         let first = spawn(charge(&self.routers[0], &key, amount));
         wait_until("the first run, held", || self.held() == 1).await;
         // `409` while the first run's lease lasts; then a retry takes the key over, and is held.
@@ -224,7 +197,7 @@ impl Takeover {
             tokio::time::sleep(RETRY_EVERY).await;
         };
         // Both runs alive; both go on at once.
-        self.stalled.store(false, Ordering::SeqCst);
+        self.store.fail_renewals(0);
         drop(holds);
         let runs = [first, retry].into_iter().zip(self.routers.clone());
         let clients =
