@@ -106,7 +106,8 @@ pub enum DedupError<E> {
     /// The work panicked; the claim was released.
     #[error("the work panicked: {0}")]
     Panicked(String),
-    /// The store could not be reached; the work did not run.
+    /// The store failed, or refused the claim (a `CircuitOpen` or `QuotaExceeded` of a wrapper,
+    /// with its `retry_after`); the work did not run.
     #[error("the deduplication store failed")]
     Store(#[source] StoreError),
 }

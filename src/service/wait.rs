@@ -28,7 +28,7 @@ use super::Shared;
 use crate::error_chain::ErrorChain;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordId};
-use crate::store::{Claim, Store};
+use crate::store::{Claim, Store, StoreError};
 
 /// How long the shared wait lets pass before it first asks the store again: each waiter has just
 /// claimed, and seen the key in flight.
@@ -219,7 +219,10 @@ impl<St: Store> Shared<St> {
                     }
                     Settled::Free
                 }
-                // The store is away: the waiters keep waiting, up to their bound.
+                // A scope past its quota, and the key free: each waiter's own claim is refused.
+                Err(StoreError::QuotaExceeded { .. }) => Settled::Free,
+                // The store is away (or its breaker open): the waiters keep waiting, up to their
+                // bound.
                 Err(_) => continue,
             };
             self.waits.leave(&id, &watch, true);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::Extensions;
 
 use tower_idempotency::record::{ClaimToken, Completed, Fingerprint, RecordId};
-use tower_idempotency::store::{Claim, OperatorStore, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, Store, StoreError};
 
 /// How often each store method was called.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -289,6 +289,15 @@ impl<St: Store> Store for Faulty<St> {
     tower_idempotency::forward_store!(inner => changed);
 }
 
+/// An operator's calls meet the same faults: a store that is down cannot be read either.
 impl<St: OperatorStore> OperatorStore for Faulty<St> {
-    tower_idempotency::forward_store!(inner => inspect, forget);
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        self.enter(false).await?;
+        self.inner.inspect(id).await
+    }
+
+    async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+        self.enter(true).await?;
+        self.inner.forget(id, force).await
+    }
 }

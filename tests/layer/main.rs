@@ -8,6 +8,7 @@ mod breaker;
 mod canonical_json;
 mod hyper_server;
 mod metrics;
+mod quota_and_breaker;
 mod render;
 mod replay_cache;
 mod wait_cost;

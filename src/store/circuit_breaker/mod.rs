@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use self::state::{Admission, Breaker, Settings};
-use super::{Claim, OperatorStore, Store, StoreError};
+use super::{Claim, Inspected, OperatorStore, Store, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::RecordId;
 
@@ -156,6 +156,28 @@ impl<St: fmt::Debug> fmt::Debug for CircuitBreaker<St> {
     }
 }
 
+impl<St> CircuitBreaker<St> {
+    /// Makes `call` if the breaker lets it through, and tells the breaker its answer; at once
+    /// [`StoreError::CircuitOpen`] if not.
+    async fn gated<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let ticket = match self.breaker.admit(Instant::now()) {
+            Admission::Pass(ticket) => ticket,
+            Admission::Refuse(left) => return Err(StoreError::CircuitOpen { retry_after: left }),
+        };
+        let answer = call.await;
+        match &answer {
+            // Another wrapper's refusal under this one (a quota, a breaker) says nothing of the
+            // store: the ticket goes unanswered, and a probe's turn passes to the next claim.
+            Err(StoreError::QuotaExceeded { .. } | StoreError::CircuitOpen { .. }) => drop(ticket),
+            _ => ticket.answered(&answer),
+        }
+        answer
+    }
+}
+
 impl<St: Store> Store for CircuitBreaker<St> {
     async fn claim(
         &self,
@@ -163,21 +185,21 @@ impl<St: Store> Store for CircuitBreaker<St> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let ticket = match self.breaker.admit(Instant::now()) {
-            Admission::Pass(ticket) => ticket,
-            Admission::Refuse(left) => return Err(StoreError::CircuitOpen { retry_after: left }),
-        };
-        let claim = self.store.claim(id, fingerprint, lease).await;
-        ticket.answered(&claim);
-        claim
+        self.gated(self.store.claim(id, fingerprint, lease)).await
     }
 
     crate::forward_store!(store => complete, renew, prepare, release, changed);
 }
 
-/// An operator's calls are not gated: an operator asks a failing store, and sees it fail.
+/// A read is gated as a claim is: a `ScopeQuota`'s read of a key,
+/// which stands for its claim, is refused at once while the breaker is open. A forget is not: an
+/// operator who forgets a key asks the store itself, and sees it fail.
 impl<St: OperatorStore> OperatorStore for CircuitBreaker<St> {
-    crate::forward_store!(store => inspect, forget);
+    async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
+        self.gated(self.store.inspect(id)).await
+    }
+
+    crate::forward_store!(store => forget);
 }
 
 #[cfg(test)]

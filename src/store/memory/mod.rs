@@ -89,7 +89,7 @@ enum State {
     /// A completed record is kept encoded, as the shared stores keep it (its fingerprint
     /// included): one allocation for the whole record, rather than a response, its header map and
     /// its body held apart for the whole dedup window. A replay decodes it. With the fence of
-    /// the claim that completed it, for an operator ([`Store::inspect`]).
+    /// the claim that completed it, for an operator ([`OperatorStore::inspect`]).
     Completed { encoded: Bytes, fence: Fence },
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::record::Completed;
+use crate::record::{Completed, Payload};
 
 /// What a claim counts against its scope's quota: about what an in-flight record costs a store
 /// (its key, value and expiry), whatever happens to it afterwards.
@@ -137,18 +137,21 @@ impl fmt::Debug for Quotas {
 }
 
 /// What a completion counts against its scope's quota: its response's bytes, about as a store
-/// holds them ([`StoredResponse::size`](crate::record::StoredResponse::size); a tombstone costs nothing more
-/// than its claim).
+/// holds them ([`StoredResponse::size`](crate::record::StoredResponse::size), or a sealed
+/// response's ciphertext and key id, under a `SealedStore`); a tombstone costs nothing more than
+/// its claim.
 pub(crate) fn completion_cost(completed: &Completed) -> u64 {
-    completed
-        .plain()
-        .map_or(0, |response| response.size() as u64)
+    let bytes = match &completed.response {
+        None => 0,
+        Some(Payload::Plain(response)) => response.size(),
+        Some(Payload::Sealed(sealed)) => sealed.ciphertext.len() + sealed.key_id.len(),
+    };
+    bytes as u64
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Payload;
 
     const WINDOW: Duration = Duration::from_secs(1000);
 
@@ -245,6 +248,19 @@ mod tests {
         assert_eq!(completion_cost(&completed), 10 + 30 + 20);
         let tombstone = Completed::tombstone(fingerprint);
         assert_eq!(completion_cost(&tombstone), 0);
+        // Under a quota, a `SealedStore` sends its ciphertext: that is what the store keeps.
+        let sealed = Completed {
+            fingerprint,
+            response: Some(Payload::Sealed(std::sync::Arc::new(
+                crate::record::SealedResponse {
+                    key_id: "k1".to_owned(),
+                    nonce: [0; 24],
+                    ciphertext: bytes::Bytes::from(vec![0; 100]),
+                },
+            ))),
+            origin: None,
+        };
+        assert_eq!(completion_cost(&sealed), 100 + 2);
     }
 
     #[test]

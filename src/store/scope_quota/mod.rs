@@ -125,9 +125,11 @@ impl<St: OperatorStore> ScopeQuota<St> {
             Ok(Some(Inspected::Completed(view))) => Record::Completed(view.completed),
             Ok(Some(Inspected::InFlight(view))) => Record::InFlight(InFlight {
                 fingerprint: view.fingerprint,
-                // The store's clock against this one's, as an operator reads it (§10.9).
+                // The store's clock against this one's, as an operator reads it (§10.9); never
+                // zero, as a claim's answer never is (a skewed clock would make it so).
                 lease_remaining: (view.lease_ends.duration_since(SystemTime::now()))
-                    .unwrap_or_default(),
+                    .unwrap_or_default()
+                    .max(Duration::from_millis(1)),
             }),
             Err(err @ StoreError::Unreadable(_)) => return Err(err),
             Ok(None) | Err(_) => return Err(StoreError::QuotaExceeded { retry_after: wait }),
@@ -188,4 +190,57 @@ impl<St: OperatorStore> Store for ScopeQuota<St> {
 
 impl<St: OperatorStore> OperatorStore for ScopeQuota<St> {
     crate::forward_store!(store => inspect, forget);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::UNIX_EPOCH;
+
+    use super::*;
+    use crate::record::Fence;
+    use crate::store::{ForgetOutcome, InFlightView, MemoryStore};
+
+    /// A store whose clock is far behind this process's: every record it reads is in flight,
+    /// its lease over by this process's clock.
+    struct BehindClock(MemoryStore);
+
+    impl Store for BehindClock {
+        crate::forward_store!(0 => claim, complete, renew, prepare, release, changed);
+    }
+
+    impl OperatorStore for BehindClock {
+        async fn inspect(&self, _: &RecordId) -> Result<Option<Inspected>, StoreError> {
+            Ok(Some(Inspected::InFlight(InFlightView {
+                fingerprint: Fingerprint::from_bytes([1; 32]),
+                fence: Fence::new(1),
+                lease_ends: UNIX_EPOCH,
+            })))
+        }
+
+        async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
+            self.0.forget(id, force).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_record_read_past_the_quota_is_in_flight_for_more_than_zero() {
+        let store = ScopeQuota::new(BehindClock(MemoryStore::new()), 0);
+        let id = RecordId::new(b"acct_1", "k");
+        let fingerprint = Fingerprint::from_bytes([1; 32]);
+        let lease = Duration::from_secs(30);
+        // The only claim the budget holds, then a read.
+        assert!(matches!(
+            store.claim(&id, &fingerprint, lease).await,
+            Ok(Claim::Claimed(_))
+        ));
+        let Ok(Claim::Existing(Record::InFlight(in_flight))) =
+            store.claim(&id, &fingerprint, lease).await
+        else {
+            panic!("the record, read past the quota");
+        };
+        assert!(
+            in_flight.lease_remaining > Duration::ZERO,
+            "§10.1: a claim's in-flight answer has a lease left, whatever the clocks say"
+        );
+    }
 }

@@ -1,8 +1,8 @@
-//! An operator's calls: reading one row ([`Store::inspect`]) and forgetting it
-//! ([`Store::forget`]), one statement each.
+//! An operator's calls: reading one row ([`OperatorStore::inspect`]) and forgetting it
+//! ([`OperatorStore::forget`]), one statement each.
 //!
-//! [`Store::inspect`]: tower_idempotency::store::Store::inspect
-//! [`Store::forget`]: tower_idempotency::store::Store::forget
+//! [`OperatorStore::inspect`]: tower_idempotency::store::OperatorStore::inspect
+//! [`OperatorStore::forget`]: tower_idempotency::store::OperatorStore::forget
 
 use std::time::{Duration, UNIX_EPOCH};
 

@@ -1,8 +1,8 @@
-//! An operator's calls: reading one record ([`Store::inspect`]) and forgetting it
-//! ([`Store::forget`]), each one `EVAL` of a short script (rare calls: no script cache to keep).
+//! An operator's calls: reading one record ([`OperatorStore::inspect`]) and forgetting it
+//! ([`OperatorStore::forget`]), each one `EVAL` of a short script (rare calls: no script cache to keep).
 //!
-//! [`Store::inspect`]: tower_idempotency::store::Store::inspect
-//! [`Store::forget`]: tower_idempotency::store::Store::forget
+//! [`OperatorStore::inspect`]: tower_idempotency::store::OperatorStore::inspect
+//! [`OperatorStore::forget`]: tower_idempotency::store::OperatorStore::forget
 
 use std::time::{Duration, UNIX_EPOCH};
 

@@ -184,7 +184,7 @@ async fn a_full_redis_is_full_not_unavailable() {
 }
 
 /// One tenant writing 60 KB records as fast as it can into a Redis at `maxmemory`: without a quota
-/// it fills Redis and every other tenant gets `503`; with `scope_quota` it gets `429` long before,
+/// it fills Redis and every other tenant gets `503`; with a `ScopeQuota` it gets `429` long before,
 /// and the other tenants' requests run (PROTOCOL.md §3.4).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quota_keeps_one_tenant_from_filling_redis_for_the_others() {

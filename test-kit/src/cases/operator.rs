@@ -1,5 +1,5 @@
-//! An operator's store calls: reading a key ([`Store::inspect`]) and forgetting it
-//! ([`Store::forget`]), PROTOCOL.md §10.9.
+//! An operator's store calls: reading a key ([`OperatorStore::inspect`]) and forgetting it
+//! ([`OperatorStore::forget`]), PROTOCOL.md §10.9.
 
 use std::time::{Duration, SystemTime};
 
