@@ -132,3 +132,40 @@ where
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Work that finished in its request's task is done with: dropping its future hands nothing
+    /// to a new task, and shutdown no longer counts it.
+    #[tokio::test]
+    async fn finished_work_is_not_handed_on() {
+        let background = Background::default();
+        let shutdown = background.shutdown();
+        let work = background.detachable(Box::pin(async { 7 }));
+        assert_eq!(shutdown.running(), 1);
+        assert_eq!(work.await, 7);
+        assert_eq!(shutdown.running(), 0, "finished work is counted no more");
+    }
+
+    /// Work whose caller stopped waiting goes on in a task of its own, counted until it ends.
+    #[tokio::test]
+    async fn unfinished_work_is_handed_to_a_task_of_its_own() {
+        let background = Background::default();
+        let shutdown = background.shutdown();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let work = background.detachable(Box::pin(async move {
+            let _ = rx.await;
+            let _ = done_tx.send(());
+        }));
+        drop(work);
+        assert_eq!(shutdown.running(), 1, "the work goes on, counted");
+        tx.send(()).expect("the work waits");
+        done_rx
+            .await
+            .expect("the work ran to its end in a task of its own");
+        shutdown.wait().await;
+    }
+}

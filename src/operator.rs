@@ -198,12 +198,27 @@ mod tests {
         ));
     }
 
+    /// A blank reason is refused before the store is touched: the record, here a run in flight
+    /// that a forced forget would free, is still there.
     #[tokio::test]
     async fn forget_needs_a_reason() {
         let store = MemoryStore::new();
-        assert!(matches!(
-            forget(&store, b"acct_1", "order-42", "", true).await,
-            Err(OperatorError::NoReason)
-        ));
+        let id = record_id(b"acct_1", "order-42").expect("a key");
+        store
+            .claim(
+                &id,
+                &Fingerprint::from_bytes([1; 32]),
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("claimed");
+        for reason in ["", "  \t"] {
+            assert!(matches!(
+                forget(&store, b"acct_1", "order-42", reason, true).await,
+                Err(OperatorError::NoReason)
+            ));
+        }
+        let found = lookup(&store, b"acct_1", "order-42").await.expect("read");
+        assert!(matches!(found, Some(Inspected::InFlight(_))), "{found:?}");
     }
 }

@@ -344,8 +344,13 @@ pub fn status_handler() -> Handler {
             .and_then(|s| s.parse().ok())
             .unwrap_or(200);
         let mut response = respond(status, format!("status {status} call {}", call.n));
-        if let Some(cc) = call.header("x-cache-control") {
-            response.headers_mut().insert(
+        // `|` separates header lines: `private|no-store` is two Cache-Control fields.
+        for cc in call
+            .header("x-cache-control")
+            .into_iter()
+            .flat_map(|cc| cc.split('|'))
+        {
+            response.headers_mut().append(
                 CACHE_CONTROL,
                 HeaderValue::from_str(cc).expect("a header value"),
             );
@@ -360,7 +365,7 @@ pub fn status_handler() -> Handler {
 }
 
 /// A request for [`status_handler`]: `POST /` with `key`, asking for `status` and, if given,
-/// `cache_control`.
+/// `cache_control` (`|` between values makes one header line of each).
 pub fn status_request(key: &str, status: u16, cache_control: Option<&str>) -> Request<Body> {
     let builder = keyed(Method::POST, "/", key).header("x-status", status.to_string());
     let builder = match cache_control {

@@ -96,7 +96,7 @@ pub use handler::{
     call, created, expect_one_execution, flood, gated_handler, keyed, pattern, post, respond, send,
     spawn_send, status_handler, status_request, streamed,
 };
-pub use stores::{Calls, Counting, Faulty, Prepared};
+pub use stores::{Calls, Counting, Faulty, Prepared, StoreCall};
 
 // The README's example, compiled as a doc test.
 #[cfg(doctest)]
@@ -230,6 +230,7 @@ macro_rules! layer_contract {
             failed_store_write_still_answers_and_is_retried,
             an_aborted_completion_is_not_reported_as_done,
             store_write_failing_past_the_lease_lands_when_the_store_returns,
+            completions_failing_while_renewals_work_keep_the_claim,
             retried_write_gives_up_once_another_claim_holds_the_key,
             a_displaced_handler_learns_it_and_has_the_smaller_fence,
             a_running_handler_still_holds_its_claim,

@@ -113,6 +113,36 @@ impl<St: OperatorStore> OperatorStore for Counting<St> {
     tower_idempotency::forward_store!(inner => inspect, forget);
 }
 
+/// One kind of store call, for faults that strike that kind alone ([`Faulty::fail_call`],
+/// [`Faulty::delay_call`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreCall {
+    /// [`Store::claim`].
+    Claim,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::renew`].
+    Renew,
+    /// [`Store::release`].
+    Release,
+    /// [`OperatorStore::inspect`].
+    Inspect,
+    /// [`OperatorStore::forget`].
+    Forget,
+}
+
+impl StoreCall {
+    const COUNT: usize = 6;
+
+    /// Whether [`Faulty::fail_writes`] fails it.
+    fn is_write(self) -> bool {
+        matches!(
+            self,
+            StoreCall::Complete | StoreCall::Renew | StoreCall::Release | StoreCall::Forget
+        )
+    }
+}
+
 #[derive(Debug, Default)]
 struct Faults {
     /// Every call fails.
@@ -131,6 +161,12 @@ struct Faults {
     renewals_to_fail: AtomicUsize,
     /// Claims find a record the store cannot decode.
     undecodable: AtomicBool,
+    /// Calls of one kind fail, by [`StoreCall`].
+    kind_fails: [AtomicBool; StoreCall::COUNT],
+    /// Calls of one kind wait this long before they reach the store, by [`StoreCall`].
+    kind_delays: Mutex<[Option<Duration>; StoreCall::COUNT]>,
+    /// Answers of one kind come back this long after the store applied the call.
+    answer_delays: Mutex<[Option<Duration>; StoreCall::COUNT]>,
 }
 
 /// What [`Faulty`]'s `prepare` puts into a claimed request's extensions: the claim's token.
@@ -152,6 +188,11 @@ impl<St> Faulty<St> {
             inner,
             faults: Arc::default(),
         }
+    }
+
+    /// The store that the calls reach, without the faults.
+    pub fn inner(&self) -> &St {
+        &self.inner
     }
 
     /// Makes every call fail (`true`) or work (`false`).
@@ -199,16 +240,60 @@ impl<St> Faulty<St> {
         *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner()) = delay;
     }
 
-    async fn enter(&self, write: bool) -> Result<(), StoreError> {
-        let delay = *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner());
+    /// Makes the calls of one kind fail with [`StoreError::Unavailable`] (`true`) or work
+    /// (`false`) while the others work: a partial fault, as completions failing while renewals
+    /// land (a replication wait that times out on writes of a record's size).
+    pub fn fail_call(&self, call: StoreCall, failing: bool) {
+        self.faults.kind_fails[call as usize].store(failing, Ordering::SeqCst);
+    }
+
+    /// Makes the calls of one kind wait `delay` before they reach the store (on top of
+    /// [`Faulty::delay`]): a store slow at one thing, as a completion that waits for replicas.
+    pub fn delay_call(&self, call: StoreCall, delay: Option<Duration>) {
+        self.faults
+            .kind_delays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[call as usize] = delay;
+    }
+
+    /// Makes the answers of one kind come back `delay` after the store applied the call: the
+    /// write is made at once, its caller learns it late, as over a slow network.
+    pub fn delay_answer(&self, call: StoreCall, delay: Option<Duration>) {
+        self.faults
+            .answer_delays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[call as usize] = delay;
+    }
+
+    /// `answer`, once the answer delay of `call` has passed.
+    async fn answer<T>(&self, call: StoreCall, answer: T) -> T {
+        let delay = self
+            .faults
+            .answer_delays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[call as usize];
         if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
+        answer
+    }
+
+    async fn enter(&self, call: StoreCall) -> Result<(), StoreError> {
+        let delay = *self.faults.delay.lock().unwrap_or_else(|e| e.into_inner());
+        let kind_delay = self
+            .faults
+            .kind_delays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[call as usize];
+        for delay in [delay, kind_delay].into_iter().flatten() {
             tokio::time::sleep(delay).await;
         }
         if self.faults.time_out.load(Ordering::SeqCst) {
             return Err(StoreError::Timeout(Duration::from_secs(1)));
         }
         if self.faults.all.load(Ordering::SeqCst)
-            || (write && self.faults.writes.load(Ordering::SeqCst))
+            || (call.is_write() && self.faults.writes.load(Ordering::SeqCst))
+            || self.faults.kind_fails[call as usize].load(Ordering::SeqCst)
         {
             return Err(StoreError::Unavailable(Box::new(std::io::Error::other(
                 "injected store failure",
@@ -225,13 +310,14 @@ impl<St: Store> Store for Faulty<St> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        self.enter(false).await?;
+        self.enter(StoreCall::Claim).await?;
         if self.faults.undecodable.load(Ordering::SeqCst) {
             return Err(StoreError::Codec(Box::new(std::io::Error::other(
                 "injected record of an unknown kind",
             ))));
         }
-        self.inner.claim(id, fingerprint, lease).await
+        let claim = self.inner.claim(id, fingerprint, lease).await;
+        self.answer(StoreCall::Claim, claim).await
     }
 
     async fn complete(
@@ -241,7 +327,7 @@ impl<St: Store> Store for Faulty<St> {
         completed: &Completed,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.enter(true).await?;
+        self.enter(StoreCall::Complete).await?;
         if self.faults.abort.load(Ordering::SeqCst) {
             self.inner.release(id, token).await?;
             return Err(StoreError::Aborted(Box::new(std::io::Error::other(
@@ -254,7 +340,8 @@ impl<St: Store> Store for Faulty<St> {
                 "injected integrity violation",
             ))));
         }
-        self.inner.complete(id, token, completed, ttl).await
+        let written = self.inner.complete(id, token, completed, ttl).await;
+        self.answer(StoreCall::Complete, written).await
     }
 
     async fn renew(
@@ -263,7 +350,7 @@ impl<St: Store> Store for Faulty<St> {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        self.enter(true).await?;
+        self.enter(StoreCall::Renew).await?;
         let to_fail = &self.faults.renewals_to_fail;
         if to_fail
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -273,7 +360,8 @@ impl<St: Store> Store for Faulty<St> {
                 "injected renewal failure",
             ))));
         }
-        self.inner.renew(id, token, lease).await
+        let renewed = self.inner.renew(id, token, lease).await;
+        self.answer(StoreCall::Renew, renewed).await
     }
 
     fn prepare(&self, id: &RecordId, token: &ClaimToken, extensions: &mut Extensions) {
@@ -282,8 +370,9 @@ impl<St: Store> Store for Faulty<St> {
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        self.enter(true).await?;
-        self.inner.release(id, token).await
+        self.enter(StoreCall::Release).await?;
+        let released = self.inner.release(id, token).await;
+        self.answer(StoreCall::Release, released).await
     }
 
     tower_idempotency::forward_store!(inner => changed);
@@ -292,12 +381,12 @@ impl<St: Store> Store for Faulty<St> {
 /// An operator's calls meet the same faults: a store that is down cannot be read either.
 impl<St: OperatorStore> OperatorStore for Faulty<St> {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
-        self.enter(false).await?;
+        self.enter(StoreCall::Inspect).await?;
         self.inner.inspect(id).await
     }
 
     async fn forget(&self, id: &RecordId, force: bool) -> Result<ForgetOutcome, StoreError> {
-        self.enter(true).await?;
+        self.enter(StoreCall::Forget).await?;
         self.inner.forget(id, force).await
     }
 }

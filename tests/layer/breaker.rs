@@ -8,7 +8,9 @@ use http::header::RETRY_AFTER;
 use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::CircuitBreaker;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
-use tower_idempotency_test::{Counting, Faulty, Handler, Reply, created, post, send, spawn_send};
+use tower_idempotency_test::{
+    Counting, Faulty, Handler, Reply, StoreCall, created, post, send, spawn_send,
+};
 
 type Store = Counting<Faulty<MemoryStore>>;
 
@@ -205,5 +207,49 @@ async fn one_breaker_per_layer_shared_by_its_services() {
         store.calls().claim,
         13,
         "without a breaker, every claim is made"
+    );
+}
+
+/// An open breaker refuses claims, never a running handler's renewals: they are the store's to
+/// answer. A handler that runs through three leases of an open breaker (claims failing all along)
+/// keeps its claim, and once the breaker closes, a retry gets 409, not a second run.
+#[tokio::test(start_paused = true)]
+async fn renewals_pass_an_open_breaker() {
+    let store = store();
+    let (started, gate) = (
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+        std::sync::Arc::new(tokio::sync::Notify::new()),
+    );
+    let handler = tower_idempotency_test::gated_handler(started.clone(), gate.clone(), "slow");
+    let layer = IdempotencyLayer::new(breaker(&store)).lease(Duration::from_secs(3));
+    let svc = tower_idempotency_test::service(layer, handler.clone());
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+
+    store.inner().fail_call(StoreCall::Claim, true);
+    for n in 0..9 {
+        let reply = send(&svc, post(&format!("other-{n}"), "x")).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let open = send(&svc, post("k", "x")).await;
+    assert_eq!(
+        open.outcome,
+        Some(Outcome::CircuitOpen),
+        "the breaker is open: {open:?}"
+    );
+
+    store.inner().fail_call(StoreCall::Claim, false);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    send(&svc, post("k", "x")).await.assert_in_flight();
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.2, §9.11: the running handler kept its claim"
+    );
+    gate.notify_one();
+    assert_eq!(
+        first.await.expect("the first").outcome,
+        Some(Outcome::Executed)
     );
 }

@@ -11,7 +11,9 @@ mod metrics;
 mod quota_and_breaker;
 mod render;
 mod replay_cache;
+mod timing;
 mod wait_cost;
+mod wrappers;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -1452,4 +1454,24 @@ async fn a_failing_release_is_given_up_within_a_lease() {
         by_the_lease,
         "§9.5: no release attempt after the lease"
     );
+}
+
+/// The layer calls the inner service it readied and leaves a clone behind, as tower's contract
+/// asks: an inner service whose readiness is its own (a concurrency limit's permit) is never
+/// called without it, and its permit goes with the request.
+#[tokio::test(start_paused = true)]
+async fn the_inner_service_called_is_the_one_readied() {
+    let handler = Handler::ok(|call| created(format!("call {}", call.n)));
+    let svc = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .concurrency_limit(1)
+        .service(handler.clone());
+    for key in ["k1", "k2", "k3"] {
+        let reply =
+            tokio::time::timeout(Duration::from_secs(5), send(&svc, post_request(key, "x")))
+                .await
+                .expect("the permit of each request is given back");
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    assert_eq!(handler.calls(), 3);
 }

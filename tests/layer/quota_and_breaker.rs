@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tower_idempotency::store::{CircuitBreaker, ScopeQuota};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{
-    Faulty, Handler, account_post, account_scope, created, send, service, spawn_send,
+    Faulty, Handler, StoreCall, account_post, account_scope, created, send, service, spawn_send,
 };
 
 /// One claim's worth of budget (a bound of 512 bytes: a burst of 256).
@@ -123,5 +123,32 @@ async fn a_waiting_duplicate_of_a_scope_past_its_quota_is_refused_once_the_key_i
         freed.elapsed() < BOUND,
         "answered when the key was freed, not at the wait's bound: {:?}",
         freed.elapsed()
+    );
+}
+
+/// A completion is charged to its scope once, when the store took it: the attempts that failed
+/// before it cost nothing, and the scope's next request fits in what is left (§3.4).
+#[tokio::test(start_paused = true)]
+async fn a_completion_retried_after_failures_is_charged_once() {
+    let store = Faulty::new(MemoryStore::new());
+    // A burst of 2,012 bytes: a claim (256) and a 1,000-byte response leave 756, room for
+    // another claim; the response charged twice would leave none.
+    let layer = IdempotencyLayer::new(ScopeQuota::new(store.clone(), 4_024)).scope(account_scope);
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, Handler::ok(|_| created("x".repeat(1_000))));
+
+    store.fail_call(StoreCall::Complete, true);
+    let first = send(&svc, account_post("acct_a", "a-1")).await;
+    assert_eq!(first.outcome, Some(Outcome::Executed), "{first:?}");
+    // Attempts at about 0, 0.1, 0.3, 0.7 and 1.5 s fail; the next lands.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.fail_call(StoreCall::Complete, false);
+    shutdown.wait().await;
+
+    let second = send(&svc, account_post("acct_a", "a-2")).await;
+    assert_eq!(
+        second.outcome,
+        Some(Outcome::Executed),
+        "§3.4: the first response was charged once, when it was stored: {second:?}"
     );
 }

@@ -10,7 +10,9 @@ use http::{Method, StatusCode};
 use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::store::ReplayCache;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, Outcome, Scope};
-use tower_idempotency_test::{Counting, Handler, created, keyed, post, send, service};
+use tower_idempotency_test::{
+    Counting, Faulty, Handler, StoreCall, created, keyed, post, send, service,
+};
 
 type Store = Counting<MemoryStore>;
 
@@ -168,4 +170,100 @@ async fn scopes_never_share_entries() {
     }
     assert_eq!(store.calls(), calls);
     assert_eq!(handler.calls(), 2);
+}
+
+/// A completion whose answer comes back late (the store wrote it at once): the copy's window
+/// counts from before the write was sent, so it never outlives the store's record, however long
+/// the answer took.
+#[tokio::test(start_paused = true)]
+async fn a_copy_never_outlives_the_record_when_the_answer_is_slow() {
+    let window = Duration::from_secs(10);
+    let store = Faulty::new(MemoryStore::new());
+    store.delay_answer(StoreCall::Complete, Some(Duration::from_secs(1)));
+    let handler = echo();
+    let layer = IdempotencyLayer::new(ReplayCache::new(store.clone(), 100, 1 << 20));
+    let svc = service(layer.dedup_window(window), handler.clone());
+
+    send(&svc, post("k", "x")).await;
+    // The record was written at 0 s and the answer came at 1 s: the record is gone at 10 s.
+    tokio::time::sleep(window - Duration::from_secs(1) + Duration::from_millis(1)).await;
+    store.delay_answer(StoreCall::Complete, None);
+    let again = send(&svc, post("k", "x")).await;
+    assert_eq!(
+        (again.outcome, &again.body[..]),
+        (Some(Outcome::Executed), &b"call 2"[..]),
+        "§6.7: past the record's window, this process runs the key again, as the store does"
+    );
+}
+
+/// A completion the store refused (another run's record holds the key: this claim's lease ran
+/// out) is not cached: this process replays the record the store holds, as every other does.
+#[tokio::test(start_paused = true)]
+async fn a_refused_completion_is_not_cached() {
+    let lease = Duration::from_secs(3);
+    let store = Faulty::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(ReplayCache::new(store.clone(), 100, 1 << 20)).lease(lease);
+    let shutdown = layer.shutdown_handle();
+    let here = service(layer, Handler::ok(|_| created("here")));
+    let elsewhere = service(
+        IdempotencyLayer::new(store.inner().clone()).lease(lease),
+        Handler::ok(|_| created("elsewhere")),
+    );
+
+    // Here, the handler runs, and every write fails past the lease.
+    store.fail_writes(true);
+    assert_eq!(send(&here, post("k", "x")).await.text(), "here");
+    tokio::time::sleep(lease + Duration::from_secs(1)).await;
+    // Another instance claims the key and stores its run; then this one's write is refused.
+    let other = send(&elsewhere, post("k", "x")).await;
+    assert_eq!(other.outcome, Some(Outcome::Executed), "{other:?}");
+    store.fail_writes(false);
+    shutdown.wait().await;
+
+    let replay = send(&here, post("k", "x")).await;
+    assert_eq!(
+        (replay.outcome, replay.text()),
+        (Some(Outcome::Replayed), "elsewhere".into()),
+        "§6.7: this process replays the record the store holds"
+    );
+}
+
+/// A copy replays with the stored trailers, as the store's record does (a gRPC answer's status
+/// is a trailer).
+#[tokio::test(start_paused = true)]
+async fn a_copy_replays_with_its_trailers() {
+    let store = store();
+    let handler = Handler::ok(|_| {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let frames = [
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(bytes::Bytes::from_static(
+                b"done",
+            ))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        let body = Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )));
+        http::Response::new(body)
+    });
+    let svc = service(cached(&store), handler.clone());
+    for n in 0..3 {
+        let response = tower::ServiceExt::oneshot(svc.clone(), post("k", "x"))
+            .await
+            .expect("an answer");
+        let collected = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .expect("a body");
+        let grpc_status = collected
+            .trailers()
+            .and_then(|t| t.get("grpc-status").cloned());
+        assert_eq!(
+            grpc_status.as_ref().map(|v| v.as_bytes()),
+            Some(&b"0"[..]),
+            "answer {n}"
+        );
+        assert_eq!(&collected.to_bytes()[..], b"done");
+    }
+    assert_eq!(handler.calls(), 1);
 }

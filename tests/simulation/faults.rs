@@ -1,5 +1,6 @@
 //! The faults a run injects, and how often: per store call (a delay, a loss, a stall, a call
-//! delivered twice, an error of each kind), per instance (a partition from the store that heals,
+//! delivered twice, an error of each kind), per kind of call (one kind failing, or slow, for a
+//! while, the others working), per instance (a partition from the store that heals,
 //! a clock that is off and jumps), and on the store (a restart, a failover, one whose clock is
 //! behind, an eviction).
 
@@ -44,6 +45,14 @@ pub(crate) enum Fault {
     Evict,
     /// An instance died, its handlers and detached work with it.
     Death,
+    /// The calls of one kind failed for a while, the others working: completions failing while
+    /// renewals land (a replication wait that times out on a record's write), claims refused
+    /// while the running handlers renew. Renewals fail for at most half a lease: longer, and the
+    /// claim is lost by the protocol's own terms (§9.2).
+    KindDown,
+    /// The calls of one kind were slow for a while (up to a quarter of a lease each), the others
+    /// not: a completion that waits for replicas, a claim queued behind a busy connection.
+    KindSlow,
     /// On real time, the machine itself held the run's tasks back for longer than a delay may
     /// last (a loaded CI machine): a stall no one injected, but a stall all the same.
     Starved,
@@ -84,6 +93,71 @@ pub(crate) struct Profile {
     pub lossy_failover: bool,
     /// Per-call faults stop here: every fault of the run is over by then.
     pub quiet: Option<Instant>,
+    /// One kind of call failing or slow for a while.
+    pub partial: Option<Partial>,
+}
+
+/// A kind of store call, for the faults that strike one kind alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CallKind {
+    Claim,
+    Complete,
+    Renew,
+    Release,
+    /// A read past a scope's quota.
+    Inspect,
+}
+
+/// One kind of call failing (`slow: None`) or slow, from `from` to `to`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Partial {
+    pub kind: CallKind,
+    pub from: Instant,
+    pub to: Instant,
+    pub slow: Option<Duration>,
+}
+
+impl Partial {
+    /// In about half the runs: a kind drawn at random, failing or slow for up to two leases
+    /// (renewals failing for at most half a lease), all before `quiet`.
+    pub(crate) fn draw(
+        rng: &mut Rng,
+        start: Instant,
+        lease: Duration,
+        quiet: Instant,
+    ) -> Option<Self> {
+        if !rng.chance(500) {
+            return None;
+        }
+        let ms = |f: f64| lease.mul_f64(f).as_millis() as u64;
+        let kinds = [
+            CallKind::Claim,
+            CallKind::Complete,
+            CallKind::Renew,
+            CallKind::Release,
+            CallKind::Inspect,
+        ];
+        let kind = kinds[rng.below(0..kinds.len() as u64) as usize];
+        let slow = rng.chance(400).then(|| rng.millis(ms(0.05)..ms(0.25)));
+        let longest = if kind == CallKind::Renew && slow.is_none() {
+            ms(0.5)
+        } else {
+            ms(2.0)
+        };
+        let from = start + rng.millis(0..ms(3.0));
+        let to = (from + rng.millis(ms(0.1)..longest)).min(quiet);
+        Some(Self {
+            kind,
+            from,
+            to,
+            slow,
+        })
+    }
+
+    /// Whether it strikes a call of `kind` now.
+    pub(crate) fn strikes(&self, kind: CallKind, now: Instant) -> bool {
+        self.kind == kind && (self.from..self.to).contains(&now)
+    }
 }
 
 impl Profile {
@@ -99,6 +173,7 @@ impl Profile {
             rejected: if rng.chance(200) { 150 } else { 0 },
             lossy_failover: rng.chance(500),
             quiet: Some(quiet),
+            partial: None,
         }
     }
 

@@ -3,7 +3,7 @@
 //! boundary, with the oracle's model of the store checking every call the injector lets through.
 //! Calls are delayed, lost before the store saw them (with an error of any kind), answered with
 //! an error after the store applied them (a lost reply), applied twice, or stall past the lease;
-//! an instance can be cut off from the store for a while, and read leases with a clock that is
+//! the calls of one kind can fail, or be slow, for a while as the others work; an instance can be cut off from the store for a while, and read leases with a clock that is
 //! off. The store can restart empty, fail over to a replica that lacks the claims (and perhaps
 //! the completions) of the replication lag and whose clock may be behind (its fences then go
 //! back), and evict a completed record. It also models a
@@ -23,7 +23,7 @@ use tower_idempotency::store::{Claim, ForgetOutcome, Inspected, OperatorStore, S
 
 use super::backend::{Backend, Evict, Forget};
 use super::bugs::Bug;
-use super::faults::{Fault, InstanceFaults, Profile, lost_call_error};
+use super::faults::{CallKind, Fault, InstanceFaults, Profile, lost_call_error};
 use super::ledger::{Ledger, Staged};
 use super::oracle::Oracle;
 use super::oracle::model::Call;
@@ -407,7 +407,7 @@ impl SimStore {
 
     /// Draws this call's faults, and waits out a delay, a stall or a partition: an error when
     /// the call is lost before the store sees it, else whether its reply will be.
-    async fn strike(&self, id: &RecordId) -> Result<ReplyLost, StoreError> {
+    async fn strike(&self, id: &RecordId, kind: CallKind) -> Result<ReplyLost, StoreError> {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -426,6 +426,20 @@ impl SimStore {
             return Err(StoreError::Timeout(self.shared.delay));
         }
         let profile = self.shared.profile;
+        if let Some(partial) = profile.partial.filter(|p| p.strikes(kind, Instant::now())) {
+            match partial.slow {
+                Some(slow) => {
+                    self.hit(id, Fault::KindSlow);
+                    tokio::time::sleep(slow).await;
+                }
+                None => {
+                    self.hit(id, Fault::KindDown);
+                    return Err(StoreError::Unavailable(
+                        "the store fails this kind of call for now".into(),
+                    ));
+                }
+            }
+        }
         if !profile.active() {
             return Ok(ReplyLost(false));
         }
@@ -652,7 +666,7 @@ impl Store for SimStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let reply_lost = self.strike(id).await?;
+        let reply_lost = self.strike(id, CallKind::Claim).await?;
         let failovers = self.shared.failovers.load(Ordering::SeqCst);
         let claim = self.checked_claim(id, fingerprint, lease).await?;
         let (id_, fingerprint_) = (*id, *fingerprint);
@@ -708,7 +722,7 @@ impl Store for SimStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let staged = |log: &Log| log.open.get(token).is_some_and(|staged| !staged.is_empty());
-        let reply_lost = match self.strike(id).await {
+        let reply_lost = match self.strike(id, CallKind::Complete).await {
             Ok(reply_lost) => reply_lost,
             Err(lost) => {
                 // As `PgStore` does: a transaction whose commit could not be sent rolled back, and
@@ -780,7 +794,7 @@ impl Store for SimStore {
         token: &ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let reply_lost = self.strike(id).await?;
+        let reply_lost = self.strike(id, CallKind::Renew).await?;
         let renewed = self.checked_renew(id, token, lease).await?;
         let (id_, token_) = (*id, *token);
         self.again(id, move |this| {
@@ -798,7 +812,7 @@ impl Store for SimStore {
     }
 
     async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
-        let reply_lost = self.strike(id).await?;
+        let reply_lost = self.strike(id, CallKind::Release).await?;
         let released = self.checked_release(id, token).await?;
         let (id_, token_) = (*id, *token);
         self.again(id, move |this| {
@@ -815,7 +829,7 @@ impl Store for SimStore {
 /// writes nothing, so the model has nothing to learn from it.
 impl OperatorStore for SimStore {
     async fn inspect(&self, id: &RecordId) -> Result<Option<Inspected>, StoreError> {
-        let reply_lost = self.strike(id).await?;
+        let reply_lost = self.strike(id, CallKind::Inspect).await?;
         let seen = self.inner().inspect(id).await?;
         reply_lost.reply(seen)
     }

@@ -19,7 +19,7 @@ use tower_idempotency::record::RecordId;
 use super::backend::Backend;
 use super::bugs::Bug;
 use super::client::{self, Plan};
-use super::faults::{Fault, InstanceFaults, Profile};
+use super::faults::{Fault, InstanceFaults, Partial, Profile};
 use super::handler::{self, Behaviour, Handlers};
 use super::ledger::{Ledger, Mode};
 use super::oracle::answers::{self, Answer, BodyClass, Context};
@@ -136,7 +136,8 @@ pub(crate) async fn world(seed: u64, bug: Bug, backend: Backend, lease: Duration
     let lease = setup.lease;
     let ms = |factor: f64| lease.mul_f64(factor).as_millis() as u64;
     let quiet = start + lease.mul_f64(FAULTS_FOR);
-    let profile = Profile::draw(&mut rng, quiet);
+    let mut profile = Profile::draw(&mut rng, quiet);
+    profile.partial = Partial::draw(&mut later, start, lease, quiet);
     let instance_faults: Vec<InstanceFaults> = (0..instances)
         .map(|_| InstanceFaults::draw(&mut rng, start, lease, quiet))
         .collect();

@@ -234,3 +234,85 @@ fn claim_id(store: &MemoryStore, id: &RecordId) -> Result<Claim, StoreError> {
         Duration::from_secs(30),
     )
 }
+
+/// A record an operator forgets gives its bytes back, to the store and to its scope: its tenant
+/// can store as much again.
+#[tokio::test(start_paused = true)]
+async fn a_forgotten_record_gives_its_bytes_back() {
+    let done = completed(1000);
+    let one_record = ENTRY_OVERHEAD + super::scopes::SCOPE_OVERHEAD + done.encode().unwrap().len();
+    let store = MemoryStore::with_capacity(1 << 20).with_scope_limit(one_record);
+    for key in ["k1", "k2", "k3"] {
+        let id = RecordId::new(b"acct", key);
+        let Ok(Claim::Claimed(token)) = claim_id(&store, &id) else {
+            panic!("{key}: the scope's room was given back")
+        };
+        assert!(
+            store
+                .complete_now(&id, &token, &done, Duration::from_secs(60))
+                .unwrap()
+        );
+        assert_eq!(store.used_bytes(), one_record);
+        let forgotten = store.forget(&id, false).await;
+        assert!(
+            matches!(forgotten, Ok(ForgetOutcome::Forgotten(_))),
+            "{forgotten:?}"
+        );
+        assert_eq!(store.used_bytes(), 0, "{key}: forgetting frees its bytes");
+    }
+}
+
+/// A claim refused because the whole store is full costs its scope nothing: once the store has
+/// room again, that tenant claims within its share as before.
+#[tokio::test(start_paused = true)]
+async fn a_claim_the_full_store_refuses_costs_its_scope_nothing() {
+    let record = ENTRY_OVERHEAD + super::scopes::SCOPE_OVERHEAD;
+    let store = MemoryStore::with_capacity(2 * record).with_scope_limit(2 * record);
+    for key in ["a1", "a2"] {
+        assert!(matches!(
+            claim_id(&store, &RecordId::new(b"a", key)),
+            Ok(Claim::Claimed(_))
+        ));
+    }
+    for key in ["b1", "b2", "b3"] {
+        let refused = claim_id(&store, &RecordId::new(b"b", key));
+        assert!(
+            matches!(refused, Err(StoreError::Full { .. })),
+            "{refused:?}"
+        );
+    }
+    tokio::time::advance(Duration::from_secs(31)).await;
+    for key in ["b1", "b2"] {
+        let claimed = claim_id(&store, &RecordId::new(b"b", key));
+        assert!(
+            matches!(claimed, Ok(Claim::Claimed(_))),
+            "{key}: {claimed:?}"
+        );
+    }
+}
+
+/// Expiry items queued in one lane come due in order, each no earlier than its record: a record
+/// claimed after another with the same lease is collected once its own lease has run out.
+#[tokio::test(start_paused = true)]
+async fn a_later_record_in_a_lane_is_collected_when_it_expires() {
+    let store = MemoryStore::new();
+    assert!(matches!(claim(&store, 0), Ok(Claim::Claimed(_))));
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert!(matches!(claim(&store, 1), Ok(Claim::Claimed(_))));
+    tokio::time::advance(Duration::from_secs(21)).await;
+    assert_eq!(
+        store.len(),
+        1,
+        "the first record's lease ran out; the second's has not"
+    );
+    assert!(
+        matches!(claim(&store, 1), Ok(Claim::Existing(_))),
+        "the second is live"
+    );
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_eq!(
+        (store.len(), store.used_bytes()),
+        (0, 0),
+        "both leases ran out: both records are collected and their bytes freed"
+    );
+}

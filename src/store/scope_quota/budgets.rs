@@ -196,6 +196,23 @@ mod tests {
     }
 
     #[test]
+    fn a_spend_keeps_what_the_budget_refilled_since_the_last() {
+        let quotas = quotas(10_000);
+        let now = Instant::now();
+        quotas.spend(1, 5_000, WINDOW, now);
+        // 100 s at 5 bytes a second gave 500 back: 200 spent then leaves 300, more than a claim.
+        let later = now + Duration::from_secs(100);
+        quotas.spend(1, 200, WINDOW, later);
+        assert_eq!(quotas.admit(1, WINDOW, later), Ok(()));
+        // 300 more leaves nothing: a claim's 256 bytes take 51.2 s to come back.
+        quotas.spend(1, 300, WINDOW, later);
+        assert_eq!(
+            quotas.admit(1, WINDOW, later),
+            Err(Duration::from_secs_f64(256.0 / 5.0))
+        );
+    }
+
+    #[test]
     fn a_debt_is_paid_before_admission() {
         let quotas = quotas(10_000);
         let now = Instant::now();

@@ -403,6 +403,8 @@ pub async fn responses_that_are_not_stored_run_again<H: Harness>(h: H) {
         (201, Some("private, no-store")),
         (200, Some("No-Store")),
         (402, Some("max-age=0, no-store")),
+        // no-store in the second of two Cache-Control lines.
+        (200, Some("private|no-store")),
     ];
     for (i, (status, cache_control)) in cases.into_iter().enumerate() {
         let key = format!("not-stored-{i}");
@@ -1419,6 +1421,48 @@ pub async fn store_write_failing_past_the_lease_lands_when_the_store_returns<H: 
         "§9.6, §10.1: the late completion landed where no record was left, so the handler ran \
          once"
     );
+}
+
+/// Completions that fail while every other call works (a replication wait that times out on a
+/// record's write, not on a renewal's) are retried for as long as the claim can be ours, and the
+/// lease is renewed meanwhile: retries for two leases get 409, never a second run, and once a
+/// completion lands they get the replay.
+/// PROTOCOL.md §9.2, §9.5.
+pub async fn completions_failing_while_renewals_work_keep_the_claim<H: Harness>(h: H) {
+    let faulty = Faulty::new(h.store());
+    let store = Counting::new(faulty.clone());
+    let handler = Handler::ok(|call| created(format!("call {}", call.n)));
+    let layer = layer(&h, store.clone());
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer, handler.clone());
+
+    faulty.fail_call(StoreCall::Complete, true);
+    let first = send(&svc, post("k", "x")).await;
+    assert_eq!(
+        (first.status, first.text()),
+        (StatusCode::CREATED, "call 1".into()),
+        "§9.5: a failed completion write still answers the handler's response"
+    );
+    for _ in 0..8 {
+        h.advance(h.lease() / 4).await;
+        send(&svc, post("k", "x")).await.assert_in_flight();
+    }
+    assert_eq!(
+        handler.calls(),
+        1,
+        "§9.2, §9.5: while its completion is retried the claim's lease is renewed, so retries \
+         get 409 and never run the handler again"
+    );
+    let calls = store.calls();
+    assert!(
+        calls.renew >= 3 && calls.complete >= 3,
+        "§9.2, §9.5: the completion is retried and the lease renewed meanwhile ({calls:?})"
+    );
+
+    faulty.fail_call(StoreCall::Complete, false);
+    shutdown.wait().await;
+    assert_replay_of(&send(&svc, post("k", "x")).await, &first);
+    assert_eq!(handler.calls(), 1, "§9.5: the handler ran once");
 }
 
 /// A write retried while the store failed gives up once another claim holds the key: the claim
