@@ -1,7 +1,8 @@
 //! When answers come, not only which (PROTOCOL.md §6.6, §9.2), on paused time over a memory store
 //! whose calls take time, as a store over the network does: a waiting duplicate is answered as
 //! soon as the first request's completion or release lands in this process, never a poll later;
-//! a different request with the key gets its 422 without waiting; a handler that finishes while a
+//! a different request with the key gets its 422 without waiting; a change a store signals during
+//! a wait's claim is not missed, and a wait ends with its last waiter; a handler that finishes while a
 //! renewal is on its way is answered at once; and a renewal outage shorter than two thirds of the
 //! lease never loses the claim, wherever it starts.
 
@@ -11,6 +12,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tower_idempotency::record::{ClaimToken, Completed, RecordId};
+use tower_idempotency::store::StoreError;
 use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, Outcome};
 use tower_idempotency_test::{
     Faulty, Handler, Reply, StoreCall, created, gated_handler, post, respond, send, service,
@@ -258,6 +261,132 @@ async fn a_renewal_outage_shorter_than_two_thirds_of_the_lease_keeps_the_claim()
         handler.calls(),
         1,
         "§9.2: the outage was shorter than what the lease had left"
+    );
+    gate.notify_one();
+    assert_eq!(
+        first.await.expect("the first").outcome,
+        Some(Outcome::Executed)
+    );
+}
+
+/// A store that signals each completion and release (`Store::changed`), as `PgStore` does with
+/// notifications: a signal reaches every watch made before it.
+#[derive(Debug, Clone)]
+struct Signalling<St> {
+    inner: St,
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl<St> Signalling<St> {
+    fn new(inner: St) -> Self {
+        Self {
+            inner,
+            changes: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+
+    fn signal(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+}
+
+impl<St: tower_idempotency::store::Store> tower_idempotency::store::Store for Signalling<St> {
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &ClaimToken,
+        completed: &Completed,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let written = self.inner.complete(id, token, completed, ttl).await;
+        self.signal();
+        written
+    }
+
+    async fn release(&self, id: &RecordId, token: &ClaimToken) -> Result<bool, StoreError> {
+        let released = self.inner.release(id, token).await;
+        self.signal();
+        released
+    }
+
+    fn changed(&self, _: &RecordId) -> Option<impl Future<Output = ()> + Send + 'static> {
+        // Subscribed now: a signal sent from here on resolves it.
+        let mut changes = self.changes.subscribe();
+        Some(async move {
+            let _ = changes.changed().await;
+        })
+    }
+
+    tower_idempotency::forward_store!(inner => claim, renew, prepare);
+}
+
+/// Over a store that signals changes, a wait watches for them from before each of its claims: a
+/// completion signalled while a claim's answer (that still saw the record in flight) is on its
+/// way wakes it again at once, not at its next safety poll a second later.
+#[tokio::test(start_paused = true)]
+async fn a_change_signalled_during_a_waits_claim_is_not_missed() {
+    let faulty = Faulty::new(MemoryStore::new());
+    // Each claim is applied at once, and answered 200 ms later.
+    faulty.delay_answer(StoreCall::Claim, Some(Duration::from_millis(200)));
+    let store = Signalling::new(faulty);
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = gated_handler(started.clone(), gate.clone(), "charged");
+    let here = service(IdempotencyLayer::new(store.clone()), handler.clone());
+    let elsewhere = IdempotencyLayer::new(store).wait_for_in_flight(Duration::from_secs(10));
+
+    let first = spawn_send(&here, post("k", "x"));
+    started.notified().await;
+    let arrived = Instant::now();
+    let waiter = spawn_send(&service(elsewhere, handler.clone()), post("k", "x"));
+    // Its claim is answered at 0.2 s; its wait's first poll claims at 1.2 s, answered at 1.4 s.
+    tokio::time::sleep_until(arrived + Duration::from_millis(1300)).await;
+    gate.notify_one();
+    let completed = Instant::now();
+    let replay = waiter.await.expect("the waiter");
+    let took = completed.elapsed();
+    assert_eq!(replay.outcome, Some(Outcome::Replayed), "{replay:?}");
+    assert!(
+        took < Duration::from_millis(600),
+        "§6.6: the waiter is woken by the signal sent during its claim; it took {took:?}"
+    );
+    assert_eq!(
+        first.await.expect("the first").outcome,
+        Some(Outcome::Executed)
+    );
+}
+
+/// When its last waiter leaves, a key's wait ends: it asks the store nothing more, and shutdown
+/// has nothing of it to wait for.
+#[tokio::test(start_paused = true)]
+async fn a_wait_ends_with_its_last_waiter() {
+    let store = tower_idempotency_test::Counting::new(MemoryStore::new());
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = gated_handler(started.clone(), gate.clone(), "charged");
+    let layer = IdempotencyLayer::new(store.clone()).wait_for_in_flight(Duration::from_secs(10));
+    let shutdown = layer.shutdown_handle();
+    let svc = service(layer.clone(), handler.clone());
+    let first = spawn_send(&svc, post("k", "x"));
+    started.notified().await;
+    // The first request's work, counted as it runs.
+    let running = shutdown.running();
+    let waiter = spawn_send(&svc, post("k", "x"));
+    for _ in 0..100 {
+        if layer.waiting() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(layer.waiting(), 1);
+
+    waiter.abort();
+    assert!(waiter.await.is_err_and(|err| err.is_cancelled()));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let claims = store.calls().claim;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        (store.calls().claim, shutdown.running()),
+        (claims, running),
+        "§6.6: no one waits, so nothing polls the key and nothing is left for shutdown"
     );
     gate.notify_one();
     assert_eq!(
