@@ -2,7 +2,8 @@
 //! header through HTTP, which methods are covered, request limits, problem responses, the key in
 //! extensions and the axum extractor, and the builder's settings. Its modules: the circuit
 //! breaker, JSON bodies by meaning, a hyper server, the problems' renderers, the replay cache,
-//! metrics, and what waiting duplicates cost.
+//! metrics, when answers come over a slow store, store wrappers passing `prepare` through, and
+//! what waiting duplicates cost.
 
 mod breaker;
 mod canonical_json;
