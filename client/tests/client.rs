@@ -5,11 +5,11 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, StatusCode};
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use http_body_util::{Full, StreamBody};
 use support::{
     Fault, Link, always, attempts, charge, charges, layer, server, server_with, text,
@@ -175,6 +175,34 @@ async fn a_not_replayable_answer_ends_the_call_after_one_attempt() {
     );
 }
 
+/// A server may answer `not-replayable` with another status than `409` (`problem_status`): the
+/// header names it, and the call still ends at once with the error, not as a `410` returned as
+/// an answer or a `500` retried to the end, which a caller would take for a failure and send again
+/// under a new key. PROTOCOL.md §14.3.
+#[tokio::test(start_paused = true)]
+async fn a_not_replayable_answer_under_another_status_still_ends_the_call() {
+    use tower_idempotency::problem::ProblemKind;
+    for status in [StatusCode::GONE, StatusCode::INTERNAL_SERVER_ERROR] {
+        let limited = IdempotencyLayer::new(MemoryStore::new())
+            .response_body_limit(1)
+            .problem_status(ProblemKind::NotReplayable, status);
+        let (server, runs) = server_with(limited, Duration::ZERO, charges());
+        let link = Link::new(server, []);
+        let client = ServiceBuilder::new().layer(layer()).service(link.clone());
+        let first = client.clone().oneshot(keyed("order-9")).await.unwrap();
+        assert_eq!(first.status(), StatusCode::CREATED, "delivered, not stored");
+
+        let result = client.oneshot(keyed("order-9")).await;
+
+        assert!(
+            matches!(&result, Err(Error::NotReplayable { key, attempts: 1 }) if key == "order-9"),
+            "{status}: {result:?}"
+        );
+        assert_eq!(link.sent().len(), 2, "{status}: one attempt each");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{status}");
+    }
+}
+
 /// The other `409`, with the same key while its first request still runs, is retried as the
 /// server asks until the replay: only `not-replayable` ends a call.
 #[tokio::test(start_paused = true)]
@@ -324,4 +352,41 @@ async fn only_requests_that_may_be_repeated_are_retried() {
     assert!(link.sent().iter().all(|s| s.key.is_none()));
     // The server refused the keyless POST (400, lost on the way) and has no GET route.
     assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// PATCH is not idempotent (RFC 9110 §9.2.2): without a key (`key_methods` here is POST only) it
+/// is sent once, after a lost answer as after a `500`, or the server applies the partial update
+/// again.
+#[tokio::test(start_paused = true)]
+async fn a_patch_without_a_key_is_sent_once() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let api = axum::Router::new().route(
+        "/v1/charges/ch_1",
+        axum::routing::patch(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async { StatusCode::INTERNAL_SERVER_ERROR }
+        }),
+    );
+    let link = Link::new(api, [Fault::LoseResponse]);
+    let client = ServiceBuilder::new()
+        .layer(layer().key_methods([Method::POST]))
+        .service(link.clone());
+    let patch = || {
+        Request::patch("/v1/charges/ch_1")
+            .body(Full::<Bytes>::from("amount=200"))
+            .unwrap()
+    };
+
+    let err = client.clone().oneshot(patch()).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Transport { attempts: 1, .. }),
+        "{err:?}"
+    );
+    let response = client.oneshot(patch()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(attempts(&response).count(), 1);
+
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "once per call");
+    assert!(link.sent().iter().all(|s| s.key.is_none()));
 }

@@ -4,11 +4,15 @@
 
 mod support;
 
+use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, StatusCode};
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::Full;
 use support::{Fault, Link, always, attempts, charge, charges, layer, server, unavailable_once};
 use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency_client::{Error, IdempotentRetryLayer};
@@ -337,4 +341,113 @@ async fn a_configured_retention_bounds_the_retries() {
     );
     assert_eq!(link.sent().len(), 3);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The two instances of [`rolling_window`] behind one service.
+type Balancer = tower::util::BoxCloneService<Request<Full<Bytes>>, Response<Body>, Infallible>;
+
+/// Two instances of one API over one store, behind a balancer, part-way through a change of its
+/// dedup window: `A` keeps keys 20 s, `B` states 300 s (and asks for 25 s between its `409`s),
+/// and both state the moment in their answers. The key's record is the completing instance's: the
+/// handler (3 s) runs on `A`, so the key is forgotten 23 s after the call, whatever `B` says.
+/// Attempts whose number (from 1) is in `to_b` go to `B`, the others to `A`. Returns the link and
+/// the handler's runs on both.
+fn rolling_window(to_b: &'static [usize]) -> (Link<Balancer>, impl Fn() -> usize) {
+    use tower_idempotency::{IDEMPOTENCY_KEY_EXPIRES, IdempotencyLayer, MemoryStore};
+    let store = MemoryStore::new();
+    let instance = |window: u64, retry_after: u64| {
+        let layer = IdempotencyLayer::new(store.clone())
+            .dedup_window(Duration::from_secs(window))
+            .retry_after(Duration::from_secs(retry_after))
+            .retention_header(
+                IDEMPOTENCY_KEY_EXPIRES,
+                tower_idempotency::RetentionFormat::HttpDate,
+            );
+        support::server_with(layer, Duration::from_secs(3), charges())
+    };
+    let ((a, runs_a), (b, runs_b)) = (instance(20, 1), instance(300, 25));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let balancer = tower::service_fn(move |request: Request<Full<Bytes>>| {
+        let attempt = sent.fetch_add(1, Ordering::SeqCst) + 1;
+        let instance = if to_b.contains(&attempt) { &b } else { &a };
+        instance.clone().oneshot(request)
+    });
+    let runs = move || runs_a.load(Ordering::SeqCst) + runs_b.load(Ordering::SeqCst);
+    (Link::new(Balancer::new(balancer), []), runs)
+}
+
+/// The earliest moment stated bounds the retries, not the latest: `A`'s `409` states 20 s, then
+/// `B`'s states 300 s and asks for a retry in 25 s, after `A`'s record is gone. Kept to the
+/// earliest, the call ends there; moved to the latest, the retry runs the charge a second time.
+#[tokio::test(start_paused = true)]
+async fn the_earliest_moment_stated_bounds_the_retries() {
+    // A timeout at 1 s (the handler runs on, on `A`), `A`'s 409 at 1 s, `B`'s 409 at 2 s.
+    let (link, runs) = rolling_window(&[3]);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(1))
+                .deadline(Duration::from_secs(60)),
+        )
+        .service(link.clone());
+    let before = SystemTime::now();
+
+    let result = client.oneshot(charge("x")).await;
+
+    assert_eq!(runs(), 1, "the charge ran once");
+    let Err(Error::RetentionPassed {
+        expires, attempts, ..
+    }) = result
+    else {
+        panic!("{result:?}")
+    };
+    assert_eq!(
+        (attempts, link.sent().len()),
+        (3, 3),
+        "no retry after B's 409"
+    );
+    let kept = expires.duration_since(before).unwrap();
+    assert!(
+        kept > Duration::from_secs(18) && kept <= Duration::from_secs(20),
+        "A's moment, not B's: {kept:?}"
+    );
+}
+
+/// The configured retention (the server's documented window) still bounds the retries once an
+/// answer states a later moment: `B`'s `409` states 300 s, but the key, completed on `A`, is kept
+/// 20 s. The retry it asks for, at 26 s, is not sent; sent, it would run the charge again.
+#[tokio::test(start_paused = true)]
+async fn a_later_stated_moment_does_not_lift_the_configured_retention() {
+    // A timeout at 1 s (the handler runs on, on `A`), then `B`'s 409 at 1 s.
+    let (link, runs) = rolling_window(&[2]);
+    let client = ServiceBuilder::new()
+        .layer(
+            layer()
+                .attempt_timeout(Duration::from_secs(1))
+                .deadline(Duration::from_secs(60))
+                .retention(Duration::from_secs(20)),
+        )
+        .service(link.clone());
+    let before = SystemTime::now();
+
+    let result = client.oneshot(charge("x")).await;
+
+    assert_eq!(runs(), 1, "the charge ran once");
+    let Err(Error::RetentionPassed {
+        expires, attempts, ..
+    }) = result
+    else {
+        panic!("{result:?}")
+    };
+    assert_eq!(
+        (attempts, link.sent().len()),
+        (2, 2),
+        "no retry after B's 409"
+    );
+    // The call plus 20 s, on the wall clock at the decision (1 s of paused time in).
+    let kept = expires.duration_since(before).unwrap();
+    assert!(
+        kept > Duration::from_secs(18) && kept <= Duration::from_secs(20),
+        "the configured bound: {kept:?}"
+    );
 }
