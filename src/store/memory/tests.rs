@@ -296,9 +296,11 @@ async fn a_claim_the_full_store_refuses_costs_its_scope_nothing() {
 #[tokio::test(start_paused = true)]
 async fn a_later_record_in_a_lane_is_collected_when_it_expires() {
     let store = MemoryStore::new();
-    assert!(matches!(claim(&store, 0), Ok(Claim::Claimed(_))));
+    // In one shard, so that one lane holds both items.
+    let ids = ids_in_one_shard(2);
+    assert!(matches!(claim_id(&store, &ids[0]), Ok(Claim::Claimed(_))));
     tokio::time::advance(Duration::from_secs(10)).await;
-    assert!(matches!(claim(&store, 1), Ok(Claim::Claimed(_))));
+    assert!(matches!(claim_id(&store, &ids[1]), Ok(Claim::Claimed(_))));
     tokio::time::advance(Duration::from_secs(21)).await;
     assert_eq!(
         store.len(),
@@ -306,7 +308,7 @@ async fn a_later_record_in_a_lane_is_collected_when_it_expires() {
         "the first record's lease ran out; the second's has not"
     );
     assert!(
-        matches!(claim(&store, 1), Ok(Claim::Existing(_))),
+        matches!(claim_id(&store, &ids[1]), Ok(Claim::Existing(_))),
         "the second is live"
     );
     tokio::time::advance(Duration::from_secs(10)).await;
