@@ -1,6 +1,7 @@
 //! What only `PgStore` does, each test on a PostgreSQL server of its own: claims racing across
 //! pools, the database going away and coming back, connections cut mid-handler, expiry and the
-//! sweep, completions sent twice, and the store's own bound on each call.
+//! sweep, completions sent twice, the store's own bound on each call, and a sweep or a forget
+//! meeting a row another transaction holds.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +16,7 @@ use tower_idempotency::problem::ProblemKind;
 use tower_idempotency::record::{
     ClaimToken, Completed, Fence, Fingerprint, Payload, Record, RecordId, StoredResponse,
 };
-use tower_idempotency::store::{Claim, Store, StoreError};
+use tower_idempotency::store::{Claim, ForgetOutcome, OperatorStore, Store, StoreError};
 use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_postgres::PgStoreError;
@@ -691,5 +692,250 @@ async fn fences_grow_across_a_takeover_and_a_swept_row() {
     assert!(
         store.release(&id, &after_sweep).await.expect("release"),
         "§10.1 release: the claim's own release, matched by its token"
+    );
+}
+
+/// Backends of the server waiting for a lock (a row another transaction holds).
+async fn waiting_for_a_lock(conn: &mut PgConnection) -> i64 {
+    sqlx::query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+        .fetch_one(conn)
+        .await
+        .expect("the waiting backends")
+        .get(0)
+}
+
+/// Until `task` has finished or a backend waits for a lock: the moment a statement that would
+/// wait for a row another transaction holds is waiting for it.
+async fn finished_or_waiting<T>(task: &tokio::task::JoinHandle<T>, conn: &mut PgConnection) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !task.is_finished() && waiting_for_a_lock(conn).await == 0 {
+        assert!(Instant::now() < deadline, "neither finished nor waiting");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// §10.1 complete, no live record: a run whose lease ran out, whose key another claim took over
+/// and then released (the row expired in place, carrying the other claim's token), still writes
+/// its completion: the work ran, and the retry replays it rather than run it a second time.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_completion_over_a_row_another_claim_took_over_and_released_is_written() {
+    let (_server, store) = started().await;
+    let id = RecordId::new(b"", "late");
+    let slow = claimed(&store, &id, 1, Duration::from_millis(1)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let other = claimed(&store, &id, 1, Duration::from_secs(30)).await;
+    assert!(store.release(&id, &other).await.unwrap());
+    assert!(
+        store
+            .complete(&id, &slow, &done(1, "late"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "§10.1: a completion over no live record is written"
+    );
+    match store
+        .claim(&id, &fingerprint(1), Duration::from_secs(30))
+        .await
+    {
+        Ok(Claim::Existing(Record::Completed(completed))) => {
+            assert_eq!(completed, done(1, "late"), "the retry replays the late run");
+        }
+        other => panic!("expected the late run's record, got {other:?}"),
+    }
+}
+
+/// §10.9: forgetting one key, completed or forced in flight, touches no other: a claim in flight
+/// on another key still holds it (its renewal lands, a duplicate finds it), and another
+/// completed record still replays.
+#[tokio::test(flavor = "multi_thread")]
+async fn forgetting_one_key_leaves_every_other_key_alone() {
+    let (_server, store) = started().await;
+    let lease = Duration::from_secs(30);
+    let running = RecordId::new(b"", "running");
+    let held = claimed(&store, &running, 1, lease).await;
+    let kept = RecordId::new(b"", "kept");
+    let token = claimed(&store, &kept, 2, lease).await;
+    assert!(
+        store
+            .complete(&kept, &token, &done(2, "kept"), lease)
+            .await
+            .unwrap()
+    );
+    let forgotten = RecordId::new(b"", "forgotten");
+    let token = claimed(&store, &forgotten, 3, lease).await;
+    assert!(
+        store
+            .complete(&forgotten, &token, &done(3, "x"), lease)
+            .await
+            .unwrap()
+    );
+    let stuck = RecordId::new(b"", "stuck");
+    claimed(&store, &stuck, 4, lease).await;
+
+    let others_untouched = async |after: &str| {
+        assert!(
+            store.renew(&running, &held, lease).await.unwrap(),
+            "§10.2: after {after}, the claim in flight on another key still holds it"
+        );
+        assert!(
+            matches!(
+                store.claim(&running, &fingerprint(1), lease).await,
+                Ok(Claim::Existing(Record::InFlight(_)))
+            ),
+            "after {after}, a duplicate still finds the claim in flight"
+        );
+        match store.claim(&kept, &fingerprint(2), lease).await {
+            Ok(Claim::Existing(Record::Completed(completed))) => {
+                assert_eq!(completed, done(2, "kept"));
+            }
+            other => panic!("after {after}, expected the kept record, got {other:?}"),
+        }
+    };
+    assert!(store.forget(&forgotten, false).await.unwrap().forgotten());
+    others_untouched("forgetting a completed key").await;
+    assert!(store.forget(&stuck, true).await.unwrap().forgotten());
+    others_untouched("forcing a forget in flight").await;
+}
+
+/// §10.9: a forget decides on the row as it is when it gets it, never on an earlier read. A
+/// transaction takes the completed row over as a claim does (a new token, in flight, a new lease)
+/// and holds it while the forget, not forced, waits for the row; once the takeover commits, the
+/// forget finds a claim in flight and refuses, and the claim keeps the key: a retry is not run
+/// beside it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forget_that_waited_for_a_row_taken_over_decides_on_the_claim() {
+    let (server, store) = started().await;
+    let lease = Duration::from_secs(30);
+    let id = RecordId::new(b"", "taken-over");
+    let first = claimed(&store, &id, 1, lease).await;
+    assert!(
+        store
+            .complete(&id, &first, &done(1, "first"), lease)
+            .await
+            .unwrap()
+    );
+
+    let takeover = ClaimToken::new(Fence::new(first.fence().get() + 1));
+    let mut conn = admin(&server).await;
+    let mut tx = conn.begin().await.expect("a transaction");
+    sqlx::query(
+        "UPDATE idempotency_records
+         SET fingerprint = $2, token = $3, completed = NULL,
+             expires_at = statement_timestamp() + interval '30 seconds'
+         WHERE id = $1",
+    )
+    .bind(id.as_bytes().as_slice())
+    .bind(fingerprint(2).as_bytes().as_slice())
+    .bind(takeover.as_bytes().as_slice())
+    .execute(&mut *tx)
+    .await
+    .expect("the row taken over");
+    let forget = tokio::spawn({
+        let (store, id) = (store.clone(), id);
+        async move { store.forget(&id, false).await }
+    });
+    let mut watcher = admin(&server).await;
+    finished_or_waiting(&forget, &mut watcher).await;
+    tx.commit().await.expect("the takeover committed");
+
+    match forget.await.expect("the forget") {
+        Ok(ForgetOutcome::Refused(view)) => assert_eq!(view.fence, takeover.fence()),
+        other => panic!("§10.9: a claim in flight is not forgotten unforced, got {other:?}"),
+    }
+    assert!(
+        store.renew(&id, &takeover, lease).await.unwrap(),
+        "the claim still holds its key"
+    );
+    assert!(matches!(
+        store.claim(&id, &fingerprint(2), lease).await,
+        Ok(Claim::Existing(Record::InFlight(_)))
+    ));
+}
+
+/// §10.8: the sweep skips a row another transaction holds. A consumer's transaction takes over
+/// the expired row of a message redelivered after its window (a claim takes a row over the same
+/// way) and holds it for its work; a sweep run meanwhile deletes nothing, and once the work
+/// commits, its record stands: the next redelivery is skipped, not run a third time.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sweep_keeps_a_row_taken_over_while_it_runs() {
+    let (server, store) = started().await;
+    let store = store.with_sweep_interval(None);
+    let mut consumer = admin(&server).await;
+    let window = Duration::from_secs(3600);
+    assert!(
+        store
+            .mark_processed(&mut consumer, "ledger", "evt", Duration::from_millis(1))
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let mut tx = consumer.begin().await.expect("a transaction");
+    assert!(
+        store
+            .mark_processed(&mut tx, "ledger", "evt", window)
+            .await
+            .unwrap(),
+        "redelivered after its window: processed again"
+    );
+    let sweep = tokio::spawn({
+        let store = store.clone();
+        async move { store.sweep().await }
+    });
+    let mut watcher = admin(&server).await;
+    finished_or_waiting(&sweep, &mut watcher).await;
+    tx.commit().await.expect("the work committed");
+
+    assert_eq!(
+        sweep.await.expect("the sweep").expect("a sweep"),
+        0,
+        "§10.8: the row taken over is skipped"
+    );
+    assert!(
+        !store
+            .mark_processed(&mut consumer, "ledger", "evt", window)
+            .await
+            .unwrap(),
+        "the next redelivery is skipped"
+    );
+}
+
+/// §5.3: a takeover counts on the fence of the row it displaces up to a day ahead of the
+/// database's clock (a failover to a standby whose clock is an hour behind): one past it. A fence
+/// more than a day ahead was written before claims had fences, and the clock numbers the claim.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_takeover_counts_on_a_fence_up_to_a_day_ahead_of_the_clock() {
+    let (server, store) = started().await;
+    let id = RecordId::new(b"", "failed-over");
+    let lease = Duration::from_secs(30);
+    let first = claimed(&store, &id, 1, lease).await;
+    let mut conn = admin(&server).await;
+    let hour = 3_600_000_000;
+    let mut expired_with_fence = async |fence: u64| {
+        sqlx::query(
+            "UPDATE idempotency_records
+             SET token = int8send($1) || substring(token FROM 9),
+                 expires_at = statement_timestamp() - interval '1 millisecond'",
+        )
+        .bind(i64::try_from(fence).expect("a fence fits an int8"))
+        .execute(&mut conn)
+        .await
+        .expect("the row's fence moved ahead, and its lease ran out");
+    };
+    let an_hour_ahead = first.fence().get() + hour;
+    expired_with_fence(an_hour_ahead).await;
+    let taken_over = claimed(&store, &id, 1, lease).await;
+    assert_eq!(
+        taken_over.fence(),
+        Fence::new(an_hour_ahead + 1),
+        "§5.3: one past a fence an hour ahead of the clock"
+    );
+
+    let two_days_ahead = taken_over.fence().get() + 48 * hour;
+    expired_with_fence(two_days_ahead).await;
+    let numbered = claimed(&store, &id, 1, lease).await;
+    assert!(
+        numbered.fence() > first.fence() && numbered.fence().get() < first.fence().get() + hour,
+        "§5.3: a fence two days ahead is not counted on; the clock numbers the claim: {:?}",
+        numbered.fence()
     );
 }

@@ -16,7 +16,8 @@ use sqlx::{self, Connection, Executor as _, PgConnection, Row};
 use test_servers::postgres_server::PostgresServer;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_idempotency::problem::ProblemKind;
-use tower_idempotency::record::RecordId;
+use tower_idempotency::record::{Completed, Fingerprint, RecordId};
+use tower_idempotency::store::{Claim, Store};
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Outcome};
 use tower_idempotency_client::{Attempts, IdempotentRetryLayer};
 use tower_idempotency_postgres::{PgStore, PgTx};
@@ -530,6 +531,62 @@ async fn a_consumer_marks_a_message_processed_in_its_own_transaction() {
     assert!(!second.await.unwrap(), "and skips once it committed");
     // Message ids never meet HTTP keys of the same text.
     assert_eq!(f.record("evt_3").await, None);
+}
+
+/// §8.6, §11: a message redelivered after its window (its row expired, not yet swept) is
+/// processed again, and its new record lasts the new window: the redelivery after that is
+/// skipped, not run a third time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_redelivered_after_its_window_is_processed_once_more() {
+    let f = fixture().await;
+    let mut conn = f.store.pool().acquire().await.unwrap();
+    let mut mark = async |window: Duration| {
+        f.store
+            .mark_processed(&mut conn, "ledger", "evt", window)
+            .await
+            .unwrap()
+    };
+    assert!(mark(Duration::from_millis(1)).await);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let window = Duration::from_secs(3600);
+    assert!(mark(window).await, "past its window, the message is new");
+    assert!(!mark(window).await, "and processed for the new window");
+}
+
+/// §5.1, §11.1: a message id never names the record of an HTTP key with the same text in a scope
+/// of the same name: a request whose key is a processed message's id runs, and a message whose id
+/// is a key a request ran under is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_id_and_an_http_key_of_the_same_text_are_different_records() {
+    let f = fixture().await;
+    let window = Duration::from_secs(3600);
+    let mut conn = f.store.pool().acquire().await.unwrap();
+    assert!(
+        f.store
+            .mark_processed(&mut conn, "ledger", "evt_1", window)
+            .await
+            .unwrap()
+    );
+    let fingerprint = Fingerprint::from_bytes([1; 32]);
+    let key = RecordId::new(b"ledger", "evt_1");
+    let Ok(Claim::Claimed(token)) = f.store.claim(&key, &fingerprint, window).await else {
+        panic!("§11.1: the request is not the message");
+    };
+    let ran = Completed::tombstone(fingerprint);
+    assert!(f.store.complete(&key, &token, &ran, window).await.unwrap());
+
+    let key = RecordId::new(b"ledger", "evt_2");
+    let Ok(Claim::Claimed(token)) = f.store.claim(&key, &fingerprint, window).await else {
+        panic!("a new key");
+    };
+    assert!(f.store.complete(&key, &token, &ran, window).await.unwrap());
+    assert!(
+        f.store
+            .mark_processed(&mut conn, "ledger", "evt_2", window)
+            .await
+            .unwrap(),
+        "§11.1: the message is not the request"
+    );
 }
 
 /// A serializable handler whose write skews with a transaction that commits first: its own commit

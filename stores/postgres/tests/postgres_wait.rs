@@ -1,6 +1,6 @@
 //! Waiting on a request in flight over `PgStore` with change notifications
 //! (`PgStore::with_notifications`): a duplicate on another instance is woken by the `NOTIFY` of
-//! the first request's completion, not by its next poll.
+//! the first request's completion or release, not by its next poll.
 //! PROTOCOL.md §6.6, §10.8.
 
 use std::sync::Arc;
@@ -11,7 +11,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower_idempotency::{IdempotencyLayer, Outcome};
 use tower_idempotency_postgres::PgStore;
-use tower_idempotency_test::{Counting, gated_handler, post, send, service};
+use tower_idempotency_test::{
+    Counting, Handler, created, gated_handler, post, respond, send, service,
+};
 
 async fn notifying(server: &PostgresServer) -> PgStore {
     let store = PgStore::connect(&server.url())
@@ -73,4 +75,59 @@ async fn a_duplicate_on_another_instance_is_woken_by_the_completion() {
         "{claims} claims: the duplicate's, the wait's on connecting and on the notification"
     );
     assert_eq!(handler.calls(), 1);
+}
+
+/// §6.6, §10.8: a release notifies as a completion does. The first request's response is not
+/// stored (a 500: its claim is released), and a duplicate waiting on another instance is woken by
+/// the release's `NOTIFY`: it claims the key and runs the handler at once, not at its next poll.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_duplicate_on_another_instance_is_woken_by_the_release() {
+    let server = PostgresServer::start();
+    let (here, there) = (notifying(&server).await, notifying(&server).await);
+    let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let handler = Handler::new({
+        let (started, gate) = (started.clone(), gate.clone());
+        move |call| {
+            let (started, gate) = (started.clone(), gate.clone());
+            async move {
+                if call.n > 1 {
+                    return Ok(created(format!("charged {}", call.n)));
+                }
+                started.notify_one();
+                gate.notified().await;
+                Ok(respond(500, "failed"))
+            }
+        }
+    });
+    let first_svc = service(IdempotencyLayer::new(here), handler.clone());
+    let waiting = IdempotencyLayer::new(there).wait_for_in_flight(Duration::from_secs(10));
+    let other = service(waiting.clone(), handler.clone());
+
+    let first = tokio::spawn(async move {
+        let reply = send(&first_svc, post("k", "x")).await;
+        (reply, Instant::now())
+    });
+    started.notified().await;
+    let duplicate = tokio::spawn(async move {
+        let reply = send(&other, post("k", "x")).await;
+        (reply, Instant::now())
+    });
+    while waiting.waiting() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // Well before the wait's own poll (a second after it began), so only a notification wakes it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.notify_one();
+
+    let (first, answered) = first.await.expect("the first request");
+    let (duplicate, ran) = duplicate.await.expect("the duplicate");
+    assert_eq!(first.status, 500, "{first:?}");
+    assert_eq!(duplicate.outcome, Some(Outcome::Executed), "{duplicate:?}");
+    assert_eq!(duplicate.text(), "charged 2");
+    let lag = ran.saturating_duration_since(answered);
+    assert!(
+        lag < Duration::from_millis(400),
+        "ran {lag:?} after the first's answer"
+    );
+    assert_eq!(handler.calls(), 2);
 }
