@@ -306,3 +306,183 @@ fn release_behind(
         let _ = tokio::time::timeout(RELEASE_BOUND, cmd.query_async::<i64>(&mut connection)).await;
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Wake, Waker};
+    use std::time::SystemTime;
+
+    use deadpool_redis::redis::aio::MultiplexedConnection;
+    use test_servers::redis_server::RedisServer;
+    use tower_idempotency::record::{Fence, Fingerprint, layout};
+
+    use super::*;
+    use crate::scripts::{CLAIM, Lua, RELEASE};
+
+    /// How long a claim's lease runs here: far longer than any test, so a key still claimed at
+    /// the end was never released.
+    const LEASE_MS: &str = "30000";
+
+    /// A server with the claim script loaded (the store's claims name it by its hash), and a
+    /// multiplexed connection to it, as the store keeps one.
+    async fn server() -> (RedisServer, MultiplexedConnection) {
+        let server = RedisServer::start();
+        let loaded = server.command(&["SCRIPT", "LOAD", CLAIM]);
+        assert_eq!(loaded.as_string(), Some(Lua::new(CLAIM).hash));
+        let client = redis::Client::open(server.url()).expect("a valid url");
+        let connection = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("a connection");
+        (server, connection)
+    }
+
+    /// The claim script's command on `key`, as the store builds it, and the claim to release.
+    fn claim(key: &str) -> (Cmd, ClaimRef) {
+        let token = ClaimToken::new(Fence::new(0));
+        let record =
+            layout::in_flight(&token, &Fingerprint::from_bytes([7; 32]), SystemTime::now());
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(Lua::new(CLAIM).hash)
+            .arg(1)
+            .arg(key)
+            .arg(record)
+            .arg(LEASE_MS);
+        (cmd, (key.to_owned(), token))
+    }
+
+    /// Polls `future` once, as its task would when woken.
+    async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
+        std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+    }
+
+    /// Whether `key` still holds a record after `bound` (false as soon as it holds none): a
+    /// release behind is sent by a task of its own, and lands a moment after the pipeline's
+    /// answer.
+    async fn still_claimed(server: &RedisServer, key: &str, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
+        loop {
+            if server.command(&["EXISTS", key]).as_integer() == Some(0) {
+                return false;
+            }
+            if Instant::now() >= deadline {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// A caller that leaves just as its claim's answer arrives (its request dropped, or its
+    /// timeout passed, between the batch task's last look at it and the answer) is found gone as
+    /// the answer is handed over; its claim is released behind it all the same (PROTOCOL.md
+    /// §10.6), or the key stays claimed by nobody for a whole lease and every retry gets a 409.
+    /// Redis is paused until the caller has left, and the batch task is polled by hand: its next
+    /// look comes once both happened.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_whose_caller_left_as_its_answer_arrived_is_released() {
+        let (server, connection) = server().await;
+        let batch = Batch::default();
+        let (cmd, claimed) = claim("left-at-the-answer");
+        let (answer, _) = batch.push(cmd, Some(claimed));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let send = batch.take().send(connection.clone(), deadline, RELEASE);
+        let mut send = std::pin::pin!(send);
+        server.pause();
+        let first = poll_once(send.as_mut()).await;
+        assert!(first.is_pending(), "the pipeline is on its way: {first:?}");
+        drop(answer);
+        server.resume();
+        // Redis answers in order: once a `PING` sent behind the pipeline is answered, so is it.
+        let pong: String = redis::cmd("PING")
+            .query_async(&mut connection.clone())
+            .await
+            .expect("PONG");
+        assert_eq!(pong, "PONG");
+        let next = poll_once(send.as_mut()).await;
+        assert!(
+            matches!(next, Poll::Ready(None)),
+            "the batch task's next look finds the answer: {next:?}"
+        );
+        assert!(
+            !still_claimed(&server, "left-at-the-answer", Duration::from_secs(2)).await,
+            "§10.6: the claim of a caller that left is released behind it"
+        );
+    }
+
+    /// The claim whose caller left while the batch waited for its connection is released
+    /// behind the pipeline (PROTOCOL.md §10.6), never before it: a release that reaches Redis
+    /// first finds nothing, and the claim then holds its key for a whole lease, every retry
+    /// getting a 409. The batch task may be held up at any moment (the OS, a busy worker); here
+    /// it is held right after it handed out that release, until Redis ran it: the pipeline must
+    /// be on the connection by then.
+    ///
+    /// The hold is a waker whose drop waits for the release: the channel of the claim still
+    /// waited for holds it, and the batch task replaces it with its own at its first look at
+    /// that claim, after its look at the one whose caller left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_release_behind_reaches_redis_after_its_claim() {
+        let (server, connection) = server().await;
+        let batch = Batch::default();
+        let (cmd, claimed) = claim("left");
+        let (gone, _) = batch.push(cmd, Some(claimed));
+        let (cmd, claimed) = claim("waiting");
+        let (answer, _) = batch.push(cmd, Some(claimed));
+        let mut pipeline = batch.take();
+        drop(gone);
+        let client = redis::Client::open(server.url()).expect("a valid url");
+        let hold = Waker::from(Arc::new(HoldUntilReleased(client)));
+        assert!(
+            pipeline.replies[1]
+                .poll_closed(&mut Context::from_waker(&hold))
+                .is_pending()
+        );
+        drop(hold);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let failure = pipeline.send(connection, deadline, RELEASE).await;
+        assert!(failure.is_none(), "{failure:?}");
+        let answer = answer
+            .await
+            .expect("an answer")
+            .expect("the claim's record");
+        assert!(matches!(answer, Value::BulkString(_)), "{answer:?}");
+        assert!(
+            !still_claimed(&server, "left", Duration::from_secs(2)).await,
+            "§10.6: the claim of a caller that left is released behind it"
+        );
+        assert!(
+            still_claimed(&server, "waiting", Duration::ZERO).await,
+            "the claim still waited for stands"
+        );
+    }
+
+    /// Holds the thread that drops it until Redis ran an `EVAL` (a release behind: the claims
+    /// here are `EVALSHA`s), for at most 2 s.
+    struct HoldUntilReleased(redis::Client);
+
+    impl Wake for HoldUntilReleased {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    impl Drop for HoldUntilReleased {
+        fn drop(&mut self) {
+            let released = || {
+                let mut connection = self.0.get_connection().ok()?;
+                let stats: String = redis::cmd("INFO")
+                    .arg("commandstats")
+                    .query(&mut connection)
+                    .ok()?;
+                stats
+                    .lines()
+                    .any(|line| line.starts_with("cmdstat_eval:"))
+                    .then_some(())
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while released().is_none() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}

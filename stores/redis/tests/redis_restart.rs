@@ -3,15 +3,16 @@
 //!
 //! Each test starts its own `redis-server` (or cluster), lets every connection the store keeps
 //! carry requests, restarts Redis while the store is idle, and then sends the next requests, one
-//! after another and all at once: every claim and every completion must succeed.
+//! after another and all at once: every claim and every completion must succeed. And a claim
+//! that found its script lost is sent again beyond the reach of the first sending's release.
 
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncConnectionConfig;
 use deadpool_redis::{Manager, Pool, Runtime};
 use test_servers::redis_cluster::RedisCluster;
-use test_servers::redis_server::RedisServer;
-use tower_idempotency::record::{Completed, Fingerprint, RecordId};
+use test_servers::redis_server::{RedisServer, RespValue};
+use tower_idempotency::record::{ClaimToken, Completed, Fingerprint, RecordId};
 use tower_idempotency::store::{Claim, Store};
 use tower_idempotency_redis::RedisStore;
 
@@ -185,4 +186,74 @@ async fn a_connection_in_use_is_not_checked() {
         pings < requests as u64 / 5,
         "{pings} PINGs for {requests} requests"
     );
+}
+
+/// A claim that Redis refused for want of its script (lost in a restart, `SCRIPT FLUSH`) is sent
+/// again under a token of its own (PROTOCOL.md §10.6, §5.3). The first sending is released
+/// behind its error, fenced by its token, by a task of its own: that release may reach Redis
+/// after the claim sent again (on another connection, or a busy worker), and must not free it
+/// while its handler runs, or a retry runs the handler a second time. Here the release, as Redis
+/// logged it, is run again once the claim stands: the late arrival.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_behind_a_claim_that_found_no_script_cannot_free_it_sent_again() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(pool(&server)).with_timeout(TIMEOUT);
+    assert_eq!(one_by_one(&store, "warm-up", 1).await, Vec::<String>::new());
+    assert!(server.command(&["SCRIPT", "FLUSH"]).is_ok());
+    // Every command from here is logged with its arguments (binary-safe, the token whole).
+    assert!(
+        server
+            .command(&["CONFIG", "SET", "slowlog-log-slower-than", "0"])
+            .is_ok()
+    );
+    assert!(server.command(&["SLOWLOG", "RESET"]).is_ok());
+
+    let id = RecordId::new(b"", "no-script");
+    let key = format!("idempotency:{{{id}}}");
+    let fingerprint = Fingerprint::from_bytes([7; 32]);
+    let lease = Duration::from_secs(30);
+    let Ok(Claim::Claimed(token)) = store.claim(&id, &fingerprint, lease).await else {
+        panic!("§10.6: the claim is sent again once its script is loaded");
+    };
+    let first = released_behind(&server, &key).await;
+    assert!(
+        !store.release(&id, &first).await.expect("release"),
+        "§5.3: the first sending's release, landing late, fences nothing of the claim sent again"
+    );
+    assert!(
+        store.renew(&id, &token, lease).await.expect("renew"),
+        "the claim sent again stands"
+    );
+}
+
+/// The token of the release the store sent behind a claim of `key` (an `EVAL` of the release
+/// script: the store's only `EVAL`), from Redis's slow log, within 2 s.
+async fn released_behind(server: &RedisServer, key: &str) -> ClaimToken {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let RespValue::Array(entries) = server.command(&["SLOWLOG", "GET", "-1"]) else {
+            panic!("SLOWLOG GET answers an array");
+        };
+        // Each entry: id, time, duration, the arguments, the client's address and name.
+        for entry in &entries {
+            let RespValue::Array(fields) = entry else {
+                continue;
+            };
+            let Some(RespValue::Array(args)) = fields.get(3) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = args.iter().filter_map(RespValue::as_bytes).collect();
+            if let [b"EVAL", _, b"1", k, token] = args.as_slice()
+                && *k == key.as_bytes()
+                && let Ok(token) = <[u8; 16]>::try_from(*token)
+            {
+                return ClaimToken::from_bytes(token);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "§10.6: the sending Redis refused is released behind it"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

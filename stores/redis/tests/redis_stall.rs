@@ -1,11 +1,13 @@
 //! Redis stalls (SIGSTOP) that span a completion, with a client retrying against a second
-//! instance meanwhile: the handler runs once, and the retry gets the first response.
+//! instance meanwhile: the handler runs once, and the retry gets the first response. And claims
+//! that time out in a stall: none leaves its key claimed once Redis answers again.
 //!
 //! Each test runs its own `redis-server` (`test_servers::RedisServer`) on real time: Redis keeps
 //! its own clock, and the point is what a real stall does to real leases.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -15,6 +17,8 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use test_servers::redis_server::RedisServer;
 use tower::ServiceExt;
+use tower_idempotency::record::{Fingerprint, RecordId};
+use tower_idempotency::store::{Claim, Store, StoreError};
 use tower_idempotency::{IdempotencyLayer, Outcome, Shutdown};
 use tower_idempotency_redis::RedisStore;
 
@@ -190,4 +194,63 @@ async fn a_stall_longer_than_the_lease_still_stores_the_result() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the charge ran once");
     assert_eq!(server.keys_without_ttl(), Vec::<String>::new());
+}
+
+/// Claims that time out while Redis is stalled answer 503, and leave no key claimed once it
+/// answers again (PROTOCOL.md §10.6): the first went out on its own, the others in a pipeline
+/// behind it, and Redis runs them all when it resumes; each is released behind its claim, or its
+/// key stays claimed by nobody for a whole lease, and every retry gets a 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_that_timed_out_in_a_stall_leave_no_key_claimed() {
+    let server = RedisServer::start();
+    let store = RedisStore::from_url(&server.url())
+        .expect("a valid url")
+        .with_timeout(Duration::from_millis(300));
+    let fingerprint = Fingerprint::from_bytes([4; 32]);
+    let lease = Duration::from_secs(30);
+    let claim = |n: usize| {
+        let store = store.clone();
+        async move {
+            let id = RecordId::new(b"", &format!("stalled-{n}"));
+            store.claim(&id, &fingerprint, lease).await
+        }
+    };
+    // Connected, and the claim script loaded, before the stall.
+    assert!(matches!(claim(0).await, Ok(Claim::Claimed(_))));
+
+    server.pause();
+    let mut alone = std::pin::pin!(claim(1));
+    assert!(
+        std::future::poll_fn(|cx| Poll::Ready(alone.as_mut().poll(cx)))
+            .await
+            .is_pending(),
+        "the first claim is on its way"
+    );
+    let batched: Vec<_> = (2..5).map(|n| tokio::spawn(claim(n))).collect();
+    let mut answers = vec![alone.await];
+    for claim in batched {
+        answers.push(claim.await.expect("a claim"));
+    }
+    server.resume();
+    for answer in &answers {
+        assert!(
+            matches!(answer, Err(StoreError::Timeout(_))),
+            "a claim in the stall: {answer:?}"
+        );
+    }
+
+    // A retry may reach Redis before the release behind its claim (on a connection of its own):
+    // it is told the key is in flight until the release lands, moments later.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for n in 1..5 {
+        loop {
+            match claim(n).await {
+                Ok(Claim::Claimed(_)) => break,
+                Ok(Claim::Existing(_)) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                other => panic!("§10.6: the key of timed-out claim {n} is free again: {other:?}"),
+            }
+        }
+    }
 }

@@ -18,9 +18,9 @@ use test_servers::redis_server::RedisServer;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_idempotency::record::{Completed, Fingerprint, Record, RecordId};
-use tower_idempotency::store::{Claim, Store};
+use tower_idempotency::store::{Claim, Store, StoreError};
 use tower_idempotency::{IdempotencyLayer, Outcome};
-use tower_idempotency_redis::RedisStore;
+use tower_idempotency_redis::{RedisStore, RedisStoreError};
 use tower_idempotency_test::Counting;
 
 /// A charge handler that counts its runs and can be held until the test releases it.
@@ -608,6 +608,144 @@ async fn a_fence_grows_across_a_server_that_forgot_everything() {
         store.release(&id, &second).await.expect("release"),
         "§10.1 release: the claim's own release"
     );
+}
+
+/// A claim that finds a record in flight is told the lease its key has left, to the millisecond:
+/// the claim script stamps the lease end from Redis's `TIME` as `PX` counts the key's expiry
+/// (PROTOCOL.md §10.6). Stamped from whole seconds it would be early by up to one, and a 409's
+/// `Retry-After` and a waiting consumer's pauses (§6.3, §11.3) would come while the owner still
+/// holds the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_in_flight_reports_the_lease_its_key_has_left_to_the_millisecond() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    let fingerprint = Fingerprint::from_bytes([5; 32]);
+    let lease = Duration::from_secs(30);
+    for n in 0.. {
+        let id = RecordId::new(b"", &format!("lease-{n}"));
+        let Ok(Claim::Claimed(token)) = store.claim(&id, &fingerprint, lease).await else {
+            panic!("§10.1 claim: a new key is claimed");
+        };
+        // The fence is Redis's clock at the claim, in microseconds. In the first 20 ms of a
+        // second, a lease end stamped from the whole second would be too close to tell: take
+        // another key.
+        if token.fence().get() / 1000 % 1000 < 20 {
+            continue;
+        }
+        let Ok(Claim::Existing(Record::InFlight(record))) =
+            store.claim(&id, &fingerprint, lease).await
+        else {
+            panic!("§10.1 claim: the key is in flight");
+        };
+        let key = format!("idempotency:{{{id}}}");
+        let pttl = server.command(&["PTTL", &key]).as_integer();
+        let key_left =
+            Duration::from_millis(pttl.and_then(|ms| ms.try_into().ok()).expect("a TTL"));
+        // Read before the key's TTL, the lease left is at least the TTL (1 ms for rounding).
+        assert!(
+            record.lease_remaining + Duration::from_millis(1) >= key_left,
+            "§10.6: the claim reports {:?} of the lease left, the key lives {key_left:?} more",
+            record.lease_remaining
+        );
+        break;
+    }
+}
+
+/// With the replication wait, a completion that too few replicas acknowledged is not taken as
+/// stored (PROTOCOL.md §10.6): the call fails with `NotReplicated`, so that the layer retries the
+/// write in the background rather than rest on a record a failover may lose, and a retry after
+/// that failover would run the handler again. One server without replicas: the claim comes from
+/// a store without the wait, the completion from one that waits for a replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_no_replica_acknowledged_fails_with_the_replication_wait() {
+    let server = RedisServer::start();
+    let plain = store(&server);
+    let waiting = store(&server).with_replication_wait(1, Duration::from_millis(20));
+    let id = RecordId::new(b"", "unreplicated-completion");
+    let fingerprint = Fingerprint::from_bytes([6; 32]);
+    let Ok(Claim::Claimed(token)) = plain
+        .claim(&id, &fingerprint, Duration::from_secs(30))
+        .await
+    else {
+        panic!("§10.1 claim: a new key is claimed");
+    };
+    let completed = Completed::tombstone(fingerprint);
+    let ttl = Duration::from_secs(60);
+    let err = waiting
+        .complete(&id, &token, &completed, ttl)
+        .await
+        .expect_err("§10.6: a completion no replica acknowledged fails");
+    assert_eq!(not_replicated(&err), Some((0, 1)), "{err:?}");
+    // The master has it: the completion sent again is answered as done (§10.1).
+    assert!(
+        plain
+            .complete(&id, &token, &completed, ttl)
+            .await
+            .expect("complete")
+    );
+}
+
+/// The replica counts of `Unavailable(NotReplicated { acked, wanted })`, if `err` is that.
+fn not_replicated(err: &StoreError) -> Option<(u32, u32)> {
+    let StoreError::Unavailable(source) = err else {
+        return None;
+    };
+    match source.downcast_ref::<RedisStoreError>()? {
+        RedisStoreError::NotReplicated { acked, wanted } => Some((*acked, *wanted)),
+        _ => None,
+    }
+}
+
+/// A claim that too few replicas acknowledged is refused and released (PROTOCOL.md §10.6): the
+/// master must not keep the key for a claim whose handler never runs, or every retry gets a 409
+/// until its lease runs out. One server without replicas: no replica acknowledges anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_no_replica_acknowledged_is_refused_and_its_key_released() {
+    let server = RedisServer::start();
+    let waiting = store(&server).with_replication_wait(1, Duration::from_millis(20));
+    let id = RecordId::new(b"", "unreplicated-claim");
+    let fingerprint = Fingerprint::from_bytes([8; 32]);
+    let lease = Duration::from_secs(30);
+    let err = waiting
+        .claim(&id, &fingerprint, lease)
+        .await
+        .expect_err("§10.6: a claim no replica acknowledged is refused");
+    assert_eq!(not_replicated(&err), Some((0, 1)), "{err:?}");
+    // The release goes out as the call fails: a retry claims the key once it lands.
+    let plain = store(&server);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match plain.claim(&id, &fingerprint, lease).await {
+            Ok(Claim::Claimed(_)) => break,
+            Ok(Claim::Existing(Record::InFlight(_))) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other => panic!("§10.6: the refused claim's key is released, a retry got {other:?}"),
+        }
+    }
+}
+
+/// A store given another setting while a clone of it lives (the application keeps the base
+/// store, and derives one with a prefix of its own) keeps its replication wait (PROTOCOL.md
+/// §10.6): without it, its claims would be answered before any replica has them, and a failover
+/// that lost one would let a retry run the handler a second time. On one server without replicas,
+/// its claims are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_reconfigured_while_a_clone_lives_keeps_its_replication_wait() {
+    let server = RedisServer::start();
+    let base = store(&server).with_replication_wait(1, Duration::from_millis(20));
+    let _kept = base.clone();
+    let derived = base.with_prefix("payments:");
+    let id = RecordId::new(b"", "derived");
+    let err = derived
+        .claim(
+            &id,
+            &Fingerprint::from_bytes([9; 32]),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect_err("§10.6: no replica acknowledged the claim");
+    assert_eq!(not_replicated(&err), Some((0, 1)), "{err:?}");
 }
 
 /// A record this release cannot decode (a kind a newer release writes, or damage) is not a store
