@@ -22,7 +22,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
-use deadpool_redis::redis::aio::MultiplexedConnection;
+use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, Cmd, RedisError, RedisResult, Value};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -255,19 +255,16 @@ pub(super) fn release_eval(source: &str, (key, token): ClaimRef) -> Cmd {
 }
 
 /// Releases a claim sent on its own behind its `SET`, on the same connection, when dropped armed:
-/// its caller stopped waiting, or the call failed with the `SET` perhaps run.
-pub(super) struct ReleaseBehind {
-    connection: MultiplexedConnection,
+/// its caller stopped waiting, the call failed with the `SET` perhaps run, or too few replicas
+/// acknowledged it.
+pub(super) struct ReleaseBehind<C: ConnectionLike + Clone + Send + 'static> {
+    connection: C,
     claim: Option<ClaimRef>,
     release: &'static str,
 }
 
-impl ReleaseBehind {
-    pub(super) fn new(
-        connection: &MultiplexedConnection,
-        claim: ClaimRef,
-        release: &'static str,
-    ) -> Self {
+impl<C: ConnectionLike + Clone + Send + 'static> ReleaseBehind<C> {
+    pub(super) fn new(connection: &C, claim: ClaimRef, release: &'static str) -> Self {
         Self {
             connection: connection.clone(),
             claim: Some(claim),
@@ -281,7 +278,7 @@ impl ReleaseBehind {
     }
 }
 
-impl Drop for ReleaseBehind {
+impl<C: ConnectionLike + Clone + Send + 'static> Drop for ReleaseBehind<C> {
     fn drop(&mut self) {
         // Without a runtime the release cannot be sent: the claim's lease runs out instead.
         if let Some(claim) = self.claim.take()
@@ -295,8 +292,8 @@ impl Drop for ReleaseBehind {
 /// Releases `claim` on `connection`, behind the pipeline that sent its `SET`. `EVAL`, not
 /// `EVALSHA`: a `NOSCRIPT` fallback would be a second, later command. Fenced by the claim's token,
 /// the release does nothing where the `SET` did not claim.
-fn release_behind(
-    connection: &MultiplexedConnection,
+fn release_behind<C: ConnectionLike + Clone + Send + 'static>(
+    connection: &C,
     (key, token): ClaimRef,
     release: &'static str,
 ) {

@@ -10,7 +10,7 @@ use deadpool_redis::redis::{self, Cmd, FromRedisValue, RedisError, RedisResult, 
 use super::batch::{ClaimRef, ReleaseBehind};
 use super::compression::decompress;
 use super::connection::{Backend, Connection, Single, WAIT_LANES};
-use super::replication::{ReleaseOnDrop, Replication};
+use super::replication::Replication;
 use super::scripts::load_on;
 use super::{RedisStore, RedisStoreError};
 use tower_idempotency::record::{
@@ -130,39 +130,57 @@ impl RedisStore {
         Vec::<u8>::from_redis_value(answer).map_err(|err| self.redis_error(RedisError::from(err)))
     }
 
-    /// A claim on its own, released behind if its caller stops waiting or too few replicas
-    /// acknowledged it.
+    /// A claim on its own (on a cluster, or with the replication wait), released behind its `SET`
+    /// on the connection it went out on if its caller stops waiting, it fails, or too few
+    /// replicas acknowledged it: on another lane the release could run first (while the claim
+    /// waits behind another claim's `WAIT`), find nothing, and leave the key claimed by nobody.
     async fn claim_direct(&self, set: Cmd, claim: ClaimRef) -> Result<Vec<u8>, StoreError> {
         let token = claim.1;
-        let release = ReleaseOnDrop::new(self, claim);
-        let (answer, acks) = match &self.inner.replication {
-            Some(replication) => {
-                let (answer, acked) = self
-                    .replicated(replication, set)
-                    .await
-                    .map_err(|err| self.call_error(err))?;
-                (answer, Some((acked, replication.replicas)))
-            }
-            None => {
-                let answer = self
-                    .direct::<Value>(set)
-                    .await
-                    .map_err(|err| self.call_error(err))?;
-                (answer, None)
+        let replication = self.inner.replication.as_ref();
+        let bound = self.inner.timeout + replication.map_or(Duration::ZERO, |r| r.timeout);
+        let deadline = tokio::time::Instant::now() + bound;
+        let lane = self.pick_lane();
+        let failed = |err: RedisError| {
+            self.forget_if_broken(lane, &err);
+            self.call_error(err)
+        };
+        let mut connection = match tokio::time::timeout_at(deadline, self.connection_on(lane)).await
+        {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(err)) => return Err(failed(err)),
+            Err(_) => return Err(failed(RedisError::from(io_timeout()))),
+        };
+        let behind = ReleaseBehind::new(&connection, claim, self.inner.release.source);
+        let answer = async {
+            match replication {
+                Some(replication) => {
+                    let pipe = replication.pipeline(set);
+                    let (answer, acked) =
+                        pipe.query_async::<(Value, Value)>(&mut connection).await?;
+                    Ok((
+                        answer,
+                        Some((Replication::acked(&acked), replication.replicas)),
+                    ))
+                }
+                None => Ok((set.query_async::<Value>(&mut connection).await?, None)),
             }
         };
+        let (answer, acks) = tokio::time::timeout_at(deadline, answer)
+            .await
+            .unwrap_or_else(|_| Err(RedisError::from(io_timeout())))
+            .map_err(failed)?;
         let record = Vec::<u8>::from_redis_value(answer)
             .map_err(|err| self.redis_error(RedisError::from(err)))?;
         if claimed_fence(&record, &token).is_some()
             && let Some((acked, wanted)) = acks
             && acked < wanted
         {
-            // `release` frees the key as it drops: the handler must not run on this claim.
+            // `behind` frees the key as it drops: the handler must not run on this claim.
             return Err(StoreError::Unavailable(Box::new(
                 RedisStoreError::NotReplicated { acked, wanted },
             )));
         }
-        release.disarm();
+        behind.disarm();
         Ok(record)
     }
 

@@ -1,12 +1,9 @@
-//! The optional replication wait (`RedisStore::with_replication_wait`), and the release of a
-//! claim whose answer nobody will read.
+//! The optional replication wait (`RedisStore::with_replication_wait`).
 
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, Cmd, Value};
 
-use super::RedisStore;
-use super::batch::{ClaimRef, release_eval};
 use super::calls::millis;
 
 /// How many replicas must acknowledge a claim or a completion, and how long to wait for them.
@@ -34,45 +31,5 @@ impl Replication {
             Value::Int(n) => u32::try_from(*n).unwrap_or(0),
             _ => 0,
         }
-    }
-}
-
-/// Releases a claim's key, fenced by its token, when dropped armed: a claim sent outside a batch
-/// whose caller stopped waiting (a timeout, a dropped request) or that was refused afterwards
-/// (too few replicas) must not hold its key for a request that will never run. Where the `SET`
-/// did not claim, the fenced release does nothing.
-pub(super) struct ReleaseOnDrop {
-    store: RedisStore,
-    claim: Option<ClaimRef>,
-}
-
-impl ReleaseOnDrop {
-    pub(super) fn new(store: &RedisStore, claim: ClaimRef) -> Self {
-        Self {
-            store: store.clone(),
-            claim: Some(claim),
-        }
-    }
-
-    /// The claim stands: nothing to release.
-    pub(super) fn disarm(mut self) {
-        self.claim = None;
-    }
-}
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        let Some(claim) = self.claim.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = self.store.clone();
-        let cmd = release_eval(store.inner.release.source, claim);
-        runtime.spawn(async move {
-            // Bounded by the store's timeout, like every direct call.
-            let _ = store.direct::<i64>(cmd).await;
-        });
     }
 }
