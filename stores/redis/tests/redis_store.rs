@@ -725,30 +725,19 @@ async fn a_claim_no_replica_acknowledged_is_refused_and_its_key_released() {
     }
 }
 
-/// With the replication wait, a claim whose caller leaves while it waits behind another claim's
-/// `WAIT` on its connection is released behind it, on that connection (PROTOCOL.md §10.6): a
-/// release sent on another, idle connection would run first, find nothing, and leave the key
-/// claimed by nobody for a whole lease. One server without replicas, two connections taken in
-/// turn: the first claim's `WAIT` holds the first connection for 500 ms.
+/// With the replication wait, a claim whose caller leaves is released behind it, on the
+/// connection its `SET` went out on (PROTOCOL.md §10.6): a release sent on another, idle
+/// connection would run before a `SET` still queued behind another claim's `WAIT`, find nothing,
+/// and leave the key claimed by nobody for a whole lease. One server without replicas, two
+/// connections taken in turn; a first claim's `WAIT` holds one of them for 500 ms. Two rounds,
+/// each with a store of its own: the left claim goes on the free connection, then (a renewal
+/// between) on the held one, so that whichever other connection a wrong release took, one round
+/// finds it idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_left_behind_another_claims_wait_is_released_behind_it() {
     let server = RedisServer::start();
-    let manager = deadpool_redis::Manager::new_with_config(
-        server.url(),
-        deadpool_redis::redis::AsyncConnectionConfig::new().set_response_timeout(None),
-    )
-    .expect("a valid url");
-    let pool = deadpool_redis::Pool::builder(manager)
-        .max_size(2)
-        .runtime(deadpool_redis::Runtime::Tokio1)
-        .build()
-        .expect("a pool");
-    let waiting = RedisStore::new(pool)
-        .with_timeout(Duration::from_secs(5))
-        .with_replication_wait(1, Duration::from_millis(500));
     let fingerprint = Fingerprint::from_bytes([9; 32]);
     let lease = Duration::from_secs(30);
-    let (first, left) = (RecordId::new(b"", "first"), RecordId::new(b"", "left"));
     // The scripts loaded first: a `NOSCRIPT` would send the calls below again, on other lanes.
     let plain = store(&server);
     let warm = RecordId::new(b"", "warm");
@@ -757,39 +746,61 @@ async fn a_claim_left_behind_another_claims_wait_is_released_behind_it() {
     };
     assert!(plain.renew(&warm, &token, lease).await.expect("a renewal"));
 
-    // The first claim on connection 0: its `WAIT` holds it for 500 ms.
-    let holding = tokio::spawn({
-        let (waiting, first) = (waiting.clone(), first);
-        async move { waiting.claim(&first, &fingerprint, lease).await }
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    // A renewal on connection 1 (not waited for), then the claim that queues on connection 0,
-    // whose caller leaves before its `SET` runs.
-    let _ = waiting
-        .renew(&first, &ClaimToken::new(Fence::new(1)), lease)
-        .await;
-    let gone = tokio::time::timeout(
-        Duration::from_millis(100),
-        waiting.claim(&left, &fingerprint, lease),
-    )
-    .await;
-    assert!(
-        gone.is_err(),
-        "the caller left while its claim waited: {gone:?}"
-    );
-    let _ = holding.await;
-    // The left claim's `SET` ran as the first `WAIT` ended; its own `WAIT` then holds the
-    // connection, and the release behind it, for 500 ms more.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    for renewal_between in [false, true] {
+        let manager = deadpool_redis::Manager::new_with_config(
+            server.url(),
+            deadpool_redis::redis::AsyncConnectionConfig::new().set_response_timeout(None),
+        )
+        .expect("a valid url");
+        let pool = deadpool_redis::Pool::builder(manager)
+            .max_size(2)
+            .runtime(deadpool_redis::Runtime::Tokio1)
+            .build()
+            .expect("a pool");
+        let waiting = RedisStore::new(pool)
+            .with_timeout(Duration::from_secs(5))
+            .with_replication_wait(1, Duration::from_millis(500));
+        let first = RecordId::new(b"", &format!("first-{renewal_between}"));
+        let left = RecordId::new(b"", &format!("left-{renewal_between}"));
 
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        match plain.claim(&left, &fingerprint, lease).await {
-            Ok(Claim::Claimed(_)) => break,
-            Ok(Claim::Existing(Record::InFlight(_))) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+        // The first claim: its `WAIT` holds its connection for 500 ms.
+        let holding = tokio::spawn({
+            let (waiting, first) = (waiting.clone(), first);
+            async move { waiting.claim(&first, &fingerprint, lease).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if renewal_between {
+            // Not waited for: it takes the other connection's turn.
+            let _ = waiting
+                .renew(&first, &ClaimToken::new(Fence::new(1)), lease)
+                .await;
+        }
+        let gone = tokio::time::timeout(
+            Duration::from_millis(100),
+            waiting.claim(&left, &fingerprint, lease),
+        )
+        .await;
+        assert!(
+            gone.is_err(),
+            "the caller left while its claim waited: {gone:?}"
+        );
+        let _ = holding.await;
+        // Every `SET` has run by now; a release behind the left claim's `WAIT` lands within
+        // 500 ms more.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            match plain.claim(&left, &fingerprint, lease).await {
+                Ok(Claim::Claimed(_)) => break,
+                Ok(Claim::Existing(Record::InFlight(_))) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => panic!(
+                    "§10.6: the left claim's key is released behind it (renewal between: \
+                     {renewal_between}), got {other:?}"
+                ),
             }
-            other => panic!("§10.6: the left claim's key is released behind it, got {other:?}"),
         }
     }
 }
