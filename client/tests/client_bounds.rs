@@ -376,6 +376,34 @@ fn rolling_window(to_b: &'static [usize]) -> (Link<Balancer>, impl Fn() -> usize
     (Link::new(Balancer::new(balancer), []), runs)
 }
 
+/// Asserts that the charge ran once and the call ended with `RetentionPassed` after `expected`
+/// attempts, none sent after B's `409`; answers how long after `before` the key was said to be
+/// kept.
+#[track_caller]
+fn assert_ended_before_a_second_run<T: std::fmt::Debug>(
+    result: Result<T, Error>,
+    runs: &impl Fn() -> usize,
+    link: &Link<Balancer>,
+    expected: u32,
+    before: SystemTime,
+) -> Duration {
+    assert_eq!(runs(), 1, "the charge ran once");
+    let Err(Error::RetentionPassed {
+        expires,
+        attempts: made,
+        ..
+    }) = result
+    else {
+        panic!("{result:?}")
+    };
+    assert_eq!(
+        (made, link.sent().len()),
+        (expected, expected as usize),
+        "no retry after B's 409"
+    );
+    expires.duration_since(before).unwrap()
+}
+
 /// The earliest moment stated bounds the retries, not the latest: `A`'s `409` states 20 s, then
 /// `B`'s states 300 s and asks for a retry in 25 s, after `A`'s record is gone. Kept to the
 /// earliest, the call ends there; moved to the latest, the retry runs the charge a second time.
@@ -394,19 +422,7 @@ async fn the_earliest_moment_stated_bounds_the_retries() {
 
     let result = client.oneshot(charge("x")).await;
 
-    assert_eq!(runs(), 1, "the charge ran once");
-    let Err(Error::RetentionPassed {
-        expires, attempts, ..
-    }) = result
-    else {
-        panic!("{result:?}")
-    };
-    assert_eq!(
-        (attempts, link.sent().len()),
-        (3, 3),
-        "no retry after B's 409"
-    );
-    let kept = expires.duration_since(before).unwrap();
+    let kept = assert_ended_before_a_second_run(result, &runs, &link, 3, before);
     assert!(
         kept > Duration::from_secs(18) && kept <= Duration::from_secs(20),
         "A's moment, not B's: {kept:?}"
@@ -432,20 +448,8 @@ async fn a_later_stated_moment_does_not_lift_the_configured_retention() {
 
     let result = client.oneshot(charge("x")).await;
 
-    assert_eq!(runs(), 1, "the charge ran once");
-    let Err(Error::RetentionPassed {
-        expires, attempts, ..
-    }) = result
-    else {
-        panic!("{result:?}")
-    };
-    assert_eq!(
-        (attempts, link.sent().len()),
-        (2, 2),
-        "no retry after B's 409"
-    );
     // The call plus 20 s, on the wall clock at the decision (1 s of paused time in).
-    let kept = expires.duration_since(before).unwrap();
+    let kept = assert_ended_before_a_second_run(result, &runs, &link, 2, before);
     assert!(
         kept > Duration::from_secs(18) && kept <= Duration::from_secs(20),
         "the configured bound: {kept:?}"

@@ -9,10 +9,10 @@ use std::time::Duration;
 use test_servers::postgres_server::PostgresServer;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tower_idempotency::{IdempotencyLayer, Outcome};
+use tower_idempotency::{Idempotency, IdempotencyLayer, Outcome};
 use tower_idempotency_postgres::PgStore;
 use tower_idempotency_test::{
-    Counting, Handler, created, gated_handler, post, respond, send, service,
+    Counting, Handler, Reply, created, gated_handler, post, respond, send, service,
 };
 
 async fn notifying(server: &PostgresServer) -> PgStore {
@@ -21,6 +21,37 @@ async fn notifying(server: &PostgresServer) -> PgStore {
         .with_notifications(true);
     store.migrate().await.expect("the table");
     store
+}
+
+/// The scene of both tests: the first request through `first_svc` and, once its handler runs
+/// (`started`), a duplicate through `other`, whose layer is `waiting`. Once it waits, and well
+/// before its wait's own poll (a second after it began), `gate` opens, so that only a
+/// notification wakes it. Each answer comes with the moment it came.
+async fn first_then_a_waiting_duplicate<St: tower_idempotency::store::Store + Clone>(
+    first_svc: Idempotency<Handler, PgStore>,
+    other: Idempotency<Handler, St>,
+    waiting: &IdempotencyLayer<St>,
+    started: &Notify,
+    gate: &Notify,
+) -> ((Reply, Instant), (Reply, Instant)) {
+    let first = tokio::spawn(async move {
+        let reply = send(&first_svc, post("k", "x")).await;
+        (reply, Instant::now())
+    });
+    started.notified().await;
+    let duplicate = tokio::spawn(async move {
+        let reply = send(&other, post("k", "x")).await;
+        (reply, Instant::now())
+    });
+    while waiting.waiting() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.notify_one();
+    (
+        first.await.expect("the first request"),
+        duplicate.await.expect("the duplicate"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -37,30 +68,8 @@ async fn a_duplicate_on_another_instance_is_woken_by_the_completion() {
     let waiting = IdempotencyLayer::new(there.clone()).wait_for_in_flight(wait);
     let other = service(waiting.clone(), handler.clone());
 
-    let first = tokio::spawn({
-        let svc = first_svc.clone();
-        async move {
-            let reply = send(&svc, post("k", "x")).await;
-            (reply, Instant::now())
-        }
-    });
-    started.notified().await;
-    let duplicate = tokio::spawn({
-        let other = other.clone();
-        async move {
-            let reply = send(&other, post("k", "x")).await;
-            (reply, Instant::now())
-        }
-    });
-    while waiting.waiting() == 0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    // Well before the wait's own poll (a second after it began), so only a notification wakes it.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    gate.notify_one();
-
-    let (first, answered) = first.await.expect("the first request");
-    let (duplicate, replayed) = duplicate.await.expect("the duplicate");
+    let ((first, answered), (duplicate, replayed)) =
+        first_then_a_waiting_duplicate(first_svc, other, &waiting, &started, &gate).await;
     assert_eq!(first.outcome, Some(Outcome::Executed));
     assert_eq!(duplicate.outcome, Some(Outcome::Replayed), "{duplicate:?}");
     assert_eq!(duplicate.body, first.body);
@@ -103,24 +112,8 @@ async fn a_duplicate_on_another_instance_is_woken_by_the_release() {
     let waiting = IdempotencyLayer::new(there).wait_for_in_flight(Duration::from_secs(10));
     let other = service(waiting.clone(), handler.clone());
 
-    let first = tokio::spawn(async move {
-        let reply = send(&first_svc, post("k", "x")).await;
-        (reply, Instant::now())
-    });
-    started.notified().await;
-    let duplicate = tokio::spawn(async move {
-        let reply = send(&other, post("k", "x")).await;
-        (reply, Instant::now())
-    });
-    while waiting.waiting() == 0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    // Well before the wait's own poll (a second after it began), so only a notification wakes it.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    gate.notify_one();
-
-    let (first, answered) = first.await.expect("the first request");
-    let (duplicate, ran) = duplicate.await.expect("the duplicate");
+    let ((first, answered), (duplicate, ran)) =
+        first_then_a_waiting_duplicate(first_svc, other, &waiting, &started, &gate).await;
     assert_eq!(first.status, 500, "{first:?}");
     assert_eq!(duplicate.outcome, Some(Outcome::Executed), "{duplicate:?}");
     assert_eq!(duplicate.text(), "charged 2");
